@@ -1,0 +1,407 @@
+"""The embedded Apache Kafka broker: single node, KRaft, loopback only.
+
+The broker is the real Apache Kafka server. Its jars come from ``$KAFKA_HOME/libs`` when
+``KAFKA_HOME`` is set; otherwise they are assembled once from Maven Central with ``mvn``
+into a cache directory (``$ASTRAFLOW_CACHE``, default ``~/.cache/astraflow``) and used
+offline afterwards. Runtime state (pid, ports, config, data, logs) lives in a state
+directory (``$ASTRAFLOW_STATE``, default ``~/.local/state/astraflow/broker``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_KAFKA_VERSION = "4.1.1"
+DEFAULT_PORT = 19092
+LOG4J_VERSION = "2.24.3"
+SLF4J_VERSION = "2.0.17"
+
+
+class BrokerError(RuntimeError):
+    """The embedded broker cannot be assembled, started or reached."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ASTRAFLOW_CACHE", Path.home() / ".cache" / "astraflow"))
+
+
+def state_dir() -> Path:
+    default = Path.home() / ".local" / "state" / "astraflow" / "broker"
+    return Path(os.environ.get("ASTRAFLOW_STATE", default))
+
+
+def kafka_version() -> str:
+    return os.environ.get("ASTRAFLOW_KAFKA_VERSION", DEFAULT_KAFKA_VERSION)
+
+
+def _pom(version: str) -> str:
+    deps = [
+        ("org.apache.kafka", "kafka_2.13", version),
+        ("org.apache.logging.log4j", "log4j-core", LOG4J_VERSION),
+        ("org.apache.logging.log4j", "log4j-slf4j2-impl", LOG4J_VERSION),
+        ("org.slf4j", "slf4j-api", SLF4J_VERSION),
+    ]
+    body = "\n".join(
+        f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
+        f"<version>{v}</version></dependency>"
+        for g, a, v in deps
+    )
+    return f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>io.astraflow</groupId>
+  <artifactId>embedded-kafka</artifactId>
+  <version>{version}</version>
+  <packaging>pom</packaging>
+  <dependencies>
+{body}
+  </dependencies>
+</project>
+"""
+
+
+def _require(tool: str, hint: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise BrokerError(f"`{tool}` not found on PATH. {hint}")
+    return path
+
+
+JAVA_HINT = (
+    "The embedded Kafka broker needs a Java 17+ runtime: install it, e.g. "
+    "`apt-get install openjdk-17-jre-headless`, or point ASTRAFLOW_BOOTSTRAP at an "
+    "existing Kafka cluster."
+)
+MAVEN_HINT = (
+    "Maven is needed once to fetch the Apache Kafka jars from Maven Central: install it, "
+    "e.g. `apt-get install maven`, or set KAFKA_HOME to an unpacked Apache Kafka "
+    "distribution, or point ASTRAFLOW_BOOTSTRAP at an existing Kafka cluster."
+)
+
+
+def ensure_jars(version: str | None = None, log=print) -> Path:
+    """Return the folder of broker jars, fetching them with Maven on first use."""
+    if os.environ.get("KAFKA_HOME"):
+        libs = Path(os.environ["KAFKA_HOME"]) / "libs"
+        if not libs.is_dir():
+            raise BrokerError(f"KAFKA_HOME={os.environ['KAFKA_HOME']} has no libs/ folder")
+        return libs
+    version = version or kafka_version()
+    home = cache_dir() / f"kafka-{version}"
+    libs = home / "libs"
+    if (home / "COMPLETE").exists():
+        return libs
+    mvn = _require("mvn", MAVEN_HINT)
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "pom.xml").write_text(_pom(version))
+    tmp = home / "libs.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"assembling Apache Kafka {version} from Maven Central into {home} (first use only)")
+    t0 = time.time()
+    proc = subprocess.run(
+        [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(home / "pom.xml"),
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={tmp}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise BrokerError(
+            f"mvn could not fetch Apache Kafka {version} (exit {proc.returncode}):\n"
+            f"{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)
+    (home / "COMPLETE").write_text(f"{time.time()}\n")
+    log(f"fetched {len(list(libs.glob('*.jar')))} jars in {time.time() - t0:.1f}s")
+    return libs
+
+
+def free_port(preferred: int | None = None) -> int:
+    if preferred:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", preferred))
+                return preferred
+            except OSError:
+                pass
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child still answers kill(0); check its state
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+@dataclass
+class BrokerStatus:
+    running: bool
+    pid: int | None
+    bootstrap: str | None
+    version: str | None
+    state_dir: str
+
+    def describe(self) -> str:
+        if not self.running:
+            return f"embedded broker: stopped (state {self.state_dir})"
+        return (
+            f"embedded broker: running, Apache Kafka {self.version}, pid {self.pid}, "
+            f"bootstrap {self.bootstrap} (state {self.state_dir})"
+        )
+
+
+class EmbeddedBroker:
+    """Start, stop and inspect the single-node KRaft broker kept under a state directory."""
+
+    def __init__(self, state: Path | str | None = None):
+        self.state = Path(state) if state else state_dir()
+
+    @property
+    def info_file(self) -> Path:
+        return self.state / "broker.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state / "logs" / "server.log"
+
+    def _info(self) -> dict | None:
+        try:
+            return json.loads(self.info_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _ports(self) -> dict:
+        try:
+            return json.loads((self.state / "ports.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def status(self) -> BrokerStatus:
+        info = self._info()
+        running = bool(info) and _pid_alive(int(info["pid"]))
+        return BrokerStatus(
+            running=running,
+            pid=info["pid"] if running else None,
+            bootstrap=f"127.0.0.1:{info['port']}" if running else None,
+            version=info.get("version") if info else None,
+            state_dir=str(self.state),
+        )
+
+    def bootstrap(self) -> str | None:
+        """The running broker's bootstrap address, or None."""
+        return self.status().bootstrap
+
+    def start(self, port: int | None = None, timeout: float = 90.0, log=print) -> BrokerStatus:
+        """Start the broker unless it runs already; returns once metadata is served."""
+        st = self.status()
+        if st.running:
+            return st
+        java = _require("java", JAVA_HINT)
+        libs = ensure_jars(log=log)
+        version = kafka_version() if not os.environ.get("KAFKA_HOME") else "KAFKA_HOME"
+        t0 = time.time()
+        self.state.mkdir(parents=True, exist_ok=True)
+        (self.state / "logs").mkdir(exist_ok=True)
+        data = self.state / "data"
+        # keep the ports of the previous start: clients and the KRaft voter set remember them
+        previous = self._ports()
+        port = free_port(port or previous.get("port") or DEFAULT_PORT)
+        controller_port = free_port(previous.get("controller_port"))
+        (self.state / "ports.json").write_text(
+            json.dumps({"port": port, "controller_port": controller_port})
+        )
+        props = self.state / "server.properties"
+        props.write_text(_server_properties(port, controller_port, data))
+        log4j = self.state / "log4j2.properties"
+        log4j.write_text(_LOG4J2)
+        classpath = f"{libs}/*"
+        jvm = [java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", f"-Dlog4j2.configurationFile={log4j}"]
+        if not (data / "meta.properties").exists():
+            shutil.rmtree(data, ignore_errors=True)
+            fmt = subprocess.run(
+                [
+                    *jvm,
+                    "-cp",
+                    classpath,
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    _cluster_id(),
+                    "-c",
+                    str(props),
+                    "--standalone",
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if fmt.returncode != 0:
+                raise BrokerError(f"formatting broker storage failed:\n{fmt.stdout}{fmt.stderr}")
+        with open(self.log_file, "ab") as out:
+            proc = subprocess.Popen(
+                [*jvm, "-cp", classpath, "kafka.Kafka", str(props)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.info_file.write_text(
+            json.dumps(
+                {
+                    "pid": proc.pid,
+                    "port": port,
+                    "controller_port": controller_port,
+                    "version": version,
+                    "started_at": time.time(),
+                }
+            )
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise BrokerError(
+                    f"the broker exited with code {proc.returncode} during start-up; "
+                    f"last log lines:\n{self.tail(40)}"
+                )
+            if _port_open(port) and _metadata_served(f"127.0.0.1:{port}"):
+                log(
+                    f"embedded Apache Kafka {version} up on 127.0.0.1:{port} "
+                    f"in {time.time() - t0:.1f}s (pid {proc.pid})"
+                )
+                return self.status()
+            time.sleep(0.2)
+        self.stop()
+        raise BrokerError(
+            f"the broker did not serve metadata within {timeout:.0f}s; "
+            f"last log lines:\n{self.tail(40)}"
+        )
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stop the broker (SIGTERM, then SIGKILL after ``timeout``); True if one was running."""
+        info = self._info()
+        if not info or not _pid_alive(int(info["pid"])):
+            self.info_file.unlink(missing_ok=True)
+            return False
+        pid = int(info["pid"])
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + timeout
+        while time.time() < deadline and _pid_alive(pid):
+            time.sleep(0.2)
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        self.info_file.unlink(missing_ok=True)
+        return True
+
+    def destroy(self) -> None:
+        """Stop the broker and delete its state (data and logs)."""
+        self.stop()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+    def tail(self, lines: int = 50) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 200 * lines))
+                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return "(no broker log yet)"
+
+
+def _cluster_id() -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def _metadata_served(bootstrap: str) -> bool:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    try:
+        md = admin.list_topics(timeout=2)
+        return len(md.brokers) > 0
+    except Exception:
+        return False
+
+
+def _server_properties(port: int, controller_port: int, data: Path) -> str:
+    return f"""# written by astraflow broker start
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}
+listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
+advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs={data}
+num.partitions=1
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=8
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+message.max.bytes=16777216
+"""
+
+
+_LOG4J2 = """status = error
+appender.file.type = Console
+appender.file.name = OUT
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = OUT
+logger.kafka.name = kafka
+logger.kafka.level = WARN
+logger.apache.name = org.apache.kafka
+logger.apache.level = WARN
+logger.started.name = kafka.server.KafkaRaftServer
+logger.started.level = INFO
+"""
+
+
+def main_status() -> int:  # pragma: no cover - convenience for `python -m astraflow.broker`
+    print(EmbeddedBroker().status().describe())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_status())

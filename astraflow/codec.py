@@ -1,0 +1,231 @@
+"""Avro encoding of records on the wire.
+
+Two wire formats behind one ``Codec`` protocol:
+
+* ``SingleObjectCodec`` (default): Avro single-object encoding, ``C3 01`` + 8-byte
+  CRC-64-AVRO fingerprint of the writer schema + body. Every message names its schema
+  without a registry; writer schemas are looked up in a ``SchemaSet``.
+* ``RegistryCodec``: the Confluent Schema Registry wire format (``00`` + 4-byte schema id
+  + body) through confluent-kafka's Avro serializers; chosen when a registry URL is set.
+
+Decoding failures raise a ``RecordDecodeError`` subclass naming topic, partition, offset.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any, Protocol
+
+from fastavro import schemaless_reader, schemaless_writer
+
+from astraflow.records import RECORD_TYPES, Record
+from astraflow.schemas import SchemaSet
+
+MAGIC = b"\xc3\x01"
+HEADER_LEN = 10
+
+
+class RecordDecodeError(Exception):
+    """A message could not be turned into a record."""
+
+    def __init__(self, reason: str, topic: str = "", partition: int = -1, offset: int = -1):
+        self.reason = reason
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        super().__init__(f"{topic}[{partition}]@{offset}: {reason}")
+
+
+class UnknownSchemaError(RecordDecodeError):
+    """The message names a schema (fingerprint or registry id) that nobody knows."""
+
+
+class TruncatedRecordError(RecordDecodeError):
+    """The message ends before its record does."""
+
+
+class SchemaMismatchError(RecordDecodeError):
+    """The message is not the record type expected, or its body does not fit its schema."""
+
+
+class Codec(Protocol):
+    """Turns records into message values and back."""
+
+    def encode(self, record: Record, topic: str) -> bytes: ...
+
+    def decode(
+        self,
+        data: bytes | None,
+        topic: str = "",
+        partition: int = -1,
+        offset: int = -1,
+        expect: type[Record] | None = None,
+    ) -> Record: ...
+
+
+def _check_expected(name: str, expect, where: tuple[str, int, int]) -> type[Record]:
+    if expect is not None and name != expect.avro_name:
+        raise SchemaMismatchError(f"expected {expect.avro_name}, message holds {name}", *where)
+    cls = RECORD_TYPES.get(name)
+    if cls is None:
+        raise SchemaMismatchError(f"{name} is not an astraflow record type", *where)
+    return cls
+
+
+class SingleObjectCodec:
+    """Avro single-object encoding; needs no registry."""
+
+    def __init__(self, schemas: SchemaSet | None = None):
+        self.schemas = schemas or SchemaSet()
+
+    def encode(self, record: Record, topic: str = "") -> bytes:
+        ws = self.schemas.reader(record.avro_name)
+        buf = io.BytesIO()
+        buf.write(MAGIC)
+        buf.write(ws.fingerprint)
+        schemaless_writer(buf, ws.parsed, record.to_dict())
+        return buf.getvalue()
+
+    def encode_with(self, writer: Any, record_dict: dict[str, Any]) -> bytes:
+        """Encode with an explicit (e.g. older) ``WriterSchema``."""
+        buf = io.BytesIO()
+        buf.write(MAGIC)
+        buf.write(writer.fingerprint)
+        schemaless_writer(buf, writer.parsed, record_dict)
+        return buf.getvalue()
+
+    def decode(
+        self,
+        data: bytes | None,
+        topic: str = "",
+        partition: int = -1,
+        offset: int = -1,
+        expect: type[Record] | None = None,
+    ) -> Record:
+        where = (topic, partition, offset)
+        if data is None:
+            raise SchemaMismatchError("message has no value (tombstone)", *where)
+        if len(data) < HEADER_LEN:
+            if data[:2] == MAGIC[: len(data[:2])]:
+                raise TruncatedRecordError(
+                    f"{len(data)} bytes: shorter than the 10-byte single-object header", *where
+                )
+            raise SchemaMismatchError("not Avro single-object encoded (no C3 01 header)", *where)
+        if data[:2] != MAGIC:
+            raise SchemaMismatchError(
+                f"not Avro single-object encoded: starts with {data[:2].hex()}, not c301", *where
+            )
+        fp = data[2:HEADER_LEN]
+        writer = self.schemas.by_fingerprint.get(fp)
+        if writer is None:
+            raise UnknownSchemaError(f"unknown schema fingerprint {fp.hex()}", *where)
+        cls = _check_expected(writer.name, expect, where)
+        reader = self.schemas.reader(writer.name)
+        buf = io.BytesIO(data)
+        buf.seek(HEADER_LEN)
+        try:
+            value = schemaless_reader(buf, writer.parsed, reader.parsed)
+        except (EOFError, StopIteration, IndexError) as e:
+            raise TruncatedRecordError(f"body ends early: {type(e).__name__} {e}", *where) from e
+        except Exception as e:  # fastavro raises assorted errors on bad bodies
+            raise SchemaMismatchError(f"body does not fit {writer.name}: {e}", *where) from e
+        if buf.tell() != len(data):
+            raise SchemaMismatchError(
+                f"{len(data) - buf.tell()} trailing bytes after the {writer.name} body", *where
+            )
+        return cls.from_dict(value)
+
+
+class RegistryCodec:
+    """Confluent Schema Registry wire format through confluent-kafka's Avro serdes.
+
+    ``url`` may be ``mock://name`` (confluent-kafka's in-process mock registry, for tests).
+    Subjects follow the default topic-name strategy (``<topic>-value``).
+    """
+
+    def __init__(
+        self, url: str, conf: dict[str, Any] | None = None, schemas: SchemaSet | None = None
+    ):
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
+        self.schemas = schemas or SchemaSet()
+        self.client = SchemaRegistryClient.new_client({"url": url, **(conf or {})})
+        self._serializers: dict[str, Any] = {}
+        self._deserializers: dict[str, Any] = {}
+        self._id_names: dict[int, str] = {}
+
+    def _serializer(self, name: str):
+        from confluent_kafka.schema_registry.avro import AvroSerializer
+
+        if name not in self._serializers:
+            schema_str = json.dumps(self.schemas.reader(name).expanded)
+            self._serializers[name] = AvroSerializer(self.client, schema_str)
+        return self._serializers[name]
+
+    def _deserializer(self, name: str):
+        from confluent_kafka.schema_registry.avro import AvroDeserializer
+
+        if name not in self._deserializers:
+            schema_str = json.dumps(self.schemas.reader(name).expanded)
+            self._deserializers[name] = AvroDeserializer(self.client, schema_str)
+        return self._deserializers[name]
+
+    def encode(self, record: Record, topic: str) -> bytes:
+        from confluent_kafka.serialization import MessageField, SerializationContext
+
+        ctx = SerializationContext(topic, MessageField.VALUE)
+        return self._serializer(record.avro_name)(record.to_dict(), ctx)
+
+    def decode(
+        self,
+        data: bytes | None,
+        topic: str = "",
+        partition: int = -1,
+        offset: int = -1,
+        expect: type[Record] | None = None,
+    ) -> Record:
+        from confluent_kafka.serialization import MessageField, SerializationContext
+
+        where = (topic, partition, offset)
+        if data is None:
+            raise SchemaMismatchError("message has no value (tombstone)", *where)
+        if len(data) < 5:
+            raise TruncatedRecordError(f"{len(data)} bytes: shorter than the 5-byte header", *where)
+        if data[0] != 0:
+            raise SchemaMismatchError(
+                f"not Schema Registry framed: magic byte {data[0]:#04x}, not 0x00", *where
+            )
+        schema_id = int.from_bytes(data[1:5], "big")
+        name = self._id_names.get(schema_id)
+        if name is None:
+            try:
+                schema = self.client.get_schema(schema_id)
+                raw = json.loads(schema.schema_str)
+            except Exception as e:
+                raise UnknownSchemaError(f"schema id {schema_id}: {e}", *where) from e
+            ns = raw.get("namespace")
+            name = raw["name"] if "." in raw["name"] or not ns else f"{ns}.{raw['name']}"
+            self._id_names[schema_id] = name
+        cls = _check_expected(name, expect, where)
+        try:
+            value = self._deserializer(name)(data, SerializationContext(topic, MessageField.VALUE))
+        except (EOFError, StopIteration, IndexError) as e:
+            raise TruncatedRecordError(f"body ends early: {type(e).__name__} {e}", *where) from e
+        except Exception as e:
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, (EOFError, StopIteration, IndexError)):
+                raise TruncatedRecordError(f"body ends early: {e}", *where) from e
+            raise SchemaMismatchError(f"body does not fit {name}: {e}", *where) from e
+        return cls.from_dict(value)
+
+
+def make_codec(
+    registry_url: str | None = None,
+    registry_conf: dict[str, Any] | None = None,
+    schemas: SchemaSet | None = None,
+) -> Codec:
+    """Single-object encoding, or the registry format when ``registry_url`` is given."""
+    if registry_url:
+        return RegistryCodec(registry_url, registry_conf, schemas)
+    return SingleObjectCodec(schemas)

@@ -1,0 +1,80 @@
+"""What a stream processor is: decision logic between topics, free of Kafka.
+
+A processor gets decoded records (``Incoming``) and returns records to produce
+(``Outgoing``). The runtime (``astraflow.kafka.runtime``) does the consuming, producing,
+transactions and dead-lettering, so a processor's logic is tested by calling its methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from astraflow.records import Record
+
+
+class InvalidRecord(Exception):
+    """Raised by ``process`` for a record that decodes but must not pass; it goes to dlq."""
+
+
+@dataclass
+class Incoming:
+    topic: str  # logical topic name (no run prefix)
+    partition: int
+    offset: int
+    key: bytes | None
+    record: Record
+    timestamp_ms: int = 0
+
+
+@dataclass
+class Outgoing:
+    topic: str  # logical topic name
+    record: Record
+    key: str | bytes | None = None
+    partition: int | None = None
+
+
+class NoOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Processor:
+    """Base class of every processor kind.
+
+    Subclasses set ``kind`` and optionally an ``Options`` model (validated from the
+    topology's ``options:``), and implement ``process``. Stateful processors that hold
+    records back across transactions report the oldest held offset per partition in
+    ``held_offsets`` so the runtime never commits past them, and drop what they hold for
+    revoked partitions in ``on_revoke``.
+    """
+
+    kind: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, name: str, inputs: list[str], outputs: list[str], options: Any = None):
+        self.name = name
+        self.inputs = inputs
+        self.outputs = outputs
+        self.options = options if options is not None else self.Options()
+
+    def process(self, msg: Incoming) -> Iterable[Outgoing]:
+        raise NotImplementedError
+
+    def flush(self, now_ms: int) -> Iterable[Outgoing]:
+        """Called after every micro-batch and when idle: emit what is due."""
+        return ()
+
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        """(logical topic, partition) -> oldest offset still held in memory."""
+        return {}
+
+    def on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        """Partitions were taken away: forget what is held for them (it will be redelivered)."""
+
+    def metrics(self) -> dict[str, float]:
+        """Slash-namespaced figures reported on ``status``."""
+        return {}

@@ -1,0 +1,16 @@
+"""Copies every input record to every output topic, key kept."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from astraflow.dataflow.base import Incoming, Outgoing, Processor
+
+
+class Passthrough(Processor):
+    """Forwards records unchanged: topic bridging, mirroring, and the runtime's test bed."""
+
+    kind = "passthrough"
+
+    def process(self, msg: Incoming) -> Iterable[Outgoing]:
+        return [Outgoing(topic, msg.record, key=msg.key) for topic in self.outputs]

@@ -1,0 +1,235 @@
+"""Thin typed wrappers over confluent-kafka clients: records in, records out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient
+
+from astraflow.codec import Codec, RecordDecodeError, make_codec
+from astraflow.kafka.config import KafkaConfig
+from astraflow.records import Record
+
+R = TypeVar("R", bound=Record)
+
+
+def make_codec_for(config: KafkaConfig) -> Codec:
+    return make_codec(config.schema_registry_url, config.schema_registry_options)
+
+
+def make_admin(config: KafkaConfig) -> AdminClient:
+    return AdminClient(config.admin_conf())
+
+
+def _as_key(key: str | bytes | None) -> bytes | None:
+    if key is None or isinstance(key, bytes):
+        return key
+    return key.encode()
+
+
+class RecordProducer:
+    """Produces records to topics, Avro-encoded with the configured codec.
+
+    Pass ``transactional_id`` for a transactional producer (``begin``/``commit`` around
+    produces). Delivery errors raise from ``flush``.
+    """
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        codec: Codec | None = None,
+        transactional_id: str | None = None,
+        **extra: object,
+    ):
+        conf = config.producer_conf(**extra)
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+        self.producer = Producer(conf)
+        self.codec = codec or make_codec_for(config)
+        self.errors: list[KafkaError] = []
+        self.delivered = 0
+        if transactional_id:
+            self.producer.init_transactions(30)
+
+    def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
+        if err is not None:
+            self.errors.append(err)
+        else:
+            self.delivered += 1
+
+    def produce(
+        self,
+        topic: str,
+        record: Record,
+        key: str | bytes | None = None,
+        partition: int | None = None,
+    ) -> None:
+        self.produce_raw(topic, self.codec.encode(record, topic), key, partition)
+
+    def produce_raw(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: str | bytes | None = None,
+        partition: int | None = None,
+    ) -> None:
+        kwargs = {"partition": partition} if partition is not None else {}
+        while True:
+            try:
+                self.producer.produce(
+                    topic, value=value, key=_as_key(key), on_delivery=self._on_delivery, **kwargs
+                )
+                return
+            except BufferError:
+                self.producer.poll(0.1)  # local queue full: serve deliveries, then retry
+
+    def flush(self, timeout: float = 60.0) -> None:
+        remaining = self.producer.flush(timeout)
+        if remaining:
+            raise KafkaException(f"{remaining} messages still undelivered after {timeout}s")
+        if self.errors:
+            errs, self.errors = self.errors, []
+            raise KafkaException(errs[0])
+
+    def begin(self) -> None:
+        self.producer.begin_transaction()
+
+    def commit(self, timeout: float = 60.0) -> None:
+        self.producer.commit_transaction(timeout)
+
+    def abort(self, timeout: float = 60.0) -> None:
+        self.producer.abort_transaction(timeout)
+
+
+@dataclass
+class Received(Generic[R]):
+    """One consumed message: where it came from and its decoded record."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    record: R
+    timestamp_ms: int
+
+
+class RecordConsumer:
+    """Consumes and decodes records; ``read_committed`` and manual commits by default."""
+
+    def __init__(
+        self,
+        config: KafkaConfig,
+        group_id: str,
+        topics: list[str] | None = None,
+        codec: Codec | None = None,
+        **extra: object,
+    ):
+        self.consumer = Consumer(config.consumer_conf(group_id, **extra))
+        self.codec = codec or make_codec_for(config)
+        if topics:
+            self.consumer.subscribe(topics)
+
+    def poll(
+        self, max_messages: int = 500, timeout: float = 1.0, expect: type[R] | None = None
+    ) -> list[Received[R]]:
+        """Decoded records of the next messages; undecodable ones raise RecordDecodeError."""
+        out: list[Received[R]] = []
+        for msg in self.consumer.consume(max_messages, timeout):
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaException(msg.error())
+            record = self.codec.decode(
+                msg.value(), msg.topic(), msg.partition(), msg.offset(), expect=expect
+            )
+            out.append(
+                Received(
+                    msg.topic(),
+                    msg.partition(),
+                    msg.offset(),
+                    msg.key(),
+                    record,
+                    msg.timestamp()[1],
+                )
+            )
+        return out
+
+    def iter_until(
+        self, count: int, timeout_s: float, expect: type[R] | None = None
+    ) -> Iterator[Received[R]]:
+        """Yield records until ``count`` were seen or ``timeout_s`` passed."""
+        seen = 0
+        deadline = time.time() + timeout_s
+        while seen < count and time.time() < deadline:
+            for r in self.poll(timeout=0.5, expect=expect):
+                seen += 1
+                yield r
+
+    def commit(self) -> None:
+        self.consumer.commit(asynchronous=False)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def read_all(
+    config: KafkaConfig,
+    topic: str,
+    idle_s: float = 2.0,
+    timeout_s: float = 60.0,
+    expect: type[R] | None = None,
+    codec: Codec | None = None,
+    isolation: str = "read_committed",
+) -> list[Received[R]]:
+    """Read a whole topic from the beginning without a consumer group (assign + EOF)."""
+    from confluent_kafka import TopicPartition
+
+    admin = make_admin(config)
+    md = admin.list_topics(topic, timeout=10).topics[topic]
+    if md.error is not None:
+        raise KafkaException(md.error)
+    conf = config.consumer_conf(
+        "astraflow-reader", **{"enable.partition.eof": True, "isolation.level": isolation}
+    )
+    consumer = Consumer(conf)
+    codec = codec or make_codec_for(config)
+    parts = [TopicPartition(topic, p, 0) for p in md.partitions]
+    consumer.assign(parts)
+    eof: set[int] = set()
+    out: list[Received[R]] = []
+    deadline = time.time() + timeout_s
+    last = time.time()
+    try:
+        while len(eof) < len(parts) and time.time() < deadline and time.time() - last < idle_s:
+            for msg in consumer.consume(1000, 0.2):
+                last = time.time()
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        eof.add(msg.partition())
+                        continue
+                    raise KafkaException(msg.error())
+                eof.discard(msg.partition())
+                rec = codec.decode(msg.value(), topic, msg.partition(), msg.offset(), expect)
+                out.append(
+                    Received(
+                        topic, msg.partition(), msg.offset(), msg.key(), rec, msg.timestamp()[1]
+                    )
+                )
+    finally:
+        consumer.close()
+    return out
+
+
+__all__ = [
+    "RecordProducer",
+    "RecordConsumer",
+    "Received",
+    "RecordDecodeError",
+    "make_admin",
+    "make_codec_for",
+    "read_all",
+]

@@ -1,0 +1,93 @@
+"""One client configuration for every Kafka client AstraFlow makes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+
+
+class KafkaConfig(BaseModel):
+    """Bootstrap servers, client id, and librdkafka options passed through untouched.
+
+    ``options`` takes any librdkafka property (``security.protocol``, ``sasl.mechanism``,
+    ``sasl.username``, ``ssl.ca.location`` ...) and is applied to producers, consumers and
+    admin clients alike; the per-role dicts are applied on top of it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    bootstrap_servers: str | None = None  # None: ASTRAFLOW_BOOTSTRAP, else the embedded broker
+    client_id: str = Field(default_factory=lambda: f"astraflow-{socket.gethostname()}")
+    options: dict[str, Any] = Field(default_factory=dict)
+    producer_options: dict[str, Any] = Field(default_factory=dict)
+    consumer_options: dict[str, Any] = Field(default_factory=dict)
+    schema_registry_url: str | None = None
+    schema_registry_options: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> KafkaConfig:
+        """Bootstrap from ``ASTRAFLOW_BOOTSTRAP``, else the embedded broker's address."""
+        data: dict[str, Any] = {"bootstrap_servers": resolve_bootstrap()}
+        if os.environ.get("ASTRAFLOW_SCHEMA_REGISTRY"):
+            data["schema_registry_url"] = os.environ["ASTRAFLOW_SCHEMA_REGISTRY"]
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def effective(self) -> KafkaConfig:
+        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins) or the embedded broker filled in."""
+        env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
+        if env:
+            return self.model_copy(update={"bootstrap_servers": env})
+        if self.bootstrap_servers:
+            return self
+        return self.model_copy(update={"bootstrap_servers": resolve_bootstrap()})
+
+    def _base(self) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.bootstrap_servers or resolve_bootstrap(),
+            "client.id": self.client_id,
+            **self.options,
+        }
+
+    def admin_conf(self, **extra: Any) -> dict[str, Any]:
+        return {**self._base(), **extra}
+
+    def producer_conf(self, **extra: Any) -> dict[str, Any]:
+        conf = {
+            **self._base(),
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            **self.producer_options,
+        }
+        conf.update(extra)
+        return conf
+
+    def consumer_conf(self, group_id: str, **extra: Any) -> dict[str, Any]:
+        conf = {
+            **self._base(),
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            **self.consumer_options,
+        }
+        conf.update(extra)
+        return conf
+
+
+def resolve_bootstrap() -> str:
+    """``ASTRAFLOW_BOOTSTRAP`` if set, else the embedded broker's recorded address."""
+    env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
+    if env:
+        return env
+    from astraflow.broker import EmbeddedBroker
+
+    recorded = EmbeddedBroker().bootstrap()
+    return recorded or DEFAULT_BOOTSTRAP

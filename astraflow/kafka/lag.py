@@ -1,0 +1,103 @@
+"""Consumer-group lag per partition: log-end offset minus committed offset."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from astraflow.kafka.config import KafkaConfig
+
+OFFSET_INVALID = -1001
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    group: str
+    topic: str
+    partition: int
+    end_offset: int  # log-end offset (high watermark)
+    committed: int | None  # None: the group has committed nothing on this partition
+    start_offset: int  # earliest retained offset
+    lag: int  # records the group has yet to consume
+
+    @property
+    def committed_display(self) -> str:
+        return "-" if self.committed is None else str(self.committed)
+
+
+class LagReader:
+    """Reads consumer-group lag; keeps one non-member consumer per group between calls.
+
+    Committed offsets are fetched with ``Consumer.committed`` rather than the admin
+    ListConsumerGroupOffsets call: the latter crashes librdkafka 2.x when the group
+    coordinator answers "load in progress" on a freshly started broker.
+    """
+
+    def __init__(self, config: KafkaConfig):
+        self.config = config
+        self._consumers: dict[str, Consumer] = {}
+
+    def _consumer(self, group: str) -> Consumer:
+        if group not in self._consumers:
+            # never subscribes, so it never joins the group it reads offsets of
+            self._consumers[group] = Consumer(self.config.consumer_conf(
+                group, **{"enable.auto.commit": False, "client.id": "astraflow-lag"}))
+        return self._consumers[group]
+
+    def lag(self, group: str, topics: list[str], timeout: float = 10.0) -> list[PartitionLag]:
+        """Lag of ``group`` on every partition of ``topics``.
+
+        With no committed offset the lag counts from the earliest retained offset, which
+        is where a consumer with ``auto.offset.reset=earliest`` would start.
+        """
+        consumer = self._consumer(group)
+        md = consumer.list_topics(timeout=timeout).topics
+        parts: list[TopicPartition] = []
+        for t in topics:
+            if t not in md or md[t].error is not None:
+                raise KafkaException(f"topic {t} does not exist")
+            parts += [TopicPartition(t, p) for p in sorted(md[t].partitions)]
+        if not parts:
+            return []
+        committed = {(tp.topic, tp.partition): tp.offset
+                     for tp in consumer.committed(parts, timeout=timeout)}
+        out = []
+        for tp in parts:
+            start, end = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
+            c = committed.get((tp.topic, tp.partition), OFFSET_INVALID)
+            c_val = None if c < 0 else c
+            behind = end - (c_val if c_val is not None else start)
+            out.append(PartitionLag(group, tp.topic, tp.partition, end, c_val, start,
+                                    max(0, behind)))
+        return out
+
+    def close(self) -> None:
+        for c in self._consumers.values():
+            c.close()
+        self._consumers.clear()
+
+
+def lag(config: KafkaConfig, group: str, topics: list[str],
+        timeout: float = 10.0) -> list[PartitionLag]:
+    """One-off lag of ``group`` on ``topics`` (see ``LagReader`` for repeated reads)."""
+    reader = LagReader(config)
+    try:
+        return reader.lag(group, topics, timeout)
+    finally:
+        reader.close()
+
+
+def total_lag(rows: list[PartitionLag]) -> int:
+    return sum(r.lag for r in rows)
+
+
+def format_lag_table(rows: list[PartitionLag]) -> str:
+    header = ("GROUP", "TOPIC", "PARTITION", "END OFFSET", "COMMITTED", "LAG")
+    body = [
+        (r.group, r.topic, str(r.partition), str(r.end_offset), r.committed_display, str(r.lag))
+        for r in rows
+    ]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *body]]
+    return "\n".join(lines)

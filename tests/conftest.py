@@ -1,0 +1,150 @@
+"""A real Kafka broker for the tests, and factories with random topic and group names.
+
+Broker, in order: ``ASTRAFLOW_BOOTSTRAP`` if set; else a testcontainers Kafka when a
+Docker engine answers; else the embedded Apache Kafka, started once per session in a
+temporary state directory and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka.admin import NewTopic
+
+from astraflow.kafka.clients import make_admin
+from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.topics import apply_topics
+from astraflow.topology import Topology, parse_topology
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+        return True
+    except Exception:
+        return False
+
+
+def _testcontainers_kafka():
+    try:
+        from testcontainers.kafka import KafkaContainer
+    except ImportError:
+        from testcontainers.community.kafka import KafkaContainer  # type: ignore
+    return KafkaContainer
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
+    if env:
+        yield env
+        return
+    if _docker_answers():
+        container = _testcontainers_kafka()("apache/kafka:4.1.1")
+        container.start()
+        try:
+            yield container.get_bootstrap_server()
+        finally:
+            container.stop()
+        return
+    from astraflow.broker import EmbeddedBroker, free_port
+
+    broker = EmbeddedBroker(state=tmp_path_factory.mktemp("embedded-broker"))
+    status = broker.start(port=free_port(), log=lambda m: print(f"[broker] {m}"))
+    try:
+        yield status.bootstrap
+    finally:
+        broker.destroy()
+
+
+@pytest.fixture(scope="session")
+def kafka_config(kafka_bootstrap: str) -> KafkaConfig:
+    return KafkaConfig(bootstrap_servers=kafka_bootstrap, client_id="astraflow-tests")
+
+
+def random_name(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def new_topic(kafka_config: KafkaConfig) -> Callable[..., str]:
+    """``new_topic(partitions=1, **configs) -> name``: a topic with a random name."""
+    admin = make_admin(kafka_config)
+
+    def make(partitions: int = 1, **configs: str) -> str:
+        name = random_name("topic")
+        configs = {k.replace("_", "."): str(v) for k, v in configs.items()}
+        admin.create_topics([NewTopic(name, partitions, 1, config=configs)])[name].result()
+        return name
+
+    return make
+
+
+@pytest.fixture
+def new_group() -> Callable[[], str]:
+    return lambda: random_name("group")
+
+
+@pytest.fixture
+def make_topology(
+    kafka_config: KafkaConfig, tmp_path: Path
+) -> Callable[..., tuple[Topology, Path]]:
+    """Write a topology with a random run id, apply its topics, return it and its path."""
+
+    def make(topics: dict, processors: dict | None = None, **extra) -> tuple[Topology, Path]:
+        data = {
+            "run": random_name("run"),
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "status_interval_s": 1.0,
+            "topics": topics,
+            "processors": processors or {},
+            **extra,
+        }
+        path = tmp_path / f"{data['run']}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        topo = parse_topology(data, source=str(path))
+        apply_topics(make_admin(kafka_config), topo.resolved_topics())
+        return topo, path
+
+    return make
+
+
+@pytest.fixture
+def astraflow_cli(kafka_bootstrap: str) -> Callable[..., subprocess.Popen]:
+    """Start ``astraflow ARGS...`` as a child process against the test broker."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str, log: Path | None = None) -> subprocess.Popen:
+        env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "PYTHONUNBUFFERED": "1"}
+        out = open(log, "ab") if log else subprocess.DEVNULL
+        p = subprocess.Popen([sys.executable, "-m", "astraflow.cli", *args], env=env,
+                             stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, step: float = 0.2) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
