@@ -87,14 +87,6 @@ class SingleObjectCodec:
         schemaless_writer(buf, ws.parsed, record.to_dict())
         return buf.getvalue()
 
-    def encode_with(self, writer: Any, record_dict: dict[str, Any]) -> bytes:
-        """Encode with an explicit (e.g. older) ``WriterSchema``."""
-        buf = io.BytesIO()
-        buf.write(MAGIC)
-        buf.write(writer.fingerprint)
-        schemaless_writer(buf, writer.parsed, record_dict)
-        return buf.getvalue()
-
     def decode(
         self,
         data: bytes | None,

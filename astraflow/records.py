@@ -26,7 +26,23 @@ class Record:
     avro_name: ClassVar[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """Field values as the Avro writer takes them (shallow: lists are not copied)."""
+        out = {}
+        for name in self._field_names():
+            v = getattr(self, name)
+            if isinstance(v, Record):
+                v = v.to_dict()
+            elif isinstance(v, list) and v and isinstance(v[0], Record):
+                v = [x.to_dict() for x in v]
+            out[name] = v
+        return out
+
+    @classmethod
+    def _field_names(cls) -> tuple[str, ...]:
+        names = _FIELDS.get(cls)
+        if names is None:
+            names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        return names
 
     @classmethod
     def from_dict(cls: type[R], data: dict[str, Any]) -> R:
@@ -40,6 +56,7 @@ class Record:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -111,7 +111,7 @@ class ProcessorSpec(_Strict):
     inputs: list[str] = Field(min_length=1)
     outputs: list[str] = Field(default_factory=list)
     group: str | None = None  # consumer group; default "<run>.<name>"
-    max_batch: int = Field(default=500, ge=1)
+    max_batch: int = Field(default=1000, ge=1)  # records per transaction
     poll_timeout_s: float = Field(default=0.5, gt=0)
     options: dict[str, Any] = Field(default_factory=dict)
 

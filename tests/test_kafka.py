@@ -13,7 +13,7 @@ from astraflow.kafka.topics import apply_topics, describe_topic
 from astraflow.records import Task
 from astraflow.topology import parse_topology
 
-from .conftest import random_name
+from .conftest import random_name, wait_for
 from .test_codec import sample_records
 
 
@@ -95,9 +95,10 @@ def test_topics_apply_is_idempotent_and_applies_configs(kafka_config):
     changes = {c.topic: c for c in apply_topics(admin, parse_topology(data).resolved_topics())}
     assert changes[f"{run}.tasks"].action == "updated"
     assert "partitions 2 -> 4" in changes[f"{run}.tasks"].detail
-    desc = describe_topic(admin, f"{run}.tasks")
-    assert len(desc["partitions"]) == 4
-    assert desc["configs"]["retention.ms"] == "7200000"
+    # config changes reach the broker's view through the KRaft metadata log, not at once
+    wait_for(lambda: describe_topic(admin, f"{run}.tasks")["configs"].get("retention.ms")
+             == "7200000", 15, "the altered retention.ms")
+    assert len(describe_topic(admin, f"{run}.tasks")["partitions"]) == 4
 
 
 def test_read_all_hides_aborted_transactions(kafka_config, new_topic):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.kafka.config import KafkaConfig
 
@@ -61,10 +62,13 @@ class LagReader:
         if not parts:
             return []
         committed = {(tp.topic, tp.partition): tp.offset
-                     for tp in consumer.committed(parts, timeout=timeout)}
+                     for tp in _retrying(lambda: consumer.committed(parts, timeout=timeout),
+                                         timeout)}
         out = []
         for tp in parts:
-            start, end = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
+            start, end = _retrying(
+                lambda tp=tp: consumer.get_watermark_offsets(tp, timeout=timeout, cached=False),
+                timeout)
             c = committed.get((tp.topic, tp.partition), OFFSET_INVALID)
             c_val = None if c < 0 else c
             behind = end - (c_val if c_val is not None else start)
@@ -76,6 +80,32 @@ class LagReader:
         for c in self._consumers.values():
             c.close()
         self._consumers.clear()
+
+
+_TRANSIENT = {
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError._TIMED_OUT,
+}
+
+
+def _retrying(call, timeout: float):
+    """Retry ``call`` on transient errors (a broker just started, a leader moving)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        try:
+            return call()
+        except KafkaException as e:
+            err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+            transient = err is not None and (err.code() in _TRANSIENT or err.retriable())
+            if not transient or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
 
 def lag(config: KafkaConfig, group: str, topics: list[str],

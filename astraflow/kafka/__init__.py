@@ -1,0 +1,1 @@
+"""Thin typed wrappers over confluent-kafka and the processor runtime."""

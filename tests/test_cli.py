@@ -1,0 +1,90 @@
+"""The `astraflow` command against a real broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astraflow.kafka.clients import RecordProducer
+from astraflow.records import Task
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "astraflow.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+def test_topics_apply_list_describe_and_lag(kafka_bootstrap, kafka_config, make_topology,
+                                            tmp_path):
+    topo, path = make_topology(topics={"tasks.source": {"partitions": 2}, "tasks": {}},
+                               processors={"fwd": {"kind": "passthrough",
+                                                   "inputs": ["tasks.source"],
+                                                   "outputs": ["tasks"]}})
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}
+    applied = run_cli("topics", "apply", str(path), env=env)
+    assert applied.returncode == 0, applied.stderr
+    assert f"unchanged  {topo.run}.tasks" in applied.stdout  # make_topology applied it already
+
+    listed = run_cli("topics", "list", "--topology", str(path), env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert f"{topo.run}.tasks.source  (2 partitions)" in listed.stdout
+    assert f"{topo.run}.dlq" in listed.stdout
+
+    described = run_cli("topics", "describe", "tasks", "--topology", str(path), env=env)
+    assert described.returncode == 0, described.stderr
+    assert '"max.message.bytes": "8388608"' in described.stdout
+
+    producer = RecordProducer(kafka_config)
+    for i in range(7):
+        producer.produce(topo.full_name("tasks.source"),
+                         Task(task_id=f"t{i}", prompt_id="p", workflow="w", payload="{}",
+                              source="s"), partition=i % 2)
+    producer.flush()
+    shown = run_cli("lag", "--topology", str(path), env=env)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.strip().splitlines()
+    assert lines[0].split() == ["GROUP", "TOPIC", "PARTITION", "END", "OFFSET", "COMMITTED",
+                                "LAG"]
+    rows = [line.split() for line in lines[1:]]
+    assert [(r[2], r[3], r[4], r[5]) for r in rows] == [("0", "4", "-", "4"), ("1", "3", "-", "3")]
+
+
+def test_bad_topology_fails_at_start_with_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: x\ntopics: {tasks: {partitions: zero}}\n")
+    res = run_cli("topics", "apply", str(bad))
+    assert res.returncode == 2
+    assert f"{bad}: topics.tasks.partitions" in res.stderr
+
+
+@pytest.mark.slow
+def test_broker_start_status_logs_stop(tmp_path):
+    from astraflow.broker import free_port
+
+    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
+    env["ASTRAFLOW_STATE"] = str(tmp_path / "state")
+    res = run_cli("broker", "status", env=env)
+    assert res.returncode == 3 and "stopped" in res.stdout
+    port = str(free_port())
+    try:
+        res = run_cli("broker", "start", "--port", port, env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"bootstrap 127.0.0.1:{port}" in res.stdout
+        res = run_cli("broker", "start", env=env)
+        assert "already running" in res.stdout
+        res = run_cli("broker", "status", env=env)
+        assert res.returncode == 0 and "running" in res.stdout
+        assert "Kafka Server started" in run_cli("broker", "logs", env=env).stdout
+        # commands without ASTRAFLOW_BOOTSTRAP find the embedded broker by themselves
+        res = run_cli("topics", "list", env=env)
+        assert res.returncode == 0, res.stderr
+    finally:
+        res = run_cli("broker", "stop", "--purge", env=env)
+    assert res.returncode == 0 and "stopped" in res.stdout
+    assert run_cli("broker", "status", env=env).returncode == 3
