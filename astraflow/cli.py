@@ -265,15 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _extension_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
-    out = []
-    try:
-        from astraflow.weights.cli import register as weights_register
+# component command groups; each module keeps its heavy imports (torch) inside handlers
+_EXTENSIONS = ("astraflow.weights.cli", "astraflow.trainer.cli")
 
-        out.append(weights_register)
-    except ImportError:
-        pass
-    return out
+
+def _extension_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    import importlib
+
+    return [importlib.import_module(name).register for name in _EXTENSIONS]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,16 @@ class Outgoing:
     partition: int | None = None
 
 
+@dataclass
+class ProcessorContext:
+    """What the runtime hands a processor when it opens: for side readers of other topics."""
+
+    topology: Any  # astraflow.topology.Topology
+    config: Any  # astraflow.kafka.config.KafkaConfig
+    codec: Any  # astraflow.codec.Codec
+    component_id: str
+
+
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -60,6 +70,12 @@ class Processor:
         self.inputs = inputs
         self.outputs = outputs
         self.options = options if options is not None else self.Options()
+
+    def open(self, context: ProcessorContext) -> None:
+        """Called once before consuming; open side readers (e.g. weight versions) here."""
+
+    def close(self) -> None:
+        """Called once after the last transaction."""
 
     def process(self, msg: Incoming) -> Iterable[Outgoing]:
         raise NotImplementedError

@@ -22,6 +22,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import RecordDecodeError
 from astraflow.dataflow import PROCESSOR_KINDS, Incoming, InvalidRecord, Outgoing, Processor
+from astraflow.dataflow.base import ProcessorContext
 from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import missing_topics
@@ -123,6 +124,9 @@ class ProcessorRuntime:
             transactional_id=self.transactional_id,
             **{"transaction.timeout.ms": 60_000},
         )
+        self.processor.open(
+            ProcessorContext(self.topology, self.config, self.codec, self.component_id)
+        )
         consumer.subscribe(
             list(self._inputs),
             on_assign=self._on_assign,
@@ -158,6 +162,7 @@ class ProcessorRuntime:
             self.running.clear()
             log.info("%s: leaving group %s", self.component_id, self.group)
             consumer.close()
+            self.processor.close()
         return self.counters
 
     def _transform(self, msgs) -> tuple[list[Outgoing], list[DeadLetter]]:

@@ -1,0 +1,70 @@
+"""Drops trajectories generated with weights too far behind the latest published version."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
+from astraflow.dataflow.versions import LatestVersions, VersionSource
+from astraflow.records import TrajectoryGroup
+
+
+def staleness(group: TrajectoryGroup, versions: VersionSource) -> int:
+    """Versions between the oldest generated token of ``group`` and its policy's latest.
+
+    The worst over the group's sequences; 0 when no version is published yet.
+    """
+    worst = 0
+    for seq in group.sequences:
+        latest = versions.latest(seq.policy)
+        oldest = seq.min_version
+        if latest is None or oldest < 0:
+            continue
+        worst = max(worst, latest - oldest)
+    return worst
+
+
+class StalenessOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_staleness: int = Field(default=4, ge=0)
+    policies: list[str] = Field(default_factory=lambda: ["actor"], min_length=1)
+
+
+class StalenessFilter(Processor):
+    """Passes a group unless its oldest token is more than ``max_staleness`` versions old."""
+
+    kind = "staleness_filter"
+    Options = StalenessOptions
+
+    def __init__(self, name, inputs, outputs, options=None, versions: VersionSource | None = None):
+        super().__init__(name, inputs, outputs, options)
+        self.versions = versions
+        self.passed = 0
+        self.dropped = 0
+        self.max_seen = 0
+
+    def open(self, context: ProcessorContext) -> None:
+        if self.versions is None:
+            topo = context.topology
+            self.versions = LatestVersions(context.config, context.codec, {
+                p: topo.full_name(f"weights.{p}") for p in self.options.policies})
+
+    def close(self) -> None:
+        if isinstance(self.versions, LatestVersions):
+            self.versions.close()
+
+    def process(self, msg: Incoming) -> Iterable[Outgoing]:
+        self.versions.refresh()
+        lag = staleness(msg.record, self.versions)
+        self.max_seen = max(self.max_seen, lag)
+        if lag > self.options.max_staleness:
+            self.dropped += 1
+            return []
+        self.passed += 1
+        return [Outgoing(t, msg.record, key=msg.key) for t in self.outputs]
+
+    def metrics(self) -> dict[str, float]:
+        return {"staleness/passed": float(self.passed), "staleness/dropped": float(self.dropped),
+                "staleness/max_seen": float(self.max_seen)}

@@ -1,0 +1,182 @@
+"""``astraflow trainer run``: the trainer of one policy.
+
+``register(subparsers)`` adds the ``trainer`` command group to an argparse CLI (the ``run``
+subcommand sets ``func=handler``); ``main(argv)`` runs it standalone
+(``python -m astraflow.trainer.cli run ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``trainer`` command group to ``subparsers`` (from ``add_subparsers``)."""
+    p = subparsers.add_parser("trainer", help="train one policy from batches.<policy>")
+    tsub = p.add_subparsers(dest="trainer_command", required=True, metavar="ACTION")
+    r = tsub.add_parser(
+        "run",
+        help="consume batches.<policy>, publish weights.<policy> (until SIGTERM)",
+        description=(
+            "Consume batches.<policy> (group <run>.trainer.<policy>), take one PPO/GRPO "
+            "step per batch, and publish each version's manifest together with the consumed "
+            "offsets in one Kafka transaction. Restarting resumes exactly (weights, "
+            "optimizer state, data position)."
+        ),
+    )
+    r.add_argument("--topology", "-t", required=True, metavar="FILE", help="topology YAML")
+    r.add_argument("--bootstrap", help="bootstrap servers (ASTRAFLOW_BOOTSTRAP wins)")
+    r.add_argument("--policy", required=True, help="policy name (topics batches./weights.NAME)")
+    r.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH",
+        help="local Hugging Face causal-LM directory (initial weights, config)",
+    )
+    r.add_argument(
+        "--blob-store",
+        metavar="URI",
+        help="file:///dir or kafka://<run>.weights.blobs (default file://<state dir>/blobs)",
+    )
+    r.add_argument(
+        "--state-dir", metavar="DIR", help="default ~/.local/state/astraflow/trainer/<run>.<policy>"
+    )
+    r.add_argument(
+        "--instance",
+        help="instance id (transactional id <group>.<instance>); default $ASTRAFLOW_INSTANCE or 0",
+    )
+    r.add_argument("--lr", type=float, default=1e-6)
+    r.add_argument("--weight-decay", type=float, default=0.0)
+    r.add_argument("--adam-beta1", type=float, default=0.9)
+    r.add_argument("--adam-beta2", type=float, default=0.999)
+    r.add_argument("--adam-eps", type=float, default=1e-8)
+    r.add_argument("--max-grad-norm", type=float, default=1.0)
+    r.add_argument("--clip-low", type=float, default=0.2)
+    r.add_argument("--clip-high", type=float, default=0.28)
+    r.add_argument(
+        "--tis-cap",
+        type=float,
+        default=2.0,
+        help="truncation of the importance weight against the behaviour policy",
+    )
+    r.add_argument(
+        "--no-std-normalize",
+        action="store_true",
+        help="group advantages r - mean only (no division by the std)",
+    )
+    r.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=8,
+        help="sequences per forward/backward (gradients accumulated)",
+    )
+    r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    r.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    r.add_argument(
+        "--anchor-interval",
+        type=int,
+        default=10,
+        help="full checkpoint every N versions (deltas in between)",
+    )
+    r.add_argument(
+        "--keep-optimizer",
+        type=int,
+        default=3,
+        help="keep the optimizer states of the newest K versions",
+    )
+    r.add_argument("--threads", type=int, help="torch.set_num_threads")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument(
+        "--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)"
+    )
+    r.add_argument("--max-steps", type=int, help="stop cleanly after N steps")
+    r.add_argument("-v", "--verbose", action="store_true")
+    r.set_defaults(func=handler)
+    return p
+
+
+def handler(args: argparse.Namespace) -> int:
+    import torch
+
+    from astraflow.topology import TopologyError, load_topology
+    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.trainer import TrainerConfig
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    try:
+        topo = load_topology(args.topology)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    config = topo.kafka
+    if args.bootstrap:
+        config = config.model_copy(update={"bootstrap_servers": args.bootstrap})
+    opts = ServiceOptions(
+        policy=args.policy,
+        model_path=args.model,
+        blob_store=args.blob_store,
+        state_dir=args.state_dir,
+        instance=args.instance,
+        anchor_interval=args.anchor_interval,
+        keep_optimizer=args.keep_optimizer,
+        max_steps=args.max_steps,
+        trainer=TrainerConfig(
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            adam_eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm,
+            clip_low=args.clip_low,
+            clip_high=args.clip_high,
+            tis_cap=args.tis_cap,
+            normalize_std=not args.no_std_normalize,
+            micro_batch_size=args.micro_batch_size,
+            dtype=args.dtype,
+            device=args.device,
+        ),
+    )
+    service = TrainerService(topo, opts, config=config)
+
+    def on_signal(signum, _frame):
+        logging.getLogger("astraflow.trainer").info(
+            "signal %d: finishing the current step and its transaction", signum
+        )
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    c = service.run()
+    print(
+        f"{service.component_id}: {c.steps} steps, version {service.version}, "
+        f"consumed {c.consumed}, waited {c.waiting_s:.1f}s, busy {c.busy_s:.1f}s"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="astraflow-trainer")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # `python -m astraflow.trainer.cli run ...` and `... trainer run ...` both work
+    register(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] != "trainer" and argv[0] not in ("-h", "--help"):
+        argv = ["trainer", *argv]
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

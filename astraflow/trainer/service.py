@@ -1,0 +1,543 @@
+"""The trainer process: ``batches.<policy>`` in, versioned weights on ``weights.<policy>`` out.
+
+One Kafka transaction per training step holds the new version's ``WeightManifest``(s), the
+consumer offsets of the batch it was trained on (``send_offsets_to_transaction``), any dead
+letters and, when due, a ``ComponentStatus``. The blobs (weights delta/full checkpoint, and
+the optimizer state) are written to the blob store *before* the transaction; a crash before
+the commit leaves only unreferenced blobs (garbage for ``astraflow weights gc``).
+
+Restart (after SIGKILL, anywhere):
+
+1. the transactional producer (id ``<run>.trainer.<policy>.<instance>``) is created first:
+   ``init_transactions`` fences a dead predecessor and aborts its open transaction, so
+   ``read_committed`` readers are not held up by it;
+2. every manifest on ``weights.<policy>`` is read; the newest version's weights are rebuilt
+   with a ``WeightFollower`` (bit-exact, sha256-verified) and its optimizer state is loaded
+   from the blob named in the manifest's ``meta`` (``optimizer_uri``/``optimizer_sha256``);
+3. consumption resumes at the manifest's ``consumed_offsets``, which are the group's
+   committed offsets because both were committed in the same transaction (checked and
+   logged).
+
+So no batch is lost and none is trained twice, and a resumed trainer continues bit for bit
+as an uninterrupted one would have. Version 0 (the initial weights) is published when
+``weights.<policy>`` is empty; version ``k`` is the model after ``k`` batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from astraflow.codec import RecordDecodeError
+from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
+from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.topics import missing_topics
+from astraflow.records import (
+    Batch,
+    BlobRef,
+    ComponentStatus,
+    DeadLetter,
+    PartitionOffset,
+    WeightManifest,
+    now_ms,
+)
+from astraflow.topology import Topology
+from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+log = logging.getLogger("astraflow.trainer")
+
+CRASH_ENV = "ASTRAFLOW_TRAINER_CRASH_AT"  # test hook: SIGKILL self before committing version N
+
+
+def default_state_dir(run: str, policy: str) -> Path:
+    return Path("~/.local/state/astraflow/trainer").expanduser() / f"{run}.{policy}"
+
+
+@dataclass
+class ServiceOptions:
+    policy: str
+    model_path: str
+    blob_store: str | None = None  # default: file://<state_dir>/blobs
+    state_dir: str | None = None
+    instance: str | None = None
+    anchor_interval: int = 10
+    keep_optimizer: int = 3  # optimizer blobs of the newest K versions are kept
+    max_steps: int | None = None  # stop (cleanly) after this many steps in this process
+    poll_timeout_s: float = 0.5
+    session_timeout_ms: int = 10_000
+    max_poll_interval_ms: int = 3_600_000  # a step may take long on a big model
+    commit_retries: int = 3
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class ServiceCounters:
+    steps: int = 0
+    consumed: int = 0
+    produced: int = 0
+    dead_lettered: int = 0
+    waiting_s: float = 0.0
+    busy_s: float = 0.0
+    started_at_ms: int = field(default_factory=now_ms)
+
+
+def _safe(policy: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", policy)[:120] or "policy"
+
+
+class TrainerService:
+    """Runs the trainer of one policy against Kafka until ``stop()`` (or SIGTERM)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        options: ServiceOptions,
+        config: KafkaConfig | None = None,
+        trainer: Trainer | None = None,
+    ):
+        self.topology = topology
+        self.options = options
+        self.policy = options.policy
+        self.config = (config or topology.kafka).effective()
+        self.instance = options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or "0"
+        self.group = f"{topology.run}.trainer.{self.policy}"
+        self.transactional_id = f"{self.group}.{self.instance}"
+        self.component_id = f"trainer.{self.policy}/{self.instance}"
+        self.batches_topic = topology.full_name(f"batches.{self.policy}")
+        self.weights_topic = topology.full_name(f"weights.{self.policy}")
+        self.status_topic = topology.full_name("status")
+        self.dlq_topic = topology.full_name("dlq")
+        self.state_dir = (
+            Path(options.state_dir).expanduser()
+            if options.state_dir
+            else (default_state_dir(topology.run, self.policy))
+        )
+        self.blob_uri = options.blob_store or (self.state_dir / "blobs").absolute().as_uri()
+        self.codec = make_codec_for(self.config)
+        self.counters = ServiceCounters()
+        self.trainer = trainer
+        self.version: int | None = None
+        self.resumed_from: int | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.positions: dict[tuple[str, int], int] = {}
+        self._optimizer_refs: list[BlobRef] = []
+        self._dead: list[DeadLetter] = []
+        self._check_committed: list[TopicPartition] = []
+        self._stop = threading.Event()
+        self._last_status = 0.0
+        self._loop_start = time.monotonic()
+        crash = os.environ.get(CRASH_ENV)
+        self._crash_at = int(crash) if crash else None
+
+    def stop(self) -> None:
+        """Finish the current step (its transaction included), then return from ``run``."""
+        self._stop.set()
+
+    # --- start-up ------------------------------------------------------------------------
+    def _open(self):
+        from astraflow.weights.store import open_store
+
+        missing = missing_topics(
+            make_admin(self.config),
+            [self.batches_topic, self.weights_topic, self.status_topic, self.dlq_topic],
+        )
+        if missing:
+            raise RuntimeError(
+                f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
+                f"create them with `astraflow topics apply {self.topology.source}`"
+            )
+        self.store = open_store(self.blob_uri, self.config)
+        # first: fence a dead predecessor and abort its open transaction
+        self.producer = RecordProducer(
+            self.config,
+            self.codec,
+            transactional_id=self.transactional_id,
+            **{"transaction.timeout.ms": 60_000},
+        )
+        if self.trainer is None:
+            self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy)
+
+    def _restore(self) -> None:
+        from astraflow.weights.history import WeightFollower, WeightPublisher
+        from astraflow.weights.kafka_store import read_manifests
+
+        manifests = [
+            m for m in read_manifests(self.config, self.weights_topic) if m.policy == self.policy
+        ]
+        o = self.options
+        if not manifests:
+            self.publisher = WeightPublisher(
+                self.store, self.policy, anchor_interval=o.anchor_interval
+            )
+            ms = self.publisher.publish(self.trainer.state_dict(), version=0, trainer_step=0)
+            self._commit(ms, offsets=False, status=False)
+            self.version = 0
+            log.info(
+                "%s: published initial weights as version 0 (%d bytes) on %s",
+                self.component_id,
+                ms[-1].encoded_bytes,
+                self.weights_topic,
+            )
+            return
+        follower = WeightFollower(
+            policy=self.policy, stores=[self.store], kafka_config=self.config, inplace=False
+        )
+        follower.observe(manifests)
+        t0 = time.perf_counter()
+        res = follower.update()
+        version = follower.version
+        assert version is not None and follower.state is not None
+        self.trainer.load_weights(follower.state)
+        latest = [m for m in manifests if m.version == version]
+        meta = latest[0].meta
+        if "optimizer_uri" in meta:
+            ref = BlobRef(
+                uri=meta["optimizer_uri"],
+                bytes=int(meta["optimizer_bytes"]),
+                sha256=meta["optimizer_sha256"],
+            )
+            with follower.resolver.open(ref) as f:
+                self.trainer.load_optimizer_bytes(f.read())
+            self._optimizer_refs.append(ref)
+        elif version > 0:
+            raise RuntimeError(
+                f"{self.weights_topic}: version {version} names no optimizer state "
+                "(meta optimizer_uri); cannot resume exactly"
+            )
+        self.trainer.steps = version
+        self.publisher = WeightPublisher(
+            self.store,
+            self.policy,
+            anchor_interval=o.anchor_interval,
+            version=version,
+            state=self.trainer.state_dict(),
+        )
+        self.positions = {(p.topic, p.partition): p.offset for p in latest[0].consumed_offsets}
+        self.version = self.resumed_from = version
+        log.info(
+            "%s: resumed at version %d (%d manifests applied, %d bytes, %.2fs); "
+            "optimizer state %s; consuming from %s",
+            self.component_id,
+            version,
+            len(res.applied),
+            res.bytes_fetched,
+            time.perf_counter() - t0,
+            "loaded" if "optimizer_uri" in meta else "fresh",
+            _fmt_positions(self.positions) or "the group's committed offsets",
+        )
+
+    # --- consumer ------------------------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            pos = self.positions.get((tp.topic, tp.partition))
+            if pos is not None:
+                tp.offset = pos
+        consumer.assign(partitions)
+        self._check_committed = list(partitions)
+        log.info(
+            "%s: assigned %s",
+            self.component_id,
+            ", ".join(f"{p.topic}[{p.partition}]@{p.offset}" for p in partitions),
+        )
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info(
+            "%s: partitions revoked: %s",
+            self.component_id,
+            ", ".join(f"{p.topic}[{p.partition}]" for p in partitions),
+        )
+
+    def _verify_committed(self, consumer: Consumer) -> None:
+        parts, self._check_committed = self._check_committed, []
+        if not parts:
+            return
+        committed = consumer.committed(
+            [TopicPartition(p.topic, p.partition) for p in parts], timeout=30
+        )
+        for tp in committed:
+            mine = self.positions.get((tp.topic, tp.partition))
+            group = tp.offset if tp.offset >= 0 else None
+            if mine != group:
+                log.warning(
+                    "%s: %s[%d]: group %s committed %s but version %s consumed up to %s; "
+                    "resuming from the manifest's offset",
+                    self.component_id,
+                    tp.topic,
+                    tp.partition,
+                    self.group,
+                    group,
+                    self.version,
+                    mine,
+                )
+            else:
+                log.info(
+                    "%s: %s[%d]: committed offset %s matches version %s's manifest",
+                    self.component_id,
+                    tp.topic,
+                    tp.partition,
+                    group,
+                    self.version,
+                )
+
+    # --- transactions --------------------------------------------------------------------
+    def _commit(
+        self, manifests: list[WeightManifest], offsets: bool = True, status: bool = False
+    ) -> None:
+        dead = list(self._dead) if offsets else []  # dead letters go with their offsets
+        for attempt in range(1, self.options.commit_retries + 1):
+            self.producer.begin()
+            try:
+                for m in manifests:
+                    self.producer.produce(self.weights_topic, m, key=self.policy)
+                for d in dead:
+                    self.producer.produce(self.dlq_topic, d, d.raw_key)
+                if status:
+                    self.producer.produce(self.status_topic, self.status(), self.component_id)
+                if offsets and self.positions:
+                    tps = [TopicPartition(t, p, o) for (t, p), o in sorted(self.positions.items())]
+                    self.producer.producer.send_offsets_to_transaction(
+                        tps, self.consumer.consumer_group_metadata(), 30
+                    )
+                if (
+                    self._crash_at is not None
+                    and manifests
+                    and manifests[0].version == self._crash_at
+                ):
+                    self.producer.flush()
+                    log.warning(
+                        "%s: %s=%d: SIGKILL before committing",
+                        self.component_id,
+                        CRASH_ENV,
+                        self._crash_at,
+                    )
+                    os.kill(os.getpid(), signal.SIGKILL)
+                self.producer.commit()
+            except KafkaException as e:
+                kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+                if (
+                    kerr is not None
+                    and kerr.txn_requires_abort()
+                    and attempt < self.options.commit_retries
+                ):
+                    log.warning(
+                        "%s: aborting transaction (attempt %d): %s",
+                        self.component_id,
+                        attempt,
+                        kerr,
+                    )
+                    self.producer.abort()
+                    continue
+                if kerr is not None and kerr.fatal():
+                    raise RuntimeError(
+                        f"{self.component_id}: fatal producer error ({kerr.str()}); if it "
+                        f"says fenced, another trainer runs with transactional id "
+                        f"{self.transactional_id}"
+                    ) from e
+                raise
+            self.counters.produced += len(manifests)
+            self.counters.dead_lettered += len(dead)
+            del self._dead[: len(dead)]
+            if status:
+                self._last_status = time.monotonic()
+            return
+
+    def _status_due(self) -> bool:
+        return time.monotonic() - self._last_status >= self.topology.status_interval_s
+
+    def wait_fraction(self) -> float:
+        wall = time.monotonic() - self._loop_start
+        return self.counters.waiting_s / wall if wall > 0 else 0.0
+
+    def status(self) -> ComponentStatus:
+        c = self.counters
+        metrics = {k: float(v) for k, v in self.last_metrics.items()}
+        metrics["trainer/wait_fraction"] = self.wait_fraction()
+        metrics["trainer/version"] = float(self.version if self.version is not None else -1)
+        return ComponentStatus(
+            component_id=self.component_id,
+            kind="trainer",
+            host=socket.gethostname(),
+            policy=self.policy,
+            state="stopping" if self._stop.is_set() else "running",
+            produced=c.produced,
+            consumed=c.consumed,
+            dead_lettered=c.dead_lettered,
+            waiting_s=c.waiting_s,
+            busy_s=c.busy_s,
+            weight_versions={self.policy: self.version if self.version is not None else -1},
+            started_at_ms=c.started_at_ms,
+            metrics=metrics,
+        )
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self) -> ServiceCounters:
+        self._open()
+        self._restore()
+        self.consumer = Consumer(
+            self.config.consumer_conf(
+                self.group,
+                **{
+                    "session.timeout.ms": self.options.session_timeout_ms,
+                    "max.poll.interval.ms": self.options.max_poll_interval_ms,
+                },
+            )
+        )
+        self.consumer.subscribe(
+            [self.batches_topic],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_revoke,
+        )
+        log.info(
+            "%s: consuming %s as group %s, transactional id %s, blobs in %s",
+            self.component_id,
+            self.batches_topic,
+            self.group,
+            self.transactional_id,
+            self.store.uri,
+        )
+        self._loop_start = time.monotonic()
+        steps = 0
+        try:
+            while not self._stop.is_set():
+                if self.options.max_steps is not None and steps >= self.options.max_steps:
+                    break
+                t0 = time.monotonic()
+                msgs = self.consumer.consume(1, self.options.poll_timeout_s)
+                self.counters.waiting_s += time.monotonic() - t0
+                if self._check_committed:
+                    self._verify_committed(self.consumer)
+                batch = None
+                for m in msgs:
+                    batch = self._decode(m)
+                if batch is None:
+                    if self._status_due():
+                        self._commit([], offsets=False, status=True)
+                    continue
+                self._step(*batch)
+                steps += 1
+        finally:
+            log.info(
+                "%s: leaving group %s at version %s", self.component_id, self.group, self.version
+            )
+            self.consumer.close()
+            self.store.close()
+        return self.counters
+
+    def _decode(self, m) -> tuple[Batch, str, int, int] | None:
+        err = m.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                return None
+            if err.fatal():
+                raise KafkaException(err)
+            log.warning("%s: consumer error: %s", self.component_id, err)
+            return None
+        topic, part, off = m.topic(), m.partition(), m.offset()
+        self.counters.consumed += 1
+        try:
+            rec = self.codec.decode(m.value(), topic, part, off, expect=Batch)
+        except RecordDecodeError as e:
+            reason = f"{type(e).__name__}: {e}"
+            log.warning(
+                "%s: dead-lettering %s[%d]@%d: %s", self.component_id, topic, part, off, reason
+            )
+            # goes out with the next version's transaction, together with this offset
+            self._dead.append(
+                DeadLetter(
+                    source_topic=topic,
+                    partition=part,
+                    offset=off,
+                    component_id=self.component_id,
+                    error=reason,
+                    raw=m.value() or b"",
+                    raw_key=m.key(),
+                )
+            )
+            self.positions[(topic, part)] = off + 1
+            return None
+        return rec, topic, part, off
+
+    def _step(self, batch: Batch, topic: str, part: int, off: int) -> None:
+        t0 = time.monotonic()
+        assert self.version is not None
+        metrics = self.trainer.train_step(batch, current_version=self.version)
+        self.positions[(topic, part)] = off + 1
+        version = self.version + 1
+        opt_ref = self.store.put(
+            f"{_safe(self.policy)}.v{version:08d}.optim.{uuid.uuid4().hex[:12]}",
+            self.trainer.optimizer_bytes(),
+        )
+        meta = {
+            "optimizer_uri": opt_ref.uri,
+            "optimizer_sha256": opt_ref.sha256,
+            "optimizer_bytes": str(opt_ref.bytes),
+            "batch_id": batch.batch_id,
+            "loss": f"{metrics['trainer/loss']:.6g}",
+            "reward_mean": f"{metrics['trainer/reward_mean']:.6g}",
+        }
+        offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
+        manifests = self.publisher.publish(
+            self.trainer.state_dict(),
+            version=version,
+            trainer_step=version,
+            consumed_offsets=offsets,
+            meta=meta,
+        )
+        self.version = version
+        self.counters.steps += 1
+        self.counters.busy_s += time.monotonic() - t0
+        metrics["trainer/version"] = float(version)
+        metrics["trainer/wait_fraction"] = self.wait_fraction()
+        self.last_metrics = metrics
+        self._commit(manifests, offsets=True, status=self._status_due())
+        self._optimizer_refs.append(opt_ref)
+        self._drop_old_optimizer_states()
+        delta = next((m for m in manifests if m.kind == "delta"), manifests[0])
+        log.info(
+            "%s: v%d batch %s @%s[%d]:%d loss %.5f reward %.3f clip %.3f kl %.2e grad %.3f "
+            "wait %.2f step %.2fs | %s sparsity %.4f %d bytes%s",
+            self.component_id,
+            version,
+            batch.batch_id,
+            topic,
+            part,
+            off,
+            metrics["trainer/loss"],
+            metrics["trainer/reward_mean"],
+            metrics["trainer/clip_frac"],
+            metrics["trainer/approx_kl"],
+            metrics["trainer/grad_norm"],
+            metrics["trainer/wait_fraction"],
+            metrics["trainer/step_seconds"],
+            delta.kind,
+            delta.sparsity,
+            delta.encoded_bytes,
+            " (+full)" if len(manifests) > 1 else "",
+        )
+
+    def _drop_old_optimizer_states(self) -> None:
+        keep = max(1, self.options.keep_optimizer)
+        while len(self._optimizer_refs) > keep:
+            ref = self._optimizer_refs.pop(0)
+            try:
+                self.store.delete(ref)
+            except Exception as e:  # a store that cannot delete keeps it: harmless
+                log.debug("could not delete %s: %s", ref.uri, e)
+
+
+def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:
+    return ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(positions.items()))
+
+
+__all__ = ["CRASH_ENV", "ServiceCounters", "ServiceOptions", "TrainerService", "default_state_dir"]

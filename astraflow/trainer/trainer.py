@@ -1,0 +1,250 @@
+"""The policy-gradient step on a Hugging Face causal LM, without Kafka.
+
+``Trainer.train_step(batch)`` takes one ``Batch`` (token ids, loss masks and behaviour
+log-probs as the rollout recorded them; nothing is tokenized here), computes GRPO group
+advantages from the sequence rewards, the new log-probs of every token given its prefix,
+the clipped/truncated loss of ``astraflow.trainer.loss`` on the loss-mask tokens, and takes
+one AdamW step with gradient-norm clipping. Micro-batching (``micro_batch_size`` sequences
+per forward/backward, gradients accumulated) bounds memory; the result is the same step as
+one full-batch pass, because the loss is normalised by the token count of the whole batch.
+
+Determinism: the model runs in eval mode (no dropout), so a step depends only on weights,
+optimizer state and batch; with the same torch thread count a resumed trainer reproduces an
+uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from astraflow.records import Batch, Sequence
+from astraflow.trainer.loss import SUM_KEYS, group_advantages, policy_loss
+
+log = logging.getLogger("astraflow.trainer")
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class TrainerConfig:
+    """Hyper-parameters of the step (all have CLI flags in ``astraflow trainer run``)."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float = 2.0
+    normalize_std: bool = True
+    micro_batch_size: int = 8  # sequences per forward/backward
+    dtype: str = "fp32"
+    device: str = "cpu"
+    pad_token_id: int = 0
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
+    """``dtype=`` on transformers >= 4.56, ``torch_dtype=`` before."""
+    import transformers
+
+    try:
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    except ValueError:
+        return {"dtype": dtype}
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    advantage: float
+
+
+class Trainer:
+    """One policy's model and optimizer; ``train_step`` per batch."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: TrainerConfig | None = None,
+        policy: str | None = None,
+        model: Any = None,
+    ):
+        self.config = config or TrainerConfig()
+        self.policy = policy
+        c = self.config
+        if c.dtype not in DTYPES:
+            raise ValueError(f"dtype {c.dtype!r}: use one of {sorted(DTYPES)}")
+        self.dtype = DTYPES[c.dtype]
+        self.device = torch.device(c.device)
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, local_files_only=True, **_dtype_kwarg(self.dtype)
+            )
+        self.model = model.to(self.device)
+        self.model.eval()  # no dropout: deterministic, and log-probs match the rollout's
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=c.lr,
+            betas=c.betas,
+            eps=c.adam_eps,
+            weight_decay=c.weight_decay,
+        )
+        self.steps = 0
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights (what is published), detached."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
+
+    def optimizer_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), buf)
+        return buf.getvalue()
+
+    def load_optimizer_bytes(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state)
+
+    # --- the step ------------------------------------------------------------------------
+    def _rows(self, batch: Batch) -> list[_Row]:
+        policy = self.policy or batch.policy
+        rows: list[_Row] = []
+        for g in batch.groups:
+            seqs = [s for s in g.sequences if not s.policy or not policy or s.policy == policy]
+            if not seqs:
+                continue
+            adv = group_advantages([[s.reward for s in seqs]], self.config.normalize_std)[0]
+            for s, a in zip(seqs, adv.tolist()):
+                n = len(s.token_ids)
+                if len(s.loss_mask) != n or len(s.logprobs) != n:
+                    raise ValueError(
+                        f"batch {batch.batch_id} group {g.group_id}: token_ids ({n}), "
+                        f"loss_mask ({len(s.loss_mask)}) and logprobs ({len(s.logprobs)}) "
+                        "must have the same length"
+                    )
+                rows.append(_Row(s, a))
+        return rows
+
+    def _tensors(self, rows: list[_Row]):
+        """Right-padded ids, attention mask, behaviour log-probs, loss mask, advantages."""
+        n = max(len(r.seq.token_ids) for r in rows)
+        b = len(rows)
+        ids = torch.full((b, n), self.config.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((b, n), dtype=torch.long)
+        behaviour = torch.zeros((b, n), dtype=torch.float32)
+        mask = torch.zeros((b, n), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            k = len(r.seq.token_ids)
+            ids[i, :k] = torch.tensor(r.seq.token_ids, dtype=torch.long)
+            attn[i, :k] = 1
+            behaviour[i, :k] = torch.tensor(r.seq.logprobs, dtype=torch.float32)
+            mask[i, :k] = torch.tensor(r.seq.loss_mask, dtype=torch.float32)
+        mask[:, 0] = 0.0  # the first token has no prefix to be predicted from
+        mask = (mask > 0).float()
+        adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)[:, None]
+        return ids, attn, behaviour, mask, adv
+
+    def token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """log pi(token_t | tokens_<t) for t >= 1, in float32; column 0 is 0."""
+        logits = (
+            self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device))
+            .logits[:, :-1]
+            .float()
+        )
+        target = ids[:, 1:].to(self.device)
+        picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        lp = picked - torch.logsumexp(logits, dim=-1)
+        return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+    def train_step(self, batch: Batch, current_version: int | None = None) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns ``trainer/*`` metrics.
+
+        ``current_version``: the weight version being trained from (only for the staleness
+        metrics: how many versions behind it the batch's generated tokens are).
+        """
+        t0 = time.perf_counter()
+        c = self.config
+        rows = self._rows(batch)
+        rewards = [r.seq.reward for r in rows]
+        total_tokens = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(SUM_KEYS, 0.0)
+        ratio_max = 0.0
+        loss_total = 0.0
+        metrics_extra: dict[str, float] = {}
+        for start in range(0, len(rows), max(1, c.micro_batch_size)):
+            part = rows[start : start + max(1, c.micro_batch_size)]
+            ids, attn, behaviour, mask, adv = self._tensors(part)
+            if mask.sum() == 0:
+                continue
+            new = self.token_logprobs(ids, attn)
+            out = policy_loss(
+                new,
+                behaviour.to(self.device),
+                adv.to(self.device),
+                mask.to(self.device),
+                clip_low=c.clip_low,
+                clip_high=c.clip_high,
+                tis_cap=c.tis_cap,
+                num_tokens=total_tokens,
+            )
+            out.loss.backward()
+            loss_total += float(out.loss.detach())
+            for k in SUM_KEYS:
+                sums[k] += out.sums[k]
+            ratio_max = max(ratio_max, out.sums["ratio_max"])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if total_tokens > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm))
+            self.optimizer.step()
+        else:
+            grad_norm = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if current_version is not None:
+            lags = [
+                current_version - v
+                for r in rows
+                for v, m in zip(r.seq.versions, r.seq.loss_mask)
+                if m and v >= 0
+            ]
+            if lags:
+                metrics_extra["trainer/staleness_mean"] = sum(lags) / len(lags)
+                metrics_extra["trainer/staleness_max"] = float(max(lags))
+        denom = max(total_tokens, 1)
+        metrics = {
+            "trainer/loss": loss_total,
+            "trainer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "trainer/grad_norm": grad_norm,
+            "trainer/sequences": float(len(rows)),
+            "trainer/loss_tokens": float(total_tokens),
+            "trainer/ratio_max": ratio_max,
+            "trainer/step_seconds": time.perf_counter() - t0,
+        }
+        for k in SUM_KEYS:
+            metrics[f"trainer/{k}"] = sums[k] / denom
+        metrics.update(metrics_extra)
+        return metrics
+
+
+__all__ = ["DTYPES", "Trainer", "TrainerConfig"]
