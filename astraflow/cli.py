@@ -266,7 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # component command groups; each module keeps its heavy imports (torch) inside handlers
-_EXTENSIONS = ("astraflow.weights.cli", "astraflow.trainer.cli")
+_EXTENSIONS = (
+    "astraflow.weights.cli",
+    "astraflow.trainer.cli",
+    "astraflow.model",
+    "astraflow.feeder",
+    "astraflow.raas.cli",
+    "astraflow.evaluator",
+    "astraflow.launcher",
+)
 
 
 def _extension_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:

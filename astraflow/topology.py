@@ -123,6 +123,34 @@ IMPLICIT_TOPICS: dict[str, dict[str, Any]] = {
 }
 
 
+class PolicySpec(_Strict):
+    """One trained policy: its model and its trainer's settings."""
+
+    model: str  # local path of a Hugging Face model directory
+    init_tiny: bool = True  # `astraflow up` writes the tiny default model there if missing
+    warm_start_steps: int = Field(default=0, ge=0)
+    lr: float = Field(default=1e-5, gt=0)
+    anchor_interval: int = Field(default=10, ge=1)
+    trainer_args: list[str] = Field(default_factory=list)  # extra `trainer run` flags
+
+
+class PoolSpec(_Strict):
+    """A RaaS pool: how many nodes `astraflow up` starts, and their settings."""
+
+    nodes: int = Field(default=1, ge=0)
+    n_samples: int = Field(default=8, ge=1)
+    raas_args: list[str] = Field(default_factory=list)  # extra `raas run` flags
+
+
+class FeederSpec(_Strict):
+    args: list[str] = Field(default_factory=list)  # `feeder run` flags, e.g. [--levels, "1,2"]
+
+
+class EvalSpec(_Strict):
+    every_versions: int = Field(default=5, ge=1)
+    args: list[str] = Field(default_factory=list)  # extra `eval run` flags
+
+
 class Topology(_Strict):
     """A whole run definition."""
 
@@ -132,6 +160,10 @@ class Topology(_Strict):
     topic_defaults: TopicDefaults = Field(default_factory=TopicDefaults)
     topics: dict[str, TopicSpec] = Field(default_factory=dict)
     processors: dict[str, ProcessorSpec] = Field(default_factory=dict)
+    policies: dict[str, PolicySpec] = Field(default_factory=dict)
+    pools: dict[str, PoolSpec] = Field(default_factory=dict)
+    feeder: FeederSpec | None = None
+    eval: EvalSpec | None = None
 
     source: str = Field(default="<memory>", exclude=True)
 

@@ -1,0 +1,89 @@
+"""Held-out evaluation from the weights topic: ``astraflow eval run``.
+
+Follows ``weights.<policy>``, rebuilds every ``--every``-th version bit-exactly through the
+weight engine, scores greedy answers on the held-out split and publishes the accuracy as a
+``ComponentStatus`` (kind ``evaluator``, metric ``eval/accuracy``) on ``status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("astraflow.evaluator")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("eval", help="held-out evaluation of published weight versions")
+    esub = p.add_subparsers(dest="eval_command", required=True, metavar="ACTION")
+    r = esub.add_parser("run", help="evaluate every N-th version as it is published")
+    r.add_argument("--topology", "-t", required=True, metavar="FILE")
+    r.add_argument("--bootstrap")
+    r.add_argument("--policy", default="actor")
+    r.add_argument("--model", required=True, metavar="PATH", help="the policy's base model dir")
+    r.add_argument("--every", type=int, default=5, metavar="N", help="evaluate versions k*N")
+    r.add_argument("--levels", default="1,2")
+    r.add_argument("--size", type=int, default=200, help="held-out prompts")
+    r.add_argument("--max-new-tokens", type=int, default=8)
+    r.add_argument("--once", action="store_true", help="evaluate the latest version and exit")
+    r.set_defaults(func=cmd_eval_run)
+    return p
+
+
+def cmd_eval_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from astraflow.kafka.clients import RecordProducer
+    from astraflow.model import evaluate, load_policy
+    from astraflow.records import ComponentStatus
+    from astraflow.tasks.arithmetic import eval_problems
+    from astraflow.weights import WeightFollower, read_manifests
+
+    topo = args.loaded_topology
+    config = topo.kafka.effective()
+    if args.bootstrap:
+        config = config.model_copy(update={"bootstrap_servers": args.bootstrap})
+    torch.set_num_threads(1)
+    model, tokenizer = load_policy(args.model)
+    tasks = eval_problems(levels=[int(x) for x in args.levels.split(",")], n=args.size)
+    topic = topo.full_name(f"weights.{args.policy}")
+    follower = WeightFollower(policy=args.policy, kafka_config=config)
+    producer = RecordProducer(config)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    done: set[int] = set()
+    component = f"eval-{args.policy}/{socket.gethostname()}"
+    while not stop.is_set():
+        manifests = read_manifests(config, topic, timeout_s=30)
+        follower.observe(manifests)
+        versions = sorted({m.version for m in manifests})
+        if args.once:
+            wanted = versions[-1:]
+        else:
+            wanted = [v for v in versions if v % args.every == 0 and v not in done]
+        for v in wanted[-1:]:  # the newest due version; older ones are history
+            result = follower.update(v)
+            model.load_state_dict(follower.state)
+            t0 = time.time()
+            acc = evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens)
+            done.update(x for x in wanted if x <= v)
+            log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
+                     args.policy, v, acc, len(tasks), time.time() - t0,
+                     getattr(result, "steps", ""))
+            print(f"eval {args.policy} v{v} accuracy {acc:.4f}", flush=True)
+            producer.produce(topo.full_name("status"), ComponentStatus(
+                component_id=component, kind="evaluator", host=socket.gethostname(),
+                policy=args.policy, weight_versions={args.policy: v},
+                metrics={"eval/accuracy": acc, "eval/version": float(v),
+                         "eval/prompts": float(len(tasks))}), key=component)
+            producer.flush()
+        if args.once:
+            break
+        stop.wait(2.0)
+    return 0

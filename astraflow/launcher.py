@@ -1,0 +1,319 @@
+"""``astraflow up`` / ``astraflow down``: run a whole topology as local processes.
+
+``up`` starts the embedded broker if needed, applies the topics, writes missing tiny
+models, then starts one process per component (trainer per policy, every processor, the
+RaaS nodes of every pool, the feeder and the evaluator), each an ordinary ``astraflow``
+subcommand with its log under ``runs/<run>/logs/``. It prints live progress read from the
+``status`` topic and, when it ends (``--duration``, ``--versions`` or Ctrl-C), stops the
+processes and writes ``runs/<run>/summary.json`` and ``summary.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from astraflow.topology import Topology
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("up", help="run a whole topology locally, with live progress")
+    p.add_argument("topology", metavar="FILE")
+    p.add_argument("--runs-dir", default="runs", help="where logs and summaries go")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds to run (0: forever)")
+    p.add_argument("--versions", type=int, default=0, help="stop after this many versions")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete this run's topics first (start from version 0)")
+    p.set_defaults(func=cmd_up)
+    d = subparsers.add_parser("down", help="stop what `astraflow up` started")
+    d.add_argument("topology", metavar="FILE")
+    d.add_argument("--runs-dir", default="runs")
+    d.set_defaults(func=cmd_down)
+
+
+def _astraflow(*args: str) -> list[str]:
+    return [sys.executable, "-m", "astraflow.cli", *args]
+
+
+def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
+    """Name -> command line of every process `up` starts for ``topo``."""
+    procs: dict[str, list[str]] = {}
+    policy_models = [f"{p}={spec.model}" for p, spec in topo.policies.items()]
+    for policy, spec in topo.policies.items():
+        procs[f"trainer-{policy}"] = _astraflow(
+            "trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
+            "--lr", str(spec.lr), "--anchor-interval", str(spec.anchor_interval),
+            *spec.trainer_args)
+    for name in topo.processors:
+        procs[f"processor-{name}"] = _astraflow("processor", "run", name, "--topology", path,
+                                                "--instance", "up")
+    for pool, spec in topo.pools.items():
+        for i in range(spec.nodes):
+            args = ["raas", "run", "--topology", path, "--pool", pool, "--instance",
+                    f"{pool}-{i}", "--n-samples", str(spec.n_samples)]
+            for pm in policy_models:
+                args += ["--policy-model", pm]
+            procs[f"raas-{pool}-{i}"] = _astraflow(*args, *spec.raas_args)
+    if topo.feeder is not None:
+        procs["feeder"] = _astraflow("feeder", "run", "--topology", path, *topo.feeder.args)
+    if topo.eval is not None:
+        for policy, spec in topo.policies.items():
+            procs[f"eval-{policy}"] = _astraflow(
+                "eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
+                "--every", str(topo.eval.every_versions), *topo.eval.args)
+    return procs
+
+
+@dataclass
+class Progress:
+    """Latest figures per component, folded from ``status`` records."""
+
+    started: float = field(default_factory=time.time)
+    versions: dict[str, int] = field(default_factory=dict)
+    trainer: dict[str, dict[str, float]] = field(default_factory=dict)
+    rollout_reward: dict[str, float] = field(default_factory=dict)  # per raas component
+    stale_dropped: float = 0.0
+    eval: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)
+    series: list[dict[str, float]] = field(default_factory=list)
+
+    def fold(self, status) -> None:
+        m = status.metrics
+        if status.kind == "trainer":
+            self.versions[status.policy] = status.weight_versions.get(status.policy, 0)
+            self.trainer[status.policy] = dict(m)
+        elif status.kind == "raas" and "rollout/reward_mean" in m:
+            self.rollout_reward[status.component_id] = m["rollout/reward_mean"]
+        elif status.kind == "processor" and "staleness/dropped" in m:
+            self.stale_dropped = m["staleness/dropped"]
+        elif status.kind == "evaluator":
+            v = status.weight_versions.get(status.policy, -1)
+            points = self.eval.setdefault(status.policy, [])
+            if not points or points[-1][1] != v:
+                points.append((time.time() - self.started, v, m["eval/accuracy"]))
+
+    def line(self, lag: int) -> str:
+        t = time.time() - self.started
+        parts = [f"{t:6.0f}s"]
+        for policy, v in sorted(self.versions.items()):
+            tm = self.trainer.get(policy, {})
+            parts.append(f"{policy} v{v} reward {tm.get('trainer/reward_mean', float('nan')):.3f}"
+                         f" wait {tm.get('trainer/wait_fraction', float('nan')):.2f}")
+            ev = self.eval.get(policy)
+            if ev:
+                parts.append(f"eval {ev[-1][2]:.3f}@v{ev[-1][1]}")
+        if self.rollout_reward:
+            r = sum(self.rollout_reward.values()) / len(self.rollout_reward)
+            parts.append(f"rollout reward {r:.3f}")
+        parts.append(f"tasks lag {lag}")
+        parts.append(f"stale drops {self.stale_dropped:.0f}")
+        self.series.append({"t": t, **{f"version/{p}": float(v) for p, v in self.versions.items()},
+                            **{f"reward/{p}": tm.get("trainer/reward_mean", float("nan"))
+                               for p, tm in self.trainer.items()}})
+        return " | ".join(parts)
+
+
+def _pids_file(topo: Topology, runs_dir: str) -> Path:
+    return Path(runs_dir) / topo.run / "pids.json"
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from astraflow.broker import EmbeddedBroker
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.lag import LagReader, total_lag
+    from astraflow.kafka.topics import apply_topics
+
+    topo: Topology = args.loaded_topology
+    path = args.topology
+    run_dir = Path(args.runs_dir) / topo.run
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("ASTRAFLOW_BOOTSTRAP") and not topo.kafka.bootstrap_servers:
+        print(EmbeddedBroker().start().describe())
+    config = topo.kafka.effective()
+    admin = make_admin(config)
+    if args.fresh:
+        _delete_run_topics(admin, topo)
+    for c in apply_topics(admin, topo.resolved_topics()):
+        if c.action != "unchanged":
+            print(f"topic {c.action}: {c.topic}")
+    for policy, spec in topo.policies.items():
+        if not Path(spec.model, "config.json").exists():
+            if not spec.init_tiny:
+                print(f"astraflow up: policy {policy}: no model at {spec.model}", file=sys.stderr)
+                return 2
+            print(f"writing the tiny default model for {policy} to {spec.model} "
+                  f"(warm start {spec.warm_start_steps} steps)")
+            subprocess.run(_astraflow("model", "init", spec.model, "--warm-start-steps",
+                                      str(spec.warm_start_steps)), check=True)
+
+    procs: dict[str, subprocess.Popen] = {}
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
+           "PYTHONUNBUFFERED": "1"}
+    for name, cmd in plan_processes(topo, path).items():
+        log = open(run_dir / "logs" / f"{name}.log", "ab")
+        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+    _pids_file(topo, args.runs_dir).write_text(json.dumps({n: p.pid for n, p in procs.items()}))
+    print(f"started {len(procs)} processes ({', '.join(procs)}); logs in {run_dir / 'logs'}")
+
+    progress = Progress()
+    status = _StatusTail(config, topo.full_name("status"))
+    lags = LagReader(config)
+    pool_groups = [f"{topo.run}.raas.{p}" for p in topo.pools]
+    stop = {"flag": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    last_line = 0.0
+    try:
+        while not stop["flag"]:
+            for st in status.poll():
+                progress.fold(st)
+            for name, p in procs.items():
+                if p.poll() is not None and name != "feeder":
+                    print(f"{name} exited with code {p.returncode}; see {run_dir}/logs/{name}.log")
+                    stop["flag"] = True
+            if time.time() - last_line >= 5:
+                lag = sum(total_lag(lags.lag(g, [topo.full_name("tasks")])) for g in pool_groups)
+                print(progress.line(lag), flush=True)
+                last_line = time.time()
+            elapsed = time.time() - progress.started
+            if args.duration and elapsed >= args.duration:
+                break
+            if args.versions and progress.versions and min(progress.versions.values()) >= \
+                    args.versions:
+                break
+            time.sleep(0.5)
+    finally:
+        _stop_all(procs)
+        lags.close()
+        status.close()
+    summary = _write_summary(run_dir, topo, progress)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _delete_run_topics(admin, topo: Topology) -> None:
+    existing = admin.list_topics(timeout=10).topics
+    names = [t.full_name for t in topo.resolved_topics() if t.full_name in existing]
+    if names:
+        for fut in admin.delete_topics(names, operation_timeout=30).values():
+            fut.result()
+        time.sleep(2.0)  # deletions settle before the topics are created again
+
+
+class _StatusTail:
+    def __init__(self, config, topic: str):
+        from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+
+        from astraflow.kafka.clients import make_codec_for
+
+        self.codec = make_codec_for(config)
+        self.consumer = Consumer(config.consumer_conf("astraflow-up", **{"client.id": "up"}))
+        md = self.consumer.list_topics(topic, timeout=10).topics[topic]
+        self.consumer.assign([TopicPartition(topic, p, OFFSET_END) for p in md.partitions])
+
+    def poll(self) -> list:
+        from astraflow.codec import RecordDecodeError
+        from astraflow.records import ComponentStatus
+
+        out = []
+        for m in self.consumer.consume(500, 0.2):
+            if m.error():
+                continue
+            try:
+                out.append(self.codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
+                                             expect=ComponentStatus))
+            except RecordDecodeError:
+                continue
+        return out
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 30.0) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + timeout
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def _write_summary(run_dir: Path, topo: Topology, progress: Progress) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "run": topo.run,
+        "seconds": round(time.time() - progress.started, 1),
+        "versions": progress.versions,
+        "trainer": progress.trainer,
+        "eval": {p: [{"t": round(t, 1), "version": v, "accuracy": a} for t, v, a in pts]
+                 for p, pts in progress.eval.items()},
+        "staleness_dropped": progress.stale_dropped,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for policy in progress.trainer:
+            pts = [(s["t"], s.get(f"reward/{policy}")) for s in progress.series
+                   if s.get(f"reward/{policy}") is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{policy} train reward")
+        for policy, pts in progress.eval.items():
+            if pts:
+                ax.plot([t for t, _, _ in pts], [a for _, _, a in pts], "o-",
+                        label=f"{policy} held-out accuracy")
+        ax.set_xlabel("seconds")
+        ax.set_ylim(0, 1)
+        ax.legend()
+        ax.set_title(f"AstraFlow run {topo.run}")
+        fig.savefig(run_dir / "summary.png", dpi=100, bbox_inches="tight")
+        summary["plot"] = str(run_dir / "summary.png")
+    except ImportError:
+        summary["plot"] = None
+    return summary
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    topo: Topology = args.loaded_topology
+    pids_file = _pids_file(topo, args.runs_dir)
+    if not pids_file.exists():
+        print(f"nothing to stop for run {topo.run} ({pids_file} not found)")
+        return 0
+    pids = json.loads(pids_file.read_text())
+    for name, pid in pids.items():
+        try:
+            os.kill(pid, signal.SIGTERM)
+            print(f"stopping {name} (pid {pid})")
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 30
+    for pid in pids.values():
+        while time.time() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    pids_file.unlink()
+    return 0

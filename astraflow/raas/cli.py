@@ -1,0 +1,143 @@
+"""``astraflow raas run``: one RaaS node of a pool.
+
+Wire into the main CLI with ``register(subparsers)``; also runnable on its own as
+``python -m astraflow.raas.cli run ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+
+def _kv(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _workflow_option(text: str) -> tuple[str, dict[str, Any]]:
+    name, value = _kv(text)
+    try:
+        opts = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{name}: not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise argparse.ArgumentTypeError(f"{name}: expected a JSON object")
+    return name, opts
+
+
+def cmd_raas_run(args: argparse.Namespace) -> int:
+    from astraflow.raas.engine import load_torch_engine
+    from astraflow.raas.node import NodeOptions, RaaSNode
+    from astraflow.topology import load_topology
+
+    log = logging.getLogger("astraflow.raas")
+    topo = getattr(args, "loaded_topology", None) or load_topology(args.topology)
+    config = topo.kafka
+    if getattr(args, "bootstrap", None):
+        config = config.model_copy(update={"bootstrap_servers": args.bootstrap})
+    engines = {}
+    for policy, path in args.policy_model:
+        if policy in engines:
+            print(f"astraflow raas run: policy {policy!r} given twice", file=sys.stderr)
+            return 2
+        engines[policy] = load_torch_engine(path, policy, device=args.device, dtype=args.dtype)
+        log.info("policy %s: loaded %s on %s (version 0)", policy, path, args.device)
+    options = NodeOptions(
+        pool=args.pool,
+        instance=args.instance,
+        n_samples=args.n_samples,
+        tasks_per_transaction=args.tasks_per_transaction,
+        session_timeout_ms=args.session_timeout_ms,
+        follow_weights=not args.no_follow_weights,
+        workflow_options=dict(args.workflow_options or []),
+    )
+    node = RaaSNode(topo, engines, options, config=config)
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: finishing the current task, then leaving the group", signum)
+        node.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    c = node.run()
+    print(
+        f"{node.component_id}: consumed {c.consumed}, produced {c.produced}, "
+        f"dead-lettered {c.dead_lettered}, {c.transactions} transactions, "
+        f"{c.gen_tokens} tokens generated"
+    )
+    return 0
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``raas`` command group to ``subparsers`` (from ``add_subparsers``)."""
+    p = subparsers.add_parser("raas", help="rollout-as-a-service nodes")
+    rsub = p.add_subparsers(dest="raas_command", required=True, metavar="ACTION")
+    run = rsub.add_parser(
+        "run",
+        help="run one RaaS node: consume tasks, produce trajectory groups until SIGTERM",
+    )
+    run.add_argument("--topology", "-t", required=True, metavar="FILE")
+    run.add_argument("--bootstrap", help="bootstrap servers (ASTRAFLOW_BOOTSTRAP overrides)")
+    run.add_argument(
+        "--policy-model",
+        required=True,
+        action="append",
+        type=_kv,
+        metavar="POLICY=PATH",
+        help="a local transformers model directory per policy (repeatable)",
+    )
+    run.add_argument("--pool", default="default", help="pool name; group <run>.raas.<pool>")
+    run.add_argument(
+        "--instance",
+        help="instance id, unique per running node (default: $ASTRAFLOW_INSTANCE or host name)",
+    )
+    run.add_argument("--n-samples", type=int, default=4, metavar="N", help="samples per task")
+    run.add_argument("--tasks-per-transaction", type=int, default=1, metavar="K")
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
+    run.add_argument("--session-timeout-ms", type=int, default=10_000)
+    run.add_argument(
+        "--no-follow-weights",
+        action="store_true",
+        help="keep the initial weights; do not follow weights.<policy>",
+    )
+    run.add_argument(
+        "--workflow-options",
+        action="append",
+        type=_workflow_option,
+        metavar="NAME=JSON",
+        help='options of one workflow, e.g. tool_calc=\'{"max_turns": 3, "tool_latency": '
+        '{"dist": "pareto", "scale_s": 0.05, "alpha": 1.2}}\' (repeatable)',
+    )
+    run.set_defaults(func=cmd_raas_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="astraflow")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["raas", *(argv if argv is not None else sys.argv[1:])])
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from astraflow.topology import TopologyError
+
+    try:
+        return args.func(args)
+    except TopologyError as e:
+        print(f"astraflow: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Generation engines: what a workflow calls to sample tokens from a policy.
+
+An ``Engine`` takes prompts as token ids and returns, per generated token, the token, its
+behaviour log-probability and the weight version that produced it. Engines are small on
+purpose so that other backends (vLLM, OpenAI-compatible servers) can plug in later.
+
+``TorchEngine`` is the embedded default: a plain PyTorch/transformers sampling loop with a
+KV cache over a left-padded batch.
+
+Log-probabilities: for every sampled token the engine reports
+``log_softmax(logits / temperature)[token]``, i.e. the log-probability under the
+*tempered, untruncated* distribution (top-p truncation is applied for sampling only, it is
+not renormalised into the reported value). This is what a trainer recomputes with a
+teacher-forced forward pass at the same temperature. With ``temperature == 0`` (greedy)
+the reported value is ``log_softmax(logits)[token]`` (temperature 1).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``n`` samples per prompt.
+
+    ``stop_token_ids``: generation of a sample ends after one of these tokens (it is kept in
+    the output). ``stop``: strings that end a sample once its generated text contains one
+    (the tokens up to and including the one completing it are kept). ``seed``: a fixed
+    seed makes sampling reproducible for the same prompts, weights and batch.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop = tuple(self.stop)
+
+
+@dataclass
+class Generation:
+    """One sample: the prompt it continued and what was generated.
+
+    ``logprobs[i]`` and ``versions[i]`` belong to ``token_ids[i]``. ``finish_reason`` is
+    ``"stop"`` (a stop token or string) or ``"length"`` (``max_new_tokens`` reached).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+    versions: list[int] = field(default_factory=list)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What workflows need from a policy engine."""
+
+    policy: str
+    version: int  # weight version in force for the next generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        """``params.n`` samples for each prompt: ``out[i][j]`` is sample j of prompt i."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swap in new weights; takes effect at the next generation, never inside one."""
+        ...
+
+
+class TorchEngine:
+    """Batched sampling with a KV cache from a transformers causal LM.
+
+    ``model``: a ``PreTrainedModel`` (e.g. from ``AutoModelForCausalLM``); ``tokenizer``:
+    its tokenizer (used for ``encode``/``decode``, stop strings and the eos id).
+    ``version``: the version of the weights the model holds now (0: loaded from disk).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        policy: str = "actor",
+        version: int = 0,
+        device: str | torch.device | None = None,
+    ):
+        self.device = (
+            torch.device(device) if device is not None else next(model.parameters()).device
+        )
+        self.model = model.to(self.device)
+        self.model.eval()
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.version = version
+        self._lock = threading.Lock()  # generation and weight swaps never overlap
+        self.tokens_generated = 0
+        self.seconds_generating = 0.0
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
+
+    # --- text ------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos
+
+    # --- weights ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state`` into the model (waits for a running generation to end)."""
+        with self._lock:
+            with torch.no_grad():
+                result = self.model.load_state_dict(dict(state), strict=False)
+            tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
+            missing = [k for k in result.missing_keys if k not in tied]
+            if missing or result.unexpected_keys:
+                raise ValueError(
+                    f"{self.policy}: state of version {version} does not fit the model "
+                    f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})"
+                )
+            self.version = version
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: give at least one token")
+        import time
+
+        t0 = time.perf_counter()
+        with self._lock, torch.inference_mode():
+            version = self.version
+            rows = [list(p) for p in prompts for _ in range(params.n)]
+            gens = [Generation(prompt_ids=list(p)) for p in rows]
+            self._sample(rows, gens, params, version)
+        n_tok = sum(len(g.token_ids) for g in gens)
+        self.tokens_generated += n_tok
+        self.seconds_generating += time.perf_counter() - t0
+        return [gens[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _sample(
+        self, rows: list[list[int]], gens: list[Generation], params: SamplingParams, version: int
+    ) -> None:
+        dev = self.device
+        b = len(rows)
+        width = max(len(r) for r in rows)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=dev)
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            gen.seed()
+        stop_ids = set(params.stop_token_ids)
+        window = max((len(s) for s in params.stop), default=0) + 8
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        last_pos = positions[:, -1]
+        for step in range(params.max_new_tokens):
+            tok, lp = _pick(logits, params.temperature, params.top_p, gen)
+            tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
+            newly_done = []
+            for i in range(b):
+                if done_l[i]:
+                    continue
+                g = gens[i]
+                g.token_ids.append(tok_l[i])
+                g.logprobs.append(lp_l[i])
+                g.versions.append(version)
+                if tok_l[i] in stop_ids:
+                    g.finish_reason = "stop"
+                    newly_done.append(i)
+                elif params.stop:
+                    tail = self.decode(g.token_ids[-window:])
+                    if any(s in tail for s in params.stop):
+                        g.finish_reason = "stop"
+                        newly_done.append(i)
+            if newly_done:
+                done[newly_done] = True
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(
+                input_ids=feed[:, None],
+                attention_mask=mask,
+                position_ids=last_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+        for g in gens:
+            if g.finish_reason != "stop":
+                g.finish_reason = "length"
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return it and its log-prob (see the module docstring)."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(dim=-1)
+        drop = (cum - sorted_p) > top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def load_torch_engine(
+    path: str, policy: str, device: str | None = None, dtype: str | None = None
+) -> TorchEngine:
+    """A ``TorchEngine`` for a local model directory (no downloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype:
+        kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return TorchEngine(model, tokenizer, policy=policy, version=0, device=device or "cpu")
+
+
+__all__ = ["Engine", "Generation", "SamplingParams", "TorchEngine", "load_torch_engine"]

@@ -1,0 +1,390 @@
+"""The RaaS node: tasks in, trajectory groups out, exactly once.
+
+The node consumes ``<run>.tasks`` in its pool's consumer group (``<run>.raas.<pool>``),
+runs each task's workflow against its engines, and then, in ONE Kafka transaction,
+produces the ``TrajectoryGroup``s to ``trajectories.raw``, any dead letters to ``dlq``, an
+optional ``ComponentStatus`` to ``status``, and commits the tasks' offsets
+(``send_offsets_to_transaction``). The rollout itself runs outside the transaction, so a
+transaction lives only as long as the produce. A node killed mid-rollout has committed
+nothing for its task: the group hands the task to another member (or to the restarted
+node), and ``read_committed`` readers see each group once. The transactional id is
+``<group>.<instance>``: a restarted instance fences its predecessor.
+
+SIGTERM (``stop()``): finish the current task(s), commit, leave the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from astraflow.codec import RecordDecodeError
+from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
+from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.topics import missing_topics
+from astraflow.raas.engine import Engine
+from astraflow.raas.weights_follow import FollowingEngine, WeightWatcher
+from astraflow.raas.workflows import Workflow, make_workflow
+from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup, now_ms
+from astraflow.topology import Topology
+
+log = logging.getLogger("astraflow.raas")
+
+
+@dataclass
+class NodeOptions:
+    pool: str = "default"
+    instance: str | None = None  # default: $ASTRAFLOW_INSTANCE or the host name
+    n_samples: int = 4
+    tasks_per_transaction: int = 1
+    poll_timeout_s: float = 0.5
+    session_timeout_ms: int = 10_000
+    max_poll_interval_ms: int = 600_000  # longest rollout batch before the group evicts us
+    follow_weights: bool = True
+    weights_catchup_s: float = 10.0
+    workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class NodeCounters:
+    consumed: int = 0
+    produced: int = 0
+    dead_lettered: int = 0
+    transactions: int = 0
+    aborted: int = 0
+    busy_s: float = 0.0
+    waiting_s: float = 0.0
+    gen_tokens: int = 0
+    started_at_ms: int = field(default_factory=now_ms)
+
+
+class RaaSNode:
+    """One rollout node of a pool. ``engines``: policy name -> engine."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        engines: dict[str, Engine],
+        options: NodeOptions | None = None,
+        config: KafkaConfig | None = None,
+    ):
+        if not engines:
+            raise ValueError("a RaaS node needs at least one engine")
+        self.topology = topology
+        self.options = options or NodeOptions()
+        self.config = (config or topology.kafka).effective()
+        self.engines: dict[str, Engine] = dict(engines)
+        self.instance = (
+            self.options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or socket.gethostname()
+        )
+        self.pool = self.options.pool
+        self.component_id = f"raas.{self.pool}/{self.instance}"
+        self.group = f"{topology.run}.raas.{self.pool}"
+        self.transactional_id = f"{self.group}.{self.instance}"
+        self.codec = make_codec_for(self.config)
+        self.counters = NodeCounters()
+        self._tasks = topology.full_name("tasks")
+        self._out = topology.full_name("trajectories.raw")
+        self._dlq = topology.full_name("dlq")
+        self._status_topic = topology.full_name("status")
+        self._workflows: dict[str, Workflow] = {}
+        self._watchers: dict[str, WeightWatcher] = {}
+        self._positions: dict[tuple[str, int], int] = {}
+        self._stop = threading.Event()
+        self.running = threading.Event()
+        self.current_task: str | None = None
+        self._last_metrics: dict[str, float] = {}
+
+    def stop(self) -> None:
+        """Finish the current task(s), commit, leave the group, return from ``run``."""
+        self._stop.set()
+
+    # --- setup -------------------------------------------------------------------------
+    def _workflow(self, name: str) -> Workflow:
+        wf = self._workflows.get(name)
+        if wf is None:
+            wf = self._workflows[name] = make_workflow(
+                name, **self.options.workflow_options.get(name, {})
+            )
+        return wf
+
+    def _start_watchers(self, admin) -> None:
+        if not self.options.follow_weights:
+            return
+        for policy, engine in list(self.engines.items()):
+            logical = f"weights.{policy}"
+            topic = self.topology.full_name(logical)
+            if logical not in self.topology.topics or missing_topics(admin, [topic]):
+                log.warning(
+                    "%s: no topic %s; policy %s keeps its initial weights",
+                    self.component_id,
+                    topic,
+                    policy,
+                )
+                continue
+            watcher = WeightWatcher(self.config, topic, engine, self.codec)
+            watcher.catch_up(self.options.weights_catchup_s)
+            self._watchers[policy] = watcher
+            self.engines[policy] = FollowingEngine(engine, watcher)  # type: ignore[assignment]
+
+    def refresh_weights(self) -> None:
+        for w in self._watchers.values():
+            w.refresh()
+
+    # --- the loop ----------------------------------------------------------------------
+    def run(self) -> NodeCounters:
+        admin = make_admin(self.config)
+        needed = [self._tasks, self._out, self._dlq, self._status_topic]
+        missing = missing_topics(admin, needed)
+        if missing:
+            raise RuntimeError(
+                f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
+                f"create them with `astraflow topics apply {self.topology.source}`"
+            )
+        self._start_watchers(admin)
+        consumer = Consumer(
+            self.config.consumer_conf(
+                self.group,
+                **{
+                    "session.timeout.ms": self.options.session_timeout_ms,
+                    "max.poll.interval.ms": self.options.max_poll_interval_ms,
+                },
+            )
+        )
+        producer = RecordProducer(
+            self.config,
+            self.codec,
+            transactional_id=self.transactional_id,
+            **{"transaction.timeout.ms": 60_000},
+        )
+        consumer.subscribe([self._tasks], on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        log.info(
+            "%s: consuming %s as group %s, transactional id %s, policies %s",
+            self.component_id,
+            self._tasks,
+            self.group,
+            self.transactional_id,
+            ", ".join(f"{p}@v{e.version}" for p, e in self.engines.items()),
+        )
+        self.running.set()
+        last_status = 0.0
+        try:
+            while not self._stop.is_set():
+                self.refresh_weights()
+                t0 = time.monotonic()
+                msgs = consumer.consume(
+                    self.options.tasks_per_transaction, self.options.poll_timeout_s
+                )
+                t1 = time.monotonic()
+                status_due = time.monotonic() - last_status >= self.topology.status_interval_s
+                msgs = [m for m in msgs if not self._skip(m)]
+                if not msgs:
+                    self.counters.waiting_s += t1 - t0
+                    if status_due:
+                        self._commit(producer, consumer, [], [], True)
+                        last_status = time.monotonic()
+                    continue
+                groups, dead = self._rollouts(msgs)
+                self.counters.busy_s += time.monotonic() - t1
+                status_due = time.monotonic() - last_status >= self.topology.status_interval_s
+                self._commit(producer, consumer, groups, dead, status_due)
+                if status_due:
+                    last_status = time.monotonic()
+        finally:
+            self.running.clear()
+            log.info("%s: leaving group %s", self.component_id, self.group)
+            consumer.close()
+            for w in self._watchers.values():
+                w.close()
+        return self.counters
+
+    def _skip(self, m) -> bool:
+        err = m.error()
+        if err is None:
+            return False
+        if err.code() != KafkaError._PARTITION_EOF:
+            if err.fatal():
+                raise KafkaException(err)
+            log.warning("%s: consumer error: %s", self.component_id, err)
+        return True
+
+    def _rollouts(self, msgs) -> tuple[list[TrajectoryGroup], list[DeadLetter]]:
+        groups: list[TrajectoryGroup] = []
+        dead: list[DeadLetter] = []
+        for m in msgs:
+            topic, part, off = m.topic(), m.partition(), m.offset()
+            self._positions[(topic, part)] = off + 1
+            self.counters.consumed += 1
+            try:
+                task = self.codec.decode(m.value(), topic, part, off, expect=Task)
+                groups.append(self.rollout(task))
+            except Exception as e:  # noqa: BLE001 - any bad task goes to dlq, the node goes on
+                if isinstance(e, KafkaException):
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+                level = (
+                    logging.WARNING
+                    if isinstance(e, RecordDecodeError | ValueError)
+                    else logging.ERROR
+                )
+                log.log(
+                    level,
+                    "%s: dead-lettering %s[%d]@%d: %s",
+                    self.component_id,
+                    topic,
+                    part,
+                    off,
+                    reason,
+                    exc_info=level == logging.ERROR,
+                )
+                dead.append(
+                    DeadLetter(
+                        source_topic=topic,
+                        partition=part,
+                        offset=off,
+                        component_id=self.component_id,
+                        error=reason,
+                        raw=m.value() or b"",
+                        raw_key=m.key(),
+                    )
+                )
+            finally:
+                self.current_task = None
+        return groups, dead
+
+    def rollout(self, task: Task) -> TrajectoryGroup:
+        """Run one task's workflow; the group it produces (no Kafka involved)."""
+        self.current_task = task.task_id
+        log.info(
+            "%s: rollout of task %s (%s) started", self.component_id, task.task_id, task.workflow
+        )
+        t0 = time.perf_counter()
+        wf = self._workflow(task.workflow)
+        seqs = wf.run(task, self.engines, self.options.n_samples)
+        seconds = time.perf_counter() - t0
+        rewards = [s.reward for s in seqs]
+        gen_tokens = sum(sum(s.loss_mask) for s in seqs)
+        self.counters.gen_tokens += gen_tokens
+        gen_versions = [v for s in seqs for v in s.versions if v >= 0]
+        metrics = {
+            "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "rollout/gen_tokens": float(gen_tokens),
+            "rollout/seq_tokens_mean": (
+                statistics.fmean(len(s.token_ids) for s in seqs) if seqs else 0.0
+            ),
+            "rollout/seconds": seconds,
+            "rollout/tokens_per_s": gen_tokens / seconds if seconds > 0 else 0.0,
+            "rollout/min_version": float(min(gen_versions, default=-1)),
+            "rollout/max_version": float(max(gen_versions, default=-1)),
+        }
+        self._last_metrics = metrics
+        log.info(
+            "%s: rollout of task %s done: %d sequences, %d tokens, %.2fs",
+            self.component_id,
+            task.task_id,
+            len(seqs),
+            gen_tokens,
+            seconds,
+        )
+        return TrajectoryGroup(
+            group_id=uuid.uuid4().hex,
+            prompt_id=task.prompt_id,
+            task_id=task.task_id,
+            workflow=task.workflow,
+            source=task.source,
+            raas_id=self.component_id,
+            pool=self.pool,
+            sequences=seqs,
+            rewards=rewards,
+            metrics=metrics,
+            meta={"attempt": str(task.attempt)},
+        )
+
+    def _commit(self, producer, consumer, groups, dead, status_due) -> None:
+        producer.begin()
+        try:
+            for g in groups:
+                producer.produce(self._out, g, g.prompt_id)
+            for d in dead:
+                producer.produce(self._dlq, d, d.raw_key)
+            if status_due:
+                producer.produce(self._status_topic, self.status(), self.component_id)
+            offsets = [TopicPartition(t, p, o) for (t, p), o in self._positions.items()]
+            if offsets:
+                producer.producer.send_offsets_to_transaction(
+                    offsets, consumer.consumer_group_metadata(), 30
+                )
+            producer.commit()
+        except KafkaException as e:
+            kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+            if kerr is not None and kerr.txn_requires_abort():
+                log.warning("%s: aborting transaction: %s", self.component_id, kerr)
+                producer.abort()
+                self.counters.aborted += 1
+                self._rewind(consumer)
+                return
+            if kerr is not None and kerr.fatal():
+                raise RuntimeError(
+                    f"{self.component_id}: fatal producer error ({kerr.str()}); if it says "
+                    f"fenced, another node runs with transactional id "
+                    f"{self.transactional_id}: give each node its own --instance"
+                ) from e
+            raise
+        self._positions.clear()
+        self.counters.transactions += 1
+        self.counters.produced += len(groups)
+        self.counters.dead_lettered += len(dead)
+
+    def _rewind(self, consumer: Consumer) -> None:
+        assigned = consumer.assignment()
+        for tp in consumer.committed(assigned, timeout=30):
+            consumer.seek(tp if tp.offset >= 0 else TopicPartition(tp.topic, tp.partition, -2))
+        self._positions.clear()
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        for p in partitions:
+            self._positions.pop((p.topic, p.partition), None)
+
+    def status(self) -> ComponentStatus:
+        c = self.counters
+        state = "stopping" if self._stop.is_set() else "running"
+        gen_s = sum(getattr(e, "seconds_generating", 0.0) for e in self.engines.values())
+        metrics = {
+            "raas/transactions": float(c.transactions),
+            "raas/aborted": float(c.aborted),
+            "raas/gen_tokens": float(c.gen_tokens),
+            "raas/gen_tokens_per_s": c.gen_tokens / gen_s if gen_s > 0 else 0.0,
+            "raas/weight_updates": float(sum(w.updates for w in self._watchers.values())),
+            **self._last_metrics,
+        }
+        return ComponentStatus(
+            component_id=self.component_id,
+            kind="raas",
+            host=socket.gethostname(),
+            policy=",".join(self.engines),
+            pool=self.pool,
+            state=state,
+            produced=c.produced,
+            consumed=c.consumed,
+            in_flight=1 if self.current_task else 0,
+            dead_lettered=c.dead_lettered,
+            waiting_s=c.waiting_s,
+            busy_s=c.busy_s,
+            weight_versions={p: int(e.version) for p, e in self.engines.items()},
+            capacity=float(self.options.n_samples),
+            started_at_ms=c.started_at_ms,
+            metrics=metrics,
+        )
+
+
+__all__ = ["NodeCounters", "NodeOptions", "RaaSNode"]

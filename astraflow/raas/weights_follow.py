@@ -1,0 +1,152 @@
+"""Keeping an engine at the newest published weights of its policy.
+
+``WeightWatcher`` reads ``<run>.weights.<policy>`` with its own plain consumer (no group:
+partition 0 assigned from the beginning, ``read_committed``), feeds every manifest to a
+``WeightFollower``, and on ``refresh()`` — called between generations — brings the
+engine to the newest version if one is newer than what it holds. The check polls with
+timeout 0, so it costs next to nothing when nothing changed, and it never waits for a
+trainer: without a newer version the engine keeps generating with what it has.
+
+The follower starts holding nothing; the first update takes a full checkpoint plus deltas,
+later ones deltas from the follower's own copy (one extra CPU copy of the weights). The
+engine's initial weights (loaded from disk) count as version 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from astraflow.codec import Codec, RecordDecodeError
+from astraflow.kafka.config import KafkaConfig
+from astraflow.raas.engine import Engine
+from astraflow.records import WeightManifest
+
+log = logging.getLogger("astraflow.raas.weights")
+
+
+class WeightWatcher:
+    def __init__(
+        self,
+        config: KafkaConfig,
+        topic: str,
+        engine: Engine,
+        codec: Codec,
+        stores: tuple[Any, ...] = (),
+    ):
+        from astraflow.weights import WeightFollower
+
+        self.topic = topic
+        self.engine = engine
+        self.codec = codec
+        self.follower = WeightFollower(policy=engine.policy, stores=stores, kafka_config=config)
+        conf = config.consumer_conf(
+            f"astraflow-raas-weights-{uuid.uuid4().hex[:8]}",
+            **{"isolation.level": "read_committed", "enable.partition.eof": False},
+        )
+        self.consumer = Consumer(conf)
+        self.consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        self._failed_target: int | None = None
+        self.updates = 0
+        self.manifests_seen = 0
+        self.last_update_s = 0.0
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Read manifests that arrived; returns how many."""
+        got = 0
+        while True:
+            msgs = self.consumer.consume(500, timeout)
+            if not msgs:
+                return got
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("%s: consumer error: %s", self.topic, err)
+                    continue
+                try:
+                    rec = self.codec.decode(
+                        m.value(), m.topic(), m.partition(), m.offset(), expect=WeightManifest
+                    )
+                except RecordDecodeError as e:
+                    log.warning("%s: skipping undecodable manifest: %s", self.topic, e)
+                    continue
+                self.follower.observe(rec)
+                got += 1
+                self.manifests_seen += 1
+            if got:
+                self._failed_target = None  # new manifests: a failed target may be reachable
+            timeout = 0.0
+
+    def catch_up(self, timeout_s: float = 10.0) -> None:
+        """Read what the topic holds now (bounded by ``timeout_s``), then refresh."""
+        tp = TopicPartition(self.topic, 0)
+        try:
+            _, high = self.consumer.get_watermark_offsets(tp, timeout=min(timeout_s, 5.0))
+        except Exception as e:  # noqa: BLE001 - a missing topic must not stop the node
+            log.warning("%s: cannot read watermarks: %s", self.topic, e)
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.poll(0.2)
+            pos = self.consumer.position([tp])[0].offset
+            if pos >= high or high == 0:
+                break
+        self.refresh(poll=False)
+
+    def refresh(self, poll: bool = True) -> bool:
+        """Bring the engine to the newest known version; True if its weights changed."""
+        if poll:
+            self.poll(0.0)
+        target = self.follower.latest_version
+        if target is None or target <= self.engine.version or target == self._failed_target:
+            return False
+        from astraflow.weights import NoPlanError, WeightsError
+
+        t0 = time.perf_counter()
+        try:
+            result = self.follower.update(target)
+        except (NoPlanError, WeightsError) as e:
+            log.warning("%s: cannot reach version %s: %s", self.topic, target, e)
+            self._failed_target = target
+            return False
+        assert self.follower.state is not None
+        self.engine.load_state_dict(self.follower.state, result.version or target)
+        self.updates += 1
+        self.last_update_s = time.perf_counter() - t0
+        log.info(
+            "%s: engine now at version %s (%d manifests, %d bytes, %.2fs)",
+            self.topic,
+            self.engine.version,
+            len(result.applied),
+            result.bytes_fetched,
+            self.last_update_s,
+        )
+        return True
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.follower.close()
+
+
+class FollowingEngine:
+    """An engine that refreshes its weights (``WeightWatcher.refresh``) before each
+    generation; everything else is delegated."""
+
+    def __init__(self, engine: Engine, watcher: WeightWatcher):
+        self._engine = engine
+        self._watcher = watcher
+
+    def generate(self, prompts, params):
+        self._watcher.refresh()
+        return self._engine.generate(prompts, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+__all__ = ["FollowingEngine", "WeightWatcher"]

@@ -1,0 +1,347 @@
+"""Workflows: how a task becomes trajectories.
+
+A workflow is one class with ``run(task, engines, n) -> list[Sequence]``; it may call any
+of the engines (one per policy) as often as it likes. Every returned ``Sequence`` holds
+``token_ids`` = prompt + everything after it, with ``loss_mask`` 1 only on tokens the
+policy generated; tokens the policy did not generate (prompt, tool output) have
+``loss_mask`` 0, ``logprobs`` 0.0 and ``versions`` -1.
+
+Register a workflow class by name with ``@register_workflow("name")``; the RaaS node looks
+up ``task.workflow`` in the registry and builds it with the options it was given for that
+name (``make_workflow(name, **options)``).
+
+A payload that cannot be used raises ``TaskError``: the node dead-letters the task.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from astraflow.raas.calc import CalcError, calculate
+from astraflow.raas.engine import Engine, Generation, SamplingParams
+from astraflow.records import Sequence, Task
+
+Checker = Callable[[str, str], float]
+
+
+class TaskError(ValueError):
+    """A task this workflow cannot run (bad payload, unknown policy ...): dead-lettered."""
+
+
+@runtime_checkable
+class Workflow(Protocol):
+    name: str
+
+    def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]: ...
+
+
+WORKFLOWS: dict[str, type] = {}
+
+
+def register_workflow(name: str) -> Callable[[type], type]:
+    """Class decorator: make a workflow class available under ``name``."""
+
+    def wrap(cls: type) -> type:
+        cls.name = name
+        WORKFLOWS[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_workflow(name: str, **options: Any) -> Workflow:
+    """An instance of the workflow registered as ``name``; raises ``TaskError`` if none."""
+    cls = WORKFLOWS.get(name)
+    if cls is None:
+        raise TaskError(f"unknown workflow {name!r} (known: {sorted(WORKFLOWS)})")
+    return cls(**options)
+
+
+# --- helpers -----------------------------------------------------------------------------
+def default_checker() -> Checker:
+    """``astraflow.tasks.check_answer`` when it exists, else exact stripped match."""
+    try:
+        from astraflow.tasks import check_answer  # type: ignore[attr-defined]
+
+        return check_answer
+    except ImportError:
+        return exact_match
+
+
+def exact_match(completion: str, answer: str) -> float:
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def parse_payload(task: Task, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    try:
+        payload = json.loads(task.payload)
+    except (TypeError, ValueError) as e:
+        raise TaskError(f"payload is not JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise TaskError("payload must be a JSON object")
+    for key in required:
+        if key not in payload:
+            raise TaskError(f"payload has no {key!r}")
+        if not isinstance(payload[key], str | int | float) or isinstance(payload[key], bool):
+            raise TaskError(f"payload[{key!r}] must be a string or number")
+    return payload
+
+
+def pick_engine(task: Task, engines: Mapping[str, Engine], index: int = 0) -> Engine:
+    """The engine of ``task.policies[index]``, or the only engine when none are named."""
+    if task.policies:
+        if index >= len(task.policies):
+            raise TaskError(f"task names {len(task.policies)} policies, workflow needs {index + 1}")
+        name = task.policies[index]
+        if name not in engines:
+            raise TaskError(f"no engine for policy {name!r} on this node (have {sorted(engines)})")
+        return engines[name]
+    if len(engines) == 1:
+        return next(iter(engines.values()))
+    raise TaskError(f"task names no policy and this node has {len(engines)} engines")
+
+
+class SequenceBuilder:
+    """Accumulates one trajectory: prompt, generated pieces and non-trained pieces."""
+
+    def __init__(self, policy: str, prompt_ids: list[int], sample_index: int):
+        self.policy = policy
+        self.sample_index = sample_index
+        self.token_ids = list(prompt_ids)
+        self.loss_mask = [0] * len(prompt_ids)
+        self.logprobs = [0.0] * len(prompt_ids)
+        self.versions = [-1] * len(prompt_ids)
+        self.finish_reason = "length"
+        self.meta: dict[str, str] = {}
+
+    def add_generated(self, g: Generation) -> None:
+        self.token_ids += g.token_ids
+        self.loss_mask += [1] * len(g.token_ids)
+        self.logprobs += list(g.logprobs)
+        self.versions += list(g.versions)
+        self.finish_reason = g.finish_reason
+
+    def add_external(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.loss_mask += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
+
+    def build(self, reward: float) -> Sequence:
+        return Sequence(
+            policy=self.policy,
+            token_ids=self.token_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            reward=float(reward),
+            sample_index=self.sample_index,
+            finish_reason=self.finish_reason,
+            meta=self.meta,
+        )
+
+
+@dataclass
+class Latency:
+    """A seeded, possibly long-tailed delay: ``const``, ``lognormal`` or ``pareto``.
+
+    ``lognormal``: median ``median_s``, shape ``sigma``. ``pareto``: minimum ``scale_s``,
+    tail index ``alpha`` (smaller: heavier tail). Every draw is capped at ``max_s``.
+    """
+
+    dist: str = "lognormal"
+    median_s: float = 0.05
+    sigma: float = 1.0
+    scale_s: float = 0.02
+    alpha: float = 1.5
+    max_s: float = 30.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dist not in ("const", "lognormal", "pareto"):
+            raise ValueError(f"latency dist must be const, lognormal or pareto, not {self.dist!r}")
+        self._rng = random.Random(self.seed)
+
+    @classmethod
+    def from_option(cls, value: Any) -> Latency | None:
+        if value is None or isinstance(value, Latency):
+            return value
+        if isinstance(value, int | float):
+            return cls(dist="const", median_s=float(value))
+        if isinstance(value, Mapping):
+            return cls(**value)
+        raise ValueError(f"latency must be seconds or a mapping, not {value!r}")
+
+    def draw(self) -> float:
+        if self.dist == "const":
+            s = self.median_s
+        elif self.dist == "lognormal":
+            s = self._rng.lognormvariate(math.log(max(self.median_s, 1e-9)), self.sigma)
+        else:
+            s = self.scale_s * self._rng.paretovariate(self.alpha)
+        return min(max(s, 0.0), self.max_s)
+
+
+def _sampling(options: Mapping[str, Any], engine: Engine, n: int, **extra: Any) -> SamplingParams:
+    stop_ids = tuple(options.get("stop_token_ids") or ())
+    if not stop_ids and engine.eos_token_id is not None:
+        stop_ids = (engine.eos_token_id,)
+    return SamplingParams(
+        max_new_tokens=int(options.get("max_new_tokens", 64)),
+        temperature=float(options.get("temperature", 1.0)),
+        top_p=float(options.get("top_p", 1.0)),
+        n=n,
+        stop_token_ids=stop_ids,
+        seed=options.get("seed"),
+        **extra,
+    )
+
+
+# --- single turn -------------------------------------------------------------------------
+@register_workflow("single_turn")
+class SingleTurn:
+    """One prompt (``payload["prompt"]``), ``n`` samples, reward = checker(completion,
+    ``payload["answer"]``).
+
+    Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``checker``
+    (a callable; default ``astraflow.tasks.check_answer`` or exact match),
+    ``env_latency`` (seconds or a ``Latency`` mapping: extra delay per rollout, to mimic a
+    slow environment).
+    """
+
+    name = "single_turn"
+
+    def __init__(self, checker: Checker | None = None, env_latency: Any = None, **sampling: Any):
+        self.checker = checker
+        self.env_latency = Latency.from_option(env_latency)
+        self.sampling = sampling
+
+    def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
+        payload = parse_payload(task, ("prompt", "answer"))
+        engine = pick_engine(task, engines)
+        prompt_ids = engine.encode(str(payload["prompt"]))
+        if not prompt_ids:
+            raise TaskError("prompt encodes to no tokens")
+        checker = self.checker or default_checker()
+        gens = engine.generate([prompt_ids], _sampling(self.sampling, engine, n))[0]
+        if self.env_latency is not None:
+            time.sleep(self.env_latency.draw())
+        out = []
+        for j, g in enumerate(gens):
+            b = SequenceBuilder(engine.policy, prompt_ids, j)
+            b.add_generated(g)
+            out.append(b.build(checker(engine.decode(g.token_ids), str(payload["answer"]))))
+        return out
+
+
+# --- multi-turn tool use -----------------------------------------------------------------
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+
+
+@register_workflow("tool_calc")
+class ToolCalc:
+    """Multi-turn tool use with a calculator.
+
+    The model may write ``<calc>EXPR</calc>``; generation stops there, the workflow
+    evaluates EXPR with the safe parser (``astraflow.raas.calc``) and appends
+    ``<result>VALUE</result>`` (or ``<result>error: ...</result>``) as tokens the policy did
+    not generate (loss_mask 0, versions -1, logprobs 0), then lets the model continue, for
+    at most ``max_turns`` model turns. The reward is checker(text of the last model turn,
+    answer). The ``n`` samples run as one batch per turn; a turn's tool calls run
+    concurrently, so the turn waits for the slowest ``tool_latency`` draw.
+
+    Options: as ``single_turn`` plus ``max_turns`` (default 4) and ``tool_latency``
+    (seconds or a ``Latency`` mapping, e.g. ``{"dist": "pareto", "scale_s": 0.05,
+    "alpha": 1.2, "seed": 0}``).
+    """
+
+    name = "tool_calc"
+    open_tag, close_tag = "<calc>", "</calc>"
+
+    def __init__(
+        self,
+        checker: Checker | None = None,
+        max_turns: int = 4,
+        tool_latency: Any = None,
+        env_latency: Any = None,
+        **sampling: Any,
+    ):
+        if max_turns < 1:
+            raise ValueError("max_turns must be at least 1")
+        self.checker = checker
+        self.max_turns = max_turns
+        self.tool_latency = Latency.from_option(tool_latency)
+        self.env_latency = Latency.from_option(env_latency)
+        self.sampling = sampling
+
+    def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
+        payload = parse_payload(task, ("prompt", "answer"))
+        engine = pick_engine(task, engines)
+        prompt_ids = engine.encode(str(payload["prompt"]))
+        if not prompt_ids:
+            raise TaskError("prompt encodes to no tokens")
+        checker = self.checker or default_checker()
+        params = _sampling(self.sampling, engine, 1, stop=(self.close_tag,))
+        seqs = [SequenceBuilder(engine.policy, prompt_ids, j) for j in range(n)]
+        last_text = [""] * n
+        calls = [0] * n
+        active = list(range(n))
+        for turn in range(self.max_turns):
+            gens = engine.generate([seqs[j].token_ids for j in active], params)
+            still: list[int] = []
+            delays: list[float] = []
+            for j, (g,) in zip(active, gens):
+                seqs[j].add_generated(g)
+                text = engine.decode(g.token_ids)
+                last_text[j] = text
+                call = _last_call(text) if g.finish_reason == "stop" else None
+                if call is None or turn == self.max_turns - 1:
+                    continue
+                calls[j] += 1
+                try:
+                    result = calculate(call)
+                except CalcError as e:
+                    result = f"error: {e}"
+                seqs[j].add_external(engine.encode(f"<result>{result}</result>"))
+                if self.tool_latency is not None:
+                    delays.append(self.tool_latency.draw())
+                still.append(j)
+            if delays:
+                time.sleep(max(delays))
+            active = still
+            if not active:
+                break
+        if self.env_latency is not None:
+            time.sleep(self.env_latency.draw())
+        out = []
+        for j, b in enumerate(seqs):
+            b.meta["tool_calls"] = str(calls[j])
+            out.append(b.build(checker(last_text[j], str(payload["answer"]))))
+        return out
+
+
+def _last_call(text: str) -> str | None:
+    found = _CALL.findall(text)
+    return found[-1] if found else None
+
+
+__all__ = [
+    "WORKFLOWS",
+    "Latency",
+    "SequenceBuilder",
+    "SingleTurn",
+    "TaskError",
+    "ToolCalc",
+    "Workflow",
+    "default_checker",
+    "exact_match",
+    "make_workflow",
+    "register_workflow",
+]
