@@ -85,6 +85,7 @@ class ProcessorRuntime:
         self._requests: queue.Queue[tuple[str, str, list[int] | None]] = queue.Queue()
         self._paused: dict[str, set[int] | None] = {}  # logical topic -> partitions (None: all)
         self._positions: dict[tuple[str, int], int] = {}  # next offset to commit, full names
+        self._raw: dict[int, tuple[object, bytes]] = {}
         self._assignment_changed = True
         self.running = threading.Event()
 
@@ -166,6 +167,9 @@ class ProcessorRuntime:
         return self.counters
 
     def _transform(self, msgs) -> tuple[list[Outgoing], list[DeadLetter]]:
+        # records forwarded unchanged are re-sent as the bytes they arrived in; the record is
+        # kept alive here so its id cannot be reused by a new record within the batch
+        self._raw: dict[int, tuple[object, bytes]] = {}
         outputs: list[Outgoing] = []
         dead: list[DeadLetter] = []
         for m in msgs:
@@ -204,6 +208,7 @@ class ProcessorRuntime:
                 )
                 continue
             outputs += produced
+            self._raw[id(record)] = (record, m.value())
         return outputs, dead
 
     def _commit(self, producer, consumer, outputs, dead, status_due) -> None:
@@ -221,7 +226,12 @@ class ProcessorRuntime:
                         f"{self.name} produced a {type(o.record).__name__} to "
                         f"{o.topic}, which carries {expected.__name__}"
                     )
-                producer.produce(self.topology.full_name(o.topic), o.record, o.key, o.partition)
+                topic = self.topology.full_name(o.topic)
+                kept = self._raw.get(id(o.record))
+                if kept is not None and kept[0] is o.record:
+                    producer.produce_raw(topic, kept[1], o.key, o.partition)
+                else:
+                    producer.produce(topic, o.record, o.key, o.partition)
             for d in dead:
                 producer.produce(self._dlq, d, d.raw_key)
             if status_due:
