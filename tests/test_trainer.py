@@ -293,3 +293,19 @@ def test_trainer_resumes_exactly_after_sigkill(
         follower.observe(manifests)
         follower.update(target)
         assert state_bytes_equal(follower.state, states[target]), f"version {target} differs"
+
+
+def test_group_staleness_guard_drops_old_groups():
+    from astraflow.records import Sequence, TrajectoryGroup
+    from astraflow.trainer.trainer import _group_staleness
+
+    def grp(versions):
+        s = Sequence(policy="actor", token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                     logprobs=[0.0, -1.0, -1.0], versions=versions, reward=1.0, sample_index=0,
+                     finish_reason="stop")
+        return TrajectoryGroup(group_id="g", prompt_id="p", task_id="t", workflow="w",
+                               source="s", raas_id="r", pool="p", sequences=[s], rewards=[1.0])
+
+    assert _group_staleness(grp([-1, 3, 5]), "actor", 7) == 4
+    assert _group_staleness(grp([-1, -1, -1]), "actor", 7) == 0
+    assert _group_staleness(grp([-1, 3, 5]), "other", 7) == 0

@@ -64,6 +64,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="truncation of the importance weight against the behaviour policy",
     )
     r.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        metavar="K",
+        help="drop groups whose oldest token is > K versions behind the trained version",
+    )
+    r.add_argument(
         "--no-std-normalize",
         action="store_true",
         help="group advantages r - mean only (no division by the std)",
@@ -146,6 +153,7 @@ def handler(args: argparse.Namespace) -> int:
             micro_batch_size=args.micro_batch_size,
             dtype=args.dtype,
             device=args.device,
+            max_staleness=args.max_staleness,
         ),
     )
     service = TrainerService(topo, opts, config=config)

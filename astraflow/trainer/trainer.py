@@ -15,6 +15,7 @@ uninterrupted one bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import time
@@ -55,6 +56,9 @@ class TrainerConfig:
     dtype: str = "fp32"
     device: str = "cpu"
     pad_token_id: int = 0
+    # drop groups whose oldest generated token is more than this many versions behind the
+    # version being trained (the last guard of the staleness bound); None: keep all
+    max_staleness: int | None = None
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
@@ -184,6 +188,12 @@ class Trainer:
         """
         t0 = time.perf_counter()
         c = self.config
+        stale_dropped = 0
+        if c.max_staleness is not None and current_version is not None:
+            kept = [g for g in batch.groups
+                    if _group_staleness(g, self.policy, current_version) <= c.max_staleness]
+            stale_dropped = len(batch.groups) - len(kept)
+            batch = dataclasses.replace(batch, groups=kept)
         rows = self._rows(batch)
         rewards = [r.seq.reward for r in rows]
         total_tokens = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows)
@@ -244,7 +254,14 @@ class Trainer:
         for k in SUM_KEYS:
             metrics[f"trainer/{k}"] = sums[k] / denom
         metrics.update(metrics_extra)
+        metrics["trainer/stale_dropped_groups"] = float(stale_dropped)
         return metrics
+
+
+def _group_staleness(group, policy: str, current_version: int) -> int:
+    """Versions between ``current_version`` and the group's oldest generated token."""
+    versions = [v for s in group.sequences if s.policy == policy for v in s.versions if v >= 0]
+    return current_version - min(versions) if versions else 0
 
 
 __all__ = ["DTYPES", "Trainer", "TrainerConfig"]
