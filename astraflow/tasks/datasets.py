@@ -1,0 +1,113 @@
+"""Local dataset files (JSONL or Parquet) as task payloads. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from astraflow.tasks.base import prompt_id
+from astraflow.tasks.check import normalize_answer
+
+PROMPT_FIELDS = ("prompt", "question", "problem", "input", "query")
+ANSWER_FIELDS = ("answer", "solution", "target", "output", "final_answer")
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def _rows(path: Path) -> Iterable[dict[str, Any]]:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        with open(path, encoding="utf-8") as f:
+            if suffix == ".json":
+                data = json.load(f)
+                if not isinstance(data, list):
+                    raise DatasetError(f"{path}: expected a JSON list of objects")
+                yield from data
+                return
+            for n, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}:{n}: not a JSON object: {e}") from None
+    elif suffix in (".parquet", ".pq"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(
+                f"{path}: reading Parquet needs pyarrow (python3 -m pip install pyarrow); "
+                "JSONL files need nothing extra"
+            ) from None
+        yield from pq.read_table(path).to_pylist()
+    else:
+        raise DatasetError(f"{path}: unknown dataset format {suffix!r} (use .jsonl or .parquet)")
+
+
+def _pick(
+    row: dict[str, Any], wanted: str | None, candidates: tuple[str, ...], what: str, where: str
+) -> Any:
+    if wanted:
+        if wanted not in row:
+            raise DatasetError(f"{where}: no field {wanted!r} (fields: {sorted(row)})")
+        return row[wanted]
+    for name in candidates:
+        if name in row and row[name] is not None:
+            return row[name]
+    raise DatasetError(
+        f"{where}: no {what} field (looked for {list(candidates)}; fields: {sorted(row)})"
+    )
+
+
+def _level(v: Any) -> int:
+    try:
+        return int(str(v).split()[-1]) if v not in (None, "") else 0
+    except ValueError:
+        return 0
+
+
+def load_dataset_file(
+    path: str | Path,
+    *,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    source: str | None = None,
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
+    """Task payloads from a local ``.jsonl``/``.json``/``.parquet`` file.
+
+    The prompt comes from ``prompt_field`` or the first of ``prompt``/``question``/
+    ``problem``/``input``/``query``; the answer from ``answer_field`` or ``answer``/
+    ``solution``/``target``/``output``/``final_answer``. GSM8K-style answers (reasoning,
+    then ``#### 42``) keep the full text under ``solution`` and get ``answer`` = ``"42"``.
+    Payloads: ``{"prompt", "answer", "level": 0, "source", "prompt_id", ["solution"]}``.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"{p}: no such dataset file")
+    src = source or p.stem
+    out: list[dict[str, Any]] = []
+    for i, row in enumerate(_rows(p)):
+        if limit is not None and len(out) >= limit:
+            break
+        where = f"{p} row {i}"
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected an object")
+        prompt = str(_pick(row, prompt_field, PROMPT_FIELDS, "prompt", where))
+        raw_answer = str(_pick(row, answer_field, ANSWER_FIELDS, "answer", where))
+        payload: dict[str, Any] = {
+            "prompt": prompt,
+            "answer": normalize_answer(raw_answer),
+            "level": _level(row.get("level")),
+            "source": src,
+            "prompt_id": prompt_id(prompt),
+        }
+        if payload["answer"] != raw_answer.strip():
+            payload["solution"] = raw_answer
+        out.append(payload)
+    return out
