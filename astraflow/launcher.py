@@ -154,7 +154,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                                       str(spec.warm_start_steps)), check=True)
 
     procs: dict[str, subprocess.Popen] = {}
-    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
+    # one intra-op thread per process: several processes share the cores, and torch's
+    # default (all cores each) makes them thrash
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
            "PYTHONUNBUFFERED": "1"}
     for name, cmd in plan_processes(topo, path).items():
         log = open(run_dir / "logs" / f"{name}.log", "ab")

@@ -473,6 +473,17 @@ class TrainerService:
         assert self.version is not None
         metrics = self.trainer.train_step(batch, current_version=self.version)
         self.positions[(topic, part)] = off + 1
+        if metrics["trainer/loss_tokens"] == 0:
+            # nothing trained (every group was stale): consume the batch without publishing a
+            # version, or empty versions would make yet more data stale. Weights and optimizer
+            # are unchanged, so re-reading it after a restart decides the same way.
+            self.counters.busy_s += time.monotonic() - t0
+            self.last_metrics = {**self.last_metrics, **metrics}
+            self._commit([], offsets=True, status=self._status_due())
+            log.info("%s: batch %s @%s[%d]:%d skipped at v%d: %d stale groups dropped",
+                     self.component_id, batch.batch_id, topic, part, off, self.version,
+                     int(metrics["trainer/stale_dropped_groups"]))
+            return
         version = self.version + 1
         opt_ref = self.store.put(
             f"{_safe(self.policy)}.v{version:08d}.optim.{uuid.uuid4().hex[:12]}",
