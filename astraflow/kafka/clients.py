@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -15,6 +16,7 @@ from astraflow.kafka.config import KafkaConfig
 from astraflow.records import Record
 
 R = TypeVar("R", bound=Record)
+log = logging.getLogger("astraflow.kafka")
 
 
 def make_codec_for(config: KafkaConfig) -> Codec:
@@ -226,6 +228,7 @@ def read_all(
 
 __all__ = [
     "RecordProducer",
+    "commit_consumed",
     "RecordConsumer",
     "Received",
     "RecordDecodeError",
@@ -233,3 +236,40 @@ __all__ = [
     "make_codec_for",
     "read_all",
 ]
+
+
+def commit_consumed(
+    producer: RecordProducer,
+    consumer: Consumer,
+    produce: Callable[[], None],
+    offsets: list,
+    component_id: str,
+) -> bool:
+    """One transaction: ``produce()``'s records plus the consumer's ``offsets``.
+
+    Returns False when the transaction had to be aborted (the caller rewinds to its
+    committed offsets and redoes the work); a fatal error (fenced by another copy with
+    the same transactional id) raises with a hint.
+    """
+    producer.begin()
+    try:
+        produce()
+        if offsets:
+            producer.producer.send_offsets_to_transaction(
+                offsets, consumer.consumer_group_metadata(), 30
+            )
+        producer.commit()
+        return True
+    except KafkaException as e:
+        kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+        if kerr is not None and kerr.txn_requires_abort():
+            log.warning("%s: aborting transaction: %s", component_id, kerr)
+            producer.abort()
+            return False
+        if kerr is not None and kerr.fatal():
+            raise RuntimeError(
+                f"{component_id}: fatal producer error ({kerr.str()}); if it says fenced, "
+                f"another copy runs with the same transactional id: give each copy its own "
+                f"--instance"
+            ) from e
+        raise

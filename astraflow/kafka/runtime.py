@@ -23,7 +23,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from astraflow.codec import RecordDecodeError
 from astraflow.dataflow import PROCESSOR_KINDS, Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.base import ProcessorContext
-from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
+from astraflow.kafka.clients import RecordProducer, commit_consumed, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import missing_topics
 from astraflow.records import ComponentStatus, DeadLetter, now_ms
@@ -212,8 +212,7 @@ class ProcessorRuntime:
         return outputs, dead
 
     def _commit(self, producer, consumer, outputs, dead, status_due) -> None:
-        producer.begin()
-        try:
+        def produce() -> None:
             for o in outputs:
                 expected = self._out_types.get(o.topic)
                 if expected is None:
@@ -222,10 +221,8 @@ class ProcessorRuntime:
                         f"{self.spec.outputs}"
                     )
                 if not isinstance(o.record, expected):
-                    raise TypeError(
-                        f"{self.name} produced a {type(o.record).__name__} to "
-                        f"{o.topic}, which carries {expected.__name__}"
-                    )
+                    raise TypeError(f"{self.name} produced a {type(o.record).__name__} to "
+                                    f"{o.topic}, which carries {expected.__name__}")
                 topic = self.topology.full_name(o.topic)
                 kept = self._raw.get(id(o.record))
                 if kept is not None and kept[0] is o.record:
@@ -236,27 +233,13 @@ class ProcessorRuntime:
                 producer.produce(self._dlq, d, d.raw_key)
             if status_due:
                 producer.produce(self._status_topic, self.status(), self.component_id)
-            offsets = self._offsets_to_commit()
-            if offsets:
-                producer.producer.send_offsets_to_transaction(
-                    offsets, consumer.consumer_group_metadata(), 30
-                )
-            producer.commit()
-        except KafkaException as e:
-            kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-            if kerr is not None and kerr.txn_requires_abort():
-                log.warning("%s: aborting transaction: %s", self.component_id, kerr)
-                producer.abort()
-                self.counters.aborted += 1
-                self._rewind(consumer)
-                return
-            if kerr is not None and kerr.fatal():
-                raise RuntimeError(
-                    f"{self.component_id}: fatal producer error ({kerr.str()}); if it says "
-                    f"fenced, another copy runs with transactional id "
-                    f"{self.transactional_id}: give each copy its own --instance"
-                ) from e
-            raise
+
+        committed = commit_consumed(producer, consumer, produce, self._offsets_to_commit(),
+                                    self.component_id)
+        if not committed:
+            self.counters.aborted += 1
+            self._rewind(consumer)
+            return
         self.counters.transactions += 1
         self.counters.produced += len(outputs)
         self.counters.dead_lettered += len(dead)

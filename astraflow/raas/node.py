@@ -28,7 +28,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import RecordDecodeError
-from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
+from astraflow.kafka.clients import RecordProducer, commit_consumed, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import missing_topics
 from astraflow.raas.engine import Engine
@@ -311,35 +311,19 @@ class RaaSNode:
         )
 
     def _commit(self, producer, consumer, groups, dead, status_due) -> None:
-        producer.begin()
-        try:
+        def produce() -> None:
             for g in groups:
                 producer.produce(self._out, g, g.prompt_id)
             for d in dead:
                 producer.produce(self._dlq, d, d.raw_key)
             if status_due:
                 producer.produce(self._status_topic, self.status(), self.component_id)
-            offsets = [TopicPartition(t, p, o) for (t, p), o in self._positions.items()]
-            if offsets:
-                producer.producer.send_offsets_to_transaction(
-                    offsets, consumer.consumer_group_metadata(), 30
-                )
-            producer.commit()
-        except KafkaException as e:
-            kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-            if kerr is not None and kerr.txn_requires_abort():
-                log.warning("%s: aborting transaction: %s", self.component_id, kerr)
-                producer.abort()
-                self.counters.aborted += 1
-                self._rewind(consumer)
-                return
-            if kerr is not None and kerr.fatal():
-                raise RuntimeError(
-                    f"{self.component_id}: fatal producer error ({kerr.str()}); if it says "
-                    f"fenced, another node runs with transactional id "
-                    f"{self.transactional_id}: give each node its own --instance"
-                ) from e
-            raise
+
+        offsets = [TopicPartition(t, p, o) for (t, p), o in self._positions.items()]
+        if not commit_consumed(producer, consumer, produce, offsets, self.component_id):
+            self.counters.aborted += 1
+            self._rewind(consumer)
+            return
         self._positions.clear()
         self.counters.transactions += 1
         self.counters.produced += len(groups)
