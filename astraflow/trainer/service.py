@@ -426,6 +426,7 @@ class TrainerService:
                     continue
                 self._step(*batch)
                 steps += 1
+            self._commit([], offsets=False, status=True)  # a last status: the final state
         finally:
             log.info(
                 "%s: leaving group %s at version %s", self.component_id, self.group, self.version
