@@ -1,0 +1,47 @@
+"""AstraFlow: asynchronous, dataflow-oriented RL for (multi-)agentic LLMs over Apache Kafka.
+
+The public API: typed records and their codec, topology loading, the Kafka client
+config, and the processor runtime. Components with heavy dependencies (torch) live in
+their own packages: ``astraflow.weights``, ``astraflow.trainer``, ``astraflow.raas``.
+"""
+
+from astraflow.codec import Codec, RecordDecodeError, make_codec
+from astraflow.dataflow import Incoming, InvalidRecord, Outgoing, Processor
+from astraflow.kafka.config import KafkaConfig
+from astraflow.records import (
+    Batch,
+    BlobChunk,
+    ComponentStatus,
+    DeadLetter,
+    ScalingAdvice,
+    Sequence,
+    Task,
+    TrajectoryGroup,
+    WeightManifest,
+)
+from astraflow.topology import Topology, TopologyError, load_topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "BlobChunk",
+    "Codec",
+    "ComponentStatus",
+    "DeadLetter",
+    "Incoming",
+    "InvalidRecord",
+    "KafkaConfig",
+    "Outgoing",
+    "Processor",
+    "RecordDecodeError",
+    "ScalingAdvice",
+    "Sequence",
+    "Task",
+    "Topology",
+    "TopologyError",
+    "TrajectoryGroup",
+    "WeightManifest",
+    "load_topology",
+    "make_codec",
+]
