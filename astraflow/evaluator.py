@@ -38,11 +38,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_eval_run(args: argparse.Namespace) -> int:
     import torch
 
+    from astraflow.dataflow.versions import LatestVersions
     from astraflow.kafka.clients import RecordProducer
     from astraflow.model import evaluate, load_policy
     from astraflow.records import ComponentStatus
     from astraflow.tasks.arithmetic import eval_problems
-    from astraflow.weights import WeightFollower, read_manifests
+    from astraflow.weights import WeightFollower
 
     topo = args.loaded_topology
     config = topo.kafka.effective()
@@ -59,11 +60,16 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     done: set[int] = set()
     component = f"eval-{args.policy}/{socket.gethostname()}"
+    # read the weights topic incrementally (it only grows), not from the start each round
+    reader = LatestVersions(config, producer.codec, {args.policy: topic})
+    versions: list[int] = []
     while not stop.is_set():
-        manifests = read_manifests(config, topic, timeout_s=30)
-        follower.observe(manifests)
-        versions = sorted({m.version for m in manifests})
+        fresh = reader.refresh(timeout=1.0)
+        follower.observe(fresh)
+        versions = sorted(set(versions) | {m.version for m in fresh})
         if args.once:
+            if not versions:  # nothing read yet: the topic may still be arriving
+                continue
             wanted = versions[-1:]
         else:
             wanted = [v for v in versions if v % args.every == 0 and v not in done]
@@ -86,4 +92,5 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
         if args.once:
             break
         stop.wait(2.0)
+    reader.close()
     return 0

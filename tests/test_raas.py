@@ -332,7 +332,8 @@ def start_node(kafka_bootstrap, path, model_dir, instance, log, *extra):
     args = [
         sys.executable,
         "-m",
-        "astraflow.raas.cli",
+        "astraflow.cli",
+        "raas",
         "run",
         "--topology",
         str(path),

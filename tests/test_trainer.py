@@ -194,7 +194,8 @@ def test_trainer_resumes_exactly_after_sigkill(
     cmd = [
         sys.executable,
         "-m",
-        "astraflow.trainer.cli",
+        "astraflow.cli",
+        "trainer",
         "run",
         "--topology",
         str(path),

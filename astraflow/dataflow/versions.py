@@ -12,7 +12,7 @@ from astraflow.records import WeightManifest
 class VersionSource(Protocol):
     """Anything that knows the latest published version per policy."""
 
-    def refresh(self) -> None: ...
+    def refresh(self) -> object: ...
 
     def latest(self, policy: str) -> int | None: ...
 
@@ -38,11 +38,13 @@ class LatestVersions:
             parts += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in md[topic].partitions]
         self.consumer.assign(parts)
 
-    def refresh(self, timeout: float = 0.0) -> None:
+    def refresh(self, timeout: float = 0.0) -> list[WeightManifest]:
+        """Drain what has arrived; returns the manifests read by this call."""
+        fresh: list[WeightManifest] = []
         while True:
             msgs = self.consumer.consume(500, timeout)
             if not msgs:
-                return
+                return fresh
             for m in msgs:
                 if m.error():
                     if m.error().code() != KafkaError._PARTITION_EOF:
@@ -50,6 +52,7 @@ class LatestVersions:
                     continue
                 manifest = self.codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
                                              expect=WeightManifest)
+                fresh.append(manifest)
                 policy = self._topic_policy[m.topic()]
                 self._latest[policy] = max(self._latest.get(policy, -1), manifest.version)
             timeout = 0.0

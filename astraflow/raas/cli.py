@@ -1,7 +1,6 @@
 """``astraflow raas run``: one RaaS node of a pool.
 
-Wire into the main CLI with ``register(subparsers)``; also runnable on its own as
-``python -m astraflow.raas.cli run ...``.
+``register(subparsers)`` adds the ``raas`` command group; ``astraflow.cli`` wires it in.
 """
 
 from __future__ import annotations
@@ -120,24 +119,3 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astraflow")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(["raas", *(argv if argv is not None else sys.argv[1:])])
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    from astraflow.topology import TopologyError
-
-    try:
-        return args.func(args)
-    except TopologyError as e:
-        print(f"astraflow: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,11 +30,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from astraflow.codec import RecordDecodeError
 from astraflow.kafka.clients import RecordProducer, commit_consumed, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.runtime import RuntimeCounters
 from astraflow.kafka.topics import missing_topics
 from astraflow.raas.engine import Engine
 from astraflow.raas.weights_follow import FollowingEngine, WeightWatcher
 from astraflow.raas.workflows import Workflow, make_workflow
-from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup, now_ms
+from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
 from astraflow.topology import Topology
 
 log = logging.getLogger("astraflow.raas")
@@ -55,16 +56,8 @@ class NodeOptions:
 
 
 @dataclass
-class NodeCounters:
-    consumed: int = 0
-    produced: int = 0
-    dead_lettered: int = 0
-    transactions: int = 0
-    aborted: int = 0
-    busy_s: float = 0.0
-    waiting_s: float = 0.0
+class NodeCounters(RuntimeCounters):
     gen_tokens: int = 0
-    started_at_ms: int = field(default_factory=now_ms)
 
 
 class RaaSNode:

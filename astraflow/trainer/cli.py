@@ -1,8 +1,7 @@
 """``astraflow trainer run``: the trainer of one policy.
 
 ``register(subparsers)`` adds the ``trainer`` command group to an argparse CLI (the ``run``
-subcommand sets ``func=handler``); ``main(argv)`` runs it standalone
-(``python -m astraflow.trainer.cli run ...``).
+subcommand sets ``func=handler``); ``astraflow.cli`` wires it in.
 """
 
 from __future__ import annotations
@@ -174,17 +173,3 @@ def handler(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astraflow-trainer")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # `python -m astraflow.trainer.cli run ...` and `... trainer run ...` both work
-    register(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] != "trainer" and argv[0] not in ("-h", "--help"):
-        argv = ["trainer", *argv]
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,6 +41,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from astraflow.codec import RecordDecodeError
 from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.runtime import RuntimeCounters
 from astraflow.kafka.topics import missing_topics
 from astraflow.records import (
     Batch,
@@ -49,7 +50,6 @@ from astraflow.records import (
     DeadLetter,
     PartitionOffset,
     WeightManifest,
-    now_ms,
 )
 from astraflow.topology import Topology
 from astraflow.trainer.trainer import Trainer, TrainerConfig
@@ -81,14 +81,8 @@ class ServiceOptions:
 
 
 @dataclass
-class ServiceCounters:
+class ServiceCounters(RuntimeCounters):
     steps: int = 0
-    consumed: int = 0
-    produced: int = 0
-    dead_lettered: int = 0
-    waiting_s: float = 0.0
-    busy_s: float = 0.0
-    started_at_ms: int = field(default_factory=now_ms)
 
 
 def _safe(policy: str) -> str:

@@ -2,7 +2,7 @@
 
 ``register(subparsers)`` adds the ``weights`` command group to an argparse CLI (each
 subcommand's ``func`` is ``run``); ``run(args) -> int`` executes a parsed command;
-``main(argv)`` runs standalone (``python -m astraflow.weights.cli``).
+``astraflow.cli`` wires the group in.
 """
 
 from __future__ import annotations
@@ -243,13 +243,3 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="astraflow-weights")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(["weights", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
