@@ -295,12 +295,12 @@ def test_feeder_writes_tasks_that_read_back(kafka_config, make_topology):
 
 @pytest.mark.kafka
 def test_feeder_cli_run(kafka_config, make_topology, capsys):
-    from astraflow import feeder
+    from astraflow.cli import main
 
     topo, path = make_topology(topics={"tasks.source": {}})
-    rc = feeder.main(["feeder", "run", "--topology", str(path), "--count", "7", "--levels", "2"])
+    rc = main(["feeder", "run", "--topology", str(path), "--count", "7", "--levels", "2"])
     assert rc == 0
     assert '"produced": 7' in capsys.readouterr().out
     got = _read_until(kafka_config, topo.full_name("tasks.source"), 7)
     assert len(got) == 7 and {r.record.source for r in got} == {"arith-L2"}
-    assert feeder.main(["feeder", "run", "--topology", str(path), "--dataset", "/nope.jsonl"]) == 2
+    assert main(["feeder", "run", "--topology", str(path), "--dataset", "/nope.jsonl"]) == 2
