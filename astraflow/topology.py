@@ -37,6 +37,9 @@ TOPIC_SCHEMAS: list[tuple[str, type[Record]]] = [
     ("tasks", Task),
     ("trajectories.raw", TrajectoryGroup),
     ("trajectories", TrajectoryGroup),
+    # intermediate topics between chained processors, e.g. trajectories.sampled, tasks.mixed
+    ("trajectories.", TrajectoryGroup),
+    ("tasks.", Task),
     ("samples.", TrajectoryGroup),
     ("batches.", Batch),
     ("weights.blobs", BlobChunk),

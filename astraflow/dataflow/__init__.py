@@ -2,12 +2,23 @@
 
 from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.batcher import Batcher
+from astraflow.dataflow.curriculum import Curriculum
+from astraflow.dataflow.dynamic_sampling import DynamicSampling
+from astraflow.dataflow.greso import Greso
+from astraflow.dataflow.mixer import Mixer
 from astraflow.dataflow.passthrough import Passthrough
+from astraflow.dataflow.reward_norm import RewardNorm
 from astraflow.dataflow.router import PolicyRouter
+from astraflow.dataflow.rules import RuleRouter
 from astraflow.dataflow.staleness import StalenessFilter
 
 PROCESSOR_KINDS: dict[str, type[Processor]] = {
     cls.kind: cls for cls in (Passthrough, StalenessFilter, PolicyRouter, Batcher)
 }
+# data algorithms: prompt selection, curriculum, mixing, post-rollout filters, rule routing
+PROCESSOR_KINDS.update({
+    cls.kind: cls
+    for cls in (Greso, Curriculum, Mixer, DynamicSampling, RewardNorm, RuleRouter)
+})
 
 __all__ = ["Incoming", "InvalidRecord", "Outgoing", "Processor", "PROCESSOR_KINDS"]
