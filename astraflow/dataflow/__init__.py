@@ -1,5 +1,6 @@
 """Data algorithms as stream processors."""
 
+from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.batcher import Batcher
 from astraflow.dataflow.curriculum import Curriculum
@@ -20,5 +21,8 @@ PROCESSOR_KINDS.update({
     cls.kind: cls
     for cls in (Greso, Curriculum, Mixer, DynamicSampling, RewardNorm, RuleRouter)
 })
+
+# backpressure: holds tasks back while the RaaS pool or a trainer lags
+PROCESSOR_KINDS[Admission.kind] = Admission
 
 __all__ = ["Incoming", "InvalidRecord", "Outgoing", "Processor", "PROCESSOR_KINDS"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,6 +38,14 @@ class Outgoing:
     partition: int | None = None
 
 
+class ProcessorControl(Protocol):
+    """What a processor may ask of its runtime: stop or restart fetching an input topic."""
+
+    def pause(self, topic: str, partitions: list[int] | None = None) -> None: ...
+
+    def resume(self, topic: str, partitions: list[int] | None = None) -> None: ...
+
+
 @dataclass
 class ProcessorContext:
     """What the runtime hands a processor when it opens: for side readers of other topics."""
@@ -46,6 +54,7 @@ class ProcessorContext:
     config: Any  # astraflow.kafka.config.KafkaConfig
     codec: Any  # astraflow.codec.Codec
     component_id: str
+    control: ProcessorControl | None = None  # pause/resume of the inputs (logical names)
 
 
 class NoOptions(BaseModel):
@@ -94,3 +103,7 @@ class Processor:
     def metrics(self) -> dict[str, float]:
         """Slash-namespaced figures reported on ``status``."""
         return {}
+
+    def state(self) -> str | None:
+        """A word for ``ComponentStatus.state`` (e.g. "holding"); None keeps the runtime's."""
+        return None

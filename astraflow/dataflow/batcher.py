@@ -1,16 +1,38 @@
-"""Collects a policy's trajectory groups into ``Batch`` records of a fixed size."""
+"""Collects a policy's trajectory groups into ``Batch`` records of a fixed size.
+
+With ``replay_ratio > 0`` the batcher also serves replayed groups: every group it has put
+in a batch goes into a bounded replay buffer, and each later batch takes up to
+``floor(replay_ratio * batch_size)`` of its groups from that buffer (chosen by
+``replay_selection``) and the rest fresh. Replayed groups obey the same staleness bound as
+fresh ones: before each batch is cut, every buffered group whose oldest generated token is
+more than ``max_staleness`` versions behind the policy's latest published version is
+evicted for good (versions only grow, so it could never become fresh again).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+import random
+import statistics
+import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
 from astraflow.dataflow.staleness import staleness
 from astraflow.dataflow.versions import LatestVersions, VersionSource
-from astraflow.records import Batch, OffsetRange, now_ms
+from astraflow.records import Batch, OffsetRange, TrajectoryGroup, now_ms
+
+log = logging.getLogger("astraflow.batcher")
+
+ReplaySelection = Literal["uniform", "recent", "high_reward", "max_variance"]
 
 
 class BatcherOptions(BaseModel):
@@ -19,13 +41,113 @@ class BatcherOptions(BaseModel):
     batch_size: int = Field(default=8, ge=1, description="groups per batch")
     max_staleness: int | None = Field(
         default=None, ge=0, description="re-check staleness when a batch is cut")
+    replay_ratio: float = Field(
+        default=0.0, ge=0.0, lt=1.0,
+        description="at most this fraction of each batch's groups is replayed (0: off)")
+    replay_capacity: int = Field(default=256, ge=1, description="groups kept for replay")
+    replay_selection: ReplaySelection = Field(
+        default="uniform",
+        description="uniform | recent | high_reward (mean reward) | max_variance (reward "
+                    "variance within the group: the groups with the most advantage signal)")
+    replay_max_uses: int | None = Field(
+        default=None, ge=1, description="times a group may be replayed (None: unlimited)")
+    replay_seed: int | None = Field(default=None, description="seed of uniform selection")
+    replay_rebuild: bool = Field(
+        default=True, description="refill the buffer from batches.<policy> when starting")
+
+
+@dataclass
+class ReplayEntry:
+    """A buffered group: ``order`` is when it entered the buffer, ``uses`` its replays."""
+
+    group: TrajectoryGroup
+    order: int
+    uses: int = 0
+
+
+def _rewards(group: TrajectoryGroup) -> list[float]:
+    return list(group.rewards) or [s.reward for s in group.sequences]
+
+
+class ReplayBuffer:
+    """A bounded buffer of already-batched groups and the rule that picks replays from it.
+
+    Plain logic, no Kafka: ``add`` groups after they were served fresh (the oldest are
+    dropped beyond ``capacity``), ``evict_stale`` before choosing, ``select`` to choose.
+    """
+
+    def __init__(self, capacity: int, selection: ReplaySelection = "uniform",
+                 max_uses: int | None = None, seed: int | None = None):
+        if capacity < 1:
+            raise ValueError("replay capacity must be at least 1")
+        self.capacity = capacity
+        self.selection: ReplaySelection = selection
+        self.max_uses = max_uses
+        self.rng = random.Random(seed)
+        self.entries: list[ReplayEntry] = []
+        self._order = 0
+        self.evicted_full = 0
+        self.evicted_stale = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, groups: Iterable[TrajectoryGroup]) -> None:
+        """Buffer groups that were just served fresh; drop the oldest beyond capacity."""
+        for g in groups:
+            self.entries.append(ReplayEntry(g, self._order))
+            self._order += 1
+        excess = len(self.entries) - self.capacity
+        if excess > 0:
+            self.entries.sort(key=lambda e: e.order)
+            del self.entries[:excess]
+            self.evicted_full += excess
+
+    def evict_stale(self, versions: VersionSource, max_staleness: int) -> int:
+        """Drop every group more than ``max_staleness`` versions behind; returns how many."""
+        kept = [e for e in self.entries if staleness(e.group, versions) <= max_staleness]
+        gone = len(self.entries) - len(kept)
+        self.entries = kept
+        self.evicted_stale += gone
+        return gone
+
+    def select(self, n: int) -> list[TrajectoryGroup]:
+        """Up to ``n`` distinct groups by the selection rule; counts a use of each."""
+        n = min(n, len(self.entries))
+        if n <= 0:
+            return []
+        if self.selection == "uniform":
+            chosen = self.rng.sample(self.entries, n)
+        elif self.selection == "recent":
+            chosen = sorted(self.entries, key=lambda e: -e.order)[:n]
+        elif self.selection == "high_reward":
+            chosen = sorted(self.entries,
+                            key=lambda e: (-statistics.fmean(_rewards(e.group) or [0.0]),
+                                           -e.order))[:n]
+        elif self.selection == "max_variance":
+            chosen = sorted(self.entries,
+                            key=lambda e: (-statistics.pvariance(_rewards(e.group) or [0.0]),
+                                           -e.order))[:n]
+        else:  # pragma: no cover - the options model forbids other values
+            raise ValueError(f"unknown replay selection {self.selection!r}")
+        out = []
+        for e in chosen:
+            e.uses += 1
+            meta = {**e.group.meta, "replay_uses": str(e.uses)}
+            out.append(dataclasses.replace(e.group, meta=meta))
+        if self.max_uses is not None:
+            self.entries = [e for e in self.entries if e.uses < self.max_uses]
+        return out
 
 
 class Batcher(Processor):
     """Emits a ``Batch`` on ``batches.<policy>`` whenever ``batch_size`` groups are held.
 
     Held groups are not yet committed: ``held_offsets`` keeps the runtime from committing
-    past them, so a crash redelivers them instead of losing them.
+    past them, so a crash redelivers them instead of losing them. With replay on, a batch
+    holds ``batch_size - r`` fresh groups followed by ``r`` replayed ones (``Batch.replayed
+    = r``); only the fresh ones appear in ``source_offsets``, the replayed ones were
+    committed when they were first served.
     """
 
     kind = "batcher"
@@ -37,12 +159,25 @@ class Batcher(Processor):
         self.held: list[Incoming] = []
         self.batches = 0
         self.dropped_stale = 0
+        self.replayed = 0
+        o = self.options
+        self.replay: ReplayBuffer | None = (
+            ReplayBuffer(o.replay_capacity, o.replay_selection, o.replay_max_uses,
+                         o.replay_seed)
+            if o.replay_ratio > 0 else None)
+
+    @property
+    def replay_quota(self) -> int:
+        """Most replayed groups one batch may hold: ``floor(replay_ratio * batch_size)``."""
+        return math.floor(self.options.replay_ratio * self.options.batch_size + 1e-9)
 
     def open(self, context: ProcessorContext) -> None:
         if self.versions is None and self.options.max_staleness is not None:
             topic = context.topology.full_name(f"weights.{self.options.policy}")
             self.versions = LatestVersions(context.config, context.codec,
                                            {self.options.policy: topic})
+        if self.replay is not None and self.options.replay_rebuild:
+            self._rebuild(context)
 
     def close(self) -> None:
         if isinstance(self.versions, LatestVersions):
@@ -54,31 +189,59 @@ class Batcher(Processor):
 
     def flush(self, now: int) -> Iterable[Outgoing]:
         out = []
-        if self.options.max_staleness is not None and self.held:
+        if self.options.max_staleness is not None and (self.held or self.replay):
             self.versions.refresh()
             fresh = [m for m in self.held
                      if staleness(m.record, self.versions) <= self.options.max_staleness]
             self.dropped_stale += len(self.held) - len(fresh)
             self.held = fresh
-        while len(self.held) >= self.options.batch_size:
-            taken = self.held[: self.options.batch_size]
-            self.held = self.held[self.options.batch_size:]
-            out.append(Outgoing(f"batches.{self.options.policy}", self._batch(taken),
+            if self.replay:
+                self.replay.evict_stale(self.versions, self.options.max_staleness)
+        size = self.options.batch_size
+        while True:
+            n_replay = min(self.replay_quota, len(self.replay)) if self.replay else 0
+            n_fresh = size - n_replay  # >= 1: replay_ratio < 1
+            if len(self.held) < n_fresh:
+                break
+            taken, self.held = self.held[:n_fresh], self.held[n_fresh:]
+            replayed = self.replay.select(n_replay) if self.replay else []
+            out.append(Outgoing(f"batches.{self.options.policy}", self._batch(taken, replayed),
                                 key=self.options.policy))
+            if self.replay is not None:
+                self.replay.add(m.record for m in taken)
         return out
 
-    def _batch(self, taken: list[Incoming]) -> Batch:
+    def _batch(self, taken: list[Incoming], replayed: list[TrajectoryGroup] | None = None
+               ) -> Batch:
         ranges: dict[tuple[str, int], list[int]] = {}
         for m in taken:
             r = ranges.setdefault((m.topic, m.partition), [m.offset, m.offset + 1])
             r[0], r[1] = min(r[0], m.offset), max(r[1], m.offset + 1)
+        replayed = replayed or []
         self.batches += 1
+        self.replayed += len(replayed)
         return Batch(
             policy=self.options.policy, batch_id=uuid.uuid4().hex,
-            groups=[m.record for m in taken],
+            groups=[m.record for m in taken] + replayed,
+            replayed=len(replayed),
             source_offsets=[OffsetRange(t, p, a, b) for (t, p), (a, b) in sorted(ranges.items())],
             created_at_ms=now_ms(),
         )
+
+    def _rebuild(self, context: ProcessorContext, timeout_s: float = 30.0) -> None:
+        """Refill the replay buffer with the fresh groups of the last batches produced.
+
+        Each batch has at least one fresh group, so ``replay_capacity`` batches suffice;
+        offsets also count one transaction marker per batch, hence twice as many.
+        """
+        topic = context.topology.full_name(f"batches.{self.options.policy}")
+        batches = _read_tail(context.config, context.codec, topic,
+                             2 * self.options.replay_capacity, timeout_s)
+        for b in batches:
+            self.replay.add(b.groups[: len(b.groups) - b.replayed])
+        if batches:
+            log.info("%s: replay buffer rebuilt from %d batches of %s: %d groups",
+                     context.component_id, len(batches), topic, len(self.replay))
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
         oldest: dict[tuple[str, int], int] = {}
@@ -92,5 +255,52 @@ class Batcher(Processor):
         self.held = [m for m in self.held if (m.topic, m.partition) not in gone]
 
     def metrics(self) -> dict[str, float]:
-        return {"batcher/batches": float(self.batches), "batcher/held": float(len(self.held)),
-                "batcher/dropped_stale": float(self.dropped_stale)}
+        out = {"batcher/batches": float(self.batches), "batcher/held": float(len(self.held)),
+               "batcher/dropped_stale": float(self.dropped_stale)}
+        if self.replay is not None:
+            out.update({
+                "batcher/replayed": float(self.replayed),
+                "batcher/replay_buffer": float(len(self.replay)),
+                "batcher/replay_evicted_stale": float(self.replay.evicted_stale),
+                "batcher/replay_evicted_full": float(self.replay.evicted_full),
+            })
+        return out
+
+
+def _read_tail(config, codec, topic: str, max_offsets: int, timeout_s: float) -> list[Batch]:
+    """The committed batches among the last ``max_offsets`` offsets of each partition."""
+    consumer = Consumer(config.consumer_conf(
+        "astraflow-replay-rebuild",
+        **{"enable.auto.commit": False, "enable.partition.eof": True,
+           "client.id": "replay-rebuild"}))
+    try:
+        md = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        if md is None or md.error is not None:
+            return []
+        parts, ends = [], {}
+        for p in md.partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if high > low:
+                parts.append(TopicPartition(topic, p, max(low, high - max_offsets)))
+                ends[p] = high
+        if not parts:
+            return []
+        consumer.assign(parts)
+        out: list[Batch] = []
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(done) < len(parts) and time.monotonic() < deadline:
+            for m in consumer.consume(100, 0.5):
+                if m.error():
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        done.add(m.partition())
+                        continue
+                    raise KafkaException(m.error())
+                out.append(codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
+                                        expect=Batch))
+                if m.offset() + 1 >= ends[m.partition()]:
+                    done.add(m.partition())
+        out.sort(key=lambda b: b.created_at_ms)
+        return out
+    finally:
+        consumer.close()

@@ -126,7 +126,8 @@ class ProcessorRuntime:
             **{"transaction.timeout.ms": 60_000},
         )
         self.processor.open(
-            ProcessorContext(self.topology, self.config, self.codec, self.component_id)
+            ProcessorContext(self.topology, self.config, self.codec, self.component_id,
+                             control=self)
         )
         consumer.subscribe(
             list(self._inputs),
@@ -327,6 +328,9 @@ class ProcessorRuntime:
     def status(self) -> ComponentStatus:
         c = self.counters
         state = "paused" if self._paused else ("stopping" if self._stop.is_set() else "running")
+        own = self.processor.state()
+        if own and not self._stop.is_set():
+            state = own
         metrics = {
             "runtime/transactions": float(c.transactions),
             "runtime/aborted": float(c.aborted),

@@ -1,0 +1,492 @@
+"""Admission / backpressure: feed tasks only as fast as the pool and the trainers absorb them.
+
+The ``admission`` processor sits on the way to ``tasks`` (usually ``tasks.source -> tasks``,
+or after the pre-rollout processors). It holds the tasks it consumes in memory (their
+offsets are not committed while held, so nothing is lost on a crash) and lets them through
+only while two consumer-group lags stay within their bounds:
+
+- **pool** -- tasks in flight for a RaaS pool: the records on ``tasks`` past the committed
+  offset of the pool's group ``<run>.raas.<pool>`` (queued or being rolled out; a node
+  commits a task together with its trajectories). Bound: ``queue_factor x capacity``,
+  capacity = nodes x tasks per transaction (``pools:`` of the topology), so every rollout
+  slot has one task running and one waiting;
+- **trainer** -- batches queued for a trainer: records on ``batches.<policy>`` past the
+  committed offset of ``<run>.trainer.<policy>``. Every queued batch becomes one weight
+  version before anything rolled out now is trained, so a task admitted while ``L``
+  batches wait is at least ``L`` versions stale when trained; beyond ``max_staleness``
+  its group would be dropped. Bound: ``max_staleness`` batches.
+
+Lags are counted in records, not offsets: every committed Kafka transaction leaves a
+control marker in each partition it wrote, which offset lag counts as one more record. A
+side reader (``RecordCounter``) follows ``tasks`` and ``batches.*`` without a group and
+remembers where the data records are. The decision itself (``AdmissionPolicy``) is plain
+logic; ``LagObserver`` reads Kafka; ``Admission`` is the processor joining them. Lags are
+read every ``poll_interval_s`` (0.5 s), and tasks are admitted only right after a read,
+so each decision sees everything admitted before it.
+
+When more than ``max_held`` tasks wait, the processor asks the runtime to pause its input
+and resumes it below half of that.
+
+Run one instance per topology: copies would decide independently and each fill the same
+headroom.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from pydantic import BaseModel, ConfigDict, Field
+
+from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
+from astraflow.kafka.lag import LagReader, PartitionLag
+
+log = logging.getLogger("astraflow.admission")
+
+DEFAULT_MAX_STALENESS = 4
+
+
+class AdmissionOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pools: list[str] | None = Field(
+        default=None, description="RaaS pools to watch (default: the topology's pools, else "
+                                  "the node's default pool 'default')")
+    policies: list[str] | None = Field(
+        default=None, description="trainers to watch (default: the topology's policies)")
+    pool_capacity: int | None = Field(
+        default=None, ge=1, description="tasks one pool rolls out at once (default: nodes x "
+                                        "--tasks-per-transaction from pools:)")
+    queue_factor: float = Field(default=2.0, gt=0, description="pool bound = factor x capacity")
+    max_pool_lag: int | None = Field(default=None, ge=1, description="pool bound, overrides")
+    max_staleness: int | None = Field(
+        default=None, ge=0, description="default: the batcher's (or staleness filter's) "
+                                        "max_staleness for the policy, else 4")
+    max_trainer_lag: int | None = Field(
+        default=None, ge=0, description="trainer bound in batches, overrides max_staleness")
+    poll_interval_s: float = Field(default=0.5, gt=0, le=10, description="lag read period")
+    max_held: int = Field(default=1000, ge=1, description="pause the input beyond this")
+    route: Literal["least_lag", "key"] = Field(
+        default="least_lag", description="least_lag: each admitted task goes to the partition "
+                                         "with the fewest tasks in flight; key: by its key")
+
+
+# --- decision logic, no Kafka -----------------------------------------------------------
+@dataclass(frozen=True)
+class AdmissionDecision:
+    """How many waiting tasks to let through now, and to which partitions of ``tasks``."""
+
+    admit: int
+    partitions: list[int | None]  # one per admitted task; None: by key
+    state: str  # "admitting" | "holding"
+    reason: str  # why holding: "pool <name>: 12/12 in flight", "trainer <policy>: ..."
+    headroom: int  # tasks the tightest pool could still take
+
+
+class AdmissionPolicy:
+    """Given lags and bounds, decide how many waiting tasks to admit.
+
+    ``pool_bounds``: pool -> most tasks in flight; ``trainer_bounds``: policy -> most
+    batches queued at which tasks are still admitted. A task is admitted only if afterwards
+    every pool stays within its bound and no trainer is beyond its bound.
+    """
+
+    def __init__(self, pool_bounds: dict[str, int], trainer_bounds: dict[str, int] | None = None,
+                 route: str = "least_lag"):
+        if not pool_bounds:
+            raise ValueError("admission needs at least one pool bound")
+        self.pool_bounds = dict(pool_bounds)
+        self.trainer_bounds = dict(trainer_bounds or {})
+        self.route = route
+
+    def decide(self, pool_in_flight: dict[str, dict[int, int]], trainer_lag: dict[str, int],
+               waiting: int) -> AdmissionDecision:
+        """``pool_in_flight``: pool -> partition -> tasks in flight; ``trainer_lag``:
+        policy -> batches queued; ``waiting``: tasks held here."""
+        for policy, bound in sorted(self.trainer_bounds.items()):
+            lag = trainer_lag.get(policy, 0)
+            if lag > bound:
+                return AdmissionDecision(0, [], "holding",
+                                         f"trainer {policy}: {lag} batches queued > {bound}",
+                                         self._headroom(pool_in_flight)[0])
+        headroom, tightest = self._headroom(pool_in_flight)
+        if headroom <= 0:
+            pool = tightest
+            total = sum(pool_in_flight.get(pool, {}).values())
+            return AdmissionDecision(0, [], "holding",
+                                     f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
+                                     headroom)
+        n = min(waiting, headroom)
+        return AdmissionDecision(n, self._route(pool_in_flight, n), "admitting", "", headroom)
+
+    def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
+        room = {p: b - sum(pool_in_flight.get(p, {}).values())
+                for p, b in self.pool_bounds.items()}
+        tightest = min(sorted(room), key=lambda p: room[p])
+        return room[tightest], tightest
+
+    def _route(self, pool_in_flight: dict[str, dict[int, int]], n: int) -> list[int | None]:
+        if self.route == "key" or n == 0:
+            return [None] * n
+        load: dict[int, int] = {}
+        for parts in pool_in_flight.values():
+            for p, c in parts.items():
+                load[p] = load.get(p, 0) + c
+        if not load:
+            return [None] * n
+        out: list[int | None] = []
+        for _ in range(n):
+            p = min(sorted(load), key=lambda q: load[q])
+            load[p] += len(pool_in_flight) or 1
+            out.append(p)
+        return out
+
+
+def tasks_per_transaction(raas_args: list[str], default: int = 1) -> int:
+    """The ``--tasks-per-transaction K`` of a pool's ``raas_args`` (how many tasks a node
+    works on at once), or ``default``."""
+    for i, a in enumerate(raas_args):
+        if a == "--tasks-per-transaction" and i + 1 < len(raas_args):
+            return int(raas_args[i + 1])
+        if a.startswith("--tasks-per-transaction="):
+            return int(a.split("=", 1)[1])
+    return default
+
+
+def pool_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
+    """Pool -> most tasks in flight: ``max_pool_lag``, else ceil(queue_factor x capacity)."""
+    pools = options.pools or list(topology.pools) or ["default"]
+    out = {}
+    for pool in pools:
+        if options.max_pool_lag is not None:
+            out[pool] = options.max_pool_lag
+            continue
+        capacity = options.pool_capacity
+        if capacity is None:
+            spec = topology.pools.get(pool)
+            capacity = max(1, spec.nodes * tasks_per_transaction(spec.raas_args)) if spec else 1
+        out[pool] = max(1, math.ceil(options.queue_factor * capacity))
+    return out
+
+
+def max_staleness_of(topology: Any, policy: str) -> int | None:
+    """The ``max_staleness`` the topology's batcher (or staleness filter) uses for ``policy``."""
+    found = None
+    for spec in topology.processors.values():
+        opts = spec.options
+        if spec.kind == "batcher" and opts.get("policy", "actor") == policy and \
+                opts.get("max_staleness") is not None:
+            return int(opts["max_staleness"])
+        if spec.kind == "staleness_filter" and opts.get("max_staleness") is not None and \
+                policy in opts.get("policies", ["actor"]):
+            found = int(opts["max_staleness"])
+    return found
+
+
+def trainer_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
+    """Policy -> most queued batches at which tasks are admitted (see the module doc)."""
+    policies = options.policies if options.policies is not None else list(topology.policies)
+    out = {}
+    for policy in policies:
+        if f"batches.{policy}" not in topology.topics:
+            log.warning("admission: no topic batches.%s; its trainer is not watched", policy)
+            continue
+        if options.max_trainer_lag is not None:
+            out[policy] = options.max_trainer_lag
+        elif options.max_staleness is not None:
+            out[policy] = options.max_staleness
+        else:
+            found = max_staleness_of(topology, policy)
+            out[policy] = DEFAULT_MAX_STALENESS if found is None else found
+    return out
+
+
+# --- reading lags from Kafka ------------------------------------------------------------
+class RecordCounter:
+    """Follows partitions without a consumer group and counts data records past an offset.
+
+    Offset lag counts transaction markers as records; this side reader (``read_committed``)
+    remembers the offsets of the data records from a floor (the lowest committed offset of
+    the watched groups) on, so ``count`` is exact once it has caught up, and an upper
+    bound (the unread range counts in full) until then.
+    """
+
+    def __init__(self, config: Any, client_id: str):
+        self.consumer = Consumer(config.consumer_conf(
+            "astraflow-admission", **{"enable.auto.commit": False, "client.id": client_id,
+                                      "enable.partition.eof": False}))
+        self._floor: dict[tuple[str, int], int] = {}
+        self._seen: dict[tuple[str, int], list[int]] = {}
+        self._pos: dict[tuple[str, int], int] = {}
+
+    def follow(self, floors: dict[tuple[str, int], int]) -> None:
+        """Read each partition from its floor on; a floor that moved back restarts it."""
+        if any(tp not in self._floor or f < self._floor[tp] for tp, f in floors.items()):
+            self._floor = dict(floors)
+            self._seen = {tp: [] for tp in floors}
+            self._pos = dict(floors)
+            self.consumer.assign([TopicPartition(t, p, f) for (t, p), f in floors.items()])
+            return
+        for tp, f in floors.items():
+            if f > self._floor[tp]:
+                seen = self._seen[tp]
+                del seen[: bisect.bisect_left(seen, f)]
+                self._floor[tp] = f
+
+    def drain(self) -> None:
+        """Take in what has arrived, without blocking."""
+        while True:
+            msgs = self.consumer.consume(1000, 0)
+            if not msgs:
+                break
+            for m in msgs:
+                if m.error():
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise KafkaException(m.error())
+                tp = (m.topic(), m.partition())
+                if tp in self._floor and m.offset() >= self._floor[tp]:
+                    seen = self._seen[tp]
+                    if not seen or seen[-1] < m.offset():
+                        seen.append(m.offset())
+                    self._pos[tp] = max(self._pos[tp], m.offset() + 1)
+        if self._pos:
+            # the position also steps over transaction markers, unlike the last offset read
+            for tp in self.consumer.position(
+                    [TopicPartition(t, p) for t, p in self._pos]):
+                if tp.offset >= 0:
+                    key = (tp.topic, tp.partition)
+                    self._pos[key] = max(self._pos[key], tp.offset)
+
+    def count(self, topic: str, partition: int, committed: int, end: int) -> int:
+        """Data records at offsets >= ``committed`` below ``end`` (the log-end offset)."""
+        tp = (topic, partition)
+        if tp not in self._floor or committed < self._floor[tp]:
+            return max(0, end - committed)
+        seen = self._seen[tp]
+        pos = self._pos[tp]
+        known = len(seen) - bisect.bisect_left(seen, committed)
+        return known + max(0, end - max(pos, committed))
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+@dataclass
+class Observation:
+    """Lags at one moment: records in flight per pool and partition, batches per trainer."""
+
+    pool_in_flight: dict[str, dict[int, int]]
+    trainer_lag: dict[str, int]
+    pool_offset_lag: dict[str, int] = field(default_factory=dict)  # what `astraflow lag` shows
+    trainer_offset_lag: dict[str, int] = field(default_factory=dict)
+
+
+class LagSource(Protocol):
+    """Anything that observes the lags (Kafka, or a script in tests)."""
+
+    def observe(self) -> Observation: ...
+
+    def close(self) -> None: ...
+
+
+class LagObserver:
+    """Reads the pools' lag on ``tasks`` and the trainers' lag on ``batches.<policy>``.
+
+    ``pool_groups``: pool -> consumer group; ``trainer_topics``: policy -> (topic, group);
+    topic names are full (with the run prefix).
+    """
+
+    def __init__(self, config: Any, tasks_topic: str, pool_groups: dict[str, str],
+                 trainer_topics: dict[str, tuple[str, str]]):
+        self.tasks_topic = tasks_topic
+        self.pool_groups = pool_groups
+        self.trainer_topics = trainer_topics
+        self.reader = LagReader(config)
+        self.tasks = RecordCounter(config, "admission-tasks")
+        self.batches = RecordCounter(config, "admission-batches") if trainer_topics else None
+
+    def observe(self) -> Observation:
+        pool_rows = {pool: self.reader.lag(g, [self.tasks_topic])
+                     for pool, g in self.pool_groups.items()}
+        trainer_rows = {policy: self.reader.lag(g, [t])
+                        for policy, (t, g) in self.trainer_topics.items()}
+        in_flight = self._count(self.tasks, pool_rows)
+        batches = self._count(self.batches, trainer_rows) if self.batches else {}
+        return Observation(
+            pool_in_flight=in_flight,
+            trainer_lag={policy: sum(parts.values()) for policy, parts in batches.items()},
+            pool_offset_lag={p: sum(r.lag for r in rows) for p, rows in pool_rows.items()},
+            trainer_offset_lag={p: sum(r.lag for r in rows) for p, rows in trainer_rows.items()},
+        )
+
+    @staticmethod
+    def _count(counter: RecordCounter, rows: dict[str, list[PartitionLag]]
+               ) -> dict[str, dict[int, int]]:
+        def committed(r: PartitionLag) -> int:
+            return r.committed if r.committed is not None else r.start_offset
+
+        floors: dict[tuple[str, int], int] = {}
+        for rs in rows.values():
+            for r in rs:
+                tp = (r.topic, r.partition)
+                floors[tp] = min(floors.get(tp, committed(r)), committed(r))
+        counter.follow(floors)
+        counter.drain()
+        return {name: {r.partition: counter.count(r.topic, r.partition, committed(r),
+                                                  r.end_offset) for r in rs}
+                for name, rs in rows.items()}
+
+    def close(self) -> None:
+        self.reader.close()
+        self.tasks.close()
+        if self.batches:
+            self.batches.close()
+
+
+# --- the processor ----------------------------------------------------------------------
+class Admission(Processor):
+    """Holds tasks back while the RaaS pool or a trainer is behind; lets them through after.
+
+    Output: its single output topic (``tasks``). ``lags`` (a ``LagSource``) and the bounds
+    are made in ``open`` from the topology unless given (tests give them).
+    """
+
+    kind = "admission"
+    Options = AdmissionOptions
+
+    def __init__(self, name, inputs, outputs, options=None, lags: LagSource | None = None,
+                 policy: AdmissionPolicy | None = None):
+        super().__init__(name, inputs, outputs, options)
+        if len(outputs) != 1:
+            raise ValueError(f"admission {name}: exactly one output topic (tasks), got {outputs}")
+        self.lags = lags
+        self.policy = policy
+        self.control = None
+        self.held: deque[Incoming] = deque()
+        self.admitted = 0
+        self.hold_events = 0
+        self.lag_errors = 0
+        self.input_paused = False
+        self.last: Observation | None = None
+        self.decision: AdmissionDecision | None = None
+        self._next_read_ms = 0
+
+    def open(self, context: ProcessorContext) -> None:
+        topo = context.topology
+        self.control = context.control
+        if self.policy is None:
+            self.policy = AdmissionPolicy(pool_bounds(topo, self.options),
+                                          trainer_bounds(topo, self.options),
+                                          self.options.route)
+        if self.lags is None:
+            self.lags = LagObserver(
+                context.config, topo.full_name(self.outputs[0]),
+                {p: f"{topo.run}.raas.{p}" for p in self.policy.pool_bounds},
+                {p: (topo.full_name(f"batches.{p}"), f"{topo.run}.trainer.{p}")
+                 for p in self.policy.trainer_bounds})
+        log.info("%s: pool bounds %s, trainer bounds %s", context.component_id,
+                 self.policy.pool_bounds, self.policy.trainer_bounds)
+
+    def close(self) -> None:
+        if self.lags is not None:
+            self.lags.close()
+
+    def process(self, msg: Incoming) -> Iterable[Outgoing]:
+        self.held.append(msg)
+        return ()
+
+    def flush(self, now: int) -> Iterable[Outgoing]:
+        out: list[Outgoing] = []
+        if now >= self._next_read_ms:
+            self._next_read_ms = now + int(self.options.poll_interval_s * 1000)
+            out = self._admit()
+        self._pace_input()
+        return out
+
+    def _admit(self) -> list[Outgoing]:
+        try:
+            self.last = self.lags.observe()
+        except KafkaException as e:  # hold (safe) and try again at the next read
+            self.lag_errors += 1
+            log.warning("%s: reading lags failed, holding: %s", self.name, e)
+            return []
+        was = self.decision.state if self.decision else None
+        d = self.policy.decide(self.last.pool_in_flight, self.last.trainer_lag, len(self.held))
+        self.decision = d
+        if d.state != was:
+            if d.state == "holding":
+                self.hold_events += 1
+                log.info("%s: holding (%s), %d tasks waiting", self.name, d.reason,
+                         len(self.held))
+            elif was is not None:
+                log.info("%s: admitting again, %d tasks waiting", self.name, len(self.held))
+        out = []
+        for partition in d.partitions:
+            m = self.held.popleft()
+            out.append(Outgoing(self.outputs[0], m.record, key=m.key, partition=partition))
+        self.admitted += len(out)
+        return out
+
+    def _pace_input(self) -> None:
+        if self.control is None:
+            return
+        if not self.input_paused and len(self.held) >= self.options.max_held:
+            for t in self.inputs:
+                self.control.pause(t)
+            self.input_paused = True
+        elif self.input_paused and len(self.held) <= self.options.max_held // 2:
+            for t in self.inputs:
+                self.control.resume(t)
+            self.input_paused = False
+
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        oldest: dict[tuple[str, int], int] = {}
+        for m in self.held:
+            key = (m.topic, m.partition)
+            if key not in oldest or m.offset < oldest[key]:
+                oldest[key] = m.offset
+        return oldest
+
+    def on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        gone = set(partitions)
+        self.held = deque(m for m in self.held if (m.topic, m.partition) not in gone)
+
+    def state(self) -> str | None:
+        return self.decision.state if self.decision else "holding"
+
+    def metrics(self) -> dict[str, float]:
+        pb = self.policy.pool_bounds if self.policy else {}
+        tb = self.policy.trainer_bounds if self.policy else {}
+        obs = self.last or Observation({}, {})
+        pool_lag = {p: sum(obs.pool_in_flight.get(p, {}).values()) for p in pb}
+        out = {
+            "admission/held": float(len(self.held)),
+            "admission/admitted": float(self.admitted),
+            "admission/holding": float(self.state() == "holding"),
+            "admission/hold_events": float(self.hold_events),
+            "admission/lag_errors": float(self.lag_errors),
+            "admission/input_paused": float(self.input_paused),
+        }
+        if pb:  # the tightest pool, then each pool
+            tight = min(sorted(pb), key=lambda p: pb[p] - pool_lag[p])
+            out["admission/pool_lag"] = float(pool_lag[tight])
+            out["admission/bound_pool"] = float(pb[tight])
+            out["admission/pool_offset_lag"] = float(obs.pool_offset_lag.get(tight, 0))
+            for p in pb:
+                out[f"admission/pool_lag/{p}"] = float(pool_lag[p])
+                out[f"admission/bound_pool/{p}"] = float(pb[p])
+        if tb:  # the trainer nearest its bound, then each trainer
+            lag = {p: obs.trainer_lag.get(p, 0) for p in tb}
+            tight = min(sorted(tb), key=lambda p: tb[p] - lag[p])
+            out["admission/trainer_lag"] = float(lag[tight])
+            out["admission/bound_trainer"] = float(tb[tight])
+            for p in tb:
+                out[f"admission/trainer_lag/{p}"] = float(lag[p])
+                out[f"admission/bound_trainer/{p}"] = float(tb[p])
+        return out
