@@ -46,3 +46,107 @@ def test_every_processor_of_the_default_topology_has_a_service():
         if s.get("command", [None])[:3] == ["astraflow", "processor", "run"]
     }
     assert set(topo.processors) <= run_services
+
+
+# --- every topology's processors, profiles and start order --------------------------
+
+TOPOLOGY_FILES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "topology").glob("*.yaml"))
+DEFAULT_TOPOLOGY = "topology/default.yaml"
+
+
+def _parsed(service: dict):
+    """The service's command parsed by the real CLI parser (None for non-astraflow ones)."""
+    command = service.get("command")
+    if not isinstance(command, list) or command[:1] != ["astraflow"]:
+        return None
+    return build_parser().parse_args(command[1:])
+
+
+def _processor_services(services: dict) -> dict[tuple[str, str], list[str]]:
+    """(topology file, processor name) -> names of the services that run it."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for name, service in services.items():
+        args = _parsed(service)
+        if args is not None and args.command == "processor" and args.action == "run":
+            out.setdefault((args.topology, args.name), []).append(name)
+    return out
+
+
+def _missing_processor_services(services: dict) -> list[str]:
+    running = _processor_services(services)
+    return [f"{path}: {name}" for path in TOPOLOGY_FILES
+            for name in load_topology(REPO / path).processors if (path, name) not in running]
+
+
+def test_topology_files_are_found():
+    assert DEFAULT_TOPOLOGY in TOPOLOGY_FILES and len(TOPOLOGY_FILES) >= 2
+
+
+@pytest.mark.parametrize("path", TOPOLOGY_FILES)
+def test_every_processor_of_every_topology_has_its_own_service(path):
+    """Each processor of each topology/*.yaml runs as a service with that very topology."""
+    running = _processor_services(SERVICES)
+    missing = [name for name in load_topology(REPO / path).processors
+               if (path, name) not in running]
+    assert not missing, f"no docker-compose service runs {missing} with --topology {path}"
+
+
+def test_the_processor_check_fails_when_a_service_is_missing():
+    for victim in ("da-greso", "admission-batcher", "batcher"):
+        services = {n: s for n, s in SERVICES.items() if n != victim}
+        assert _missing_processor_services(services), victim
+    # a service running the processor with another topology does not count
+    moved = dict(SERVICES)
+    moved["da-greso"] = {**SERVICES["da-greso"],
+                         "command": [c.replace("data-algorithms", "admission")
+                                     for c in SERVICES["da-greso"]["command"]]}
+    assert "topology/data-algorithms.yaml: greso" in _missing_processor_services(moved)
+
+
+@pytest.mark.parametrize("name", [n for n in SERVICES if n != "kafka"])
+def test_only_default_run_services_start_without_a_profile(name):
+    """`docker compose up` runs the default run; other topologies sit behind profiles."""
+    service = SERVICES[name]
+    topology = getattr(_parsed(service), "topology", None)
+    if topology is None:  # model init: judged by the services that use its model
+        return
+    if topology == DEFAULT_TOPOLOGY:
+        assert not service.get("profiles"), f"{name} runs the default topology"
+    else:
+        assert service.get("profiles"), f"{name} runs {topology} but has no profile"
+
+
+COMPONENTS = {"processor", "trainer", "raas", "feeder", "eval"}
+
+
+@pytest.mark.parametrize("name", [
+    n for n, s in SERVICES.items()
+    if n != "kafka" and getattr(_parsed(s), "command", None) in COMPONENTS])
+def test_components_wait_for_their_topics_and_model(name):
+    """A component depends on the service applying its run's topics (same run id and
+    topics) and on the `model init` services writing the models it loads, all finished."""
+    service = SERVICES[name]
+    args = _parsed(service)
+    topo = load_topology(REPO / args.topology)
+    deps = service.get("depends_on", {})
+    setups = {d: _parsed(SERVICES[d]) for d in deps}
+    for d in deps:
+        assert deps[d].get("condition") == "service_completed_successfully", (name, d)
+    applied = [load_topology(REPO / a.topology) for a in setups.values()
+               if a is not None and a.command == "topics"]
+    assert any(t.run == topo.run and set(t.topics) == set(topo.topics) for t in applied), \
+        f"{name} does not wait for a service applying the topics of run {topo.run}"
+    if args.command in {"trainer", "eval"}:
+        models = [args.model]
+    elif args.command == "raas":
+        models = [model for _policy, model in args.policy_model]
+    else:
+        models = []
+    written = {a.dir for a in setups.values() if a is not None and a.command == "model"}
+    for model in models:
+        assert model in written, f"{name} loads {model}, which no service it waits for writes"
+        profiles = set(service.get("profiles") or [])
+        writers = [d for d, a in setups.items() if a is not None and a.command == "model"
+                   and a.dir == model]
+        for w in writers:  # the writer starts whenever the component does
+            assert set(SERVICES[w].get("profiles") or []) <= profiles, (name, w)
