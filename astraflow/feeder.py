@@ -1,10 +1,11 @@
 """The task feeder: writes ``Task`` records to ``<run>.tasks.source``.
 
-It walks a list of task payloads (synthetic arithmetic, or a local dataset file) for a
-number of epochs, each epoch in a fresh seeded order, keyed by prompt id, at an optional
-rate (tasks per second) and up to an optional total count. ``should_pause()``, when given,
-is polled before each task; while it says so the feeder waits (admission control plugs in
-here later). ``stop`` (a ``threading.Event``) ends it early; what was produced is flushed.
+It walks a list of task payloads (synthetic arithmetic, synthetic code tasks, or a local
+dataset file) for a number of epochs, each epoch in a fresh seeded order, keyed by prompt
+id, at an optional rate (tasks per second) and up to an optional total count.
+``should_pause()``, when given, is polled before each task; while it says so the feeder
+waits (admission control plugs in here later). ``stop`` (a ``threading.Event``) ends it
+early; what was produced is flushed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from astraflow.records import Task
 from astraflow.tasks.base import make_task
 
 SOURCE_TOPIC = "tasks.source"
+# synthetic task family -> (default workflow, default policies)
+TASK_FAMILIES: dict[str, tuple[str, list[str]]] = {
+    "arithmetic": ("single_turn", ["actor"]),
+    "code": ("code_tests", ["solver", "generator"]),
+}
 
 
 @dataclass
@@ -173,8 +179,13 @@ def load_payloads(
     seed: int = 0,
     prompt_field: str | None = None,
     answer_field: str | None = None,
+    family: str = "arithmetic",
 ) -> list[dict[str, Any]]:
-    """Payloads from a local dataset file, or ``size`` distinct arithmetic problems."""
+    """Payloads from a local dataset file, or ``size`` distinct synthetic problems of
+    ``family``: ``arithmetic`` (``astraflow.tasks.arithmetic``) or ``code``
+    (``astraflow.tasks.code``, for the ``code_tests`` workflow)."""
+    if family not in TASK_FAMILIES:
+        raise ValueError(f"unknown task family {family!r} (known: {', '.join(TASK_FAMILIES)})")
     if dataset:
         from astraflow.tasks.datasets import load_dataset_file
 
@@ -184,6 +195,10 @@ def load_payloads(
             answer_field=answer_field,
             limit=size if size > 0 else None,
         )
+    if family == "code":
+        from astraflow.tasks.code import code_payloads
+
+        return code_payloads(levels, split, size, seed)
     from astraflow.tasks.arithmetic import arithmetic_problems
 
     return [p.payload() for p in arithmetic_problems(levels, split, size, seed)]
@@ -223,7 +238,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument("--prompt-field", default=None)
     r.add_argument("--answer-field", default=None)
-    r.add_argument("--levels", default="1,2", help="arithmetic levels (default 1,2)")
+    r.add_argument(
+        "--task-family",
+        default="arithmetic",
+        choices=sorted(TASK_FAMILIES),
+        help="synthetic tasks: arithmetic (default) or code (one-expression functions, fed "
+        "to the code_tests workflow with policies solver and generator unless --workflow / "
+        "--policy say otherwise)",
+    )
+    r.add_argument("--levels", default="1,2", help="levels of the task family (default 1,2)")
     r.add_argument("--split", default="train", choices=["train", "eval"])
     r.add_argument(
         "--size",
@@ -238,9 +261,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="NAME",
-        help="policy the workflow uses (repeatable; default actor)",
+        help="policy the workflow uses (repeatable; default actor, for code: solver and "
+        "generator)",
     )
-    r.add_argument("--workflow", default="single_turn")
+    r.add_argument(
+        "--workflow",
+        default=None,
+        help="workflow of the tasks (default single_turn, for code: code_tests)",
+    )
     r.set_defaults(func=cmd_feeder_run)
     return p
 
@@ -260,6 +288,7 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
             seed=args.seed,
             prompt_field=args.prompt_field,
             answer_field=args.answer_field,
+            family=getattr(args, "task_family", "arithmetic"),
         )
     except (TopologyError, DatasetError, ValueError) as e:
         print(f"astraflow: {e}", file=sys.stderr)
@@ -268,7 +297,9 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
         print("astraflow: no tasks to feed", file=sys.stderr)
         return 2
     topic = topo.full_name(SOURCE_TOPIC)
-    policies = args.policy or ["actor"]
+    default_workflow, default_policies = TASK_FAMILIES[getattr(args, "task_family", "arithmetic")]
+    policies = args.policy or list(default_policies)
+    workflow = args.workflow or default_workflow
     stop = threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -280,7 +311,7 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
         epochs=args.epochs or None,
         seed=args.seed,
         policies=policies,
-        workflow=args.workflow,
+        workflow=workflow,
         run=topo.run,
     )
     feeder = TaskFeeder(

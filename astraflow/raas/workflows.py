@@ -345,3 +345,6 @@ __all__ = [
     "make_workflow",
     "register_workflow",
 ]
+
+# workflows defined in other modules register themselves when imported
+import astraflow.raas.codegen  # noqa: E402,F401  (code_tests)

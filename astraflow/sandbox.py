@@ -1,0 +1,749 @@
+"""Run untrusted Python code in a separate, limited process.
+
+``run_python(code, stdin=...)`` runs ``code`` as a script and returns a ``SandboxResult``
+(``status`` is ``ok``, ``error``, ``timeout``, ``killed`` or ``memory``);
+``run_function(code, "f", inputs)`` calls a function the code defines on each input inside
+one sandboxed process, and ``check_cases(code, "f", cases)`` compares those outputs with
+expected values (the expected values never enter the sandbox, so printing cannot fake a
+pass).
+
+What is enforced, in layers (``SandboxResult.isolation`` names those in force on a run):
+
+* **separate process** in its own session and process group; on a wall-clock timeout or
+  when the output limit is exceeded the whole process group is killed with SIGKILL.
+* **resource limits** (``setrlimit``, set before the user code runs, soft = hard so they
+  cannot be raised again): CPU time (``RLIMIT_CPU``, whole seconds; SIGXCPU, then SIGKILL
+  one second later), address space (``RLIMIT_AS``: allocations beyond ``mem_mb`` fail
+  with ``MemoryError``), file size (``RLIMIT_FSIZE``), open files (``RLIMIT_NOFILE``), no
+  core dumps.
+* **namespaces** when ``unshare`` works unprivileged (probed once; it does on this
+  machine): a new user, network and PID namespace (``unshare -c -n -p -f --kill-child``).
+  The network namespace has only a down loopback device: no connection to anything,
+  127.0.0.1 included. The PID namespace dies with its first process, so nothing forked
+  can outlive the run.
+* **an unprivileged user** when the caller is root: the code runs as ``nobody`` (65534).
+  If ``sys.executable`` is not executable by ``nobody`` (e.g. under ``/root``),
+  ``/usr/bin/python3`` is used; when neither works the code keeps the caller's uid.
+* **an audit hook** (``sys.addaudithook``, which code cannot remove) installed before the
+  user code: it refuses every ``socket.*`` event, importing ``socket``, ``ssl``,
+  ``subprocess``, ``multiprocessing``, ``ctypes`` and their C modules, process creation
+  (``os.system``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``, ``os.fork``,
+  ``subprocess.Popen``), every ``ctypes.*`` event, ``os.kill`` of other processes,
+  ``resource.setrlimit``, and writes, removals, renames, ``chmod``/``chown`` of paths
+  outside the sandbox directory.
+* ``python -I -S -B``: isolated mode (no ``PYTHON*`` variables, no user site, script
+  directory not on ``sys.path``), no ``site`` (so no site-packages: the standard library
+  only), no ``.pyc`` writes.
+* a **fresh temporary directory** as cwd, ``HOME`` and ``TMPDIR``, removed afterwards
+  (also when the code made parts of it unreadable); a **scrubbed environment** (only
+  ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``LC_ALL``); stdin from a file; stdout and
+  stderr each capped at ``max_output`` bytes (the run is killed beyond).
+
+What is NOT enforced: the audit hook is a best-effort layer in the same interpreter, not a
+security boundary (a bug in CPython or a C extension could get around it); without working
+namespaces the network is blocked only by that hook. Reading files the uid may read is
+allowed (no mount namespace or chroot); without a uid drop (caller not root) the code may
+read everything the caller can. There is no limit on the number of threads or on CPU
+time spent in threads beyond ``RLIMIT_CPU`` (which counts them), none on disk use other
+than the file-size limit per file, and no seccomp filter. For hostile code use a
+container or VM as well.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# exit codes the preamble uses to report why it stopped
+CPU_EXIT = 86
+MEMORY_EXIT = 87
+SETUP_EXIT = 88
+
+NOBODY = 65534
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+MAX_CODE_BYTES = 1 << 20
+
+STATUSES = ("ok", "error", "timeout", "killed", "memory")
+
+# The program the sandboxed interpreter runs first (python -c PREAMBLE CONFIG_JSON). It sets
+# the limits, installs the audit hook, then runs main.py (script mode) or main.py plus the
+# calls of one function on JSON inputs read from stdin (function mode). Python 3.8 syntax.
+_PREAMBLE = r"""
+import json, os, resource, signal, sys, traceback, types
+
+cfg = json.loads(sys.argv[1])
+
+def _fail(msg, code):
+    os.write(2, ("sandbox: " + msg + "\n").encode())
+    os._exit(code)
+
+def _limit(which, soft, hard=None):
+    hard = soft if hard is None else hard
+    cur_soft, cur_hard = resource.getrlimit(which)
+    if cur_hard != resource.RLIM_INFINITY:
+        hard = min(hard, cur_hard)
+        soft = min(soft, hard)
+    try:
+        resource.setrlimit(which, (soft, hard))
+    except (ValueError, OSError) as e:
+        _fail("cannot set limit %r: %s" % (which, e), cfg["setup_exit"])
+
+signal.signal(signal.SIGXCPU, lambda *_: _fail("cpu time limit", cfg["cpu_exit"]))
+_limit(resource.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1)
+_limit(resource.RLIMIT_AS, cfg["mem"])
+_limit(resource.RLIMIT_FSIZE, cfg["fsize"])
+_limit(resource.RLIMIT_NOFILE, cfg["nofile"])
+_limit(resource.RLIMIT_CORE, 0)
+
+ROOT = os.path.realpath(cfg["root"])
+with open(cfg["main"], encoding="utf-8") as fh:
+    SOURCE = fh.read()
+INPUTS = json.loads(sys.stdin.read() or "[]") if cfg["mode"] == "function" else None
+if INPUTS is not None:
+    sys.stdin = open(os.devnull)
+OUT = os.dup(1)
+
+BLOCKED_EVENTS = {
+    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+    "os.startfile", "subprocess.Popen", "pty.spawn", "_posixsubprocess.fork_exec",
+    "resource.setrlimit", "resource.prlimit", "sys.remote_exec",
+}
+BLOCKED_PREFIXES = ("socket.", "ctypes.", "_ctypes.")
+BLOCKED_MODULES = {
+    "socket", "_socket", "ssl", "_ssl", "subprocess", "_posixsubprocess",
+    "multiprocessing", "_multiprocessing", "ctypes", "_ctypes", "pty",
+}
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+PATH_EVENTS = {  # event -> [(index of a path argument, index of its dir_fd or None)]
+    "os.remove": [(0, 1)], "os.rmdir": [(0, 1)], "os.mkdir": [(0, 2)],
+    "os.rename": [(0, 2), (1, 3)], "os.link": [(0, 2), (1, 3)], "os.symlink": [(1, 2)],
+    "os.chmod": [(0, 2)], "os.chown": [(0, 3)], "os.utime": [(0, 3)],
+    "os.truncate": [(0, None)], "os.chflags": [(0, None)], "os.lchflags": [(0, None)],
+    "os.setxattr": [(0, None)], "os.removexattr": [(0, None)],
+}
+_busy = []
+
+def _fd_path(fd):
+    return os.readlink("/proc/self/fd/%d" % fd)
+
+def _inside(path, dir_fd=None, strict_relative=False):
+    if isinstance(path, int):
+        try:
+            path = _fd_path(path)
+        except OSError:
+            return False
+    path = os.fsdecode(path)
+    if not os.path.isabs(path):
+        if strict_relative:
+            return False
+        base = _fd_path(dir_fd) if isinstance(dir_fd, int) and dir_fd >= 0 else os.getcwd()
+        path = os.path.join(base, path)
+    for p in (os.path.realpath(path),
+              os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))):
+        if p != "/dev/null" and p != ROOT and not p.startswith(ROOT + os.sep):
+            return False
+    return True
+
+def _deny(event):
+    raise PermissionError("sandbox: %s is not allowed" % event)
+
+def _hook(event, args):
+    if _busy:
+        return
+    _busy.append(1)
+    try:
+        if event in BLOCKED_EVENTS or event.startswith(BLOCKED_PREFIXES):
+            _deny(event)
+        if event == "import":
+            name = str(args[0])
+            if name in BLOCKED_MODULES or name.split(".")[0] in BLOCKED_MODULES:
+                _deny("import of " + name)
+        elif event == "open":
+            path, mode, flags = args
+            if isinstance(mode, str):
+                writing = any(c in mode for c in "wax+")
+            else:
+                writing = bool(int(flags or 0) & WRITE_FLAGS)
+            # os.open does not report its dir_fd: only absolute paths may be written by it
+            if writing and not _inside(path, strict_relative=mode is None):
+                _deny("writing %r" % (path,))
+        elif event in ("os.kill", "os.killpg"):
+            if args[0] not in (0, os.getpid()):
+                _deny(event)
+        elif event in PATH_EVENTS:
+            for i, j in PATH_EVENTS[event]:
+                dir_fd = args[j] if j is not None and j < len(args) else None
+                if i < len(args) and not _inside(args[i], dir_fd):
+                    _deny("%s on %r" % (event, args[i]))
+    finally:
+        _busy.pop()
+
+try:
+    CODE = compile(SOURCE, "main.py", "exec")
+except MemoryError:
+    _fail("MemoryError", cfg["memory_exit"])
+except (SyntaxError, ValueError) as e:
+    traceback.print_exception(type(e), e, None)
+    sys.exit(1)
+
+if cfg["audit"]:
+    sys.addaudithook(_hook)
+
+main = types.ModuleType("__main__")
+main.__file__ = "main.py"
+main.__builtins__ = __builtins__
+sys.modules["__main__"] = main
+sys.argv = ["main.py"]
+
+def _emit(record):
+    data = ("\n" + cfg["nonce"] + " " + record + "\n").encode()
+    while data:
+        data = data[os.write(OUT, data):]
+
+def _short(e):
+    return ("%s: %s" % (type(e).__name__, e))[:300]
+
+try:
+    exec(CODE, main.__dict__)
+    if INPUTS is not None:
+        fn = main.__dict__.get(cfg["func"])
+        if not callable(fn):
+            _emit(json.dumps(["missing", cfg["func"]]))
+            sys.exit(1)
+        for i, args in enumerate(INPUTS):
+            try:
+                value = fn(*args)
+            except MemoryError:
+                raise
+            except BaseException as e:
+                _emit(json.dumps([i, "error", _short(e)]))
+                continue
+            try:
+                text = json.dumps(value)
+            except (TypeError, ValueError):
+                _emit(json.dumps([i, "unserializable", repr(value)[:300]]))
+                continue
+            _emit('[%d, "ok", %s]' % (i, text))
+except MemoryError:
+    _fail("MemoryError", cfg["memory_exit"])
+except SystemExit:
+    raise
+except BaseException as e:
+    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+    traceback.print_exception(type(e), e, tb)
+    sys.exit(1)
+"""
+
+
+@dataclass
+class SandboxResult:
+    """How a sandboxed run ended.
+
+    ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception),
+    ``timeout`` (CPU-time limit or wall-clock timeout; ``reason`` says which), ``killed``
+    (killed by a signal, or for exceeding the output limit) or ``memory`` (the memory
+    limit was hit). ``seconds``: wall clock; ``cpu_seconds``: user + system CPU of the
+    process tree. ``truncated``: stdout or stderr was cut at the output limit.
+    ``isolation``: the layers that were in force (see the module docstring).
+    """
+
+    status: str
+    stdout: str
+    stderr: str
+    returncode: int | None
+    seconds: float
+    cpu_seconds: float = 0.0
+    reason: str = ""
+    truncated: bool = False
+    isolation: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class SandboxLimits:
+    """Limits of one sandboxed run (see ``run_python``)."""
+
+    cpu_s: float = 2.0
+    mem_mb: int = 256
+    timeout_s: float = 10.0
+    max_output: int = 64 * 1024
+    fsize_mb: int = 16
+    nofile: int = 64
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run (not the code in it)."""
+
+
+# --- probes ------------------------------------------------------------------------------
+def _runs(cmd: list[str], user: int | None) -> bool:
+    kw: dict[str, Any] = {}
+    if user is not None:
+        kw = {"user": user, "group": user, "extra_groups": []}
+    try:
+        r = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=20,
+            env={"PATH": SAFE_PATH},
+            cwd="/",
+            **kw,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+@functools.cache
+def interpreter_and_user(python: str | None = None) -> tuple[str, int | None]:
+    """The interpreter to run and the uid to run it as (None: the caller's uid).
+
+    As root: ``nobody`` with ``python`` (default ``sys.executable``) if it can run it,
+    else with ``/usr/bin/python3``; if neither works, the caller's uid and ``python``.
+    """
+    python = python or sys.executable
+    if os.geteuid() != 0:
+        return python, None
+    for candidate in dict.fromkeys([python, "/usr/bin/python3"]):
+        if os.path.exists(candidate) and _runs([candidate, "-I", "-S", "-c", "pass"], NOBODY):
+            return candidate, NOBODY
+    return python, None
+
+
+@functools.cache
+def namespace_prefix(python: str, user: int | None) -> tuple[str, ...]:
+    """``unshare`` arguments for new user, network and PID namespaces, or () if they do
+    not work for ``user`` here (probed once)."""
+    unshare = shutil.which("unshare", path=SAFE_PATH)
+    if unshare is None:
+        return ()
+    prefix = (unshare, "-c", "-n", "-p", "-f", "--kill-child")
+    probe = (
+        "import socket\ntry:\n socket.create_connection(('127.0.0.1', 9), 2)\n"
+        "except OSError:\n pass"
+    )
+    ok = _runs([*prefix, python, "-I", "-S", "-c", probe], user)
+    return prefix if ok else ()
+
+
+# --- running -----------------------------------------------------------------------------
+def _rmtree(path: str) -> None:
+    """Remove ``path`` even where the code took permissions away."""
+
+    def fix(func: Any, p: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p) or p, stat.S_IRWXU)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=fix)
+    else:
+        shutil.rmtree(path, onerror=fix)
+    if os.path.exists(path):  # a second pass after the permission fixes
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _Pipes:
+    """Non-blocking reads of the child's stdout and stderr, each capped at ``limit`` bytes.
+
+    One thread, no reader threads: a process that escaped the kill and still holds a pipe
+    cannot make the caller wait for it.
+    """
+
+    def __init__(self, streams: Sequence[Any], limit: int):
+        self.limit = limit
+        self.bufs = {s.fileno(): bytearray() for s in streams}
+        self.truncated = False
+        self.sel = selectors.DefaultSelector()
+        for fd in self.bufs:
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+
+    @property
+    def open(self) -> bool:
+        return bool(self.sel.get_map())
+
+    def poll(self, timeout: float, extra: int | None = None) -> bool:
+        """Read what is there (waiting up to ``timeout``); True if ``extra`` is ready."""
+        if extra is not None and extra not in self.sel.get_map():
+            self.sel.register(extra, selectors.EVENT_READ)
+        ready = False
+        for key, _ in self.sel.select(timeout):
+            fd = key.fd
+            if fd == extra:
+                ready = True
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.sel.unregister(fd)
+                continue
+            buf = self.bufs[fd]
+            room = self.limit - len(buf)
+            if room > 0:
+                buf += chunk[:room]
+            if len(chunk) > room:
+                self.truncated = True
+        return ready
+
+    def forget(self, fd: int | None) -> None:
+        """Stop watching ``fd`` (given to ``poll`` as ``extra``)."""
+        if fd is not None and fd in self.sel.get_map():
+            self.sel.unregister(fd)
+
+    def drain(self, quiet_s: float = 0.2, max_s: float = 2.0) -> None:
+        """Read to EOF, giving up after ``quiet_s`` without data or ``max_s`` in all."""
+        end = time.monotonic() + max_s
+        while self.open and time.monotonic() < end:
+            before = sum(len(b) for b in self.bufs.values())
+            n_open = len(self.sel.get_map())
+            self.poll(quiet_s)
+            after = sum(len(b) for b in self.bufs.values())
+            if after == before and len(self.sel.get_map()) == n_open:
+                break
+        self.sel.close()
+
+    def text(self, stream: Any) -> str:
+        return bytes(self.bufs[stream.fileno()]).decode("utf-8", "replace")
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)  # readable once the process has exited
+    except (AttributeError, OSError):
+        return None
+
+
+def _run(
+    source: str,
+    stdin: bytes,
+    mode: str,
+    func: str,
+    nonce: str,
+    limits: SandboxLimits,
+    namespaces: bool | None,
+    audit: bool,
+    python: str | None,
+    drop_user: bool,
+) -> SandboxResult:
+    if len(source.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
+        return SandboxResult("error", "", "sandbox: code too large", None, 0.0, reason="too large")
+    interp, user = interpreter_and_user(python)
+    if not drop_user:
+        interp, user = python or sys.executable, None
+    prefix = namespace_prefix(interp, user) if namespaces is not False else ()
+    if namespaces and not prefix:
+        raise SandboxError("namespaces were required but unshare does not work here")
+    isolation = ["process-group", "rlimits", "tmpdir", "env", "isolated-python"]
+    if prefix:
+        isolation += ["userns", "netns", "pidns"]
+    if user is not None:
+        isolation.append("uid=nobody")
+    if audit:
+        isolation.append("audit-hook")
+
+    root = tempfile.mkdtemp(prefix="astraflow-sandbox-")
+    try:
+        main = os.path.join(root, "main.py")
+        with open(main, "w", encoding="utf-8", errors="surrogatepass") as fh:
+            fh.write(source)
+        os.chmod(main, 0o644)  # readable by the sandbox user whatever the caller's umask
+        if user is not None:
+            os.chown(root, user, user)
+        cfg = {
+            "mode": mode,
+            "func": func,
+            "nonce": nonce,
+            "cpu": max(1, int(-(-float(limits.cpu_s) // 1))),  # whole seconds, rounded up
+            "mem": int(limits.mem_mb) << 20,
+            "fsize": int(limits.fsize_mb) << 20,
+            "nofile": int(limits.nofile),
+            "audit": bool(audit),
+            "root": root,
+            "main": main,
+            "cpu_exit": CPU_EXIT,
+            "memory_exit": MEMORY_EXIT,
+            "setup_exit": SETUP_EXIT,
+        }
+        cmd = [*prefix, interp, "-I", "-S", "-B", "-X", "utf8", "-c", _PREAMBLE, json.dumps(cfg)]
+        env = {
+            "PATH": SAFE_PATH,
+            "HOME": root,
+            "TMPDIR": root,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+        }
+        kw: dict[str, Any] = {}
+        if user is not None:
+            kw = {"user": user, "group": user, "extra_groups": []}
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin)
+            stdin_file.seek(0)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                cmd,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=root,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                **kw,
+            )
+        return _wait(proc, t0, limits, isolation)
+    finally:
+        _rmtree(root)
+
+
+def _wait(
+    proc: subprocess.Popen, t0: float, limits: SandboxLimits, isolation: list[str]
+) -> SandboxResult:
+    pipes = _Pipes([proc.stdout, proc.stderr], limits.max_output)
+    pidfd = _pidfd(proc.pid)
+    deadline = t0 + float(limits.timeout_s)
+    killed_for = ""
+    try:
+        while True:
+            # observe the exit without reaping, so the process group id stays ours meanwhile
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None and info.si_pid == proc.pid:
+                break
+            if pipes.truncated:
+                killed_for = "output limit"
+            elif time.monotonic() >= deadline:
+                killed_for = "wall-clock timeout"
+            if killed_for:
+                break
+            wait = max(0.0, deadline - time.monotonic())
+            pipes.poll(min(wait, 0.5 if pidfd is not None else 0.01), pidfd)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader is unreaped: the pgid is still ours
+        except (ProcessLookupError, PermissionError):
+            pass
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        if pidfd is not None:
+            pipes.forget(pidfd)
+            os.close(pidfd)
+    seconds = time.monotonic() - t0
+    proc.returncode = rc = os.waitstatus_to_exitcode(status)
+    pipes.drain()
+    out, err = pipes.text(proc.stdout), pipes.text(proc.stderr)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    cpu = usage.ru_utime + usage.ru_stime
+    cpu_limit = max(1, int(-(-float(limits.cpu_s) // 1)))
+    if killed_for == "wall-clock timeout":
+        st, reason = "timeout", killed_for
+    elif killed_for:
+        st, reason = "killed", killed_for
+    elif rc == CPU_EXIT or rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and cpu >= cpu_limit):
+        st, reason = "timeout", "cpu time limit"
+    elif rc == MEMORY_EXIT or (rc != 0 and "MemoryError" in err[-2000:]):
+        st, reason = "memory", "memory limit"
+    elif rc == SETUP_EXIT:
+        st, reason = "error", "sandbox setup failed"
+    elif rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        st, reason = "killed", f"signal {name}"
+    elif rc == 0:
+        st, reason = "ok", ""
+    else:
+        st, reason = "error", f"exit status {rc}"
+    return SandboxResult(
+        status=st,
+        stdout=out,
+        stderr=err,
+        returncode=rc,
+        seconds=seconds,
+        cpu_seconds=cpu,
+        reason=reason,
+        truncated=pipes.truncated,
+        isolation=isolation,
+    )
+
+
+def run_python(
+    code: str,
+    stdin: str | bytes = "",
+    *,
+    cpu_s: float = 2.0,
+    mem_mb: int = 256,
+    timeout_s: float = 10.0,
+    max_output: int = 64 * 1024,
+    fsize_mb: int = 16,
+    nofile: int = 64,
+    namespaces: bool | None = None,
+    audit: bool = True,
+    python: str | None = None,
+    drop_user: bool = True,
+) -> SandboxResult:
+    """Run ``code`` as a Python script in the sandbox; see the module docstring.
+
+    ``cpu_s``: CPU-time limit (rounded up to whole seconds); ``mem_mb``: address-space
+    limit; ``timeout_s``: wall-clock limit; ``max_output``: bytes kept of stdout and of
+    stderr (beyond: killed). ``namespaces``: None uses user/network/PID namespaces when
+    they work here, True requires them (``SandboxError`` otherwise), False turns them off.
+    ``audit``: install the audit hook. ``python``: interpreter (default
+    ``sys.executable``). ``drop_user``: run as ``nobody`` when the caller is root.
+    ``namespaces=False`` / ``audit=False`` exist to test each layer on its own.
+    """
+    limits = SandboxLimits(cpu_s, mem_mb, timeout_s, max_output, fsize_mb, nofile)
+    data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
+    return _run(code, data, "script", "", "", limits, namespaces, audit, python, drop_user)
+
+
+# --- functions against test cases --------------------------------------------------------
+@dataclass
+class CaseResult:
+    """One call of the function: ``ok`` with its JSON-normalised ``value``, or ``error``."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+@dataclass
+class FunctionRun:
+    """Outcome of ``run_function``: the sandbox result and one entry per input (``None``
+    where the process ended before that call finished)."""
+
+    result: SandboxResult
+    cases: list[CaseResult | None]
+
+
+def normalise(value: Any) -> Any:
+    """``value`` as it comes back from the sandbox (a JSON round trip: tuples become lists).
+    Raises ``TypeError``/``ValueError`` for values JSON cannot hold."""
+    return json.loads(json.dumps(value))
+
+
+def run_function(
+    code: str, func: str, inputs: Sequence[Sequence[Any]], **limits: Any
+) -> FunctionRun:
+    """Define ``code`` in one sandboxed process and call ``func(*args)`` for each of
+    ``inputs`` (JSON-able argument lists) in order. Each call's return value comes back
+    JSON-normalised; an exception is that call's ``error``. All calls share the limits of
+    the process, so a call that exhausts them leaves the later ones ``None``. ``limits``:
+    keyword arguments of ``run_python``."""
+    payload = json.dumps([list(args) for args in inputs]).encode()
+    nonce = secrets.token_hex(12)
+    opts = dict(limits)
+    lim = SandboxLimits(
+        **{k: opts.pop(k) for k in list(opts) if k in SandboxLimits.__dataclass_fields__}
+    )
+    result = _run(
+        code,
+        payload,
+        "function",
+        func,
+        nonce,
+        lim,
+        opts.pop("namespaces", None),
+        opts.pop("audit", True),
+        opts.pop("python", None),
+        opts.pop("drop_user", True),
+    )
+    if opts:
+        raise TypeError(f"unknown sandbox options: {sorted(opts)}")
+    cases: list[CaseResult | None] = [None] * len(inputs)
+    user_lines = []
+    for line in result.stdout.split("\n"):
+        if not line.startswith(nonce + " "):
+            user_lines.append(line)
+            continue
+        try:
+            rec = json.loads(line[len(nonce) + 1 :])
+            i, kind, value = rec
+        except (ValueError, TypeError):
+            continue
+        if not isinstance(i, int) or not 0 <= i < len(cases):
+            continue
+        if kind == "ok":
+            cases[i] = CaseResult(True, value)
+        else:
+            cases[i] = CaseResult(False, None, f"{kind}: {value}" if kind != "error" else value)
+    result.stdout = "\n".join(user_lines).strip("\n")
+    return FunctionRun(result, cases)
+
+
+@dataclass
+class CaseReport:
+    """Outcome of ``check_cases``: ``passed[i]`` for each case."""
+
+    passed: list[bool]
+    run: FunctionRun
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.passed) / len(self.passed) if self.passed else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return bool(self.passed) and all(self.passed)
+
+
+def check_cases(
+    code: str, func: str, cases: Sequence[tuple[Sequence[Any], Any]], **limits: Any
+) -> CaseReport:
+    """Run ``func`` from ``code`` on each case's arguments in the sandbox; a case passes
+    when the call returned a value equal to the expected one (both JSON-normalised, so a
+    tuple equals a list). The expected values stay outside the sandbox."""
+    run = run_function(code, func, [args for args, _ in cases], **limits)
+    passed = []
+    for (_, expected), got in zip(cases, run.cases):
+        try:
+            want = normalise(expected)
+        except (TypeError, ValueError):
+            passed.append(False)
+            continue
+        passed.append(got is not None and got.ok and got.value == want)
+    return CaseReport(passed, run)
+
+
+__all__ = [
+    "STATUSES",
+    "CaseReport",
+    "CaseResult",
+    "FunctionRun",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxResult",
+    "check_cases",
+    "interpreter_and_user",
+    "namespace_prefix",
+    "normalise",
+    "run_function",
+    "run_python",
+]
