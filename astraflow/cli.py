@@ -270,6 +270,7 @@ _EXTENSIONS = (
     "astraflow.weights.cli",
     "astraflow.trainer.cli",
     "astraflow.model",
+    "astraflow.roles",  # model init-role: adds to the `model` group, so after astraflow.model
     "astraflow.feeder",
     "astraflow.raas.cli",
     "astraflow.evaluator",

@@ -31,6 +31,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--size", type=int, default=200, help="held-out prompts")
     r.add_argument("--max-new-tokens", type=int, default=8)
     r.add_argument("--once", action="store_true", help="evaluate the latest version and exit")
+    r.add_argument("--role", default="solver", choices=["solver", "verifier", "selector"],
+                   help="what accuracy means: answers (solver), verdicts or picks on held-out "
+                   "candidate answers (astraflow.roles)")
     r.set_defaults(func=cmd_eval_run)
     return p
 
@@ -52,6 +55,12 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     model, tokenizer = load_policy(args.model)
     tasks = eval_problems(levels=[int(x) for x in args.levels.split(",")], n=args.size)
+    scorer = None
+    if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
+        from astraflow.roles import role_scorer
+
+        scorer = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
+                             args.max_new_tokens)
     topic = topo.full_name(f"weights.{args.policy}")
     follower = WeightFollower(policy=args.policy, kafka_config=config)
     producer = RecordProducer(config)
@@ -77,7 +86,8 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
             result = follower.update(v)
             model.load_state_dict(follower.state)
             t0 = time.time()
-            acc = evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens)
+            acc = (scorer(model, tokenizer) if scorer is not None else
+                   evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens))
             done.update(x for x in wanted if x <= v)
             log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
                      args.policy, v, acc, len(tasks), time.time() - t0,

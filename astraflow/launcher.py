@@ -66,9 +66,10 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
         procs["feeder"] = _astraflow("feeder", "run", "--topology", path, *topo.feeder.args)
     if topo.eval is not None:
         for policy, spec in topo.policies.items():
+            role = ["--role", spec.role] if spec.role != "solver" else []
             procs[f"eval-{policy}"] = _astraflow(
                 "eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-                "--every", str(topo.eval.every_versions), *topo.eval.args)
+                "--every", str(topo.eval.every_versions), *role, *topo.eval.args)
     return procs
 
 
@@ -83,6 +84,10 @@ class Progress:
     stale_dropped: float = 0.0
     eval: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)
     series: list[dict[str, float]] = field(default_factory=list)
+    # multi-policy runs: per raas component, each policy's rollout reward and the
+    # workflow's own metrics (e.g. verify/*), averaged over the groups since its last status
+    policy_rollout: dict[str, dict[str, float]] = field(default_factory=dict)
+    workflow: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def fold(self, status) -> None:
         m = status.metrics
@@ -91,6 +96,12 @@ class Progress:
             self.trainer[status.policy] = dict(m)
         elif status.kind == "raas" and "rollout/reward_mean" in m:
             self.rollout_reward[status.component_id] = m["rollout/reward_mean"]
+            prefix = "rollout/reward_mean/"
+            self.policy_rollout[status.component_id] = {
+                k[len(prefix):]: v for k, v in m.items() if k.startswith(prefix)}
+            self.workflow[status.component_id] = {
+                k: v for k, v in m.items() if "/" in k and k.split("/")[0] not in
+                ("rollout", "raas")}
         elif status.kind == "processor" and "staleness/dropped" in m:
             self.stale_dropped = m["staleness/dropped"]
         elif status.kind == "evaluator":
@@ -99,6 +110,31 @@ class Progress:
             if not points or points[-1][1] != v:
                 points.append((time.time() - self.started, v, m["eval/accuracy"]))
 
+    def rollout_of(self, policy: str) -> float | None:
+        """The policy's rollout reward, averaged over the nodes (multi-policy runs)."""
+        vals = [d[policy] for d in self.policy_rollout.values() if policy in d]
+        return sum(vals) / len(vals) if vals else None
+
+    def workflow_metrics(self) -> dict[str, float]:
+        """The workflow metrics (e.g. ``verify/*``), averaged over the nodes."""
+        acc: dict[str, list[float]] = {}
+        for d in self.workflow.values():
+            for k, v in d.items():
+                acc.setdefault(k, []).append(v)
+        return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
+
+    def policy_summary(self, policies) -> dict[str, dict[str, Any]]:
+        """Per policy: version, train and rollout reward, last held-out accuracy."""
+        out = {}
+        for p in policies:
+            ev = self.eval.get(p) or []
+            out[p] = {"version": self.versions.get(p),
+                      "train_reward": self.trainer.get(p, {}).get("trainer/reward_mean"),
+                      "rollout_reward": self.rollout_of(p),
+                      "eval_accuracy": ev[-1][2] if ev else None,
+                      "eval_version": ev[-1][1] if ev else None}
+        return out
+
     def line(self, lag: int) -> str:
         t = time.time() - self.started
         parts = [f"{t:6.0f}s"]
@@ -106,9 +142,15 @@ class Progress:
             tm = self.trainer.get(policy, {})
             parts.append(f"{policy} v{v} reward {tm.get('trainer/reward_mean', float('nan')):.3f}"
                          f" wait {tm.get('trainer/wait_fraction', float('nan')):.2f}")
+            r = self.rollout_of(policy)
+            if r is not None:
+                parts.append(f"{policy} rollout reward {r:.3f}")
             ev = self.eval.get(policy)
             if ev:
                 parts.append(f"eval {ev[-1][2]:.3f}@v{ev[-1][1]}")
+        wf = self.workflow_metrics()
+        if wf:
+            parts.append(" ".join(f"{k} {v:.2f}" for k, v in wf.items()))
         if self.rollout_reward:
             r = sum(self.rollout_reward.values()) / len(self.rollout_reward)
             parts.append(f"rollout reward {r:.3f}")
@@ -138,6 +180,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(EmbeddedBroker().start().describe())
     config = topo.kafka.effective()
     admin = make_admin(config)
+    # verifier/selector models first (astraflow.roles); a rewritten one starts a fresh run
+    args.fresh = _init_role_models(topo) or args.fresh
     if args.fresh:
         _delete_run_topics(admin, topo)
     for c in apply_topics(admin, topo.resolved_topics()):
@@ -201,6 +245,33 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_role_models(topo: Topology) -> bool:
+    """Write the tiny model of every verifier/selector policy that lacks one or whose
+    warm start the topology changed (``astraflow model init-role``); True if any was."""
+    from astraflow.roles import role_model_outdated
+
+    wrote = False
+    for policy, spec in topo.policies.items():
+        if spec.role == "solver" or not spec.init_tiny:
+            continue
+        slip = float(getattr(spec, "warm_start_slip", 0.0))
+        why = role_model_outdated(spec.model, spec.role, spec.warm_start_steps, slip)
+        if why:
+            print(f"writing the tiny {spec.role} model for {policy} to {spec.model} (warm start "
+                  f"{spec.warm_start_steps} steps, carry slip {slip}): {why}")
+            subprocess.run(_astraflow("model", "init-role", spec.model, "--role", spec.role,
+                                      "--warm-start-steps", str(spec.warm_start_steps),
+                                      "--carry-slip", str(slip)), check=True)
+            wrote = True
+    return wrote
+
+
+def _model_init_command(spec) -> list[str]:
+    """The ``astraflow`` arguments that write the tiny model of ``spec``."""
+    return ["model", "init", spec.model, "--warm-start-steps", str(spec.warm_start_steps),
+            "--carry-slip", str(spec.warm_start_slip), *spec.init_args]
+
+
 def _delete_run_topics(admin, topo: Topology) -> None:
     existing = admin.list_topics(timeout=10).topics
     names = [t.full_name for t in topo.resolved_topics() if t.full_name in existing]
@@ -262,6 +333,8 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress) -> dict[st
         "eval": {p: [{"t": round(t, 1), "version": v, "accuracy": a} for t, v, a in pts]
                  for p, pts in progress.eval.items()},
         "staleness_dropped": progress.stale_dropped,
+        "policies": progress.policy_summary(topo.policies),
+        "workflow_metrics": progress.workflow_metrics(),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     try:

@@ -135,6 +135,10 @@ class PolicySpec(_Strict):
     lr: float = Field(default=1e-5, gt=0)
     anchor_interval: int = Field(default=10, ge=1)
     trainer_args: list[str] = Field(default_factory=list)  # extra `trainer run` flags
+    # the policy's role in a multi-policy workflow (astraflow.roles): a verifier/selector
+    # tiny model is warm-started on that format (`model init-role`, with warm_start_steps
+    # and warm_start_slip) and evaluated on verdict/pick accuracy; solver: answers
+    role: str = Field(default="solver", pattern=r"^(solver|verifier|selector)$")
 
 
 class PoolSpec(_Strict):

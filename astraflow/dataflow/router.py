@@ -1,9 +1,18 @@
-"""Splits trajectory groups into per-policy samples (``samples.<policy>``)."""
+"""Splits trajectory groups into per-policy samples (``samples.<policy>``).
+
+Each policy's trainer computes GRPO advantages over its own sequences of one group. With
+``split_roles: true`` a policy's sequences are split once more by ``Sequence.role``, each
+(policy, role) going out as its own group (``<group_id>/<policy>/<role>``), so that, e.g.,
+a solver's first tries and its retries, or a policy that plays both solver and verifier,
+get separate advantage baselines.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+
+from pydantic import BaseModel, ConfigDict
 
 from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.records import TrajectoryGroup
@@ -19,10 +28,30 @@ def split_by_policy(group: TrajectoryGroup) -> dict[str, TrajectoryGroup]:
     return out
 
 
+def split_by_role(group: TrajectoryGroup) -> list[TrajectoryGroup]:
+    """One group per ``Sequence.role`` (``<group_id>/<role>``; sequences without a role
+    stay under ``group_id``), in order of first appearance."""
+    roles = list(dict.fromkeys(s.role for s in group.sequences))
+    if len(roles) <= 1 and not any(roles):
+        return [group]
+    out = []
+    for role in roles:
+        seqs = [s for s in group.sequences if s.role == role]
+        gid = f"{group.group_id}/{role}" if role else group.group_id
+        out.append(replace(group, group_id=gid, sequences=seqs, rewards=[s.reward for s in seqs]))
+    return out
+
+
+class RouterOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    split_roles: bool = False  # one group per (policy, role) instead of per policy
+
+
 class PolicyRouter(Processor):
     """Routes each policy's sequences of a group to ``samples.<policy>``."""
 
     kind = "router"
+    Options = RouterOptions
 
     def process(self, msg: Incoming) -> Iterable[Outgoing]:
         outs = []
@@ -30,5 +59,6 @@ class PolicyRouter(Processor):
             topic = f"samples.{policy}"
             if topic not in self.outputs:
                 raise InvalidRecord(f"no output topic {topic} for policy {policy!r}")
-            outs.append(Outgoing(topic, part, key=msg.key))
+            parts = split_by_role(part) if self.options.split_roles else [part]
+            outs.extend(Outgoing(topic, p, key=msg.key) for p in parts)
         return outs

@@ -96,6 +96,8 @@ class RaaSNode:
         self.running = threading.Event()
         self.current_task: str | None = None
         self._last_metrics: dict[str, float] = {}
+        self._window: dict[str, list[float]] = {}  # workflow metrics since the last status
+        self._window_means: dict[str, float] = {}
 
     def stop(self) -> None:
         """Finish the current task(s), commit, leave the group, return from ``run``."""
@@ -280,6 +282,20 @@ class RaaSNode:
             "rollout/min_version": float(min(gen_versions, default=-1)),
             "rollout/max_version": float(max(gen_versions, default=-1)),
         }
+        # per-policy rewards of a multi-policy group, and the workflow's own figures
+        # (e.g. verify/*): in the group, and averaged since the last status on `status`
+        extra: dict[str, float] = {}
+        policies = sorted({s.policy for s in seqs})
+        if len(policies) > 1:
+            for p in policies:
+                extra[f"rollout/reward_mean/{p}"] = statistics.fmean(
+                    s.reward for s in seqs if s.policy == p)
+        group_metrics = getattr(wf, "group_metrics", None)
+        if callable(group_metrics):
+            extra.update(group_metrics(seqs))
+        metrics.update(extra)
+        for k, v in extra.items():
+            self._window.setdefault(k, []).append(v)
         self._last_metrics = metrics
         log.info(
             "%s: rollout of task %s done: %d sequences, %d tokens, %.2fs",
@@ -332,6 +348,14 @@ class RaaSNode:
         for p in partitions:
             self._positions.pop((p.topic, p.partition), None)
 
+    def _take_window(self) -> dict[str, float]:
+        """Means of the workflow metrics of the groups since the last call (the previous
+        means when no group came in between)."""
+        if self._window:
+            self._window_means = {k: statistics.fmean(v) for k, v in self._window.items()}
+            self._window = {}
+        return dict(self._window_means)
+
     def status(self) -> ComponentStatus:
         c = self.counters
         state = "stopping" if self._stop.is_set() else "running"
@@ -343,6 +367,7 @@ class RaaSNode:
             "raas/gen_tokens_per_s": c.gen_tokens / gen_s if gen_s > 0 else 0.0,
             "raas/weight_updates": float(sum(w.updates for w in self._watchers.values())),
             **self._last_metrics,
+            **self._take_window(),
         }
         return ComponentStatus(
             component_id=self.component_id,

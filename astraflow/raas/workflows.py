@@ -348,3 +348,4 @@ __all__ = [
 
 # workflows defined in other modules register themselves when imported
 import astraflow.raas.codegen  # noqa: E402,F401  (code_tests)
+import astraflow.raas.verify  # noqa: E402,F401  (solve_verify, solve_select)

@@ -1,0 +1,485 @@
+"""Role formats of multi-policy workflows: verifier and selector.
+
+The tiny character-level model (256 positions, ``astraflow.model.CHARSET``) needs compact
+prompts, so every role has a one-line format built from the arithmetic prompt
+(``"37+45="``) and the solver's answer(s):
+
+================  ============================  ==========================================
+role              prompt                        completion
+================  ============================  ==========================================
+solver            ``37+45=``                    ``82`` (the arithmetic format)
+verifier          ``37+45=82?``                 ``82y`` / ``73n``: its own answer, then
+                                                ``y`` (approve) or ``n`` (reject)
+solver, retry     ``37+45=82?n 37+45=``         a new answer, e.g. ``83``
+selector          ``37+45=82|83>``              ``82:1``: its own answer, then ``1`` or
+                                                ``2`` (the answer it picks)
+================  ============================  ==========================================
+
+The retry prompt replays the rejected answer and the verifier's verdict, then asks the
+problem again. The judges *recompute, then judge*: their own answer comes first and is
+optional for the parsers. ``parse_verdict`` skips a leading number and reads ``y``/``n``;
+``parse_pick`` reads ``1``/``2`` after the last ``:`` (or at the start); anything else is
+unparseable. Why the recomputation: the tiny model does not learn a bare ``y``/``n`` verdict
+from supervised examples (after 1,600 warm-start steps, half of them on answers, it
+answered 72 % of held-out problems but its verdicts stayed at chance), while with its own
+answer first it compares the two answers without a single inconsistency and its verdicts
+are as good as its arithmetic -- which RL on the verdict reward then improves.
+
+Warm start. ``astraflow model init`` teaches a fresh tiny model the solver's format only.
+``astraflow model init-role DIR --role verifier|selector`` (``init_role_model``) writes a
+tiny model warm-started on the role's format instead, from a *fallible teacher*, so that
+RL has something to learn (the verifier's counterpart of the solver's slipping teacher):
+
+* candidates are right half of the time; wrong ones are the mistakes a solver makes:
+  the answer with a carry or borrow forgotten (``astraflow.tasks.arithmetic``), or a near
+  miss (off by one or ten, two digits swapped);
+* the teacher's own answer forgets the carry with probability ``slip`` (where the problem
+  has one), and its verdict (pick) follows its own answer: it then approves (picks) a
+  forgotten carry and rejects the right answer -- a blind spot on exactly the solver's
+  typical error, as a pretrained judge would have;
+* with probability ``noise`` the verdict (pick) is flipped.
+
+``role_scorer`` builds the held-out evaluation of a role (``astraflow eval run --role``):
+the verdict accuracy on held-out problems with balanced right/wrong candidates (always
+"y" scores 0.5), or the pick accuracy on pairs of one right and one wrong answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROLES = ("verifier", "selector")  # roles with their own format (the solver's is the default)
+APPROVE, REJECT = "y", "n"
+PICK_SEP = ":"
+_NUMBER_PREFIX = re.compile(r"^\s*-?[\d.,]*\s*")
+
+
+# --- formats ------------------------------------------------------------------------------
+def verify_prompt(prompt: str, answer: str) -> str:
+    """``"37+45="``, ``"82"`` -> ``"37+45=82?"``."""
+    return f"{prompt}{answer}?"
+
+
+def retry_prompt(prompt: str, answer: str, verdict: str = REJECT) -> str:
+    """``"37+45="``, ``"82"`` -> ``"37+45=82?n 37+45="``: the rejected try, then the problem."""
+    return f"{verify_prompt(prompt, answer)}{verdict} {prompt}"
+
+
+def select_prompt(prompt: str, first: str, second: str) -> str:
+    """``"37+45="``, ``"82"``, ``"83"`` -> ``"37+45=82|83>"``."""
+    return f"{prompt}{first}|{second}>"
+
+
+def _first_char(text: str) -> str:
+    from astraflow.tasks.check import _cut_at_stop
+
+    stripped = _cut_at_stop(text).strip()
+    return stripped[:1].lower()
+
+
+def parse_verdict(text: str) -> bool | None:
+    """True for an approval (``y``, ``82y``), False for a rejection (``n``, ``73n``), None
+    otherwise. A leading number (the verifier's own answer) is skipped."""
+    c = _first_char(_NUMBER_PREFIX.sub("", _first_line(text)))
+    return True if c == APPROVE else False if c == REJECT else None
+
+
+def parse_pick(text: str) -> int | None:
+    """1 or 2 (the answer the selector picked: ``1``, ``82:1``), None when unparseable."""
+    c = _first_char(_first_line(text).rsplit(PICK_SEP, 1)[-1])
+    return int(c) if c in ("1", "2") else None
+
+
+def _first_line(text: str) -> str:
+    from astraflow.tasks.check import _cut_at_stop
+
+    return _cut_at_stop(text).strip().split("\n", 1)[0]
+
+
+def candidate_answer(completion: str, max_chars: int = 12) -> str:
+    """What the other roles are shown of a solver completion: its final number (at most
+    ``max_chars`` characters), or "" when it has none."""
+    from astraflow.tasks.check import extract_final_number
+
+    got = extract_final_number(completion)
+    return (got or "")[:max_chars]
+
+
+# --- wrong answers and warm-start examples --------------------------------------------------
+def _fields(problem: Any) -> tuple[str, str, int]:
+    if isinstance(problem, dict):
+        return str(problem["prompt"]), str(problem["answer"]), int(problem.get("level", 0))
+    return str(problem.prompt), str(problem.answer), int(getattr(problem, "level", 0))
+
+
+def _carry_slip(prompt: str, answer: str) -> str | None:
+    """The answer with the carries/borrows forgotten, when that is a different answer."""
+    try:
+        from astraflow.tasks.arithmetic import ArithProblem, carry_slip_answer
+    except ImportError:  # an older arithmetic module: near misses only
+        return None
+    slipped = carry_slip_answer(ArithProblem(prompt, answer, 0))
+    return slipped if slipped != answer else None
+
+
+def _near_miss(answer: str, rng: random.Random) -> str:
+    try:
+        v = int(answer)
+    except ValueError:
+        return answer + "1"
+    options = [v + 1, v - 1, v + 10, v - 10]
+    if len(answer) >= 2 and answer[-1] != answer[-2]:
+        options.append(int(answer[:-2] + answer[-1] + answer[-2]))
+    options = [o for o in options if o >= 0 and o != v]
+    return str(rng.choice(options))
+
+
+def wrong_answer(prompt: str, answer: str, rng: random.Random,
+                 carry_share: float = 0.5) -> tuple[str, str]:
+    """``(wrong answer, kind)``: kind ``"carry"`` (a forgotten carry/borrow, drawn with
+    probability ``carry_share`` where one exists) or ``"near"`` (a near miss)."""
+    slipped = _carry_slip(prompt, answer)
+    if slipped is not None and rng.random() < carry_share:
+        return slipped, "carry"
+    return _near_miss(answer, rng), "near"
+
+
+def _teacher_answer(prompt: str, answer: str, slip: float, rng: random.Random) -> str:
+    """The teacher's own answer: the right one, or the carry forgotten with probability
+    ``slip`` where the problem has a carry."""
+    slipped = _carry_slip(prompt, answer)
+    return slipped if slipped is not None and rng.random() < slip else answer
+
+
+def verifier_examples(
+    problems: Sequence[Any],
+    n: int,
+    *,
+    seed: int = 0,
+    p_right: float = 0.5,
+    slip: float = 0.0,
+    noise: float = 0.0,
+    think: bool = True,
+) -> list[dict[str, Any]]:
+    """``n`` verdict examples ``{"prompt": "37+45=82?", "answer": "82y", "truth": bool}``.
+
+    Problems are drawn with repeats; candidates are right with probability ``p_right``.
+    The teacher's own answer slips with probability ``slip`` (module doc), its verdict is
+    whether the candidate equals its own answer, flipped with probability ``noise``
+    (``truth`` keeps the real verdict). ``think=False`` leaves the own answer out.
+    """
+    if not problems:
+        raise ValueError("verifier_examples needs problems")
+    rng = random.Random(f"verifier:{seed}")
+    out = []
+    for _ in range(n):
+        prompt, answer, level = _fields(problems[rng.randrange(len(problems))])
+        if rng.random() < p_right:
+            cand, kind = answer, "right"
+        else:
+            cand, kind = wrong_answer(prompt, answer, rng)
+        own = _teacher_answer(prompt, answer, slip, rng)
+        label = own == cand
+        if rng.random() < noise:
+            label = not label
+        verdict = APPROVE if label else REJECT
+        out.append({"prompt": verify_prompt(prompt, cand),
+                    "answer": (own if think else "") + verdict,
+                    "truth": cand == answer, "kind": kind, "level": level})
+    return out
+
+
+def selector_examples(
+    problems: Sequence[Any],
+    n: int,
+    *,
+    seed: int = 0,
+    slip: float = 0.0,
+    noise: float = 0.0,
+    think: bool = True,
+) -> list[dict[str, Any]]:
+    """``n`` pick examples ``{"prompt": "37+45=82|73>", "answer": "82:1", "truth": 1|2}``:
+    one right and one wrong answer in random order. The teacher picks the answer equal to
+    its own (which slips with probability ``slip``; a random one when neither is), then
+    the other one with probability ``noise``. ``think=False`` leaves the own answer out."""
+    if not problems:
+        raise ValueError("selector_examples needs problems")
+    rng = random.Random(f"selector:{seed}")
+    out = []
+    for _ in range(n):
+        prompt, answer, level = _fields(problems[rng.randrange(len(problems))])
+        wrong, kind = wrong_answer(prompt, answer, rng)
+        right_slot = 1 if rng.random() < 0.5 else 2
+        pair = (answer, wrong) if right_slot == 1 else (wrong, answer)
+        own = _teacher_answer(prompt, answer, slip, rng)
+        label = pair.index(own) + 1 if own in pair else rng.choice((1, 2))
+        if rng.random() < noise:
+            label = 3 - label
+        out.append({"prompt": select_prompt(prompt, *pair),
+                    "answer": (f"{own}{PICK_SEP}" if think else "") + str(label),
+                    "truth": right_slot, "kind": kind, "level": level})
+    return out
+
+
+def role_examples(role: str, problems: Sequence[Any], n: int, **kw: Any) -> list[dict[str, Any]]:
+    if role == "verifier":
+        return verifier_examples(problems, n, **kw)
+    if role == "selector":
+        return selector_examples(problems, n, **kw)
+    raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+
+
+def role_eval_examples(role: str, levels: Iterable[int] = (1, 2), n: int = 200,
+                       seed: int = 1234) -> list[dict[str, Any]]:
+    """Held-out role examples ``{"prompt", "label"}`` with the true verdict (``y``/``n``)
+    or pick (``1``/``2``): one per held-out problem; verifier candidates alternate
+    right/wrong (balanced), selector pairs hold one right answer (first or second in turn)."""
+    from astraflow.tasks.arithmetic import eval_problems
+
+    problems = eval_problems(list(levels), n=n, seed=seed)
+    rng = random.Random(f"role-eval:{role}:{seed}")
+    out = []
+    for i, p in enumerate(problems):
+        if role == "verifier":
+            truth = i % 2 == 0
+            cand = p.answer if truth else wrong_answer(p.prompt, p.answer, rng)[0]
+            out.append({"prompt": verify_prompt(p.prompt, cand),
+                        "label": APPROVE if truth else REJECT, "level": p.level})
+        elif role == "selector":
+            wrong = wrong_answer(p.prompt, p.answer, rng)[0]
+            slot = 1 + i % 2
+            pair = (p.answer, wrong) if slot == 1 else (wrong, p.answer)
+            out.append({"prompt": select_prompt(p.prompt, *pair), "label": str(slot),
+                        "level": p.level})
+        else:
+            raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+    return out
+
+
+def score_role(role: str, completion: str, label: str) -> float:
+    """1.0 when the completion's verdict/pick equals ``label``, else 0.0."""
+    if role == "verifier":
+        got = parse_verdict(completion)
+        return float(got is not None and got == (label == APPROVE))
+    got_pick = parse_pick(completion)
+    return float(got_pick is not None and str(got_pick) == label)
+
+
+def evaluate_role(model, tokenizer, role: str, examples: Sequence[dict[str, Any]],
+                  max_new_tokens: int = 8, batch_size: int = 64) -> float:
+    """Greedy verdict (pick) accuracy of ``model`` on ``examples`` (``role_eval_examples``)."""
+    from astraflow.model import generate_answers
+
+    if not examples:
+        raise ValueError("evaluate_role needs examples")
+    completions = generate_answers(model, tokenizer, [e["prompt"] for e in examples],
+                                   max_new_tokens=max_new_tokens, batch_size=batch_size)
+    return sum(score_role(role, c, e["label"]) for c, e in zip(completions, examples)) / len(
+        examples)
+
+
+def role_scorer(role: str, levels: Iterable[int] = (1, 2), n: int = 200,
+                max_new_tokens: int = 8) -> Callable[[Any, Any], float]:
+    """``score(model, tokenizer) -> accuracy`` on the role's held-out examples (the
+    evaluator's ``--role``)."""
+    examples = role_eval_examples(role, levels, n)
+
+    def score(model, tokenizer) -> float:
+        return evaluate_role(model, tokenizer, role, examples, max_new_tokens)
+
+    return score
+
+
+# --- warm start ----------------------------------------------------------------------------
+# written by `model init-role` next to the weights: how the role model was made. A file
+# of its own: `astraflow up` rewrites a model whose `model init` recipe (INIT_RECIPE) differs
+# from the topology's, and leaves alone a model without one -- such as a role model.
+ROLE_RECIPE = "astraflow_role.json"
+
+
+def _init_recipe_name() -> str:
+    """The file ``astraflow model init`` leaves next to a model it wrote."""
+    from astraflow import model
+
+    return getattr(model, "INIT_RECIPE", "astraflow_init.json")
+
+
+def init_role_model(
+    dir: str | Path,
+    role: str,
+    *,
+    steps: int = 1600,
+    slip: float = 0.5,
+    noise: float = 0.02,
+    levels: Iterable[int] = (1, 2),
+    train_size: int = 20000,
+    lr: float = 2e-3,
+    batch_size: int = 64,
+    seed: int = 0,
+    size: str = "tiny",
+    eval_size: int = 200,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Write a tiny model to ``dir`` warm-started for ``steps`` supervised steps on the
+    role's format (see the module doc); returns metrics and the held-out role accuracy.
+
+    Also writes ``ROLE_RECIPE`` (``role``, ``warm_start_steps`` = ``steps``,
+    ``carry_slip`` = ``slip``, ...), which ``astraflow up`` compares with the topology to
+    decide whether the model must be rewritten, and removes a ``model init`` recipe left
+    in ``dir`` by an earlier model (it no longer describes what is there).
+    """
+    from astraflow.model import init_model, load_policy, save_tokenizer, warm_start
+    from astraflow.tasks.arithmetic import train_problems
+
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+    levels = list(levels)
+    t0 = time.time()
+    path = init_model(dir, seed=seed, size=size)
+    model, tok = load_policy(path)
+    result: dict[str, Any] = {"dir": str(path), "role": role, "size": size,
+                              "params": sum(p.numel() for p in model.parameters())}
+    if steps > 0:
+        problems = train_problems(levels, n=train_size, seed=seed, unique=False)
+        examples = role_examples(role, problems, max(train_size, 1), seed=seed, slip=slip,
+                                 noise=noise)
+        metrics = warm_start(model, tok, examples, steps=steps, lr=lr, batch_size=batch_size,
+                             seed=seed, log=log)
+        model.save_pretrained(path)
+        if (path / "tokenizer.json").is_file():
+            save_tokenizer(tok, path)
+        result["metrics"] = metrics
+    if eval_size > 0:
+        result["eval_accuracy"] = role_scorer(role, levels, eval_size)(model, tok)
+        result["eval_prompts"] = eval_size
+    recipe = {"size": size, "seed": seed, "role": role, "warm_start_steps": steps,
+              "carry_slip": slip, "label_noise": noise, "levels": ",".join(map(str, levels)),
+              "lr": lr, "batch_size": batch_size}
+    (path / _init_recipe_name()).unlink(missing_ok=True)
+    (path / ROLE_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+    result["seconds"] = time.time() - t0
+    return result
+
+
+def role_model_outdated(model_dir: str | Path, role: str, steps: int, slip: float) -> str:
+    """Why the role model at ``model_dir`` must be (re)written; "" when it need not be.
+
+    A directory without a model, a model ``astraflow model init`` wrote (the solver's
+    format), or a role model whose recipe names another role or warm start must be
+    written; a model without either recipe (not written by astraflow) is left alone.
+    """
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        return "no model yet"
+    recipe_file = d / ROLE_RECIPE
+    if not recipe_file.is_file():
+        return "written by `model init`" if (d / _init_recipe_name()).is_file() else ""
+    try:
+        recipe = json.loads(recipe_file.read_text())
+    except (OSError, ValueError):
+        return ""
+    want = {"role": role, "warm_start_steps": steps, "carry_slip": slip}
+    diff = [f"{k} {recipe.get(k)} -> {v}" for k, v in want.items() if recipe.get(k) != v]
+    return "the topology changed it (" + ", ".join(diff) + ")" if diff else ""
+
+
+# --- CLI ----------------------------------------------------------------------------------
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``model init-role`` to the ``model`` command group (``astraflow.model``)."""
+    model = subparsers.choices.get("model")
+    if model is None:
+        model = subparsers.add_parser("model", help="policy models")
+        msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    else:
+        msub = next(a for a in model._actions if isinstance(a, argparse._SubParsersAction))
+    p = msub.add_parser(
+        "init-role",
+        help="write a tiny model warm-started on a verifier/selector format",
+        description=(
+            "Write a tiny causal LM to DIR warm-started for --warm-start-steps supervised "
+            "steps on the format of a verifier ('37+45=82?' -> '82y': own answer, then "
+            "y/n) or of a selector ('37+45=82|73>' -> '82:1': own answer, then the pick), "
+            "from a teacher whose own answer forgets the carry with probability "
+            "--carry-slip and whose verdict is flipped with probability --label-noise; "
+            "then print the held-out verdict (pick) accuracy."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--warm-start-steps", type=int, default=1600, metavar="N")
+    p.add_argument("--carry-slip", type=float, default=0.5, metavar="P",
+                   help="the teacher's own answer forgets the carry/borrow with probability P")
+    p.add_argument("--label-noise", type=float, default=0.02, metavar="P",
+                   help="the teacher's verdict (pick) is flipped with probability P")
+    p.add_argument("--levels", default="1,2")
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--train-size", type=int, default=20000, metavar="N")
+    p.add_argument("--eval-size", type=int, default=200, metavar="N")
+    p.add_argument("--json", action="store_true", help="print the result as JSON at the end")
+    p.set_defaults(func=cmd_model_init_role)
+    return p
+
+
+def cmd_model_init_role(args: argparse.Namespace) -> int:
+    from astraflow.model import ModelError
+
+    for name in ("carry_slip", "label_noise"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            print(f"astraflow: --{name.replace('_', '-')} must be in [0, 1]", file=sys.stderr)
+            return 2
+    try:
+        result = init_role_model(
+            args.dir, args.role, steps=args.warm_start_steps, slip=args.carry_slip,
+            noise=args.label_noise, levels=[int(x) for x in args.levels.split(",") if x.strip()],
+            train_size=args.train_size, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+            size=args.size, eval_size=args.eval_size, log=lambda m: print(m, flush=True))
+    except (ModelError, ValueError) as e:
+        print(f"astraflow: {e}", file=sys.stderr)
+        return 2
+    m = result.get("metrics")
+    text = f"wrote {args.role} model ({result['params'] / 1e6:.2f}M parameters) to {args.dir}"
+    if m:
+        text += (f"; warm start {args.warm_start_steps} steps in {m['seconds']:.1f}s, loss "
+                 f"{m['loss_first']:.3f} -> {m['loss_last']:.3f}")
+    if "eval_accuracy" in result:
+        text += (f"; held-out {args.role} accuracy {result['eval_accuracy']:.1%} on "
+                 f"{result['eval_prompts']} prompts")
+    print(text, flush=True)
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    return 0
+
+
+__all__ = [
+    "APPROVE",
+    "REJECT",
+    "ROLES",
+    "ROLE_RECIPE",
+    "candidate_answer",
+    "evaluate_role",
+    "init_role_model",
+    "parse_pick",
+    "parse_verdict",
+    "register",
+    "retry_prompt",
+    "role_eval_examples",
+    "role_examples",
+    "role_model_outdated",
+    "role_scorer",
+    "score_role",
+    "select_prompt",
+    "selector_examples",
+    "verifier_examples",
+    "verify_prompt",
+]
