@@ -182,20 +182,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     admin = make_admin(config)
     # verifier/selector models first (astraflow.roles); a rewritten one starts a fresh run
     args.fresh = _init_role_models(topo) or args.fresh
-    if args.fresh:
-        _delete_run_topics(admin, topo)
-    for c in apply_topics(admin, topo.resolved_topics()):
-        if c.action != "unchanged":
-            print(f"topic {c.action}: {c.topic}")
+    fresh = args.fresh
     for policy, spec in topo.policies.items():
-        if not Path(spec.model, "config.json").exists():
+        stale = _tiny_model_outdated(spec)
+        if stale or not Path(spec.model, "config.json").exists():
             if not spec.init_tiny:
                 print(f"astraflow up: policy {policy}: no model at {spec.model}", file=sys.stderr)
                 return 2
             print(f"writing the tiny default model for {policy} to {spec.model} "
-                  f"(warm start {spec.warm_start_steps} steps)")
-            subprocess.run(_astraflow("model", "init", spec.model, "--warm-start-steps",
-                                      str(spec.warm_start_steps)), check=True)
+                  f"(warm start {spec.warm_start_steps} steps, carry slip "
+                  f"{spec.warm_start_slip}){': ' + stale if stale else ''}")
+            subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
+            # the run's weight stream belongs to the old model: a trainer would resume it
+            fresh = True
+    if fresh:
+        _delete_run_topics(admin, topo)
+    for c in apply_topics(admin, topo.resolved_topics()):
+        if c.action != "unchanged":
+            print(f"topic {c.action}: {c.topic}")
 
     procs: dict[str, subprocess.Popen] = {}
     # one intra-op thread per process: several processes share the cores, and torch's
@@ -272,12 +276,35 @@ def _model_init_command(spec) -> list[str]:
             "--carry-slip", str(spec.warm_start_slip), *spec.init_args]
 
 
+def _tiny_model_outdated(spec) -> str:
+    """Why the tiny model at ``spec.model`` must be rewritten ("" when it need not be).
+
+    Only a model that ``astraflow model init`` wrote (it leaves its recipe file) and whose
+    recipe differs from what the topology asks for is rewritten; any other model is left
+    alone.
+    """
+    from astraflow.cli import build_parser
+    from astraflow.model import INIT_RECIPE, init_recipe
+
+    recipe_file = Path(spec.model, INIT_RECIPE)
+    if not spec.init_tiny or not recipe_file.is_file():
+        return ""
+    try:
+        recipe = json.loads(recipe_file.read_text())
+    except (OSError, ValueError):
+        return ""
+    want = init_recipe(build_parser().parse_args(_model_init_command(spec)))
+    diff = [f"{k} {recipe.get(k)} -> {v}" for k, v in want.items() if recipe.get(k) != v]
+    return "the topology changed how it is made (" + ", ".join(diff) + ")" if diff else ""
+
+
 def _delete_run_topics(admin, topo: Topology) -> None:
     existing = admin.list_topics(timeout=10).topics
     names = [t.full_name for t in topo.resolved_topics() if t.full_name in existing]
     if names:
         for fut in admin.delete_topics(names, operation_timeout=30).values():
             fut.result()
+        print(f"deleted the {len(names)} topics of run {topo.run}")
         time.sleep(2.0)  # deletions settle before the topics are created again
 
 

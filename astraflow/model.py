@@ -50,6 +50,8 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "small": (256, 4, 4, 4, 1024),
 }
 MAX_POSITIONS = 256
+# written by `astraflow model init` next to the weights: how the model was made
+INIT_RECIPE = "astraflow_init.json"
 
 
 class ModelError(RuntimeError):
@@ -252,13 +254,25 @@ def warm_start(
     *,
     log: Callable[[str], None] | None = None,
     log_every: int = 50,
+    until: Callable[[], bool] | None = None,
+    check_every: int = 100,
 ) -> dict[str, float]:
     """Supervised fine-tune on ``tasks`` (prompt -> answer + eos) for ``steps`` steps.
 
     ``tasks``: ``ArithProblem``s, payload dicts, payload JSON strings or ``Task`` records.
-    AdamW, linear warm-up then cosine decay, loss on answer and eos tokens only. Returns
-    ``{"loss_first", "loss_last", "loss_min", "steps", "seconds", "examples"}`` where the
-    first/last losses average the first/last 10 % of steps (at least one step).
+    AdamW, loss on answer and eos tokens only. The learning rate warms up linearly, then
+
+    * without ``until``: decays along a cosine to 10 % over all ``steps``;
+    * with ``until`` (a check on the model, called every ``check_every`` steps in eval
+      mode): stays constant until the check passes, then decays linearly to 10 % over the
+      last 10 % of ``steps`` and stops. A tiny model learns arithmetic along a curve whose
+      steep part comes after a number of steps that varies from seed to seed; stopping on
+      a check of what was learned makes the warm start reproducible in outcome. If the
+      check never passes, the decay starts when only 10 % of ``steps`` are left.
+
+    Returns ``{"loss_first", "loss_last", "loss_min", "steps", "seconds", "examples",
+    "criterion_met"}`` where the first/last losses average the first/last 10 % of steps
+    (at least one step) and ``steps`` is the number actually taken.
     """
     import torch
 
@@ -273,12 +287,19 @@ def warm_start(
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warm = max(1, steps // 20)
+    anneal = max(1, steps // 10)
+    anneal_from: int | None = None if until is not None else 0
+    criterion_met = False
 
     def lr_at(step: int) -> float:
         if step < warm:
             return lr * (step + 1) / warm
-        frac = (step - warm) / max(1, steps - warm)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        if until is None:
+            frac = (step - warm) / max(1, steps - warm)
+            return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        if anneal_from is None:
+            return lr
+        return lr * (1.0 - 0.9 * min(1.0, (step - anneal_from) / anneal))
 
     model.train()
     losses: list[float] = []
@@ -286,6 +307,19 @@ def warm_start(
     order: list[int] = []
     with _seeded(seed):
         for step in range(steps):
+            if until is not None:
+                if anneal_from is None and step >= warm and step % check_every == 0:
+                    model.eval()
+                    criterion_met = bool(until())
+                    model.train()
+                    if criterion_met:
+                        anneal_from = step
+                        if log:
+                            log(f"warm start step {step}: check passed, decaying for {anneal}")
+                if anneal_from is None and step >= steps - anneal:
+                    anneal_from = step
+                if anneal_from is not None and step >= anneal_from + anneal:
+                    break
             batch = []
             for _ in range(min(batch_size, len(examples))):
                 if not order:
@@ -319,9 +353,10 @@ def warm_start(
         "loss_first": sum(losses[:k]) / k,
         "loss_last": sum(losses[-k:]) / k,
         "loss_min": min(losses),
-        "steps": float(steps),
+        "steps": float(len(losses)),
         "seconds": time.time() - t0,
         "examples": float(len(examples)),
+        "criterion_met": float(criterion_met),
     }
 
 
@@ -403,13 +438,23 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "Write a freshly initialised tiny causal LM with a character-level tokenizer to "
             "DIR in Hugging Face format. With --warm-start-steps N, fine-tune it for N "
             "supervised steps on the arithmetic train split (answer format), then print the "
-            "held-out eval accuracy and save it."
+            "held-out eval accuracy and save it. With --carry-slip P the warm-start teacher "
+            "forgets carries and borrows with probability P, leaving RL the rest to learn."
         ),
     )
     init.add_argument("dir", metavar="DIR")
     init.add_argument("--size", default="tiny", choices=sorted(SIZES))
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--warm-start-steps", type=int, default=0, metavar="N")
+    init.add_argument(
+        "--warm-start-until",
+        type=float,
+        default=None,
+        metavar="ACC",
+        help="keep the learning rate up until greedy accuracy on carry-free train prompts "
+        "reaches ACC (checked every 100 steps), then decay and stop; --warm-start-steps is "
+        "then the most steps taken",
+    )
     init.add_argument("--lr", type=float, default=2e-3)
     init.add_argument("--batch-size", type=int, default=64)
     init.add_argument("--levels", default="1,2", help="arithmetic levels, e.g. 1,2 (default)")
@@ -421,13 +466,40 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="train prompts drawn (with repeats) for the warm start",
     )
     init.add_argument("--eval-size", type=int, default=200, metavar="N")
+    init.add_argument(
+        "--carry-slip",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="warm start on a teacher who forgets the carry/borrow with probability P on "
+        "problems that need one (default 0: a perfect teacher); see astraflow.tasks.arithmetic",
+    )
     init.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     init.set_defaults(func=cmd_model_init)
     return p
 
 
+def init_recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """What made a model: the parsed ``model init`` options that shape it (not its path).
+
+    ``model init`` writes it to ``INIT_RECIPE`` in the model directory; ``astraflow up``
+    parses the command it would run the same way and rewrites the model when they differ.
+    """
+    skip = {"dir", "func", "json", "verbose", "loaded_topology", "eval_size"}
+    return {
+        k: v
+        for k, v in sorted(vars(args).items())
+        if k not in skip and isinstance(v, (str, int, float, bool, type(None)))
+    }
+
+
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from astraflow.tasks.arithmetic import eval_problems, train_problems
+    from astraflow.tasks.arithmetic import (
+        carry_slip_answer,
+        eval_problems,
+        train_problems,
+        with_carry_slips,
+    )
 
     t0 = time.time()
     try:
@@ -448,7 +520,24 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         # Drawn with repeats so every level gets its share of the steps, however few
         # distinct train prompts it has (level 1 has about 90).
         train = train_problems(levels, n=args.train_size, seed=args.seed, unique=False)
+        if args.carry_slip:
+            train = with_carry_slips(train, args.carry_slip, seed=args.seed)
         evals = eval_problems(levels, n=args.eval_size)
+        until = None
+        if args.warm_start_until is not None:
+            # train-split prompts the teacher always answers right (no carry to slip on)
+            check = [
+                p
+                for p in train_problems(levels, n=400, seed=args.seed + 1)
+                if carry_slip_answer(p) == p.answer or not args.carry_slip
+            ][:200]
+
+            def until() -> bool:
+                acc = evaluate(model, tok, check)
+                print(f"warm start check: {acc:.1%} on {len(check)} carry-free train "
+                      f"prompts (target {args.warm_start_until:.0%})", flush=True)
+                return acc >= args.warm_start_until
+
         metrics = warm_start(
             model,
             tok,
@@ -458,7 +547,11 @@ def cmd_model_init(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             seed=args.seed,
             log=lambda m: print(m, flush=True),
+            until=until,
         )
+        if until is not None and not metrics["criterion_met"]:
+            print(f"warm start: the check never passed in {args.warm_start_steps} steps; "
+                  "RL starts from a model that has not learned the format well", flush=True)
         per: dict[int, float] = {}
         acc = evaluate(model, tok, evals, per_level=per)
         model.save_pretrained(path)
@@ -466,7 +559,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
             save_tokenizer(tok, path)
         levels_txt = " ".join(f"L{lv}={a:.1%}" for lv, a in per.items())
         print(
-            f"warm start: {args.warm_start_steps} steps in {metrics['seconds']:.1f}s, loss "
+            f"warm start: {metrics['steps']:.0f} steps in {metrics['seconds']:.1f}s, loss "
             f"{metrics['loss_first']:.3f} -> {metrics['loss_last']:.3f}; held-out eval "
             f"accuracy {acc:.1%} on {len(evals)} prompts ({levels_txt})",
             flush=True,
@@ -474,6 +567,8 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         result.update(
             metrics=metrics, eval_accuracy=acc, eval_per_level=per, eval_prompts=len(evals)
         )
+    recipe = init_recipe(args)
+    (path / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     if args.json:
         print(json.dumps(result, sort_keys=True))
     return 0
@@ -483,6 +578,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 __all__ = [
     "CHARSET",
+    "INIT_RECIPE",
     "SIZES",
     "ModelError",
     "build_tokenizer",
@@ -490,6 +586,7 @@ __all__ = [
     "evaluate",
     "generate_answers",
     "init_model",
+    "init_recipe",
     "load_policy",
     "register",
     "warm_start",

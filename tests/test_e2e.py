@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from astraflow.kafka.clients import read_all
-from astraflow.records import Batch, WeightManifest
+from astraflow.records import Batch, TrajectoryGroup, WeightManifest
 
 from .conftest import random_name
 
@@ -27,8 +27,13 @@ def test_up_trains_publishes_evaluates_and_bounds_staleness(kafka_bootstrap, kaf
     run = random_name("e2e")
     topo["run"] = run
     topo["kafka"] = {"bootstrap_servers": kafka_bootstrap}
-    topo["policies"]["actor"].update(model=str(tmp_path / "model"), warm_start_steps=100)
-    topo["eval"] = {"every_versions": 2, "args": ["--size", "50"]}
+    # Level 1 only, so that a short warm start learns the format: the teacher forgets the
+    # carry 70 % of the time (7+5=2), and RL has to learn to carry within the run.
+    topo["policies"]["actor"].update(
+        model=str(tmp_path / "model"), warm_start_steps=800, warm_start_slip=0.7,
+        init_args=["--levels", "1", "--warm-start-until", "0.9"])
+    topo["feeder"]["args"] = ["--epochs", "0", "--rate", "60", "--levels", "1"]
+    topo["eval"] = {"every_versions": 2, "args": ["--size", "50", "--levels", "1"]}
     path = tmp_path / "e2e.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}
@@ -68,3 +73,19 @@ def test_up_trains_publishes_evaluates_and_bounds_staleness(kafka_bootstrap, kaf
         for g in b.groups:
             for s in g.sequences:
                 assert max(known) - s.min_version <= MAX_STALENESS, (b.batch_id, s.versions)
+
+    # the reward rises: rollouts of the last quarter of the run beat the first eighth's
+    groups = sorted((r.record for r in read_all(kafka_config, f"{run}.trajectories.raw",
+                                                expect=TrajectoryGroup)),
+                    key=lambda g: g.created_at_ms)
+    assert len(groups) >= 40, len(groups)
+    first = _mean_reward(groups[: len(groups) // 8])
+    last = _mean_reward(groups[-(len(groups) // 4):])
+    print(f"rollout reward: first eighth {first:.3f}, last quarter {last:.3f} "
+          f"({len(groups)} groups)")
+    assert last >= first + 0.1, (first, last)
+
+
+def _mean_reward(groups) -> float:
+    rewards = [r for g in groups for r in g.rewards]
+    return sum(rewards) / len(rewards)

@@ -12,7 +12,9 @@ from astraflow.feeder import TaskFeeder, iter_tasks, load_payloads
 from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.records import Task
 from astraflow.tasks import (
+    ArithProblem,
     arithmetic_problems,
+    carry_slip_answer,
     check_answer,
     eval_problems,
     extract_final_number,
@@ -21,6 +23,7 @@ from astraflow.tasks import (
     prompt_id,
     split_of,
     train_problems,
+    with_carry_slips,
 )
 from astraflow.tasks.datasets import DatasetError
 
@@ -304,3 +307,36 @@ def test_feeder_cli_run(kafka_config, make_topology, capsys):
     got = _read_until(kafka_config, topo.full_name("tasks.source"), 7)
     assert len(got) == 7 and {r.record.source for r in got} == {"arith-L2"}
     assert main(["feeder", "run", "--topology", str(path), "--dataset", "/nope.jsonl"]) == 2
+
+
+@pytest.mark.parametrize(
+    "prompt, answer, slipped",
+    [
+        ("7+5=", "12", "2"),  # the carry out of the units is forgotten
+        ("38+45=", "83", "73"),
+        ("31+16=", "47", "47"),  # nothing to carry: the slip changes nothing
+        ("53-17=", "36", "46"),  # the borrow is forgotten
+        ("100-1=", "99", "109"),
+        ("96-51=", "45", "45"),
+        ("3*4=", "12", "12"),  # other shapes are left alone
+        ("1+2+3=", "6", "6"),
+    ],
+)
+def test_carry_slip_answer(prompt, answer, slipped):
+    assert carry_slip_answer(ArithProblem(prompt, answer, 1)) == slipped
+
+
+def test_with_carry_slips_changes_only_carry_problems_at_the_rate():
+    problems = train_problems((1, 2), n=4000, unique=False)
+    taught = with_carry_slips(problems, 0.7, seed=3)
+    assert [p.prompt for p in taught] == [p.prompt for p in problems]
+    assert taught == with_carry_slips(problems, 0.7, seed=3)
+    carry = [(p, t) for p, t in zip(problems, taught) if carry_slip_answer(p) != p.answer]
+    plain = [(p, t) for p, t in zip(problems, taught) if carry_slip_answer(p) == p.answer]
+    assert len(carry) > 1000 and len(plain) > 1000
+    assert all(t.answer == p.answer for p, t in plain)
+    slipped = sum(t.answer == carry_slip_answer(p) for p, t in carry) / len(carry)
+    assert 0.65 < slipped < 0.75
+    assert with_carry_slips(problems, 0.0) == problems
+    with pytest.raises(ValueError, match="slip"):
+        with_carry_slips(problems, 1.5)

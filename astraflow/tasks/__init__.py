@@ -8,10 +8,12 @@ from astraflow.tasks.arithmetic import (
     LEVELS,
     ArithProblem,
     arithmetic_problems,
+    carry_slip_answer,
     eval_problems,
     generate_problem,
     split_of,
     train_problems,
+    with_carry_slips,
 )
 from astraflow.tasks.base import make_task, payload_of, prompt_id, task_from_payload
 from astraflow.tasks.check import check_answer, extract_final_number, normalize_answer
@@ -21,6 +23,7 @@ __all__ = [
     "LEVELS",
     "ArithProblem",
     "arithmetic_problems",
+    "carry_slip_answer",
     "check_answer",
     "eval_problems",
     "extract_final_number",
@@ -33,4 +36,5 @@ __all__ = [
     "split_of",
     "task_from_payload",
     "train_problems",
+    "with_carry_slips",
 ]

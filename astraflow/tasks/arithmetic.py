@@ -12,10 +12,16 @@ Levels (the number of distinct prompts in brackets):
    out (three-digit sums, one-digit differences) [~6 700]
 4. three-digit ``a+b``/``a-b``, one-digit ``a*b``, two-digit times one-digit ``a*b``
 
-Subtraction never goes negative. Levels 1 and 2 are the default mix: a tiny model
-learns level 1 within a couple of hundred supervised steps and level 2 along a steep curve
-(a few hundred steps from ~10 % to ~75 % on held-out prompts), which leaves a warm-started
-model partly right, where reinforcement learning has reward variance to learn from.
+Subtraction never goes negative. Levels 1 and 2 are the default mix.
+
+``carry_slip_answer`` is the answer of a pupil who forgets every carry and borrow
+(``7+5=2``, ``38+45=73``, ``53-17=46``). The embedded default warm-starts the tiny model on
+a *slipping teacher* (``with_carry_slips``): on problems that need a carry or borrow the
+teacher gives the slipped answer with probability ``slip`` and the right one otherwise.
+The warm-started model thus knows the format and every digit that needs no carry, and
+holds the right answer in its distribution without preferring it; exact rewards are what
+tells it which of its answers are right. This stands in for the pretrained LLM of a real
+run, which likewise "almost" solves its tasks before RL.
 
 The split is a function of the prompt text only (SHA-256 of the prompt), so the held-out
 eval prompts never appear in train, whatever the seed, level mix or number of samples.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +39,7 @@ from typing import Any
 from astraflow.tasks.base import prompt_id
 
 LEVELS = (1, 2, 3, 4)
+_BINARY = re.compile(r"(\d+)([+*-])(\d+)=")
 EVAL_FRACTION = 0.1
 
 
@@ -114,6 +122,43 @@ def generate_problem(level: int, rng: random.Random) -> ArithProblem:
     else:
         raise ValueError(f"unknown arithmetic level {level} (known: {list(LEVELS)})")
     return ArithProblem(p.prompt, p.answer, level)
+
+
+def carry_slip_answer(problem: ArithProblem) -> str:
+    """The answer with every carry (``+``) or borrow (``-``) forgotten, column by column.
+
+    Problems of another shape (``a*b``, ``a+b+c``) are returned unchanged: their answer.
+    """
+    m = _BINARY.fullmatch(problem.prompt)
+    if not m or m.group(2) not in "+-":
+        return problem.answer
+    a, op, b = m.group(1), m.group(2), m.group(3)
+    width = max(len(a), len(b))
+    da, db = a.zfill(width), b.zfill(width)
+    cols = [
+        (int(x) + int(y)) % 10 if op == "+" else (int(x) - int(y)) % 10 for x, y in zip(da, db)
+    ]
+    return "".join(map(str, cols)).lstrip("0") or "0"
+
+
+def with_carry_slips(
+    problems: Iterable[ArithProblem], slip: float, seed: int = 0
+) -> list[ArithProblem]:
+    """The problems as a slipping teacher answers them (see the module doc), seeded.
+
+    Each problem whose slipped answer differs from the right one gets it with probability
+    ``slip``; ``slip=0`` returns the problems unchanged.
+    """
+    if not 0.0 <= slip <= 1.0:
+        raise ValueError(f"slip must be in [0, 1], not {slip}")
+    rng = random.Random(f"carry-slip:{seed}")
+    out = []
+    for p in problems:
+        slipped = carry_slip_answer(p)
+        if slipped != p.answer and rng.random() < slip:
+            p = ArithProblem(p.prompt, slipped, p.level)
+        out.append(p)
+    return out
 
 
 def _parse_levels(levels: int | Iterable[int] | str) -> list[int]:
