@@ -165,16 +165,97 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
         assert torch.allclose(a, b, atol=1e-6), k
 
 
+def test_published_state_rounds_fp32_master_weights(tiny_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.weights.delta import state_bytes_equal
+
+    torch.set_num_threads(1)
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    assert tr.config.publish_dtype == "bf16" and tr.keeps_master  # the default
+    tr.train_step(make_batch(0))
+    master, published = tr.state_dict(), tr.published_state()
+    assert {v.dtype for v in master.values()} == {torch.float32}
+    assert {v.dtype for v in published.values()} == {torch.bfloat16}
+    for k, v in published.items():
+        assert torch.equal(v, master[k].to(torch.bfloat16)), k
+    # the master weights round-trip bit for bit; loading them into a bf16 model is refused
+    data = tr.master_bytes()
+    other = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    assert not state_bytes_equal(other.state_dict(), master)
+    other.load_master_bytes(data)
+    assert state_bytes_equal(other.state_dict(), master)
+    half = Trainer(tiny_model, TrainerConfig(dtype="bf16"), policy="actor")
+    assert not half.keeps_master  # trains in bf16: the published weights are the weights
+    with pytest.raises(ValueError, match="--dtype"):
+        half.load_master_bytes(data)
+    same = Trainer(tiny_model, TrainerConfig(publish_dtype="same"), policy="actor")
+    assert not same.keeps_master
+    assert {v.dtype for v in same.published_state().values()} == {torch.float32}
+    with pytest.raises(ValueError, match="publish_dtype"):
+        Trainer(tiny_model, TrainerConfig(publish_dtype="int8"), policy="actor")
+
+
+def test_engine_computes_in_its_own_dtype_with_bf16_published_weights(tiny_model):
+    """A RaaS engine (fp32 model) loads the published bf16 state: values cast, dtype kept."""
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.raas.engine import SamplingParams, TorchEngine
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=3), policy="actor")
+    tr.train_step(make_batch(0))
+    published = tr.published_state()
+    engine = TorchEngine(
+        AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True), None
+    )
+    engine.load_state_dict(published, 1)
+    held = engine.state_dict()
+    assert engine.version == 1 and {v.dtype for v in held.values()} == {torch.float32}
+    for k, v in published.items():
+        assert torch.equal(held[k], v.float()), k
+    (gens,) = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, seed=0))
+    assert len(gens[0].token_ids) == 3
+
+
+def _optimizer_states_equal(a: dict, b: dict) -> bool:
+    """Bit-identical optimizer ``state_dict()``s (tensors compared by their bytes)."""
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    for i, sa in a["state"].items():
+        sb = b["state"][i]
+        if sa.keys() != sb.keys():
+            return False
+        for k, x in sa.items():
+            y = sb[k]
+            if isinstance(x, torch.Tensor):
+                if not (
+                    isinstance(y, torch.Tensor)
+                    and x.dtype == y.dtype
+                    and x.shape == y.shape
+                    and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+                ):
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
 # --------------------------------------------------------------------------- on Kafka
 @pytest.mark.kafka
 @pytest.mark.slow
+@pytest.mark.parametrize("publish", [None, "same"], ids=["publish-bf16-default", "publish-same"])
 def test_trainer_resumes_exactly_after_sigkill(
-    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path
+    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, publish
 ):
+    """Default: fp32 master weights, bf16 published; ``same``: fp32 published."""
+    import io
+
     from astraflow.trainer.trainer import Trainer, TrainerConfig
     from astraflow.weights.delta import state_bytes_equal
     from astraflow.weights.history import WeightFollower
     from astraflow.weights.kafka_store import read_manifests
+    from astraflow.weights.store import FileBlobStore
 
     topo, path = make_topology(
         topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}
@@ -189,7 +270,7 @@ def test_trainer_resumes_exactly_after_sigkill(
     sent = read_all(kafka_config, batches_topic, idle_s=1.0, expect=Batch)
     assert len(sent) == n
 
-    lr = "2e-3"
+    lr = "1e-4"  # the tiny random model's weights are ~0.02: larger rates move every bf16
     log = tmp_path / "trainer.log"
     cmd = [
         sys.executable,
@@ -215,6 +296,7 @@ def test_trainer_resumes_exactly_after_sigkill(
         "3",
         "--instance",
         "0",
+        *(["--publish-dtype", publish] if publish else []),
     ]
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "PYTHONUNBUFFERED": "1"}
     # first run: SIGKILLs itself with version 3's transaction open (blobs written,
@@ -256,6 +338,8 @@ def test_trainer_resumes_exactly_after_sigkill(
     text = log.read_text()
     assert "resumed at version 2" in text, text[-3000:]
     assert "matches version 2's manifest" in text, text[-3000:]
+    master_log = "master weights loaded" if publish is None else "master weights the published"
+    assert master_log in text, text[-3000:]
 
     statuses = [
         r.record
@@ -281,19 +365,73 @@ def test_trainer_resumes_exactly_after_sigkill(
         assert po.offset == sent[m.version - 1].offset + 1
         assert m.meta["batch_id"] == f"batch-{m.version - 1}"
         assert "optimizer_sha256" in m.meta
+        assert ("master_sha256" in m.meta) == (publish is None)
 
     # the uninterrupted reference run over the same (decoded) batches
     torch.set_num_threads(1)
-    ref = Trainer(tiny_model, TrainerConfig(lr=float(lr), micro_batch_size=3), policy="actor")
-    states = {0: {k: v.clone() for k, v in ref.state_dict().items()}}
+    ref = Trainer(
+        tiny_model,
+        TrainerConfig(lr=float(lr), micro_batch_size=3, publish_dtype=publish or "bf16"),
+        policy="actor",
+    )
+    masters = {0: {k: v.clone() for k, v in ref.state_dict().items()}}
+    states = {0: {k: v.clone() for k, v in ref.published_state().items()}}
     for k, r in enumerate(sent, start=1):
         ref.train_step(r.record)
-        states[k] = {k2: v.clone() for k2, v in ref.state_dict().items()}
-    for target in (2, n):
-        follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
-        follower.observe(manifests)
+        masters[k] = {k2: v.clone() for k2, v in ref.state_dict().items()}
+        states[k] = {k2: v.clone() for k2, v in ref.published_state().items()}
+    # every published version, resumed or not, equals the reference bit for bit
+    follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
+    follower.observe(manifests)
+    for target in range(n + 1):
         follower.update(target)
         assert state_bytes_equal(follower.state, states[target]), f"version {target} differs"
+    dtype = "float32" if publish == "same" else "bfloat16"
+    assert {m.dtype for m in manifests} == {dtype}
+    # the resumed trainer's master weights and optimizer state, as saved with version n
+    # (the newest keep-optimizer versions keep them), equal the uninterrupted run's
+    store = FileBlobStore(tmp_path / "state" / "blobs", create=False)
+    (last,) = [m for m in manifests if m.version == n]
+    opt = torch.load(
+        io.BytesIO(store.get(_meta_ref(last.meta, "optimizer"))), weights_only=True
+    )
+    assert _optimizer_states_equal(opt, ref.optimizer.state_dict())
+    if publish is None:
+        master = torch.load(
+            io.BytesIO(store.get(_meta_ref(last.meta, "master"))), weights_only=True
+        )
+        assert state_bytes_equal(master, masters[n])
+        # the optimizer and master blobs of the newest 3 versions are kept (--keep-optimizer),
+        # older ones the resumed trainer knew of (version 2's) are deleted
+        kept = {".".join(b.blob_id.split(".")[1:3]) for b in store.list()}
+        for v in range(n - 2, n + 1):
+            assert {f"v{v:08d}.optim", f"v{v:08d}.master"} <= kept, (v, kept)
+        assert not kept & {"v00000002.optim", "v00000002.master"}, kept
+
+    # delta sparsity: AdamW moves every fp32 weight each step, but only some of them cross
+    # a bf16 rounding step (at this lr about 0.3-0.5 of the bf16 weights stay unchanged)
+    deltas = {m.version: m for m in manifests if m.kind == "delta"}
+    fp32_unchanged = [
+        sum(int((masters[v][k] == masters[v - 1][k]).sum()) for k in masters[v])
+        / sum(t.numel() for t in masters[v].values())
+        for v in range(1, n + 1)
+    ]
+    assert max(fp32_unchanged) < 0.05, fp32_unchanged
+    if publish is None:
+        sparsity = [deltas[v].sparsity for v in range(1, n + 1)]
+        assert min(sparsity[2:]) > 0.25 and max(fp32_unchanged) + 0.2 < min(sparsity[2:]), (
+            sparsity
+        )
+    else:
+        assert max(deltas[v].sparsity for v in range(1, n + 1)) < 0.05
+
+
+def _meta_ref(meta: dict[str, str], kind: str):
+    from astraflow.records import BlobRef
+
+    return BlobRef(
+        uri=meta[f"{kind}_uri"], bytes=int(meta[f"{kind}_bytes"]), sha256=meta[f"{kind}_sha256"]
+    )
 
 
 def test_group_staleness_guard_drops_old_groups():
@@ -310,3 +448,64 @@ def test_group_staleness_guard_drops_old_groups():
     assert _group_staleness(grp([-1, 3, 5]), "actor", 7) == 4
     assert _group_staleness(grp([-1, -1, -1]), "actor", 7) == 0
     assert _group_staleness(grp([-1, 3, 5]), "other", 7) == 0
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_trainer_master_blob_restores_exactly_and_is_checksummed(
+    kafka_config, make_topology, tiny_model, tmp_path
+):
+    """In process: the restored fp32 master weights and optimizer state equal the trainer's
+    that wrote them; a master blob whose bytes changed is refused (sha256)."""
+    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.kafka_store import read_manifests
+
+    topo, _ = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}
+    )
+    producer = RecordProducer(kafka_config)
+    for i in range(2):
+        producer.produce(topo.full_name("batches.actor"), make_batch(i), key="actor")
+    producer.flush()
+    torch.set_num_threads(1)
+
+    def options(**kw) -> ServiceOptions:
+        return ServiceOptions(
+            policy="actor",
+            model_path=tiny_model,
+            state_dir=str(tmp_path / "state"),
+            poll_timeout_s=0.2,
+            trainer=TrainerConfig(lr=1e-4, micro_batch_size=3),
+            **kw,
+        )
+
+    first = TrainerService(topo, options(max_steps=2), config=kafka_config)
+    first.run()
+    assert first.version == 2
+
+    second = TrainerService(topo, options(), config=kafka_config)
+    second._open()
+    second._restore()
+    assert second.resumed_from == 2
+    assert second.trainer.state_dict()["model.norm.weight"].dtype == torch.float32
+    assert state_bytes_equal(second.trainer.state_dict(), first.trainer.state_dict())
+    assert _optimizer_states_equal(
+        second.trainer.optimizer.state_dict(), first.trainer.optimizer.state_dict()
+    )
+    assert state_bytes_equal(second.publisher._prev, first.publisher._prev)
+    second.store.close()
+
+    (v2,) = [m for m in read_manifests(kafka_config, topo.full_name("weights.actor"))
+             if m.version == 2]
+    assert v2.dtype == "bfloat16"
+    blob = tmp_path / "state" / "blobs" / v2.meta["master_uri"].rsplit("/", 1)[1]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    blob.write_bytes(bytes(data))
+    third = TrainerService(topo, options(), config=kafka_config)
+    third._open()
+    with pytest.raises(RuntimeError, match="master state of version 2.*sha256"):
+        third._restore()
+    third.store.close()

@@ -80,7 +80,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=8,
         help="sequences per forward/backward (gradients accumulated)",
     )
-    r.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    r.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="dtype the model trains in (the master weights)",
+    )
+    r.add_argument(
+        "--publish-dtype",
+        default="bf16",
+        choices=["same", "bf16", "fp16"],
+        help="dtype of the published weights: each version publishes the master weights "
+        "rounded to it, so deltas between versions are sparse, and saves the master "
+        "weights next to its optimizer state for an exact resume; same: publish them as "
+        "trained (default bf16)",
+    )
     r.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     r.add_argument(
         "--anchor-interval",
@@ -92,7 +106,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--keep-optimizer",
         type=int,
         default=3,
-        help="keep the optimizer states of the newest K versions",
+        help="keep the optimizer states (and master weights) of the newest K versions",
     )
     r.add_argument("--threads", type=int, help="torch.set_num_threads")
     r.add_argument("--seed", type=int, default=0)
@@ -151,6 +165,7 @@ def handler(args: argparse.Namespace) -> int:
             normalize_std=not args.no_std_normalize,
             micro_batch_size=args.micro_batch_size,
             dtype=args.dtype,
+            publish_dtype=args.publish_dtype,
             device=args.device,
             max_staleness=args.max_staleness,
         ),

@@ -2,18 +2,29 @@
 
 One Kafka transaction per training step holds the new version's ``WeightManifest``(s), the
 consumer offsets of the batch it was trained on (``send_offsets_to_transaction``), any dead
-letters and, when due, a ``ComponentStatus``. The blobs (weights delta/full checkpoint, and
-the optimizer state) are written to the blob store *before* the transaction; a crash before
-the commit leaves only unreferenced blobs (garbage for ``astraflow weights gc``).
+letters and, when due, a ``ComponentStatus``. The blobs (weights delta/full checkpoint, the
+optimizer state and, when the published weights are a rounding of the trained ones, the
+master weights) are written to the blob store *before* the transaction; a crash before the
+commit leaves only unreferenced blobs (garbage for ``astraflow weights gc``).
+
+Published weights are the trained (fp32 master) weights rounded to ``publish_dtype`` (bf16
+by default), so the deltas are taken between consecutive bf16 versions: bit-exact and
+sparse. The master weights of each version go to a blob named in the manifest's ``meta``
+(``master_uri``/``master_sha256``/``master_bytes``) next to the optimizer state; both are
+kept for the newest ``keep_optimizer`` versions.
 
 Restart (after SIGKILL, anywhere):
 
 1. the transactional producer (id ``<run>.trainer.<policy>.<instance>``) is created first:
    ``init_transactions`` fences a dead predecessor and aborts its open transaction, so
    ``read_committed`` readers are not held up by it;
-2. every manifest on ``weights.<policy>`` is read; the newest version's weights are rebuilt
-   with a ``WeightFollower`` (bit-exact, sha256-verified) and its optimizer state is loaded
-   from the blob named in the manifest's ``meta`` (``optimizer_uri``/``optimizer_sha256``);
+2. every manifest on ``weights.<policy>`` is read; the newest version's published weights
+   are rebuilt with a ``WeightFollower`` (bit-exact, sha256-verified) and become the
+   publisher's base for the next delta; its optimizer state and master weights are loaded
+   from the blobs named in the manifest's ``meta`` (sha256-verified; the master weights
+   must round to the published ones bit for bit). Version 0 has no master blob: it was
+   published from the model directory, which is what the trainer loads. With
+   ``publish_dtype`` ``same`` the published weights are the trained ones;
 3. consumption resumes at the manifest's ``consumed_offsets``, which are the group's
    committed offsets because both were committed in the same transaction (checked and
    logged).
@@ -53,6 +64,8 @@ from astraflow.records import (
 )
 from astraflow.topology import Topology
 from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.weights.delta import state_bytes_equal
+from astraflow.weights.errors import BlobError
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -71,7 +84,7 @@ class ServiceOptions:
     state_dir: str | None = None
     instance: str | None = None
     anchor_interval: int = 10
-    keep_optimizer: int = 3  # optimizer blobs of the newest K versions are kept
+    keep_optimizer: int = 3  # optimizer (and master weight) blobs of the newest K versions
     max_steps: int | None = None  # stop (cleanly) after this many steps in this process
     poll_timeout_s: float = 0.5
     session_timeout_ms: int = 10_000
@@ -124,7 +137,7 @@ class TrainerService:
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, float] = {}
         self.positions: dict[tuple[str, int], int] = {}
-        self._optimizer_refs: list[BlobRef] = []
+        self._state_refs: list[list[BlobRef]] = []  # per version: optimizer, master blobs
         self._dead: list[DeadLetter] = []
         self._check_committed: list[TopicPartition] = []
         self._stop = threading.Event()
@@ -173,12 +186,13 @@ class TrainerService:
             self.publisher = WeightPublisher(
                 self.store, self.policy, anchor_interval=o.anchor_interval
             )
-            ms = self.publisher.publish(self.trainer.state_dict(), version=0, trainer_step=0)
+            ms = self.publisher.publish(self.trainer.published_state(), version=0, trainer_step=0)
             self._commit(ms, offsets=False, status=False)
             self.version = 0
             log.info(
-                "%s: published initial weights as version 0 (%d bytes) on %s",
+                "%s: published initial weights as version 0 (%s, %d bytes) on %s",
                 self.component_id,
+                ms[-1].dtype,
                 ms[-1].encoded_bytes,
                 self.weights_topic,
             )
@@ -191,44 +205,98 @@ class TrainerService:
         res = follower.update()
         version = follower.version
         assert version is not None and follower.state is not None
-        self.trainer.load_weights(follower.state)
+        published = follower.state
         latest = [m for m in manifests if m.version == version]
         meta = latest[0].meta
+        self._check_published_dtypes(published, version, latest[0].dtype)
+        refs: list[BlobRef] = []
         if "optimizer_uri" in meta:
-            ref = BlobRef(
-                uri=meta["optimizer_uri"],
-                bytes=int(meta["optimizer_bytes"]),
-                sha256=meta["optimizer_sha256"],
-            )
-            with follower.resolver.open(ref) as f:
-                self.trainer.load_optimizer_bytes(f.read())
-            self._optimizer_refs.append(ref)
+            data, ref = self._read_state_blob(follower, meta, "optimizer", version)
+            self.trainer.load_optimizer_bytes(data)
+            refs.append(ref)
         elif version > 0:
             raise RuntimeError(
                 f"{self.weights_topic}: version {version} names no optimizer state "
                 "(meta optimizer_uri); cannot resume exactly"
             )
+        if not self.trainer.keeps_master:
+            self.trainer.load_weights(published)
+            master = "the published weights"
+        else:
+            if "master_uri" in meta:
+                data, ref = self._read_state_blob(follower, meta, "master", version)
+                self.trainer.load_master_bytes(data)
+                refs.append(ref)
+                master = "loaded"
+            elif version == 0:
+                master = "the model directory"  # what version 0 was published from
+            else:
+                raise RuntimeError(
+                    f"{self.weights_topic}: version {version} was published as "
+                    f"{latest[0].dtype} but names no master weights (meta master_uri), "
+                    "and they cannot be rebuilt from the rounded ones; cannot resume "
+                    "exactly (restart with the --publish-dtype the run was started with)"
+                )
+            if not state_bytes_equal(self.trainer.published_state(), published):
+                raise RuntimeError(
+                    f"{self.weights_topic}: the master weights of version {version} (from "
+                    f"{master}) do not round to its published weights; cannot resume exactly"
+                )
+        if refs:
+            self._state_refs.append(refs)
         self.trainer.steps = version
         self.publisher = WeightPublisher(
             self.store,
             self.policy,
             anchor_interval=o.anchor_interval,
             version=version,
-            state=self.trainer.state_dict(),
+            state=published,
         )
         self.positions = {(p.topic, p.partition): p.offset for p in latest[0].consumed_offsets}
         self.version = self.resumed_from = version
         log.info(
             "%s: resumed at version %d (%d manifests applied, %d bytes, %.2fs); "
-            "optimizer state %s; consuming from %s",
+            "optimizer state %s; master weights %s; consuming from %s",
             self.component_id,
             version,
             len(res.applied),
             res.bytes_fetched,
             time.perf_counter() - t0,
             "loaded" if "optimizer_uri" in meta else "fresh",
+            master,
             _fmt_positions(self.positions) or "the group's committed offsets",
         )
+
+    def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
+        """The newest version must have been published in the dtype this trainer publishes
+        (a delta needs both sides in one dtype)."""
+        mine = {k: v.dtype for k, v in self.trainer.published_state().items()}
+        bad = [k for k, v in published.items() if k in mine and mine[k] != v.dtype]
+        if bad:
+            raise RuntimeError(
+                f"{self.weights_topic}: version {version} was published as {dtype} "
+                f"({bad[0]}: {published[bad[0]].dtype}), this trainer publishes "
+                f"{mine[bad[0]]}: restart with the --dtype/--publish-dtype the run was "
+                "started with"
+            )
+
+    def _read_state_blob(
+        self, follower, meta: dict[str, str], kind: str, version: int
+    ) -> tuple[bytes, BlobRef]:
+        """The bytes of the ``kind`` (optimizer/master) blob named in ``meta``, verified."""
+        ref = BlobRef(
+            uri=meta[f"{kind}_uri"],
+            bytes=int(meta[f"{kind}_bytes"]),
+            sha256=meta[f"{kind}_sha256"],
+        )
+        try:
+            with follower.resolver.open(ref) as f:  # checks size and sha256
+                return f.read(), ref
+        except BlobError as e:
+            raise RuntimeError(
+                f"{self.weights_topic}: the {kind} state of version {version} is unusable "
+                f"({e}); cannot resume exactly"
+            ) from e
 
     # --- consumer ------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -480,21 +548,27 @@ class TrainerService:
                      int(metrics["trainer/stale_dropped_groups"]))
             return
         version = self.version + 1
-        opt_ref = self.store.put(
-            f"{_safe(self.policy)}.v{version:08d}.optim.{uuid.uuid4().hex[:12]}",
-            self.trainer.optimizer_bytes(),
-        )
+        stem = f"{_safe(self.policy)}.v{version:08d}"
+        tag = uuid.uuid4().hex[:12]
+        opt_ref = self.store.put(f"{stem}.optim.{tag}", self.trainer.optimizer_bytes())
+        refs = [opt_ref]
         meta = {
             "optimizer_uri": opt_ref.uri,
             "optimizer_sha256": opt_ref.sha256,
             "optimizer_bytes": str(opt_ref.bytes),
-            "batch_id": batch.batch_id,
-            "loss": f"{metrics['trainer/loss']:.6g}",
-            "reward_mean": f"{metrics['trainer/reward_mean']:.6g}",
         }
+        if self.trainer.keeps_master:  # published weights are rounded: keep the trained ones
+            master_ref = self.store.put(f"{stem}.master.{tag}", self.trainer.master_bytes())
+            refs.append(master_ref)
+            meta["master_uri"] = master_ref.uri
+            meta["master_sha256"] = master_ref.sha256
+            meta["master_bytes"] = str(master_ref.bytes)
+        meta["batch_id"] = batch.batch_id
+        meta["loss"] = f"{metrics['trainer/loss']:.6g}"
+        meta["reward_mean"] = f"{metrics['trainer/reward_mean']:.6g}"
         offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
         manifests = self.publisher.publish(
-            self.trainer.state_dict(),
+            self.trainer.published_state(),
             version=version,
             trainer_step=version,
             consumed_offsets=offsets,
@@ -503,16 +577,19 @@ class TrainerService:
         self.version = version
         self.counters.steps += 1
         self.counters.busy_s += time.monotonic() - t0
+        delta = next((m for m in manifests if m.kind == "delta"), manifests[0])
         metrics["trainer/version"] = float(version)
         metrics["trainer/wait_fraction"] = self.wait_fraction()
+        # of the published version (in its dtype): the delta, or the full checkpoint
+        metrics["trainer/weights_sparsity"] = float(delta.sparsity)
+        metrics["trainer/weights_bytes"] = float(delta.encoded_bytes)
         self.last_metrics = metrics
         self._commit(manifests, offsets=True, status=self._status_due())
-        self._optimizer_refs.append(opt_ref)
-        self._drop_old_optimizer_states()
-        delta = next((m for m in manifests if m.kind == "delta"), manifests[0])
+        self._state_refs.append(refs)
+        self._drop_old_states()
         log.info(
             "%s: v%d batch %s @%s[%d]:%d loss %.5f reward %.3f clip %.3f kl %.2e grad %.3f "
-            "wait %.2f step %.2fs | %s sparsity %.4f %d bytes%s",
+            "wait %.2f step %.2fs | %s %s sparsity %.4f %d bytes%s",
             self.component_id,
             version,
             batch.batch_id,
@@ -526,20 +603,23 @@ class TrainerService:
             metrics["trainer/grad_norm"],
             metrics["trainer/wait_fraction"],
             metrics["trainer/step_seconds"],
+            delta.dtype,
             delta.kind,
             delta.sparsity,
             delta.encoded_bytes,
             " (+full)" if len(manifests) > 1 else "",
         )
 
-    def _drop_old_optimizer_states(self) -> None:
+    def _drop_old_states(self) -> None:
+        """Delete the optimizer and master weight blobs of all but the newest
+        ``keep_optimizer`` versions."""
         keep = max(1, self.options.keep_optimizer)
-        while len(self._optimizer_refs) > keep:
-            ref = self._optimizer_refs.pop(0)
-            try:
-                self.store.delete(ref)
-            except Exception as e:  # a store that cannot delete keeps it: harmless
-                log.debug("could not delete %s: %s", ref.uri, e)
+        while len(self._state_refs) > keep:
+            for ref in self._state_refs.pop(0):
+                try:
+                    self.store.delete(ref)
+                except Exception as e:  # a store that cannot delete keeps it: harmless
+                    log.debug("could not delete %s: %s", ref.uri, e)
 
 
 def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:

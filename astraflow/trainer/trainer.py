@@ -11,6 +11,13 @@ one full-batch pass, because the loss is normalised by the token count of the wh
 Determinism: the model runs in eval mode (no dropout), so a step depends only on weights,
 optimizer state and batch; with the same torch thread count a resumed trainer reproduces an
 uninterrupted one bit for bit.
+
+Published weights: the model trains in ``dtype`` (the master weights, fp32 by default) and
+``published_state()`` rounds them to ``publish_dtype`` (bf16 by default; ``same``: as
+trained). Consecutive bf16 roundings differ only where an update crossed a bf16 step, so
+the deltas between published versions are sparse even though AdamW moves every fp32
+weight. The master weights cannot be rebuilt from the published ones: ``master_bytes()``
+/ ``load_master_bytes()`` save and restore them, like the optimizer state.
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ class TrainerConfig:
     tis_cap: float = 2.0
     normalize_std: bool = True
     micro_batch_size: int = 8  # sequences per forward/backward
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # the trained (master) weights
+    # the published weights: the master weights rounded to this ("same": as trained)
+    publish_dtype: str = "bf16"
     device: str = "cpu"
     pad_token_id: int = 0
     # drop groups whose oldest generated token is more than this many versions behind the
@@ -94,6 +103,11 @@ class Trainer:
         if c.dtype not in DTYPES:
             raise ValueError(f"dtype {c.dtype!r}: use one of {sorted(DTYPES)}")
         self.dtype = DTYPES[c.dtype]
+        if c.publish_dtype != "same" and c.publish_dtype not in DTYPES:
+            raise ValueError(
+                f"publish_dtype {c.publish_dtype!r}: use 'same' or one of {sorted(DTYPES)}"
+            )
+        self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
         self.device = torch.device(c.device)
         if model is None:
             from transformers import AutoModelForCausalLM
@@ -111,13 +125,45 @@ class Trainer:
             weight_decay=c.weight_decay,
         )
         self.steps = 0
+        # True when the published weights are a rounding of the trained ones, which then
+        # have to be saved apart (master_bytes) for an exact resume
+        self.keeps_master = self.publish_dtype is not None and any(
+            v.is_floating_point() and v.dtype != self.publish_dtype
+            for v in self.model.state_dict().values()
+        )
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights (what is published), detached."""
+        """The model's (master) weights, detached."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """What is published: the weights with floating tensors cast to ``publish_dtype``
+        (the tensors themselves, not copies, where nothing is cast)."""
+        dt = self.publish_dtype
+        return {
+            k: v.to(dt) if dt is not None and v.is_floating_point() else v
+            for k, v in self.state_dict().items()
+        }
+
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
+
+    def master_bytes(self) -> bytes:
+        """The trained weights, serialized bit-exactly (``torch.save``)."""
+        buf = io.BytesIO()
+        torch.save({k: v.cpu() for k, v in self.state_dict().items()}, buf)
+        return buf.getvalue()
+
+    def load_master_bytes(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        mine = self.model.state_dict()
+        bad = [k for k, v in state.items() if k in mine and mine[k].dtype != v.dtype]
+        if bad:
+            raise ValueError(
+                f"master weights are {state[bad[0]].dtype} ({bad[0]}), the model trains in "
+                f"{mine[bad[0]].dtype}: restart with the --dtype the run was started with"
+            )
         self.model.load_state_dict(state, strict=True)
 
     def optimizer_bytes(self) -> bytes:
