@@ -9,7 +9,6 @@ import json
 import pytest
 
 from astraflow.raas.codegen import CodeTests, parse_tests, solver_expression
-from astraflow.raas.engine import Generation
 from astraflow.raas.workflows import WORKFLOWS, TaskError, make_workflow
 from astraflow.records import Task
 from astraflow.sandbox import check_cases
@@ -21,54 +20,24 @@ from astraflow.tasks.code import (
     generator_prompt,
 )
 
+from . import fakes
 
-class ScriptedEngine:
-    """An Engine whose replies are scripted per role (character tokens).
+
+class ScriptedEngine(fakes.ScriptedEngine):
+    """A scripted engine whose replies are scripted per role.
 
     Prompts ending in ``return `` get the solver replies, the others the generator
-    replies; each call takes ``params.n`` replies from the front of its list.
+    replies; each prompt takes ``params.n`` replies from the front of its list.
     """
 
     def __init__(self, policy: str, solver: list[str] = (), generator: list[str] = ()):
-        self.policy = policy
-        self.version = 5
-        self.replies = {"solver": list(solver), "generator": list(generator)}
-        self.prompts: list[str] = []
+        super().__init__(policy, version=5)
+        self.by_role = {"solver": list(solver), "generator": list(generator)}
 
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return None
-
-    def load_state_dict(self, state, version: int) -> None:
-        self.version = version
-
-    def generate(self, prompts, params):
-        out = []
-        for p in prompts:
-            text = self.decode(p)
-            self.prompts.append(text)
-            role = "solver" if text.endswith("return ") else "generator"
-            assert params.stop == ("\n",)
-            replies = [self.replies[role].pop(0) for _ in range(params.n)]
-            out.append(
-                [
-                    Generation(
-                        list(p),
-                        self.encode(r),
-                        [-0.25] * len(r),
-                        "stop" if r.endswith("\n") else "length",
-                        [self.version] * len(r),
-                    )
-                    for r in replies
-                ]
-            )
-        return out
+    def next_reply(self, prompt: str, params) -> str:
+        assert params.stop == ("\n",)
+        role = "solver" if prompt.endswith("return ") else "generator"
+        return self.by_role[role].pop(0)
 
 
 # square x then add 9: f(x) = x*x+9

@@ -17,7 +17,6 @@ import pytest
 
 from astraflow.dataflow import Incoming
 from astraflow.dataflow.router import PolicyRouter, RouterOptions, split_by_policy
-from astraflow.raas.engine import Generation
 from astraflow.raas.verify import SolveSelect, SolveVerify
 from astraflow.raas.workflows import WORKFLOWS, TaskError, make_workflow
 from astraflow.records import Batch, ComponentStatus, Task, TrajectoryGroup
@@ -34,41 +33,7 @@ from astraflow.roles import (
 )
 
 from .conftest import REPO, wait_for
-
-
-class ScriptedEngine:
-    """An Engine that replies with scripted texts (one character per token)."""
-
-    def __init__(self, policy: str, replies: list[str], version: int = 0):
-        self.policy = policy
-        self.replies = list(replies)
-        self.version = version
-        self.prompts: list[str] = []
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    @property
-    def eos_token_id(self):
-        return None
-
-    def load_state_dict(self, state, version):
-        self.version = version
-
-    def generate(self, prompts, params):
-        out = []
-        for p in prompts:
-            self.prompts.append(self.decode(p))
-            samples = []
-            for _ in range(params.n):
-                ids = self.encode(self.replies.pop(0))
-                samples.append(Generation(list(p), ids, [-0.1] * len(ids), "stop",
-                                          [self.version] * len(ids)))
-            out.append(samples)
-        return out
+from .fakes import ScriptedEngine
 
 
 def task(prompt: str = "37+45=", answer: str = "82", workflow: str = "solve_verify") -> Task:

@@ -20,6 +20,7 @@ from astraflow.raas.workflows import Latency, TaskError, make_workflow
 from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
 
 from .conftest import REPO, wait_for
+from .fakes import ScriptedEngine
 
 CHARS = string.digits + "+-*/()=.?<> " + string.ascii_lowercase
 
@@ -165,50 +166,6 @@ def test_calculator_parser():
 
 
 # --- workflows ---------------------------------------------------------------------------
-class ScriptedEngine:
-    """An Engine whose 'model' replies with scripted texts (character tokens)."""
-
-    def __init__(self, replies: list[str], policy: str = "actor", version: int = 3):
-        self.replies = list(replies)
-        self.policy = policy
-        self.version = version
-        self.calls: list[list[list[int]]] = []
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    @property
-    def eos_token_id(self):
-        return None
-
-    def load_state_dict(self, state, version):
-        self.version = version
-
-    def generate(self, prompts, params):
-        self.calls.append([list(p) for p in prompts])
-        out = []
-        for p in prompts:
-            samples = []
-            for _ in range(params.n):
-                text = self.replies.pop(0)
-                ids = self.encode(text)
-                stop = any(s in text for s in params.stop)
-                samples.append(
-                    Generation(
-                        list(p),
-                        ids,
-                        [-0.5] * len(ids),
-                        "stop" if stop else "length",
-                        [self.version] * len(ids),
-                    )
-                )
-            out.append(samples)
-        return out
-
-
 def task_of(payload, workflow="single_turn", tid="t0", policies=("actor",)) -> Task:
     return Task(
         task_id=tid,
@@ -232,7 +189,7 @@ def check_sequence_invariants(s, prompt_len: int) -> None:
 
 
 def test_single_turn_rewards_and_masks():
-    eng = ScriptedEngine(["84", " 84 ", "85"])
+    eng = ScriptedEngine("actor", ["84", " 84 ", "85"], version=3)
     wf = make_workflow("single_turn", checker=lambda c, a: float(c.strip() == a))
     seqs = wf.run(task_of({"prompt": "12*7=", "answer": "84", "level": 1}), {"actor": eng}, 3)
     assert [s.reward for s in seqs] == [1.0, 1.0, 0.0]
@@ -243,7 +200,7 @@ def test_single_turn_rewards_and_masks():
         assert s.min_version == 3
     # the default checker works whether or not astraflow.tasks exists yet
     seqs = make_workflow("single_turn").run(
-        task_of({"prompt": "x", "answer": "84"}), {"actor": ScriptedEngine(["84"])}, 1
+        task_of({"prompt": "x", "answer": "84"}), {"actor": ScriptedEngine("actor", ["84"])}, 1
     )
     assert seqs[0].reward == 1.0
     for bad in [
@@ -262,12 +219,14 @@ def test_single_turn_rewards_and_masks():
 
 def test_tool_calc_masks_tool_tokens_and_continues():
     eng = ScriptedEngine(
+        "actor",
         [
             "let me <calc>12*7</calc>",  # sample 0, turn 1: tool call
             "it is 84",  # sample 1, turn 1: answers directly (wrong format)
             "<calc>2+</calc>",  # sample 0, turn 2: a broken call
             "84",  # sample 0, turn 3: final answer
-        ]
+        ],
+        version=3,
     )
     wf = make_workflow(
         "tool_calc",

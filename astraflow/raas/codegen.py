@@ -69,11 +69,11 @@ from typing import Any
 
 from astraflow.raas.engine import Engine, Generation
 from astraflow.raas.workflows import (
-    SequenceBuilder,
     TaskError,
     _sampling,
     parse_payload,
     register_workflow,
+    role_sequence,
 )
 from astraflow.records import Sequence, Task
 from astraflow.sandbox import CaseResult, normalise, run_function
@@ -374,7 +374,7 @@ class CodeTests:
             frac = passed[i] / len(hidden)
             reward = frac if self.solver_reward == "fraction" else float(passed[i] == len(hidden))
             out.append(
-                _seq(
+                role_sequence(
                     s_policy,
                     ROLE_SOLVER,
                     s_ids,
@@ -403,7 +403,7 @@ class CodeTests:
             else:
                 reward = self.no_failures_reward if not catchable else 0.0
             out.append(
-                _seq(
+                role_sequence(
                     g_policy,
                     ROLE_GENERATOR,
                     g_ids,
@@ -465,23 +465,6 @@ class CodeTests:
                     [float(s.meta.get("caught") == "1") for s in catchable]
                 )
         return out
-
-
-def _seq(
-    policy: str,
-    role: str,
-    prompt_ids: list[int],
-    gen: Generation,
-    index: int,
-    reward: float,
-    **meta: str,
-) -> Sequence:
-    b = SequenceBuilder(policy, prompt_ids, index)
-    b.add_generated(gen)
-    b.meta.update(meta)
-    s = b.build(reward)
-    s.role = role
-    return s
 
 
 __all__ = ["ROLE_GENERATOR", "ROLE_SOLVER", "CodeTests", "parse_tests", "solver_expression"]

@@ -65,12 +65,12 @@ from typing import Any
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows import (
     Checker,
-    SequenceBuilder,
     TaskError,
     _sampling,
     default_checker,
     parse_payload,
     register_workflow,
+    role_sequence,
 )
 from astraflow.records import Sequence, Task
 from astraflow.roles import (
@@ -102,16 +102,6 @@ def _encode(engine: Engine, text: str) -> list[int]:
     if not ids:
         raise TaskError(f"prompt {text!r} encodes to no tokens")
     return ids
-
-
-def _seq(policy: str, role: str, prompt_ids: list[int], gen, index: int, reward: float,
-         **meta: str) -> Sequence:
-    b = SequenceBuilder(policy, prompt_ids, index)
-    b.add_generated(gen)
-    b.meta.update(meta)
-    s = b.build(reward)
-    s.role = role
-    return s
 
 
 def _flag(x: bool) -> str:
@@ -188,20 +178,21 @@ class SolveVerify(_TwoPolicyWorkflow):
 
         out: list[Sequence] = []
         for j, g in enumerate(firsts):
-            out.append(_seq(self.solver_policy, ROLE_SOLVER, p_ids, g, j, float(right[j]),
-                            attempt="1", answer=cands[j], correct=_flag(right[j])))
+            out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j, float(right[j]),
+                                     attempt="1", answer=cands[j], correct=_flag(right[j])))
         for j, (ids, g) in enumerate(zip(v_ids, v_gens)):
             v = verdicts[j]
             word = "?" if v is None else ("y" if v else "n")
             ok = v is not None and v == right[j]
-            out.append(_seq(self.verifier_policy, ROLE_VERIFIER, ids, g[0], j, float(ok),
-                            verdict=word, truth=_flag(right[j]), answer=cands[j]))
+            out.append(role_sequence(self.verifier_policy, ROLE_VERIFIER, ids, g[0], j, float(ok),
+                                     verdict=word, truth=_flag(right[j]), answer=cands[j]))
         for j, ids, g in zip(rejected, r_ids, r_gens):
             text = solver.decode(g[0].token_ids)
             ok = checker(text, answer) > 0.5
-            out.append(_seq(self.solver_policy, ROLE_RETRY, ids, g[0], j, float(ok),
-                            attempt="2", answer=candidate_answer(text, self.max_answer_chars),
-                            rejected=cands[j], correct=_flag(ok)))
+            out.append(role_sequence(self.solver_policy, ROLE_RETRY, ids, g[0], j, float(ok),
+                                     attempt="2",
+                                     answer=candidate_answer(text, self.max_answer_chars),
+                                     rejected=cands[j], correct=_flag(ok)))
         return out
 
     @staticmethod
@@ -262,9 +253,9 @@ class SolveSelect(_TwoPolicyWorkflow):
 
         out: list[Sequence] = []
         for k, g in enumerate(gens):
-            out.append(_seq(self.solver_policy, ROLE_SOLVER, p_ids, g, k, float(right[k]),
-                            answer=cands[k], correct=_flag(right[k]), pair=str(k // 2),
-                            slot=str(k % 2 + 1)))
+            out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, k, float(right[k]),
+                                     answer=cands[k], correct=_flag(right[k]), pair=str(k // 2),
+                                     slot=str(k % 2 + 1)))
         for j, (ids, g) in enumerate(zip(s_ids, s_gens)):
             pick = parse_pick(selector.decode(g[0].token_ids))
             ok1, ok2 = right[2 * j], right[2 * j + 1]
@@ -276,9 +267,9 @@ class SolveSelect(_TwoPolicyWorkflow):
                 reward = float(ok1)
             else:
                 continue  # a tie: the pick changes nothing, nothing to learn
-            out.append(_seq(self.selector_policy, ROLE_SELECTOR, ids, g[0], j, reward,
-                            pick=str(pick or "?"), tie=_flag(ok1 == ok2),
-                            right="".join(_flag(x) for x in (ok1, ok2))))
+            out.append(role_sequence(self.selector_policy, ROLE_SELECTOR, ids, g[0], j, reward,
+                                     pick=str(pick or "?"), tie=_flag(ok1 == ok2),
+                                     right="".join(_flag(x) for x in (ok1, ok2))))
         return out
 
     @staticmethod

@@ -148,6 +148,25 @@ class SequenceBuilder:
         )
 
 
+def role_sequence(
+    policy: str,
+    role: str,
+    prompt_ids: list[int],
+    gen: Generation,
+    index: int,
+    reward: float,
+    **meta: str,
+) -> Sequence:
+    """The trajectory of one generation ``gen`` after ``prompt_ids``, for ``role`` of a
+    multi-policy workflow, with ``meta``."""
+    b = SequenceBuilder(policy, prompt_ids, index)
+    b.add_generated(gen)
+    b.meta.update(meta)
+    s = b.build(reward)
+    s.role = role
+    return s
+
+
 @dataclass
 class Latency:
     """A seeded, possibly long-tailed delay: ``const``, ``lognormal`` or ``pareto``.
@@ -344,6 +363,7 @@ __all__ = [
     "exact_match",
     "make_workflow",
     "register_workflow",
+    "role_sequence",
 ]
 
 # workflows defined in other modules register themselves when imported

@@ -29,7 +29,6 @@ eval prompts never appear in train, whatever the seed, level mix or number of sa
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections.abc import Callable, Iterable
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astraflow.tasks.base import prompt_id
+from astraflow.tasks.split import check_split, draw_split, hash_split, parse_levels
 
 LEVELS = (1, 2, 3, 4)
 _BINARY = re.compile(r"(\d+)([+*-])(\d+)=")
@@ -65,8 +65,7 @@ class ArithProblem:
 
 def split_of(prompt: str, eval_fraction: float = EVAL_FRACTION) -> str:
     """``"eval"`` for about ``eval_fraction`` of all prompts, else ``"train"`` (deterministic)."""
-    h = int.from_bytes(hashlib.sha256(b"split:" + prompt.encode("utf-8")).digest()[:8], "big")
-    return "eval" if h / 2**64 < eval_fraction else "train"
+    return hash_split(prompt, b"split:", eval_fraction)
 
 
 def _binop(a: int, op: str, b: int) -> ArithProblem:
@@ -161,21 +160,6 @@ def with_carry_slips(
     return out
 
 
-def _parse_levels(levels: int | Iterable[int] | str) -> list[int]:
-    if isinstance(levels, int):
-        out = [levels]
-    elif isinstance(levels, str):
-        out = [int(x) for x in levels.replace(" ", "").split(",") if x]
-    else:
-        out = [int(x) for x in levels]
-    for lv in out:
-        if lv not in LEVELS:
-            raise ValueError(f"unknown arithmetic level {lv} (known: {list(LEVELS)})")
-    if not out:
-        raise ValueError("no arithmetic level given")
-    return out
-
-
 def arithmetic_problems(
     levels: int | Iterable[int] | str = (1, 2),
     split: str = "train",
@@ -192,28 +176,21 @@ def arithmetic_problems(
     prompts than asked for contributes what it has, so the result may be shorter than ``n``.
     The level of each problem is drawn with ``weights`` (default: uniform).
     """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
-    lv = _parse_levels(levels)
+    check_split(split)
+    lv = parse_levels(levels, LEVELS, "arithmetic")
     w = list(weights) if weights is not None else [1.0] * len(lv)
     if len(w) != len(lv):
         raise ValueError("weights must have one entry per level")
     rng = random.Random(f"arith:{seed}:{split}:{','.join(map(str, lv))}")
-    seen: set[str] = set()
-    out: list[ArithProblem] = []
-    misses = 0
-    # A split with few distinct prompts left is exhausted after enough consecutive misses.
-    max_misses = 5000
-    while len(out) < n and misses < max_misses:
-        level = rng.choices(lv, weights=w)[0]
-        p = generate_problem(level, rng)
-        if split_of(p.prompt, eval_fraction) != split or (unique and p.prompt in seen):
-            misses += 1
-            continue
-        seen.add(p.prompt)
-        out.append(p)
-        misses = 0
-    return out
+    return draw_split(
+        lambda: generate_problem(rng.choices(lv, weights=w)[0], rng),
+        lambda p: p.prompt,
+        lambda prompt: split_of(prompt, eval_fraction),
+        split,
+        n,
+        unique=unique,
+        max_misses=5000,
+    )
 
 
 def train_problems(levels=(1, 2), n: int = 5000, seed: int = 0, **kw: Any) -> list[ArithProblem]:

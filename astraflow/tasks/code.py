@@ -25,13 +25,13 @@ appear in train. Hidden tests are seeded by the spec, so a spec always has the s
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from astraflow.tasks.base import prompt_id
+from astraflow.tasks.split import check_split, draw_split, hash_split, parse_levels
 
 LEVELS = (1, 2, 3, 4)
 EVAL_FRACTION = 0.1
@@ -103,8 +103,7 @@ def reference_source(params: Iterable[str], expr: str, func: str = FUNC) -> str:
 
 def split_of(spec: str, eval_fraction: float = EVAL_FRACTION) -> str:
     """``"eval"`` for about ``eval_fraction`` of all specs, else ``"train"`` (deterministic)."""
-    h = int.from_bytes(hashlib.sha256(b"code-split:" + spec.encode("utf-8")).digest()[:8], "big")
-    return "eval" if h / 2**64 < eval_fraction else "train"
+    return hash_split(spec, b"code-split:", eval_fraction)
 
 
 def evaluate_reference(params: tuple[str, ...], expr: str, args: tuple[Any, ...]) -> Any:
@@ -213,21 +212,6 @@ def generate_problem(level: int, rng: random.Random, n_tests: int = N_TESTS) -> 
     return CodeProblem(spec, params, expr, level, tests)
 
 
-def _parse_levels(levels: int | Iterable[int] | str) -> list[int]:
-    if isinstance(levels, int):
-        out = [levels]
-    elif isinstance(levels, str):
-        out = [int(x) for x in levels.replace(" ", "").split(",") if x]
-    else:
-        out = [int(x) for x in levels]
-    for lv in out:
-        if lv not in LEVELS:
-            raise ValueError(f"unknown code level {lv} (known: {list(LEVELS)})")
-    if not out:
-        raise ValueError("no code level given")
-    return out
-
-
 def code_problems(
     levels: int | Iterable[int] | str = (1, 2),
     split: str = "train",
@@ -241,22 +225,18 @@ def code_problems(
     """``n`` problems of ``split`` (``train``/``eval``) drawn uniformly from ``levels``,
     seeded. With ``unique`` no spec repeats, so the result is shorter than ``n`` when the
     split has fewer distinct specs."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
-    lv = _parse_levels(levels)
+    check_split(split)
+    lv = parse_levels(levels, LEVELS, "code")
     rng = random.Random(f"code:{seed}:{split}:{','.join(map(str, lv))}")
-    seen: set[str] = set()
-    out: list[CodeProblem] = []
-    misses = 0
-    while len(out) < n and misses < 2000:
-        p = generate_problem(rng.choice(lv), rng, n_tests)
-        if split_of(p.spec, eval_fraction) != split or (unique and p.spec in seen):
-            misses += 1
-            continue
-        seen.add(p.spec)
-        out.append(p)
-        misses = 0
-    return out
+    return draw_split(
+        lambda: generate_problem(rng.choice(lv), rng, n_tests),
+        lambda p: p.spec,
+        lambda spec: split_of(spec, eval_fraction),
+        split,
+        n,
+        unique=unique,
+        max_misses=2000,
+    )
 
 
 def code_payloads(
