@@ -136,7 +136,7 @@ def warm_start_of(base: dict[str, Any]) -> tuple[int, float]:
     return int(spec.get("warm_start_steps", 0)), float(spec.get("warm_start_slip", 0.0))
 
 
-def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *, seed: int,
+def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
                         steps: int | None, slip: float | None) -> Path:
     """The model every variant starts from: the base policy's own model when ``up`` would
     not write one (``init_tiny: false``), else a tiny model written once with the base
@@ -147,22 +147,22 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *, seed: int,
     if spec.get("init_tiny", True) is False:
         path = Path(spec["model"])
         return path if path.is_absolute() else REPO / path
+    from astraflow.launcher import _model_init_command, _tiny_model_outdated
+    from astraflow.topology import PolicySpec
+
     d_steps, d_slip = warm_start_of(base)
     steps = d_steps if steps is None else steps
     slip = d_slip if slip is None else slip
-    path = runs_dir / RUN_PREFIX / f"model-ws{steps}-slip{slip:g}-seed{seed}"
-    recipe = path / "astraflow_init.json"
-    if (path / "config.json").is_file() and recipe.is_file():
-        r = json.loads(recipe.read_text())
-        if (r.get("warm_start_steps"), float(r.get("carry_slip", 0.0)), r.get("seed")) == \
-                (steps, slip, seed):
-            print(f"[bench] shared model: {path} (cached)", flush=True)
-            return path
+    path = runs_dir / RUN_PREFIX / f"model-ws{steps}-slip{slip:g}"
+    # the base policy's recipe (init_args included), only its steps/slip overridable
+    policy = PolicySpec(**{**spec, "model": str(path), "warm_start_steps": steps,
+                           "warm_start_slip": slip})
+    if (path / "config.json").is_file() and (path / "astraflow_init.json").is_file() \
+            and not _tiny_model_outdated(policy):
+        print(f"[bench] shared model: {path} (cached)", flush=True)
+        return path
     shutil.rmtree(path, ignore_errors=True)
-    cmd = [sys.executable, "-m", "astraflow.cli", "model", "init", str(path),
-           "--warm-start-steps", str(steps), "--seed", str(seed)]
-    if slip:
-        cmd += ["--carry-slip", str(slip)]
+    cmd = [sys.executable, "-m", "astraflow.cli", *_model_init_command(policy)]
     print(f"[bench] writing the shared model: {' '.join(cmd[2:])}", flush=True)
     t0 = time.time()
     subprocess.run(cmd, check=True, env={"OMP_NUM_THREADS": "1", **os.environ})
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = yaml.safe_load(Path(args.topology).read_text())
     load_topology(args.topology)  # the base must be valid as it is
-    shared = ensure_shared_model(base, args.runs_dir, seed=args.seed,
+    shared = ensure_shared_model(base, args.runs_dir,
                                  steps=args.warm_start_steps, slip=args.carry_slip)
     topo_dir = args.runs_dir / RUN_PREFIX / "topologies"
     topo_dir.mkdir(parents=True, exist_ok=True)
