@@ -180,21 +180,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(EmbeddedBroker().start().describe())
     config = topo.kafka.effective()
     admin = make_admin(config)
-    # verifier/selector models first (astraflow.roles); a rewritten one starts a fresh run
-    args.fresh = _init_role_models(topo) or args.fresh
-    fresh = args.fresh
-    for policy, spec in topo.policies.items():
-        stale = _tiny_model_outdated(spec)
-        if stale or not Path(spec.model, "config.json").exists():
-            if not spec.init_tiny:
-                print(f"astraflow up: policy {policy}: no model at {spec.model}", file=sys.stderr)
-                return 2
-            print(f"writing the tiny default model for {policy} to {spec.model} "
-                  f"(warm start {spec.warm_start_steps} steps, carry slip "
-                  f"{spec.warm_start_slip}){': ' + stale if stale else ''}")
-            subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
-            # the run's weight stream belongs to the old model: a trainer would resume it
-            fresh = True
+    try:
+        # a rewritten model starts a fresh run: the run's weight stream belongs to the old
+        # model, and a trainer would resume it
+        fresh = _write_tiny_models(topo) or args.fresh
+    except MissingModel as e:
+        print(f"astraflow up: {e}", file=sys.stderr)
+        return 2
     if fresh:
         _delete_run_topics(admin, topo)
     for c in apply_topics(admin, topo.resolved_topics()):
@@ -249,45 +241,63 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _init_role_models(topo: Topology) -> bool:
-    """Write the tiny model of every verifier/selector policy that lacks one or whose
-    warm start the topology changed (``astraflow model init-role``); True if any was."""
-    from astraflow.roles import role_model_outdated
+class MissingModel(Exception):
+    """A policy's model is missing and ``astraflow up`` may not write it."""
 
+
+def _write_tiny_models(topo: Topology) -> bool:
+    """Write the tiny model of every policy that lacks one or whose recipe the topology
+    changed (``_model_init_command``: ``model init`` or ``model init-role``, one at a
+    time); True if any was written. MissingModel for a missing model that ``up`` may not
+    write (``init_tiny: false``)."""
     wrote = False
     for policy, spec in topo.policies.items():
-        if spec.role == "solver" or not spec.init_tiny:
+        stale = _tiny_model_outdated(spec)
+        if not stale and Path(spec.model, "config.json").exists():
             continue
-        slip = float(getattr(spec, "warm_start_slip", 0.0))
-        why = role_model_outdated(spec.model, spec.role, spec.warm_start_steps, slip)
-        if why:
-            print(f"writing the tiny {spec.role} model for {policy} to {spec.model} (warm start "
-                  f"{spec.warm_start_steps} steps, carry slip {slip}): {why}")
-            subprocess.run(_astraflow("model", "init-role", spec.model, "--role", spec.role,
-                                      "--warm-start-steps", str(spec.warm_start_steps),
-                                      "--carry-slip", str(slip)), check=True)
-            wrote = True
+        if not spec.init_tiny:
+            raise MissingModel(f"policy {policy}: no model at {spec.model}")
+        what = "default" if spec.role == "solver" else spec.role
+        print(f"writing the tiny {what} model for {policy} to {spec.model} (warm start "
+              f"{spec.warm_start_steps} steps, carry slip {spec.warm_start_slip})"
+              f"{': ' + stale if stale else ''}", flush=True)
+        subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
+        wrote = True
     return wrote
 
 
 def _model_init_command(spec) -> list[str]:
-    """The ``astraflow`` arguments that write the tiny model of ``spec``."""
-    return ["model", "init", spec.model, "--warm-start-steps", str(spec.warm_start_steps),
-            "--carry-slip", str(spec.warm_start_slip), *spec.init_args]
+    """The ``astraflow`` arguments that write the tiny model of ``spec``: ``model init``
+    (the solver's answer format) or, for a verifier/selector, ``model init-role``.
+
+    ``--carry-slip`` is always passed: the topology's ``warm_start_slip`` (default 0)
+    decides, not the command's own default (``init-role``'s is 0.5).
+    """
+    common = ["--warm-start-steps", str(spec.warm_start_steps),
+              "--carry-slip", str(spec.warm_start_slip), *spec.init_args]
+    if spec.role != "solver":
+        return ["model", "init-role", spec.model, "--role", spec.role, *common]
+    return ["model", "init", spec.model, *common]
 
 
 def _tiny_model_outdated(spec) -> str:
     """Why the tiny model at ``spec.model`` must be rewritten ("" when it need not be).
 
-    Only a model that ``astraflow model init`` wrote (it leaves its recipe file) and whose
-    recipe differs from what the topology asks for is rewritten; any other model is left
-    alone.
+    Only a model that ``astraflow model init`` or ``model init-role`` wrote (both leave
+    their recipe file) and whose recipe differs from what the topology asks for -- the
+    command included, so a solver model becomes a verifier's and back -- is rewritten;
+    any other model is left alone.
     """
     from astraflow.cli import build_parser
     from astraflow.model import INIT_RECIPE, init_recipe
+    from astraflow.roles import OLD_ROLE_RECIPE
 
+    if not spec.init_tiny:
+        return ""
     recipe_file = Path(spec.model, INIT_RECIPE)
-    if not spec.init_tiny or not recipe_file.is_file():
+    if not recipe_file.is_file():
+        if Path(spec.model, OLD_ROLE_RECIPE).is_file():
+            return f"written by an older `model init-role` ({OLD_ROLE_RECIPE}, no {INIT_RECIPE})"
         return ""
     try:
         recipe = json.loads(recipe_file.read_text())

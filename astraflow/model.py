@@ -480,9 +480,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def init_recipe(args: argparse.Namespace) -> dict[str, Any]:
-    """What made a model: the parsed ``model init`` options that shape it (not its path).
+    """What made a model: the parsed ``model init`` (or ``model init-role``) options that
+    shape it, the command included (not its path).
 
-    ``model init`` writes it to ``INIT_RECIPE`` in the model directory; ``astraflow up``
+    Both commands write it to ``INIT_RECIPE`` in the model directory; ``astraflow up``
     parses the command it would run the same way and rewrites the model when they differ.
     """
     skip = {"dir", "func", "json", "verbose", "loaded_topology", "eval_size"}

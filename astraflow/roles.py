@@ -299,17 +299,9 @@ def role_scorer(role: str, levels: Iterable[int] = (1, 2), n: int = 200,
 
 
 # --- warm start ----------------------------------------------------------------------------
-# written by `model init-role` next to the weights: how the role model was made. A file
-# of its own: `astraflow up` rewrites a model whose `model init` recipe (INIT_RECIPE) differs
-# from the topology's, and leaves alone a model without one -- such as a role model.
-ROLE_RECIPE = "astraflow_role.json"
-
-
-def _init_recipe_name() -> str:
-    """The file ``astraflow model init`` leaves next to a model it wrote."""
-    from astraflow import model
-
-    return getattr(model, "INIT_RECIPE", "astraflow_init.json")
+# Before `model init-role` wrote its recipe to `model init`'s file (INIT_RECIPE), it wrote
+# it here; `astraflow up` rewrites a role model that has only this one.
+OLD_ROLE_RECIPE = "astraflow_role.json"
 
 
 def init_role_model(
@@ -331,12 +323,18 @@ def init_role_model(
     """Write a tiny model to ``dir`` warm-started for ``steps`` supervised steps on the
     role's format (see the module doc); returns metrics and the held-out role accuracy.
 
-    Also writes ``ROLE_RECIPE`` (``role``, ``warm_start_steps`` = ``steps``,
-    ``carry_slip`` = ``slip``, ...), which ``astraflow up`` compares with the topology to
-    decide whether the model must be rewritten, and removes a ``model init`` recipe left
-    in ``dir`` by an earlier model (it no longer describes what is there).
+    Removes the recipe an earlier model left in ``dir`` (it no longer describes what is
+    there); ``astraflow model init-role`` then writes its own, ``init_recipe(args)`` in
+    ``INIT_RECIPE`` as ``model init`` does, which ``astraflow up`` compares with the
+    topology to decide whether the model must be rewritten.
     """
-    from astraflow.model import init_model, load_policy, save_tokenizer, warm_start
+    from astraflow.model import (
+        INIT_RECIPE,
+        init_model,
+        load_policy,
+        save_tokenizer,
+        warm_start,
+    )
     from astraflow.tasks.arithmetic import train_problems
 
     if role not in ROLES:
@@ -360,35 +358,10 @@ def init_role_model(
     if eval_size > 0:
         result["eval_accuracy"] = role_scorer(role, levels, eval_size)(model, tok)
         result["eval_prompts"] = eval_size
-    recipe = {"size": size, "seed": seed, "role": role, "warm_start_steps": steps,
-              "carry_slip": slip, "label_noise": noise, "levels": ",".join(map(str, levels)),
-              "lr": lr, "batch_size": batch_size}
-    (path / _init_recipe_name()).unlink(missing_ok=True)
-    (path / ROLE_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+    for old in (INIT_RECIPE, OLD_ROLE_RECIPE):
+        (path / old).unlink(missing_ok=True)
     result["seconds"] = time.time() - t0
     return result
-
-
-def role_model_outdated(model_dir: str | Path, role: str, steps: int, slip: float) -> str:
-    """Why the role model at ``model_dir`` must be (re)written; "" when it need not be.
-
-    A directory without a model, a model ``astraflow model init`` wrote (the solver's
-    format), or a role model whose recipe names another role or warm start must be
-    written; a model without either recipe (not written by astraflow) is left alone.
-    """
-    d = Path(model_dir)
-    if not (d / "config.json").is_file():
-        return "no model yet"
-    recipe_file = d / ROLE_RECIPE
-    if not recipe_file.is_file():
-        return "written by `model init`" if (d / _init_recipe_name()).is_file() else ""
-    try:
-        recipe = json.loads(recipe_file.read_text())
-    except (OSError, ValueError):
-        return ""
-    want = {"role": role, "warm_start_steps": steps, "carry_slip": slip}
-    diff = [f"{k} {recipe.get(k)} -> {v}" for k, v in want.items() if recipe.get(k) != v]
-    return "the topology changed it (" + ", ".join(diff) + ")" if diff else ""
 
 
 # --- CLI ----------------------------------------------------------------------------------
@@ -432,7 +405,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_model_init_role(args: argparse.Namespace) -> int:
-    from astraflow.model import ModelError
+    from astraflow.model import INIT_RECIPE, ModelError, init_recipe
 
     for name in ("carry_slip", "label_noise"):
         if not 0.0 <= getattr(args, name) <= 1.0:
@@ -456,6 +429,10 @@ def cmd_model_init_role(args: argparse.Namespace) -> int:
         text += (f"; held-out {args.role} accuracy {result['eval_accuracy']:.1%} on "
                  f"{result['eval_prompts']} prompts")
     print(text, flush=True)
+    # what made the model, as `model init` records it: `astraflow up` compares the recipe of
+    # the command it would run with this one
+    recipe = init_recipe(args)
+    (Path(args.dir) / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     if args.json:
         print(json.dumps(result, sort_keys=True, default=str))
     return 0
@@ -463,9 +440,9 @@ def cmd_model_init_role(args: argparse.Namespace) -> int:
 
 __all__ = [
     "APPROVE",
+    "OLD_ROLE_RECIPE",
     "REJECT",
     "ROLES",
-    "ROLE_RECIPE",
     "candidate_answer",
     "evaluate_role",
     "init_role_model",
@@ -475,7 +452,6 @@ __all__ = [
     "retry_prompt",
     "role_eval_examples",
     "role_examples",
-    "role_model_outdated",
     "role_scorer",
     "score_role",
     "select_prompt",

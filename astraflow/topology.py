@@ -135,7 +135,7 @@ class PolicySpec(_Strict):
     # the warm-start teacher forgets carries/borrows with this probability (model init
     # --carry-slip); the tiny default model is rewritten when steps or slip change
     warm_start_slip: float = Field(default=0.0, ge=0.0, le=1.0)
-    init_args: list[str] = Field(default_factory=list)  # extra `model init` flags
+    init_args: list[str] = Field(default_factory=list)  # extra `model init(-role)` flags
     lr: float = Field(default=1e-5, gt=0)
     anchor_interval: int = Field(default=10, ge=1)
     trainer_args: list[str] = Field(default_factory=list)  # extra `trainer run` flags

@@ -150,3 +150,46 @@ def test_components_wait_for_their_topics_and_model(name):
                    and a.dir == model]
         for w in writers:  # the writer starts whenever the component does
             assert set(SERVICES[w].get("profiles") or []) <= profiles, (name, w)
+
+
+MODEL_SERVICES = [n for n, s in SERVICES.items()
+                  if getattr(_parsed(s), "command", None) == "model"]
+
+
+def _recipe_mismatches(service: dict) -> list[str]:
+    """How a model service writes its model differently from `astraflow up` (the recipe
+    of `_model_init_command` for every topology policy with that model directory)."""
+    from astraflow.launcher import _model_init_command
+    from astraflow.model import init_recipe
+
+    args = _parsed(service)
+    have = init_recipe(args)
+    out = []
+    for path in TOPOLOGY_FILES:
+        for policy, spec in load_topology(REPO / path).policies.items():
+            if spec.model != args.dir:
+                continue
+            want = init_recipe(build_parser().parse_args(_model_init_command(spec)))
+            out += [f"{path} {policy}: {k} {have.get(k)} != {v}"
+                    for k, v in want.items() if have.get(k) != v]
+            out += [f"{path} {policy}: {k} {have[k]} (the topology leaves it out)"
+                    for k in have.keys() - want.keys()]
+    return out
+
+
+@pytest.mark.parametrize("name", MODEL_SERVICES)
+def test_model_services_write_the_model_the_topology_asks_for(name):
+    """A model written by compose is the one `astraflow up` would write: same command
+    (`model init` / `model init-role`) and recipe, so `up` on the same directory keeps it."""
+    assert not _recipe_mismatches(SERVICES[name])
+
+
+def test_the_model_service_check_fails_when_they_disagree():
+    assert {"sv-model-init-solver", "sv-model-init-verifier"} <= set(MODEL_SERVICES)
+    verifier = SERVICES["sv-model-init-verifier"]
+    for old, new in (("1600", "1500"), ("init-role", "init")):
+        changed = {**verifier, "command": [new if c == old else c for c in verifier["command"]]}
+        if new == "init":  # `model init` has no --role
+            i = changed["command"].index("--role")
+            del changed["command"][i:i + 2]
+        assert _recipe_mismatches(changed), (old, new)

@@ -25,7 +25,6 @@ from astraflow.roles import (
     parse_verdict,
     retry_prompt,
     role_eval_examples,
-    role_model_outdated,
     select_prompt,
     selector_examples,
     verifier_examples,
@@ -250,27 +249,35 @@ def test_role_eval_examples_are_held_out_and_balanced():
 
 
 def test_init_role_cli_writes_a_role_model(tmp_path):
-    from astraflow.cli import main
-    from astraflow.model import load_policy
-    from astraflow.roles import evaluate_role
+    from astraflow.cli import build_parser, main
+    from astraflow.launcher import _model_init_command, _tiny_model_outdated
+    from astraflow.model import INIT_RECIPE, init_recipe, load_policy
+    from astraflow.roles import OLD_ROLE_RECIPE, evaluate_role
+    from astraflow.topology import PolicySpec
 
     d = tmp_path / "verifier"
-    assert role_model_outdated(d, "verifier", 3, 0.5) == "no model yet"
-    assert main(["model", "init-role", str(d), "--role", "verifier", "--warm-start-steps", "3",
-                 "--train-size", "200", "--eval-size", "10", "--batch-size", "8"]) == 0
-    assert role_model_outdated(d, "verifier", 3, 0.5) == ""
-    assert "role" in role_model_outdated(d, "selector", 3, 0.5)
-    assert "warm_start_steps" in role_model_outdated(d, "verifier", 4, 0.5)
-    # its recipe is its own: `astraflow up`'s `model init` check leaves the model alone
-    from astraflow.roles import ROLE_RECIPE, _init_recipe_name
-
-    INIT_RECIPE = _init_recipe_name()  # noqa: N806
-
-    assert (d / ROLE_RECIPE).is_file() and not (d / INIT_RECIPE).is_file()
-    (d / ROLE_RECIPE).rename(d / INIT_RECIPE)  # as if `model init` had written it
-    assert "model init" in role_model_outdated(d, "verifier", 3, 0.5)
-    (d / INIT_RECIPE).unlink()
-    assert role_model_outdated(d, "verifier", 3, 0.5) == ""  # not ours: left alone
+    spec = PolicySpec(model=str(d), role="verifier", warm_start_steps=3, warm_start_slip=0.5,
+                      init_args=["--train-size", "200", "--eval-size", "10", "--batch-size",
+                                 "8", "--levels", "1"])
+    # recipes an earlier model left: neither describes the new one
+    d.mkdir()
+    (d / INIT_RECIPE).write_text(json.dumps({"model_command": "init"}))
+    (d / OLD_ROLE_RECIPE).write_text("{}")
+    assert _tiny_model_outdated(spec).startswith("the topology changed")
+    # the very command `astraflow up` runs
+    cmd = _model_init_command(spec)
+    assert main(cmd) == 0
+    assert not (d / OLD_ROLE_RECIPE).exists()
+    recipe = json.loads((d / INIT_RECIPE).read_text())
+    assert recipe == init_recipe(build_parser().parse_args(cmd))
+    assert recipe["role"] == "verifier" and recipe["model_command"] == "init-role"
+    assert recipe["label_noise"] == 0.02 and recipe["levels"] == "1" and recipe["seed"] == 0
+    assert recipe["warm_start_steps"] == 3 and recipe["carry_slip"] == 0.5
+    assert _tiny_model_outdated(spec) == ""
+    assert "role verifier -> selector" in _tiny_model_outdated(
+        spec.model_copy(update={"role": "selector"}))
+    assert "warm_start_steps 3 -> 4" in _tiny_model_outdated(
+        spec.model_copy(update={"warm_start_steps": 4}))
     model, tok = load_policy(d)
     acc = evaluate_role(model, tok, "verifier", role_eval_examples("verifier", (1,), 6))
     assert 0.0 <= acc <= 1.0
