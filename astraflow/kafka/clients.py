@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.config import KafkaConfig
-from astraflow.records import Record
+from astraflow.records import DeadLetter, Record
 
 R = TypeVar("R", bound=Record)
 log = logging.getLogger("astraflow.kafka")
@@ -176,6 +176,19 @@ class RecordConsumer:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def dead_letter(msg: Message, component_id: str, reason: str) -> DeadLetter:
+    """The ``DeadLetter`` for a consumed message that cannot be processed, raw bytes kept."""
+    return DeadLetter(
+        source_topic=msg.topic(),
+        partition=msg.partition(),
+        offset=msg.offset(),
+        component_id=component_id,
+        error=reason,
+        raw=msg.value() or b"",
+        raw_key=msg.key(),
+    )
 
 
 def read_all(

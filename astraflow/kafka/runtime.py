@@ -23,7 +23,13 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from astraflow.codec import RecordDecodeError
 from astraflow.dataflow import PROCESSOR_KINDS, Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.base import ProcessorContext
-from astraflow.kafka.clients import RecordProducer, commit_consumed, make_admin, make_codec_for
+from astraflow.kafka.clients import (
+    RecordProducer,
+    commit_consumed,
+    dead_letter,
+    make_admin,
+    make_codec_for,
+)
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import missing_topics
 from astraflow.records import ComponentStatus, DeadLetter, now_ms
@@ -196,17 +202,7 @@ class ProcessorRuntime:
                 log.warning(
                     "%s: dead-lettering %s[%d]@%d: %s", self.component_id, topic, part, off, reason
                 )
-                dead.append(
-                    DeadLetter(
-                        source_topic=topic,
-                        partition=part,
-                        offset=off,
-                        component_id=self.component_id,
-                        error=reason,
-                        raw=m.value() or b"",
-                        raw_key=m.key(),
-                    )
-                )
+                dead.append(dead_letter(m, self.component_id, reason))
                 continue
             outputs += produced
             self._raw[id(record)] = (record, m.value())

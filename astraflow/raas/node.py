@@ -28,7 +28,13 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import RecordDecodeError
-from astraflow.kafka.clients import RecordProducer, commit_consumed, make_admin, make_codec_for
+from astraflow.kafka.clients import (
+    RecordProducer,
+    commit_consumed,
+    dead_letter,
+    make_admin,
+    make_codec_for,
+)
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.runtime import RuntimeCounters
 from astraflow.kafka.topics import missing_topics
@@ -241,17 +247,7 @@ class RaaSNode:
                     reason,
                     exc_info=level == logging.ERROR,
                 )
-                dead.append(
-                    DeadLetter(
-                        source_topic=topic,
-                        partition=part,
-                        offset=off,
-                        component_id=self.component_id,
-                        error=reason,
-                        raw=m.value() or b"",
-                        raw_key=m.key(),
-                    )
-                )
+                dead.append(dead_letter(m, self.component_id, reason))
             finally:
                 self.current_task = None
         return groups, dead

@@ -50,7 +50,12 @@ from pathlib import Path
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import RecordDecodeError
-from astraflow.kafka.clients import RecordProducer, make_admin, make_codec_for
+from astraflow.kafka.clients import (
+    RecordProducer,
+    dead_letter,
+    make_admin,
+    make_codec_for,
+)
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.runtime import RuntimeCounters
 from astraflow.kafka.topics import missing_topics
@@ -516,17 +521,7 @@ class TrainerService:
                 "%s: dead-lettering %s[%d]@%d: %s", self.component_id, topic, part, off, reason
             )
             # goes out with the next version's transaction, together with this offset
-            self._dead.append(
-                DeadLetter(
-                    source_topic=topic,
-                    partition=part,
-                    offset=off,
-                    component_id=self.component_id,
-                    error=reason,
-                    raw=m.value() or b"",
-                    raw_key=m.key(),
-                )
-            )
+            self._dead.append(dead_letter(m, self.component_id, reason))
             self.positions[(topic, part)] = off + 1
             return None
         return rec, topic, part, off
