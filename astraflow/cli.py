@@ -17,12 +17,25 @@ from astraflow.topology import Topology, TopologyError, load_topology
 Handler = Callable[[argparse.Namespace], int]
 
 
-def _config(args: argparse.Namespace) -> KafkaConfig:
+def kafka_config(args: argparse.Namespace) -> KafkaConfig:
+    """The topology's Kafka config, ``--bootstrap`` applied, then made effective
+    (``ASTRAFLOW_BOOTSTRAP`` wins, else the embedded broker)."""
     topology: Topology | None = getattr(args, "loaded_topology", None)
     base = topology.kafka if topology else KafkaConfig()
     if getattr(args, "bootstrap", None):
         base = base.model_copy(update={"bootstrap_servers": args.bootstrap})
     return base.effective()
+
+
+def stop_on_signals(stop: Callable[[], None], log: logging.Logger, doing: str) -> None:
+    """On SIGTERM or SIGINT, log what the component still does (``doing``) and ``stop()``."""
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: %s", signum, doing)
+        stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 # --- broker ------------------------------------------------------------------------------
@@ -87,7 +100,7 @@ def cmd_topics_apply(args: argparse.Namespace) -> int:
     from astraflow.kafka.topics import apply_topics
 
     topo: Topology = args.loaded_topology
-    config = _config(args)
+    config = kafka_config(args)
     changes = apply_topics(make_admin(config), topo.resolved_topics())
     for c in changes:
         print(f"{c.action:9}  {c.topic}" + (f"  ({c.detail})" if c.detail else ""))
@@ -98,7 +111,7 @@ def cmd_topics_apply(args: argparse.Namespace) -> int:
 def cmd_topics_list(args: argparse.Namespace) -> int:
     from astraflow.kafka.clients import make_admin
 
-    config = _config(args)
+    config = kafka_config(args)
     topics = make_admin(config).list_topics(timeout=10).topics
     prefix = f"{args.loaded_topology.run}." if args.loaded_topology else ""
     for name in sorted(topics):
@@ -112,7 +125,7 @@ def cmd_topics_describe(args: argparse.Namespace) -> int:
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import describe_topic
 
-    config = _config(args)
+    config = kafka_config(args)
     name = args.topic
     if args.loaded_topology and not name.startswith(f"{args.loaded_topology.run}."):
         name = args.loaded_topology.full_name(name)
@@ -123,7 +136,7 @@ def cmd_topics_describe(args: argparse.Namespace) -> int:
 def cmd_lag(args: argparse.Namespace) -> int:
     from astraflow.kafka.lag import LagReader, format_lag_table
 
-    config = _config(args)
+    config = kafka_config(args)
     pairs: list[tuple[str, list[str]]] = []
     topo: Topology | None = args.loaded_topology
     if args.group:
@@ -160,14 +173,9 @@ def cmd_processor_run(args: argparse.Namespace) -> int:
     from astraflow.kafka.runtime import ProcessorRuntime
 
     topo: Topology = args.loaded_topology
-    runtime = ProcessorRuntime(topo, args.name, instance=args.instance, config=_config(args))
+    runtime = ProcessorRuntime(topo, args.name, instance=args.instance, config=kafka_config(args))
 
-    def on_signal(signum, _frame):
-        logging.getLogger("astraflow").info("signal %d: finishing the open transaction", signum)
-        runtime.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(runtime.stop, logging.getLogger("astraflow"), "finishing the open transaction")
     counters = runtime.run()
     print(
         f"{runtime.component_id}: consumed {counters.consumed}, produced {counters.produced}, "

@@ -41,6 +41,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_eval_run(args: argparse.Namespace) -> int:
     import torch
 
+    from astraflow.cli import kafka_config
     from astraflow.dataflow.versions import LatestVersions
     from astraflow.kafka.clients import RecordProducer
     from astraflow.model import evaluate, load_policy
@@ -49,9 +50,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     from astraflow.weights import WeightFollower
 
     topo = args.loaded_topology
-    config = topo.kafka.effective()
-    if args.bootstrap:
-        config = config.model_copy(update={"bootstrap_servers": args.bootstrap})
+    config = kafka_config(args)
     torch.set_num_threads(1)
     model, tokenizer = load_policy(args.model)
     tasks = eval_problems(levels=[int(x) for x in args.levels.split(",")], n=args.size)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -32,15 +31,16 @@ def _workflow_option(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def cmd_raas_run(args: argparse.Namespace) -> int:
+    from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.raas.engine import load_torch_engine
     from astraflow.raas.node import NodeOptions, RaaSNode
     from astraflow.topology import load_topology
 
     log = logging.getLogger("astraflow.raas")
-    topo = getattr(args, "loaded_topology", None) or load_topology(args.topology)
-    config = topo.kafka
-    if getattr(args, "bootstrap", None):
-        config = config.model_copy(update={"bootstrap_servers": args.bootstrap})
+    topo = args.loaded_topology = (
+        getattr(args, "loaded_topology", None) or load_topology(args.topology)
+    )
+    config = kafka_config(args)
     engines = {}
     for policy, path in args.policy_model:
         if policy in engines:
@@ -59,12 +59,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     )
     node = RaaSNode(topo, engines, options, config=config)
 
-    def on_signal(signum, _frame):
-        log.info("signal %d: finishing the current task, then leaving the group", signum)
-        node.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(node.stop, log, "finishing the current task, then leaving the group")
     c = node.run()
     print(
         f"{node.component_id}: consumed {c.consumed}, produced {c.produced}, "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -122,6 +121,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def handler(args: argparse.Namespace) -> int:
     import torch
 
+    from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.topology import TopologyError, load_topology
     from astraflow.trainer.service import ServiceOptions, TrainerService
     from astraflow.trainer.trainer import TrainerConfig
@@ -131,19 +131,20 @@ def handler(args: argparse.Namespace) -> int:
             level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-    try:
-        topo = load_topology(args.topology)
-    except TopologyError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
+    if topo is None:
+        try:
+            topo = load_topology(args.topology)
+        except TopologyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
-    config = topo.kafka
-    if args.bootstrap:
-        config = config.model_copy(update={"bootstrap_servers": args.bootstrap})
+    args.loaded_topology = topo
+    config = kafka_config(args)
     opts = ServiceOptions(
         policy=args.policy,
         model_path=args.model,
@@ -172,14 +173,8 @@ def handler(args: argparse.Namespace) -> int:
     )
     service = TrainerService(topo, opts, config=config)
 
-    def on_signal(signum, _frame):
-        logging.getLogger("astraflow.trainer").info(
-            "signal %d: finishing the current step and its transaction", signum
-        )
-        service.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),
+                    "finishing the current step and its transaction")
     c = service.run()
     print(
         f"{service.component_id}: {c.steps} steps, version {service.version}, "
