@@ -224,6 +224,16 @@ def _sampling(options: Mapping[str, Any], engine: Engine, n: int, **extra: Any) 
 
 
 # --- single turn -------------------------------------------------------------------------
+def _prompt_task(task: Task, engines: Mapping[str, Engine]) -> tuple[str, Engine, list[int]]:
+    """``(answer, engine, prompt token ids)`` of a prompt/answer task; ``TaskError`` if unusable."""
+    payload = parse_payload(task, ("prompt", "answer"))
+    engine = pick_engine(task, engines)
+    prompt_ids = engine.encode(str(payload["prompt"]))
+    if not prompt_ids:
+        raise TaskError("prompt encodes to no tokens")
+    return str(payload["answer"]), engine, prompt_ids
+
+
 @register_workflow("single_turn")
 class SingleTurn:
     """One prompt (``payload["prompt"]``), ``n`` samples, reward = checker(completion,
@@ -243,11 +253,7 @@ class SingleTurn:
         self.sampling = sampling
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
-        payload = parse_payload(task, ("prompt", "answer"))
-        engine = pick_engine(task, engines)
-        prompt_ids = engine.encode(str(payload["prompt"]))
-        if not prompt_ids:
-            raise TaskError("prompt encodes to no tokens")
+        answer, engine, prompt_ids = _prompt_task(task, engines)
         checker = self.checker or default_checker()
         gens = engine.generate([prompt_ids], _sampling(self.sampling, engine, n))[0]
         if self.env_latency is not None:
@@ -256,7 +262,7 @@ class SingleTurn:
         for j, g in enumerate(gens):
             b = SequenceBuilder(engine.policy, prompt_ids, j)
             b.add_generated(g)
-            out.append(b.build(checker(engine.decode(g.token_ids), str(payload["answer"]))))
+            out.append(b.build(checker(engine.decode(g.token_ids), answer)))
         return out
 
 
@@ -301,11 +307,7 @@ class ToolCalc:
         self.sampling = sampling
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
-        payload = parse_payload(task, ("prompt", "answer"))
-        engine = pick_engine(task, engines)
-        prompt_ids = engine.encode(str(payload["prompt"]))
-        if not prompt_ids:
-            raise TaskError("prompt encodes to no tokens")
+        answer, engine, prompt_ids = _prompt_task(task, engines)
         checker = self.checker or default_checker()
         params = _sampling(self.sampling, engine, 1, stop=(self.close_tag,))
         seqs = [SequenceBuilder(engine.policy, prompt_ids, j) for j in range(n)]
@@ -342,7 +344,7 @@ class ToolCalc:
         out = []
         for j, b in enumerate(seqs):
             b.meta["tool_calls"] = str(calls[j])
-            out.append(b.build(checker(last_text[j], str(payload["answer"]))))
+            out.append(b.build(checker(last_text[j], answer)))
         return out
 
 
