@@ -165,6 +165,53 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
         assert torch.allclose(a, b, atol=1e-6), k
 
 
+def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_model):
+    import dataclasses
+
+    from astraflow.trainer.loss import policy_loss
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(5, groups=3)
+    # group 0 all right: no signal, so the trainer must not run it
+    flat = dataclasses.replace(batch.groups[0], sequences=[
+        dataclasses.replace(s, reward=1.0) for s in batch.groups[0].sequences])
+    batch = dataclasses.replace(batch, groups=[flat, *batch.groups[1:]])
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4)
+    tr = Trainer(tiny_model, cfg, policy="actor")
+    calls: list[int] = []
+    real = tr.token_logprobs
+    tr.token_logprobs = lambda ids, attn: calls.append(len(ids)) or real(ids, attn)
+    m = tr.train_step(batch)
+    assert sum(calls) == 8  # the 8 sequences of the two groups with signal, not 12
+    assert m["trainer/zero_advantage_frac"] == pytest.approx(4 / 12)
+    assert m["trainer/sequences"] == 12.0
+
+    # the reference: one pass over every sequence, the loss divided by all their tokens
+    ref = Trainer(tiny_model, cfg, policy="actor")
+    rows = ref._rows(batch)
+    ids, attn, behaviour, mask, adv = ref._tensors(rows)
+    out = policy_loss(ref.token_logprobs(ids, attn), behaviour, adv, mask,
+                      clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap)
+    ref.optimizer.zero_grad()
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.model.parameters(), cfg.max_grad_norm)
+    ref.optimizer.step()
+    assert m["trainer/loss"] == pytest.approx(out.loss.item(), rel=1e-4, abs=1e-7)
+    for (k, a), b in zip(tr.state_dict().items(), ref.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+
+    # a batch without any signal still takes the optimizer step (Adam's momentum moves on)
+    still = Trainer(tiny_model, cfg, policy="actor")
+    still.train_step(batch)
+    before = {k: v.clone() for k, v in still.state_dict().items()}
+    calls.clear()
+    still.token_logprobs = lambda ids, attn: calls.append(len(ids)) or real(ids, attn)
+    m = still.train_step(dataclasses.replace(batch, groups=[flat]))
+    assert calls == [] and m["trainer/zero_advantage_frac"] == 1.0
+    assert any(not torch.equal(before[k], v) for k, v in still.state_dict().items())
+
+
 def test_published_state_rounds_fp32_master_weights(tiny_model):
     from astraflow.trainer.trainer import Trainer, TrainerConfig
     from astraflow.weights.delta import state_bytes_equal

@@ -243,13 +243,19 @@ class Trainer:
         rows = self._rows(batch)
         rewards = [r.seq.reward for r in rows]
         total_tokens = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows)
+        # A sequence with advantage 0 (every one of a group whose rewards are all equal)
+        # adds exactly 0 to the loss and its gradient: it is left out of the forward and
+        # backward passes. The loss is still divided by the tokens of all sequences, so
+        # the update is the one the whole batch gives.
+        live = [r for r in rows if r.advantage != 0.0]
+        live_tokens = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in live)
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(SUM_KEYS, 0.0)
         ratio_max = 0.0
         loss_total = 0.0
         metrics_extra: dict[str, float] = {}
-        for start in range(0, len(rows), max(1, c.micro_batch_size)):
-            part = rows[start : start + max(1, c.micro_batch_size)]
+        for start in range(0, len(live), max(1, c.micro_batch_size)):
+            part = live[start : start + max(1, c.micro_batch_size)]
             ids, attn, behaviour, mask, adv = self._tensors(part)
             if mask.sum() == 0:
                 continue
@@ -271,6 +277,9 @@ class Trainer:
             ratio_max = max(ratio_max, out.sums["ratio_max"])
         params = [p for p in self.model.parameters() if p.requires_grad]
         if total_tokens > 0:
+            for p in params:  # a step on zero gradients still moves Adam's moments
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm))
             self.optimizer.step()
         else:
@@ -287,13 +296,14 @@ class Trainer:
             if lags:
                 metrics_extra["trainer/staleness_mean"] = sum(lags) / len(lags)
                 metrics_extra["trainer/staleness_max"] = float(max(lags))
-        denom = max(total_tokens, 1)
+        denom = max(live_tokens, 1)  # the ratio and clipping figures: of trained tokens
         metrics = {
             "trainer/loss": loss_total,
             "trainer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "trainer/grad_norm": grad_norm,
             "trainer/sequences": float(len(rows)),
             "trainer/loss_tokens": float(total_tokens),
+            "trainer/zero_advantage_frac": 1.0 - len(live) / len(rows) if rows else 0.0,
             "trainer/ratio_max": ratio_max,
             "trainer/step_seconds": time.perf_counter() - t0,
         }
