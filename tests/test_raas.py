@@ -444,3 +444,47 @@ def test_node_follows_published_weights(kafka_config, make_topology, tmp_path):
         thread.join(30)
     assert not thread.is_alive()
     assert node.status().weight_versions == {"actor": 1}
+
+
+@pytest.mark.slow
+def test_node_rolls_out_several_tasks_per_transaction_as_one_batch(kafka_config, make_topology):
+    from astraflow.kafka.clients import RecordProducer, read_all
+    from astraflow.raas.node import NodeOptions, RaaSNode
+
+    topo, _ = node_topology(make_topology)
+    eng = TorchEngine(tiny_model(), tiny_tokenizer(), policy="actor", version=0)
+    calls: list[int] = []
+    real = eng.generate
+    eng.generate = lambda prompts, params: calls.append(len(prompts)) or real(prompts, params)
+    producer = RecordProducer(kafka_config)
+    tasks = topo.full_name("tasks")
+    bad_workflow = task_of({"prompt": "1+1=", "answer": "2"}, "no_such_workflow", "nowf")
+    for t in (task_of({"prompt": "1+2=", "answer": "3"}, tid="t0"),
+              task_of("{not json", tid="bad"),
+              task_of({"prompt": "2+2=", "answer": "4"}, tid="t1"),
+              bad_workflow,
+              task_of({"prompt": "3+4=", "answer": "7"}, tid="t2")):
+        producer.produce(tasks, t, key=f"p-{t.task_id}")
+    producer.flush()
+    node = RaaSNode(topo, {"actor": eng}, NodeOptions(
+        instance="w", n_samples=2, poll_timeout_s=1.0, tasks_per_transaction=8,
+        workflow_options={"single_turn": {"max_new_tokens": 4}}))
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    try:
+        out = topo.full_name("trajectories.raw")
+        wait_for(lambda: len(read_all(kafka_config, out, idle_s=0.3)) >= 3, 60, "three groups")
+        groups = [r.record for r in read_all(kafka_config, out, idle_s=0.3,
+                                             expect=TrajectoryGroup)]
+        dead = [r.record for r in read_all(kafka_config, topo.full_name("dlq"), idle_s=0.5,
+                                           expect=DeadLetter)]
+    finally:
+        node.stop()
+        thread.join(30)
+    assert [g.task_id for g in groups] == ["t0", "t1", "t2"]
+    assert all(len(g.sequences) == 2 for g in groups)
+    assert sorted(d.error.split(":")[0] for d in dead) == ["TaskError", "TaskError"]
+    assert any("no_such_workflow" in d.error for d in dead)
+    # the three good tasks were one generate call of 3 prompts (2 samples each), unless
+    # the poll returned them in pieces
+    assert sum(calls) == 3 and max(calls) > 1

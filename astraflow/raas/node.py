@@ -219,38 +219,82 @@ class RaaSNode:
         return True
 
     def _rollouts(self, msgs) -> tuple[list[TrajectoryGroup], list[DeadLetter]]:
-        groups: list[TrajectoryGroup] = []
+        """The groups of ``msgs``' tasks, in order, and dead letters for the bad ones.
+
+        Tasks of one workflow that has ``run_batch`` are rolled out together (one
+        ``generate`` call per phase for all of them); a batch that fails as a whole is run
+        again task by task, so one bad task cannot take the others down with it.
+        """
         dead: list[DeadLetter] = []
+        tasks: list[tuple[Any, Task]] = []
         for m in msgs:
             topic, part, off = m.topic(), m.partition(), m.offset()
             self._positions[(topic, part)] = off + 1
             self.counters.consumed += 1
             try:
-                task = self.codec.decode(m.value(), topic, part, off, expect=Task)
-                groups.append(self.rollout(task))
+                tasks.append((m, self.codec.decode(m.value(), topic, part, off, expect=Task)))
             except Exception as e:  # noqa: BLE001 - any bad task goes to dlq, the node goes on
-                if isinstance(e, KafkaException):
-                    raise
-                reason = f"{type(e).__name__}: {e}"
-                level = (
-                    logging.WARNING
-                    if isinstance(e, RecordDecodeError | ValueError)
-                    else logging.ERROR
-                )
-                log.log(
-                    level,
-                    "%s: dead-lettering %s[%d]@%d: %s",
-                    self.component_id,
-                    topic,
-                    part,
-                    off,
-                    reason,
-                    exc_info=level == logging.ERROR,
-                )
-                dead.append(dead_letter(m, self.component_id, reason))
-            finally:
-                self.current_task = None
-        return groups, dead
+                dead.append(self._dead_task(m, e))
+        by_workflow: dict[str, list[tuple[Any, Task]]] = {}
+        for m, task in tasks:
+            by_workflow.setdefault(task.workflow, []).append((m, task))
+        made: dict[int, TrajectoryGroup] = {}
+        for name, batch in by_workflow.items():
+            try:
+                wf = self._workflow(name)
+            except Exception as e:  # noqa: BLE001 - an unknown workflow: its tasks to dlq
+                dead.extend(self._dead_task(m, e) for m, _ in batch)
+                continue
+            results = self._run_batch(wf, [t for _, t in batch])
+            for (m, task), (result, seconds) in zip(batch, results):
+                if isinstance(result, Exception):
+                    dead.append(self._dead_task(m, result))
+                else:
+                    made[id(m)] = self._group(task, wf, result, seconds)
+        self.current_task = None
+        return [made[id(m)] for m, _ in tasks if id(m) in made], dead
+
+    def _run_batch(self, wf: Workflow, tasks: list[Task]) -> list[tuple[Any, float]]:
+        """Per task: its sequences or exception, and the seconds its rollout took."""
+        run_batch = getattr(wf, "run_batch", None)
+        if len(tasks) > 1 and callable(run_batch):
+            self.current_task = ",".join(t.task_id for t in tasks)
+            log.info("%s: rollout of %d %s tasks started", self.component_id, len(tasks),
+                     wf.name)
+            t0 = time.perf_counter()
+            try:
+                results = run_batch(tasks, self.engines, self.options.n_samples)
+                seconds = time.perf_counter() - t0
+                return [(r, seconds) for r in results]
+            except KafkaException:
+                raise
+            except Exception as e:  # noqa: BLE001 - retried one task at a time below
+                log.warning("%s: batch of %d tasks failed (%s: %s); running them one by one",
+                            self.component_id, len(tasks), type(e).__name__, e)
+        out: list[tuple[Any, float]] = []
+        for task in tasks:
+            self.current_task = task.task_id
+            log.info("%s: rollout of task %s (%s) started", self.component_id, task.task_id,
+                     task.workflow)
+            t0 = time.perf_counter()
+            try:
+                result: Any = wf.run(task, self.engines, self.options.n_samples)
+            except KafkaException:
+                raise
+            except Exception as e:  # noqa: BLE001 - this task goes to dlq
+                result = e
+            out.append((result, time.perf_counter() - t0))
+        return out
+
+    def _dead_task(self, m, e: Exception) -> DeadLetter:
+        if isinstance(e, KafkaException):
+            raise e
+        reason = f"{type(e).__name__}: {e}"
+        expected = isinstance(e, RecordDecodeError | ValueError)
+        level = logging.WARNING if expected else logging.ERROR
+        log.log(level, "%s: dead-lettering %s[%d]@%d: %s", self.component_id, m.topic(),
+                m.partition(), m.offset(), reason, exc_info=(e if not expected else None))
+        return dead_letter(m, self.component_id, reason)
 
     def rollout(self, task: Task) -> TrajectoryGroup:
         """Run one task's workflow; the group it produces (no Kafka involved)."""
@@ -261,7 +305,10 @@ class RaaSNode:
         t0 = time.perf_counter()
         wf = self._workflow(task.workflow)
         seqs = wf.run(task, self.engines, self.options.n_samples)
-        seconds = time.perf_counter() - t0
+        return self._group(task, wf, seqs, time.perf_counter() - t0)
+
+    def _group(self, task: Task, wf: Workflow, seqs: list, seconds: float) -> TrajectoryGroup:
+        """The ``TrajectoryGroup`` of one task's sequences, with its metrics."""
         rewards = [s.reward for s in seqs]
         gen_tokens = sum(sum(s.loss_mask) for s in seqs)
         self.counters.gen_tokens += gen_tokens

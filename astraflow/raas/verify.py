@@ -71,6 +71,7 @@ from astraflow.raas.workflows import (
     parse_payload,
     register_workflow,
     role_sequence,
+    unbatched,
 )
 from astraflow.records import Sequence, Task
 from astraflow.roles import (
@@ -161,39 +162,71 @@ class SolveVerify(_TwoPolicyWorkflow):
         return self.judge_policy
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
-        prompt, answer, solver, verifier, checker = self._start(task, engines)
-        p_ids = _encode(solver, prompt)
-        firsts = solver.generate([p_ids], _sampling(self.sampling, solver, n))[0]
-        texts = [solver.decode(g.token_ids) for g in firsts]
-        cands = [candidate_answer(t, self.max_answer_chars) for t in texts]
-        right = [checker(t, answer) > 0.5 for t in texts]
+        return unbatched(self.run_batch([task], engines, n))
 
-        v_ids = [_encode(verifier, verify_prompt(prompt, c)) for c in cands]
-        v_gens = verifier.generate(v_ids, _sampling(self.judge_sampling, verifier, 1))
-        verdicts = [parse_verdict(verifier.decode(g[0].token_ids)) for g in v_gens]
+    def run_batch(
+        self, tasks: list[Task], engines: dict[str, Engine], n: int
+    ) -> list[list[Sequence] | Exception]:
+        """The three phases (first tries, verdicts, retries), each one ``generate`` call
+        over all ``tasks``."""
+        results: list[list[Sequence] | Exception] = [[] for _ in tasks]
+        live = []  # (task index, prompt, answer, prompt ids)
+        for i, task in enumerate(tasks):
+            try:
+                prompt, answer, solver, verifier, checker = self._start(task, engines)
+                live.append((i, prompt, answer, _encode(solver, prompt)))
+            except Exception as e:  # noqa: BLE001 - this task fails, the others go on
+                results[i] = e
+        if not live:
+            return results
+        firsts = solver.generate([p for *_, p in live], _sampling(self.sampling, solver, n))
+        cands, right = [], []
+        for (_, _, answer, _), gens in zip(live, firsts):
+            texts = [solver.decode(g.token_ids) for g in gens]
+            cands.append([candidate_answer(t, self.max_answer_chars) for t in texts])
+            right.append([checker(t, answer) > 0.5 for t in texts])
 
-        rejected = [j for j, v in enumerate(verdicts) if v is False] if self.retry else []
-        r_ids = [_encode(solver, retry_prompt(prompt, cands[j], REJECT)) for j in rejected]
-        r_gens = solver.generate(r_ids, _sampling(self.sampling, solver, 1)) if r_ids else []
+        v_ids = [[_encode(verifier, verify_prompt(prompt, c)) for c in cs]
+                 for (_, prompt, _, _), cs in zip(live, cands)]
+        v_flat = verifier.generate([x for ids in v_ids for x in ids],
+                                   _sampling(self.judge_sampling, verifier, 1))
+        v_gens = [v_flat[k * n:(k + 1) * n] for k in range(len(live))]
+        verdicts = [[parse_verdict(verifier.decode(g[0].token_ids)) for g in gs]
+                    for gs in v_gens]
 
-        out: list[Sequence] = []
-        for j, g in enumerate(firsts):
-            out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j, float(right[j]),
-                                     attempt="1", answer=cands[j], correct=_flag(right[j])))
-        for j, (ids, g) in enumerate(zip(v_ids, v_gens)):
-            v = verdicts[j]
-            word = "?" if v is None else ("y" if v else "n")
-            ok = v is not None and v == right[j]
-            out.append(role_sequence(self.verifier_policy, ROLE_VERIFIER, ids, g[0], j, float(ok),
-                                     verdict=word, truth=_flag(right[j]), answer=cands[j]))
-        for j, ids, g in zip(rejected, r_ids, r_gens):
-            text = solver.decode(g[0].token_ids)
-            ok = checker(text, answer) > 0.5
-            out.append(role_sequence(self.solver_policy, ROLE_RETRY, ids, g[0], j, float(ok),
-                                     attempt="2",
-                                     answer=candidate_answer(text, self.max_answer_chars),
-                                     rejected=cands[j], correct=_flag(ok)))
-        return out
+        rejected = [[j for j, v in enumerate(vs) if v is False] if self.retry else []
+                    for vs in verdicts]
+        r_ids = [[_encode(solver, retry_prompt(prompt, cands[k][j], REJECT)) for j in rej]
+                 for k, ((_, prompt, _, _), rej) in enumerate(zip(live, rejected))]
+        r_all = [x for ids in r_ids for x in ids]
+        r_flat = solver.generate(r_all, _sampling(self.sampling, solver, 1)) if r_all else []
+
+        at = 0
+        for k, (i, _, answer, p_ids) in enumerate(live):
+            out: list[Sequence] = []
+            for j, g in enumerate(firsts[k]):
+                ok = right[k][j]
+                out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j,
+                                         float(ok), attempt="1", answer=cands[k][j],
+                                         correct=_flag(ok)))
+            for j, (ids, g) in enumerate(zip(v_ids[k], v_gens[k])):
+                v = verdicts[k][j]
+                word = "?" if v is None else ("y" if v else "n")
+                ok = v is not None and v == right[k][j]
+                out.append(role_sequence(self.verifier_policy, ROLE_VERIFIER, ids, g[0], j,
+                                         float(ok), verdict=word, truth=_flag(right[k][j]),
+                                         answer=cands[k][j]))
+            for j, ids in zip(rejected[k], r_ids[k]):
+                g = r_flat[at][0]
+                at += 1
+                text = solver.decode(g.token_ids)
+                ok = checker(text, answer) > 0.5
+                out.append(role_sequence(self.solver_policy, ROLE_RETRY, ids, g, j, float(ok),
+                                         attempt="2",
+                                         answer=candidate_answer(text, self.max_answer_chars),
+                                         rejected=cands[k][j], correct=_flag(ok)))
+            results[i] = out
+        return results
 
     @staticmethod
     def group_metrics(seqs: list[Sequence]) -> dict[str, float]:

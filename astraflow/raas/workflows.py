@@ -42,6 +42,18 @@ class Workflow(Protocol):
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]: ...
 
 
+class BatchWorkflow(Workflow, Protocol):
+    """A workflow that can also roll out several tasks at once: ``run_batch`` gives, per
+    task and in order, its sequences or the exception that task raised (a bad payload fails
+    its own task only). Each generation phase of the tasks is one ``generate`` call, so a
+    node that takes several tasks per transaction (``--tasks-per-transaction``) runs the
+    model on bigger batches: fewer, fuller forward passes."""
+
+    def run_batch(
+        self, tasks: list[Task], engines: dict[str, Engine], n: int
+    ) -> list[list[Sequence] | Exception]: ...
+
+
 WORKFLOWS: dict[str, type] = {}
 
 
@@ -253,17 +265,43 @@ class SingleTurn:
         self.sampling = sampling
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
-        answer, engine, prompt_ids = _prompt_task(task, engines)
+        return unbatched(self.run_batch([task], engines, n))
+
+    def run_batch(
+        self, tasks: list[Task], engines: dict[str, Engine], n: int
+    ) -> list[list[Sequence] | Exception]:
+        results: list[list[Sequence] | Exception] = [[] for _ in tasks]
+        by_engine: dict[int, list[tuple[int, str, Engine, list[int]]]] = {}
+        for i, task in enumerate(tasks):
+            try:
+                answer, engine, prompt_ids = _prompt_task(task, engines)
+            except Exception as e:  # noqa: BLE001 - this task fails, the others go on
+                results[i] = e
+                continue
+            by_engine.setdefault(id(engine), []).append((i, answer, engine, prompt_ids))
         checker = self.checker or default_checker()
-        gens = engine.generate([prompt_ids], _sampling(self.sampling, engine, n))[0]
-        if self.env_latency is not None:
-            time.sleep(self.env_latency.draw())
-        out = []
-        for j, g in enumerate(gens):
-            b = SequenceBuilder(engine.policy, prompt_ids, j)
-            b.add_generated(g)
-            out.append(b.build(checker(engine.decode(g.token_ids), answer)))
-        return out
+        for live in by_engine.values():
+            engine = live[0][2]
+            gens = engine.generate([p for *_, p in live], _sampling(self.sampling, engine, n))
+            for (i, answer, _, prompt_ids), samples in zip(live, gens):
+                out = []
+                for j, g in enumerate(samples):
+                    b = SequenceBuilder(engine.policy, prompt_ids, j)
+                    b.add_generated(g)
+                    out.append(b.build(checker(engine.decode(g.token_ids), answer)))
+                results[i] = out
+        if self.env_latency is not None and by_engine:
+            # the tasks' environments run side by side: the batch waits for the slowest
+            time.sleep(max(self.env_latency.draw() for _ in tasks))
+        return results
+
+
+def unbatched(results: list[list[Sequence] | Exception]) -> list[Sequence]:
+    """The one result of a one-task ``run_batch``: its sequences, or its exception raised."""
+    (out,) = results
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 # --- multi-turn tool use -----------------------------------------------------------------
@@ -355,6 +393,7 @@ def _last_call(text: str) -> str | None:
 
 __all__ = [
     "WORKFLOWS",
+    "BatchWorkflow",
     "Latency",
     "SequenceBuilder",
     "SingleTurn",
@@ -366,6 +405,7 @@ __all__ = [
     "make_workflow",
     "register_workflow",
     "role_sequence",
+    "unbatched",
 ]
 
 # workflows defined in other modules register themselves when imported
