@@ -303,8 +303,13 @@ def _tiny_model_outdated(spec) -> str:
         recipe = json.loads(recipe_file.read_text())
     except (OSError, ValueError):
         return ""
-    want = init_recipe(build_parser().parse_args(_model_init_command(spec)))
-    diff = [f"{k} {recipe.get(k)} -> {v}" for k, v in want.items() if recipe.get(k) != v]
+    command = _model_init_command(spec)
+    want = init_recipe(build_parser().parse_args(command))
+    # an option added after the model was written counts as its default
+    defaults = init_recipe(build_parser().parse_args(
+        [*command[:3], *(["--role", spec.role] if spec.role != "solver" else [])]))
+    diff = [f"{k} {recipe.get(k, defaults.get(k))} -> {v}" for k, v in want.items()
+            if recipe.get(k, defaults.get(k)) != v]
     return "the topology changed how it is made (" + ", ".join(diff) + ")" if diff else ""
 
 

@@ -474,6 +474,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="warm start on a teacher who forgets the carry/borrow with probability P on "
         "problems that need one (default 0: a perfect teacher); see astraflow.tasks.arithmetic",
     )
+    init.add_argument(
+        "--retry-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="share of warm-start examples in the retry format of solve_verify "
+        "(`37+45=73?n 37+45=` -> `82`, astraflow.roles.retry_examples); default 0",
+    )
+    init.add_argument(
+        "--retry-slip",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="on a retry example the teacher forgets the carry with probability P",
+    )
     init.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     init.set_defaults(func=cmd_model_init)
     return p
@@ -495,6 +510,7 @@ def init_recipe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
+    from astraflow.roles import retry_examples
     from astraflow.tasks.arithmetic import (
         carry_slip_answer,
         eval_problems,
@@ -523,6 +539,13 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         train = train_problems(levels, n=args.train_size, seed=args.seed, unique=False)
         if args.carry_slip:
             train = with_carry_slips(train, args.carry_slip, seed=args.seed)
+        retries: list[dict[str, Any]] = []
+        if args.retry_share > 0:
+            if not args.retry_share < 1:
+                print("astraflow: --retry-share must be below 1", file=sys.stderr)
+                return 2
+            n_retry = round(len(train) * args.retry_share / (1 - args.retry_share))
+            retries = retry_examples(train, n_retry, seed=args.seed, slip=args.retry_slip)
         evals = eval_problems(levels, n=args.eval_size)
         until = None
         if args.warm_start_until is not None:
@@ -542,7 +565,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         metrics = warm_start(
             model,
             tok,
-            train,
+            [*train, *retries],
             steps=args.warm_start_steps,
             lr=args.lr,
             batch_size=args.batch_size,
@@ -568,6 +591,11 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         result.update(
             metrics=metrics, eval_accuracy=acc, eval_per_level=per, eval_prompts=len(evals)
         )
+        if retries:
+            retry_acc = evaluate(model, tok, retry_examples(evals, len(evals), seed=args.seed))
+            print(f"retry format: held-out accuracy {retry_acc:.1%} after a rejected answer",
+                  flush=True)
+            result.update(eval_retry_accuracy=retry_acc)
     recipe = init_recipe(args)
     (path / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     if args.json:

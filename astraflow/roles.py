@@ -159,6 +159,16 @@ def _teacher_answer(prompt: str, answer: str, slip: float, rng: random.Random) -
     return slipped if slipped is not None and rng.random() < slip else answer
 
 
+def _draws(kind: str, problems: Sequence[Any], n: int, seed: int):
+    """``n`` times ``(rng, prompt, answer, level)`` of a problem drawn with repeats, from
+    one rng seeded by ``kind`` and ``seed``."""
+    if not problems:
+        raise ValueError(f"{kind}_examples needs problems")
+    rng = random.Random(f"{kind}:{seed}")
+    for _ in range(n):
+        yield (rng, *_fields(problems[rng.randrange(len(problems))]))
+
+
 def verifier_examples(
     problems: Sequence[Any],
     n: int,
@@ -176,12 +186,8 @@ def verifier_examples(
     whether the candidate equals its own answer, flipped with probability ``noise``
     (``truth`` keeps the real verdict). ``think=False`` leaves the own answer out.
     """
-    if not problems:
-        raise ValueError("verifier_examples needs problems")
-    rng = random.Random(f"verifier:{seed}")
     out = []
-    for _ in range(n):
-        prompt, answer, level = _fields(problems[rng.randrange(len(problems))])
+    for rng, prompt, answer, level in _draws("verifier", problems, n, seed):
         if rng.random() < p_right:
             cand, kind = answer, "right"
         else:
@@ -194,6 +200,26 @@ def verifier_examples(
         out.append({"prompt": verify_prompt(prompt, cand),
                     "answer": (own if think else "") + verdict,
                     "truth": cand == answer, "kind": kind, "level": level})
+    return out
+
+
+def retry_examples(
+    problems: Sequence[Any], n: int, *, seed: int = 0, slip: float = 0.0
+) -> list[dict[str, Any]]:
+    """``n`` solver retry examples ``{"prompt": "37+45=73?n 37+45=", "answer": "82"}``.
+
+    The rejected answer is a mistake a solver makes (``wrong_answer``: a forgotten carry or
+    a near miss); the teacher answers the problem again and forgets the carry with
+    probability ``slip`` (so it may repeat a forgotten carry). This teaches the solver
+    the retry format of ``solve_verify`` the way a pretrained model can take feedback;
+    problems are drawn with repeats.
+    """
+    out = []
+    for rng, prompt, answer, level in _draws("retry", problems, n, seed):
+        rejected, kind = wrong_answer(prompt, answer, rng)
+        out.append({"prompt": retry_prompt(prompt, rejected),
+                    "answer": _teacher_answer(prompt, answer, slip, rng),
+                    "truth": answer, "kind": kind, "level": level})
     return out
 
 
@@ -210,12 +236,8 @@ def selector_examples(
     one right and one wrong answer in random order. The teacher picks the answer equal to
     its own (which slips with probability ``slip``; a random one when neither is), then
     the other one with probability ``noise``. ``think=False`` leaves the own answer out."""
-    if not problems:
-        raise ValueError("selector_examples needs problems")
-    rng = random.Random(f"selector:{seed}")
     out = []
-    for _ in range(n):
-        prompt, answer, level = _fields(problems[rng.randrange(len(problems))])
+    for rng, prompt, answer, level in _draws("selector", problems, n, seed):
         wrong, kind = wrong_answer(prompt, answer, rng)
         right_slot = 1 if rng.random() < 0.5 else 2
         pair = (answer, wrong) if right_slot == 1 else (wrong, answer)
@@ -450,6 +472,7 @@ __all__ = [
     "parse_verdict",
     "register",
     "retry_prompt",
+    "retry_examples",
     "role_eval_examples",
     "role_examples",
     "role_scorer",

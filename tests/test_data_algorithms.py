@@ -6,6 +6,7 @@ No broker: every decision is exercised through the plain classes and the process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -62,7 +63,7 @@ def inc(rec, topic: str = "tasks.source", partition: int = 0, offset: int = 0) -
 
 def test_every_kind_is_registered_with_strict_options():
     for kind in ("greso", "curriculum", "mixer", "dynamic_sampling", "reward_norm",
-                 "rule_router"):
+                 "rule_router", "class_balance"):
         cls = PROCESSOR_KINDS[kind]
         assert cls.Options.model_config.get("extra") == "forbid", kind
         assert cls.__doc__
@@ -281,6 +282,60 @@ def test_dynamic_sampling_per_policy():
                          DynamicSamplingOptions(per_policy=True))
     list(ds.process(inc(g, "trajectories.raw")))
     assert ds.metrics()["dynamic_sampling/dropped_sequences"] == 2
+
+
+# --- class balance -----------------------------------------------------------------------
+def verdicts(truths: str, gid: str = "g1") -> TrajectoryGroup:
+    """A verifier group: one verdict per character of ``truths`` (1 right answer, 0 wrong),
+    plus two solver sequences that must pass untouched."""
+    seqs = [dataclasses.replace(seq(float(i % 2), "verifier"), sample_index=i,
+                                meta={"truth": t}) for i, t in enumerate(truths)]
+    seqs += [seq(1.0, "solver"), seq(0.0, "solver")]
+    return TrajectoryGroup(group_id=gid, prompt_id="p", task_id="t", workflow="solve_verify",
+                           source="s", raas_id="r", pool="p", sequences=seqs,
+                           rewards=[s.reward for s in seqs])
+
+
+def test_class_balance_keeps_as_many_of_each_class_as_the_smallest_has():
+    from astraflow.dataflow.class_balance import balance
+
+    g = verdicts("11110110")  # six verdicts on right answers, two on wrong ones
+    out = balance(g, "verifier")
+    mine = [s for s in out.sequences if s.policy == "verifier"]
+    assert Counter(s.meta["truth"] for s in mine) == {"1": 2, "0": 2}
+    assert [s.policy for s in out.sequences].count("solver") == 2
+    assert out.rewards == [s.reward for s in out.sequences]
+    assert len(g.sequences) == 10  # not modified in place
+    # seeded by the group id: a replay decides the same, another group differently
+    again = balance(verdicts("11110110"), "verifier")
+    assert [s.sample_index for s in again.sequences] == [s.sample_index for s in out.sequences]
+    picks = {tuple(s.sample_index for s in balance(verdicts("11110110", f"g{i}"),
+                                                   "verifier").sequences) for i in range(20)}
+    assert len(picks) > 1
+    assert balance(verdicts("1010"), "verifier") is not None
+    # one class only: dropped (the solver's sequences stay) or kept
+    only = balance(verdicts("1111"), "verifier")
+    assert [s.policy for s in only.sequences] == ["solver", "solver"]
+    assert balance(verdicts("1111"), "verifier", single_class="keep").sequences == \
+        verdicts("1111").sequences
+    bare = verdicts("11")
+    bare.sequences = bare.sequences[:2]
+    assert balance(bare, "verifier") is None
+
+
+def test_class_balance_processor_counts_and_drops():
+    from astraflow.dataflow.class_balance import ClassBalance, ClassBalanceOptions
+
+    cb = ClassBalance("cb", ["samples.verifier"], ["samples.verifier.balanced"],
+                      ClassBalanceOptions(policy="verifier"))
+    lone = verdicts("111")
+    lone.sequences = lone.sequences[:3]
+    out = [o for g in (verdicts("110000"), lone) for o in cb.process(inc(g, "samples.verifier"))]
+    assert len(out) == 1 and out[0].topic == "samples.verifier.balanced"
+    assert cb.metrics() == {"class_balance/kept_fraction": 4 / 9,
+                            "class_balance/dropped_groups": 1.0}
+    with pytest.raises(ValueError):
+        ClassBalanceOptions(policy="verifier", single_class="sometimes")
 
 
 # --- reward normalisation ---------------------------------------------------------------

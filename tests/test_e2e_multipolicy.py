@@ -50,8 +50,11 @@ def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, ka
     # perfectly. Sampled verdicts (temperature 1) on all 100 level-1 problems, right answer
     # / forgotten carry / near miss: 150 steps 51/63/51 %, 175 steps 72/96/68 %, 200 steps
     # 78/91/54 %, 300 steps 87/99/84 %, 600 steps 96/97/96 %.
+    # The verifier's teacher judges right (no slip), its trainer as measured above.
     topo["policies"]["verifier"].update(
-        model=str(tmp_path / "verifier"), warm_start_steps=175, init_args=["--levels", "1"])
+        model=str(tmp_path / "verifier"), warm_start_steps=175, warm_start_slip=0.0,
+        lr=0.0001, init_args=["--levels", "1"])
+    topo["processors"]["batcher-verifier"]["options"]["batch_size"] = 8
     topo["feeder"]["args"] = ["--epochs", "0", "--rate", "60", "--levels", "1",
                               "--workflow", "solve_verify", "--policy", "solver",
                               "--policy", "verifier"]

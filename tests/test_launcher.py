@@ -56,6 +56,19 @@ def test_tiny_model_is_rewritten_only_when_its_recipe_changes(tmp_path):
         spec.model_copy(update={"init_tiny": False, "warm_start_slip": 0.5})) == ""
 
 
+def test_an_option_added_after_the_model_was_written_counts_as_its_default(tmp_path):
+    spec = PolicySpec(model=str(tmp_path / "m"), warm_start_steps=2000, warm_start_slip=0.7)
+    _written_by(spec)
+    recipe_file = tmp_path / "m" / INIT_RECIPE
+    recipe = json.loads(recipe_file.read_text())
+    for key in ("retry_share", "retry_slip"):  # options a newer `model init` has
+        del recipe[key]
+    recipe_file.write_text(json.dumps(recipe))
+    assert _tiny_model_outdated(spec) == ""
+    why = _tiny_model_outdated(spec.model_copy(update={"init_args": ["--retry-share", "0.25"]}))
+    assert "retry_share 0.0 -> 0.25" in why, why
+
+
 def test_a_verifier_is_written_by_init_role_with_the_topologys_slip(tmp_path):
     spec = PolicySpec(model=str(tmp_path / "v"), role="verifier", warm_start_steps=300,
                       init_args=["--levels", "1"])

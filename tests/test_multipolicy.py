@@ -23,6 +23,7 @@ from astraflow.records import Batch, ComponentStatus, Task, TrajectoryGroup
 from astraflow.roles import (
     parse_pick,
     parse_verdict,
+    retry_examples,
     retry_prompt,
     role_eval_examples,
     select_prompt,
@@ -96,6 +97,57 @@ def test_solve_verify_rewards_roles_prompts_and_metrics():
     # finals: 82, retry 82, retry 82, 91, 80
     assert m["verify/solver_final_accuracy"] == pytest.approx(3 / 5)
     assert m["verify/unparseable_rate"] == pytest.approx(1 / 5)
+
+
+class _ByPrompt(ScriptedEngine):
+    """Replies that depend only on the prompt and how often it was asked."""
+
+    def __init__(self, policy, reply):
+        super().__init__(policy)
+        self.reply, self.asked = reply, {}
+
+    def next_reply(self, prompt, params):
+        k = self.asked[prompt] = self.asked.get(prompt, -1) + 1
+        return self.reply(prompt, k)
+
+
+def _engines():
+    def solve(prompt, k):
+        a, b = prompt.rsplit(" ", 1)[-1].rstrip("=").split("+")
+        right = int(a) + int(b)
+        return str(right) if "?n" in prompt or k % 3 == 0 else str(right + k)
+
+    def verify(prompt, k):
+        a, rest = prompt.split("+")
+        b, cand = rest.rstrip("?").split("=")
+        return "y" if int(cand) == int(a) + int(b) or k % 2 else "n"
+
+    return {"solver": _ByPrompt("solver", solve), "verifier": _ByPrompt("verifier", verify)}
+
+
+def test_solve_verify_batch_is_the_tasks_run_one_by_one():
+    from astraflow.raas.workflows import TaskError
+
+    wf = make_workflow("solve_verify", max_new_tokens=4)
+    tasks = [task("12+30=", "42"), task("bad", "x"), task("7+5=", "12")]
+    tasks[1] = Task(task_id="t2", prompt_id="p2", workflow="solve_verify",
+                    payload=json.dumps({"prompt": "1+1="}), source="test")
+    engines = _engines()
+    batch = wf.run_batch(tasks, engines, 4)
+    assert isinstance(batch[1], TaskError) and "answer" in str(batch[1])
+    # one generate call per phase for all tasks: first tries and retries, verdicts
+    assert len(engines["solver"].calls) == 2 and len(engines["verifier"].calls) == 1
+    assert len(engines["solver"].calls[0]) == 2 and len(engines["verifier"].calls[0]) == 8
+    for t, got in zip([tasks[0], tasks[2]], [batch[0], batch[2]]):
+        alone = wf.run(t, _engines(), 4)
+        assert [(s.policy, s.role, s.token_ids, s.reward, s.meta) for s in got] == [
+            (s.policy, s.role, s.token_ids, s.reward, s.meta) for s in alone]
+        assert {s.role for s in got} == {"solver", "verifier", "solver_retry"}
+    st = make_workflow("single_turn", max_new_tokens=4)
+    one = st.run_batch([task("12+30=", "42", "single_turn"), tasks[1],
+                        task("7+5=", "12", "single_turn")], {"solver": _engines()["solver"]}, 3)
+    assert isinstance(one[1], TaskError)
+    assert [s.reward for s in one[0]] == [1.0, 0.0, 0.0] == [s.reward for s in one[2]]
 
 
 def test_solve_verify_options_and_errors():
@@ -234,6 +286,29 @@ def test_verifier_examples_are_balanced_and_noisy():
     assert {e["answer"][-1] for e in sel} == {"1", "2"} and all(":" in e["answer"] for e in sel)
     assert {e["answer"] for e in selector_examples(problems, 50, seed=2, think=False)} == {
         "1", "2"}
+
+
+def test_retry_examples_follow_a_rejected_mistake_with_the_teachers_answer():
+    from astraflow.tasks.arithmetic import carry_slip_answer, train_problems
+
+    problems = train_problems((1, 2), n=500)
+    by_prompt = {p.prompt: p for p in problems}
+    clean = retry_examples(problems, 2000, seed=3)
+    for e in clean:
+        first, again = e["prompt"].split("?n ")
+        problem = by_prompt[again]
+        rejected = first[len(again):]
+        assert e["prompt"] == retry_prompt(again, rejected)
+        assert rejected != problem.answer  # only wrong answers are rejected
+        assert e["answer"] == e["truth"] == problem.answer
+    assert {"carry", "near"} <= {e["kind"] for e in clean}
+    slipping = retry_examples(problems, 2000, seed=3, slip=1.0)
+    can_slip = [e for e in slipping
+                if carry_slip_answer(by_prompt[e["prompt"].split("?n ")[1]]) != e["truth"]]
+    assert can_slip and all(e["answer"] != e["truth"] for e in can_slip)
+    assert retry_examples(problems, 5, seed=3) == retry_examples(problems, 5, seed=3)
+    with pytest.raises(ValueError, match="needs problems"):
+        retry_examples([], 1)
 
 
 def test_role_eval_examples_are_held_out_and_balanced():

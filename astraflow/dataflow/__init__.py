@@ -3,6 +3,7 @@
 from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.batcher import Batcher
+from astraflow.dataflow.class_balance import ClassBalance
 from astraflow.dataflow.curriculum import Curriculum
 from astraflow.dataflow.dynamic_sampling import DynamicSampling
 from astraflow.dataflow.greso import Greso
@@ -19,7 +20,8 @@ PROCESSOR_KINDS: dict[str, type[Processor]] = {
 # data algorithms: prompt selection, curriculum, mixing, post-rollout filters, rule routing
 PROCESSOR_KINDS.update({
     cls.kind: cls
-    for cls in (Greso, Curriculum, Mixer, DynamicSampling, RewardNorm, RuleRouter)
+    for cls in (Greso, Curriculum, Mixer, DynamicSampling, RewardNorm, RuleRouter,
+                ClassBalance)
 })
 
 # backpressure: holds tasks back while the RaaS pool or a trainer lags
