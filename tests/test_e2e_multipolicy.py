@@ -55,6 +55,10 @@ def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, ka
         model=str(tmp_path / "verifier"), warm_start_steps=175, warm_start_slip=0.0,
         lr=0.0001, init_args=["--levels", "1"])
     topo["processors"]["batcher-verifier"]["options"]["batch_size"] = 8
+    # measured without class_balance: the verifier's batcher reads the router's output
+    topo["processors"].pop("balance-verifier", None)
+    topo["topics"].pop("samples.verifier.balanced", None)
+    topo["processors"]["batcher-verifier"]["inputs"] = ["samples.verifier"]
     topo["feeder"]["args"] = ["--epochs", "0", "--rate", "60", "--levels", "1",
                               "--workflow", "solve_verify", "--policy", "solver",
                               "--policy", "verifier"]
