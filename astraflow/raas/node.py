@@ -235,24 +235,24 @@ class RaaSNode:
                 tasks.append((m, self.codec.decode(m.value(), topic, part, off, expect=Task)))
             except Exception as e:  # noqa: BLE001 - any bad task goes to dlq, the node goes on
                 dead.append(self._dead_task(m, e))
-        by_workflow: dict[str, list[tuple[Any, Task]]] = {}
-        for m, task in tasks:
-            by_workflow.setdefault(task.workflow, []).append((m, task))
-        made: dict[int, TrajectoryGroup] = {}
+        by_workflow: dict[str, list[int]] = {}
+        for i, (_, task) in enumerate(tasks):
+            by_workflow.setdefault(task.workflow, []).append(i)
+        made: dict[int, TrajectoryGroup] = {}  # index in tasks -> its group
         for name, batch in by_workflow.items():
             try:
                 wf = self._workflow(name)
             except Exception as e:  # noqa: BLE001 - an unknown workflow: its tasks to dlq
-                dead.extend(self._dead_task(m, e) for m, _ in batch)
+                dead.extend(self._dead_task(tasks[i][0], e) for i in batch)
                 continue
-            results = self._run_batch(wf, [t for _, t in batch])
-            for (m, task), (result, seconds) in zip(batch, results):
+            results = self._run_batch(wf, [tasks[i][1] for i in batch])
+            for i, (result, seconds) in zip(batch, results):
                 if isinstance(result, Exception):
-                    dead.append(self._dead_task(m, result))
+                    dead.append(self._dead_task(tasks[i][0], result))
                 else:
-                    made[id(m)] = self._group(task, wf, result, seconds)
+                    made[i] = self._group(tasks[i][1], wf, result, seconds)
         self.current_task = None
-        return [made[id(m)] for m, _ in tasks if id(m) in made], dead
+        return [made[i] for i in sorted(made)], dead
 
     def _run_batch(self, wf: Workflow, tasks: list[Task]) -> list[tuple[Any, float]]:
         """Per task: its sequences or exception, and the seconds its rollout took."""
@@ -287,8 +287,6 @@ class RaaSNode:
         return out
 
     def _dead_task(self, m, e: Exception) -> DeadLetter:
-        if isinstance(e, KafkaException):
-            raise e
         reason = f"{type(e).__name__}: {e}"
         expected = isinstance(e, RecordDecodeError | ValueError)
         level = logging.WARNING if expected else logging.ERROR
@@ -298,14 +296,12 @@ class RaaSNode:
 
     def rollout(self, task: Task) -> TrajectoryGroup:
         """Run one task's workflow; the group it produces (no Kafka involved)."""
-        self.current_task = task.task_id
-        log.info(
-            "%s: rollout of task %s (%s) started", self.component_id, task.task_id, task.workflow
-        )
-        t0 = time.perf_counter()
         wf = self._workflow(task.workflow)
-        seqs = wf.run(task, self.engines, self.options.n_samples)
-        return self._group(task, wf, seqs, time.perf_counter() - t0)
+        ((result, seconds),) = self._run_batch(wf, [task])
+        self.current_task = None
+        if isinstance(result, Exception):
+            raise result
+        return self._group(task, wf, result, seconds)
 
     def _group(self, task: Task, wf: Workflow, seqs: list, seconds: float) -> TrajectoryGroup:
         """The ``TrajectoryGroup`` of one task's sequences, with its metrics."""
