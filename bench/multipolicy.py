@@ -73,19 +73,16 @@ def alone_topology(together: dict[str, Any], solver: str = "solver") -> dict[str
     for pool in topo["pools"].values():
         pool["raas_args"] = [a.replace("solve_verify=", "single_turn=")
                              for a in pool.get("raas_args", [])]
-    args, feeder = topo["feeder"]["args"], []
-    i = 0
-    while i < len(args):
-        if args[i] == "--workflow":
-            feeder += ["--workflow", "single_turn"]
-        elif args[i] == "--policy":
-            if args[i + 1] == solver:
-                feeder += ["--policy", solver]
+    feeder, args = [], iter(topo["feeder"]["args"])
+    for a in args:
+        if a == "--workflow":
+            feeder += [a, "single_turn"]
+            next(args)
+        elif a == "--policy":
+            policy = next(args)
+            feeder += [a, policy] if policy == solver else []
         else:
-            feeder.append(args[i])
-            i += 1
-            continue
-        i += 2
+            feeder.append(a)
     topo["feeder"]["args"] = feeder
     return topo
 
