@@ -7,9 +7,11 @@ temporary state directory and removed afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -148,3 +150,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, step: flo
             return
         time.sleep(step)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def running(node) -> Iterator[threading.Thread]:
+    """Run ``node`` (anything with ``run`` and ``stop``) in a thread; stop and join it on
+    the way out."""
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        node.stop()
+        thread.join(30)

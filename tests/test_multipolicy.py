@@ -32,7 +32,7 @@ from astraflow.roles import (
     verify_prompt,
 )
 
-from .conftest import REPO, wait_for
+from .conftest import REPO, running, wait_for
 from .fakes import ScriptedEngine
 
 
@@ -551,15 +551,10 @@ def test_node_follows_each_policy_weights_independently(kafka_config, make_topol
     node = RaaSNode(topo, dict(engines), NodeOptions(
         instance="mp", n_samples=2, poll_timeout_s=0.2,
         workflow_options={"solve_verify": {"max_new_tokens": 3}}))
-    thread = threading.Thread(target=node.run, daemon=True)
-    thread.start()
-    try:
+    with running(node):
         out = topo.full_name("trajectories.raw")
         wait_for(lambda: read_all(kafka_config, out, idle_s=0.3), 60, "a trajectory group")
         (g,) = [r.record for r in read_all(kafka_config, out, idle_s=0.3, expect=TrajectoryGroup)]
-    finally:
-        node.stop()
-        thread.join(30)
     assert set(node._watchers) == {"solver", "verifier"}
     assert node.status().weight_versions == {"solver": 2, "verifier": 1}
     for policy, version in (("solver", 2), ("verifier", 1)):

@@ -7,7 +7,6 @@ import json
 import signal
 import string
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from astraflow.raas.engine import Generation, SamplingParams, TorchEngine
 from astraflow.raas.workflows import Latency, TaskError, make_workflow
 from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
 
-from .conftest import REPO, wait_for
+from .conftest import REPO, running, wait_for
 from .fakes import ScriptedEngine
 
 CHARS = string.digits + "+-*/()=.?<> " + string.ascii_lowercase
@@ -429,9 +428,7 @@ def test_node_follows_published_weights(kafka_config, make_topology, tmp_path):
             workflow_options={"single_turn": {"max_new_tokens": 6}},
         ),
     )
-    thread = threading.Thread(target=node.run, daemon=True)
-    thread.start()
-    try:
+    with running(node) as thread:
         out = topo.full_name("trajectories.raw")
         wait_for(lambda: read_all(kafka_config, out, idle_s=0.3), 60, "a trajectory group")
         (g,) = [r.record for r in read_all(kafka_config, out, idle_s=0.3, expect=TrajectoryGroup)]
@@ -439,9 +436,6 @@ def test_node_follows_published_weights(kafka_config, make_topology, tmp_path):
         assert eng.version == 1
         for k, t in eng.model.state_dict().items():
             assert torch.equal(t, v1[k]), k
-    finally:
-        node.stop()
-        thread.join(30)
     assert not thread.is_alive()
     assert node.status().weight_versions == {"actor": 1}
 
@@ -469,18 +463,13 @@ def test_node_rolls_out_several_tasks_per_transaction_as_one_batch(kafka_config,
     node = RaaSNode(topo, {"actor": eng}, NodeOptions(
         instance="w", n_samples=2, poll_timeout_s=1.0, tasks_per_transaction=8,
         workflow_options={"single_turn": {"max_new_tokens": 4}}))
-    thread = threading.Thread(target=node.run, daemon=True)
-    thread.start()
-    try:
+    with running(node):
         out = topo.full_name("trajectories.raw")
         wait_for(lambda: len(read_all(kafka_config, out, idle_s=0.3)) >= 3, 60, "three groups")
         groups = [r.record for r in read_all(kafka_config, out, idle_s=0.3,
                                              expect=TrajectoryGroup)]
         dead = [r.record for r in read_all(kafka_config, topo.full_name("dlq"), idle_s=0.5,
                                            expect=DeadLetter)]
-    finally:
-        node.stop()
-        thread.join(30)
     assert [g.task_id for g in groups] == ["t0", "t1", "t2"]
     assert all(len(g.sequences) == 2 for g in groups)
     assert sorted(d.error.split(":")[0] for d in dead) == ["TaskError", "TaskError"]
