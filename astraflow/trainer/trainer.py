@@ -242,13 +242,14 @@ class Trainer:
             batch = dataclasses.replace(batch, groups=kept)
         rows = self._rows(batch)
         rewards = [r.seq.reward for r in rows]
-        total_tokens = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows)
+        tokens = [sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows]
+        total_tokens = sum(tokens)
         # A sequence with advantage 0 (every one of a group whose rewards are all equal)
         # adds exactly 0 to the loss and its gradient: it is left out of the forward and
         # backward passes. The loss is still divided by the tokens of all sequences, so
         # the update is the one the whole batch gives.
         live = [r for r in rows if r.advantage != 0.0]
-        live_tokens = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in live)
+        live_tokens = sum(t for t, r in zip(tokens, rows) if r.advantage != 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(SUM_KEYS, 0.0)
         ratio_max = 0.0
