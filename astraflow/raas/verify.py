@@ -69,6 +69,7 @@ from astraflow.raas.workflows import (
     _sampling,
     default_checker,
     parse_payload,
+    prepare_each,
     register_workflow,
     role_sequence,
     unbatched,
@@ -169,16 +170,15 @@ class SolveVerify(_TwoPolicyWorkflow):
     ) -> list[list[Sequence] | Exception]:
         """The three phases (first tries, verdicts, retries), each one ``generate`` call
         over all ``tasks``."""
-        results: list[list[Sequence] | Exception] = [[] for _ in tasks]
-        live = []  # (task index, prompt, answer, prompt ids)
-        for i, task in enumerate(tasks):
-            try:
-                prompt, answer, solver, verifier, checker = self._start(task, engines)
-                live.append((i, prompt, answer, _encode(solver, prompt)))
-            except Exception as e:  # noqa: BLE001 - this task fails, the others go on
-                results[i] = e
-        if not live:
+        def prepare(task: Task):
+            prompt, answer, solver, verifier, checker = self._start(task, engines)
+            return prompt, answer, _encode(solver, prompt), (solver, verifier, checker)
+
+        results, ready = prepare_each(tasks, prepare)
+        if not ready:
             return results
+        solver, verifier, checker = ready[0][1][3]  # the same for every task
+        live = [(i, prompt, answer, p_ids) for i, (prompt, answer, p_ids, _) in ready]
         firsts = solver.generate([p for *_, p in live], _sampling(self.sampling, solver, n))
         cands, right = [], []
         for (_, _, answer, _), gens in zip(live, firsts):

@@ -270,14 +270,9 @@ class SingleTurn:
     def run_batch(
         self, tasks: list[Task], engines: dict[str, Engine], n: int
     ) -> list[list[Sequence] | Exception]:
-        results: list[list[Sequence] | Exception] = [[] for _ in tasks]
+        results, ready = prepare_each(tasks, lambda t: _prompt_task(t, engines))
         by_engine: dict[int, list[tuple[int, str, Engine, list[int]]]] = {}
-        for i, task in enumerate(tasks):
-            try:
-                answer, engine, prompt_ids = _prompt_task(task, engines)
-            except Exception as e:  # noqa: BLE001 - this task fails, the others go on
-                results[i] = e
-                continue
+        for i, (answer, engine, prompt_ids) in ready:
             by_engine.setdefault(id(engine), []).append((i, answer, engine, prompt_ids))
         checker = self.checker or default_checker()
         for live in by_engine.values():
@@ -294,6 +289,22 @@ class SingleTurn:
             # the tasks' environments run side by side: the batch waits for the slowest
             time.sleep(max(self.env_latency.draw() for _ in tasks))
         return results
+
+
+def prepare_each(
+    tasks: list[Task], prepare: Callable[[Task], Any]
+) -> tuple[list[list[Sequence] | Exception], list[tuple[int, Any]]]:
+    """``prepare`` every task of a batch: the batch's results, holding the exception of
+    each task that raised one (the others start empty), and ``(index, prepared)`` of the
+    tasks that are ready to roll out."""
+    results: list[list[Sequence] | Exception] = [[] for _ in tasks]
+    ready = []
+    for i, task in enumerate(tasks):
+        try:
+            ready.append((i, prepare(task)))
+        except Exception as e:  # noqa: BLE001 - this task fails, the others go on
+            results[i] = e
+    return results, ready
 
 
 def unbatched(results: list[list[Sequence] | Exception]) -> list[Sequence]:
@@ -403,6 +414,7 @@ __all__ = [
     "default_checker",
     "exact_match",
     "make_workflow",
+    "prepare_each",
     "register_workflow",
     "role_sequence",
     "unbatched",
