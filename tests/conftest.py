@@ -163,3 +163,13 @@ def running(node) -> Iterator[threading.Thread]:
     finally:
         node.stop()
         thread.join(30)
+
+
+def load_bench(name: str):
+    """The module ``bench/<name>.py`` (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,11 +9,10 @@ import yaml
 
 from astraflow.topology import parse_topology
 
+from .conftest import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_data_algorithms",
-                                               REPO / "bench" / "data_algorithms.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_bench("data_algorithms")
 
 BASE = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
 

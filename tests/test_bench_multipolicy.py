@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,10 @@ import yaml
 from astraflow.launcher import _model_init_command, plan_processes
 from astraflow.topology import parse_topology
 
+from .conftest import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_multipolicy",
-                                               REPO / "bench" / "multipolicy.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_bench("multipolicy")
 
 TOGETHER = yaml.safe_load((REPO / "topology" / "solver-verifier.yaml").read_text())
 
