@@ -34,6 +34,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--role", default="solver", choices=["solver", "verifier", "selector"],
                    help="what accuracy means: answers (solver), verdicts or picks on held-out "
                    "candidate answers (astraflow.roles)")
+    r.add_argument("--blind", action="store_true",
+                   help="a verifier of the two-turn format (`model init-role --blind`): its "
+                   "own answer first, then the candidate and its verdict")
     r.set_defaults(func=cmd_eval_run)
     return p
 
@@ -49,6 +52,8 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     from astraflow.tasks.arithmetic import eval_problems
     from astraflow.weights import WeightFollower
 
+    if args.blind and args.role != "verifier":
+        raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
     topo = args.loaded_topology
     config = kafka_config(args)
     torch.set_num_threads(1)
@@ -59,7 +64,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
         from astraflow.roles import role_scorer
 
         scorer = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
-                             args.max_new_tokens)
+                             args.max_new_tokens, blind=args.blind)
     topic = topo.full_name(f"weights.{args.policy}")
     follower = WeightFollower(policy=args.policy, kafka_config=config)
     producer = RecordProducer(config)

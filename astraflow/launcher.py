@@ -69,8 +69,21 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
             role = ["--role", spec.role] if spec.role != "solver" else []
             procs[f"eval-{policy}"] = _astraflow(
                 "eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-                "--every", str(topo.eval.every_versions), *role, *topo.eval.args)
+                "--every", str(topo.eval.every_versions), *role, *topo.eval.args,
+                *spec.eval_args)
     return procs
+
+
+def process_niceness(topo: Topology) -> dict[str, int]:
+    """Name -> CPU niceness of the processes `up` starts with one (a policy's ``nice``: its
+    trainer and evaluator); the others keep the launcher's."""
+    out = {}
+    for policy, spec in topo.policies.items():
+        if spec.nice:
+            out[f"trainer-{policy}"] = spec.nice
+            if topo.eval is not None:
+                out[f"eval-{policy}"] = spec.nice
+    return out
 
 
 @dataclass
@@ -198,10 +211,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     # default (all cores each) makes them thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
            "PYTHONUNBUFFERED": "1"}
+    niceness = process_niceness(topo)
     for name, cmd in plan_processes(topo, path).items():
         log = open(run_dir / "logs" / f"{name}.log", "ab")
+        nice = niceness.get(name, 0)
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+                                       start_new_session=True,
+                                       preexec_fn=(lambda k=nice: os.nice(k)) if nice else None)
     _pids_file(topo, args.runs_dir).write_text(json.dumps({n: p.pid for n, p in procs.items()}))
     print(f"started {len(procs)} processes ({', '.join(procs)}); logs in {run_dir / 'logs'}")
 

@@ -242,6 +242,19 @@ def encode_example(tokenizer, prompt: str, answer: str) -> tuple[list[int], list
     return p + a, [0] * len(p) + [1] * len(a)
 
 
+def encode_segments(tokenizer, prompt: str,
+                    segments: Sequence[Sequence[Any]]) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of prompt + segments + eos, for a multi-turn example:
+    each segment ``[text, trained]`` is in the mask when ``trained``; eos always is."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for text, trained in segments:
+        seg = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+        ids += seg
+        mask += [1 if trained else 0] * len(seg)
+    return ids + [tokenizer.eos_token_id], mask + [1]
+
+
 # --- warm start ---------------------------------------------------------------------------
 def warm_start(
     model,
@@ -281,7 +294,9 @@ def warm_start(
     examples = []
     for t in tasks:
         p = _payload(t)
-        examples.append(encode_example(tokenizer, str(p["prompt"]), str(p["answer"])))
+        examples.append(encode_segments(tokenizer, str(p["prompt"]), p["segments"])
+                        if "segments" in p else
+                        encode_example(tokenizer, str(p["prompt"]), str(p["answer"])))
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
     rng = random.Random(seed)
@@ -362,13 +377,15 @@ def warm_start(
 
 # --- evaluation ---------------------------------------------------------------------------
 def generate_answers(
-    model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 64
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 64,
+    stop_ids: Sequence[int] = (),
 ) -> list[str]:
-    """Greedy completions of ``prompts`` (batched, left padding), decoded without specials."""
+    """Greedy completions of ``prompts`` (batched, left padding), decoded without specials;
+    a completion ends at eos or at one of ``stop_ids`` (kept)."""
     import torch
 
     device = next(model.parameters()).device
-    eos = _eos_ids(tokenizer, model)
+    eos = sorted(set(_eos_ids(tokenizer, model)) | {int(t) for t in stop_ids})
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     out: list[str] = []

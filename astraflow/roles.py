@@ -10,6 +10,8 @@ role              prompt                        completion
 solver            ``37+45=``                    ``82`` (the arithmetic format)
 verifier          ``37+45=82?``                 ``82y`` / ``73n``: its own answer, then
                                                 ``y`` (approve) or ``n`` (reject)
+blind verifier    ``37+45=``, then ``73?``      ``82|`` (its own answer, first turn), then
+                                                ``n`` after the candidate (second turn)
 solver, retry     ``37+45=82?n 37+45=``         a new answer, e.g. ``83``
 selector          ``37+45=82|83>``              ``82:1``: its own answer, then ``1`` or
                                                 ``2`` (the answer it picks)
@@ -24,6 +26,15 @@ from supervised examples (after 1,600 warm-start steps, half of them on answers,
 answered 72 % of held-out problems but its verdicts stayed at chance), while with its own
 answer first it compares the two answers without a single inconsistency and its verdicts
 are as good as its arithmetic -- which RL on the verdict reward then improves.
+
+It did not: shown the candidate first, the RL-trained verifier came to copy it as its
+"own" answer (right on 27 % of wrong candidates), so its verdict stopped checking
+anything, and the verdict token drifted towards whichever verdict the training mix
+favoured. The *blind* verifier (``blind=True`` in ``verifier_examples``, ``solve_verify``,
+``role_scorer``; ``--blind`` in ``model init-role`` and ``eval run``) cannot copy: it
+answers the problem before the candidate is appended (``37+45=`` -> ``82|``, then
+``73?``, not trained on, -> ``n``; one sequence ``37+45=82|73?n``). Its reward still
+scores only the verdict, but now both its own answer and its comparison are what earns it.
 
 Warm start. ``astraflow model init`` teaches a fresh tiny model the solver's format only.
 ``astraflow model init-role DIR --role verifier|selector`` (``init_role_model``) writes a
@@ -59,6 +70,7 @@ from typing import Any
 ROLES = ("verifier", "selector")  # roles with their own format (the solver's is the default)
 APPROVE, REJECT = "y", "n"
 PICK_SEP = ":"
+OWN_END = "|"  # ends the blind verifier's own answer (its first turn)
 _NUMBER_PREFIX = re.compile(r"^\s*-?[\d.,]*\s*")
 
 
@@ -66,6 +78,18 @@ _NUMBER_PREFIX = re.compile(r"^\s*-?[\d.,]*\s*")
 def verify_prompt(prompt: str, answer: str) -> str:
     """``"37+45="``, ``"82"`` -> ``"37+45=82?"``."""
     return f"{prompt}{answer}?"
+
+
+def blind_verdict_context(prompt: str, own: str, candidate: str) -> str:
+    """``"37+45="``, ``"82"``, ``"73"`` -> ``"37+45=82|73?"``: what a blind verifier has
+    seen when it gives its verdict (its own answer, ``OWN_END``, then the candidate)."""
+    return f"{prompt}{own}{OWN_END}{candidate}?"
+
+
+def own_answer(text: str) -> str | None:
+    """The blind verifier's own answer in its first turn's text (``"82|"`` -> ``"82"``),
+    None when the turn did not end it with ``OWN_END``."""
+    return text.split(OWN_END, 1)[0].strip() if OWN_END in text else None
 
 
 def retry_prompt(prompt: str, answer: str, verdict: str = REJECT) -> str:
@@ -178,6 +202,7 @@ def verifier_examples(
     slip: float = 0.0,
     noise: float = 0.0,
     think: bool = True,
+    blind: bool = False,
 ) -> list[dict[str, Any]]:
     """``n`` verdict examples ``{"prompt": "37+45=82?", "answer": "82y", "truth": bool}``.
 
@@ -185,6 +210,10 @@ def verifier_examples(
     The teacher's own answer slips with probability ``slip`` (module doc), its verdict is
     whether the candidate equals its own answer, flipped with probability ``noise``
     (``truth`` keeps the real verdict). ``think=False`` leaves the own answer out.
+
+    ``blind=True``: examples of the two-turn format, ``{"prompt": "37+45=", "segments":
+    [["82|", 1], ["73?", 0], ["n", 1]], "answer": "n", ...}``: the own answer is written
+    before the candidate is shown; the candidate is context, not trained on.
     """
     out = []
     for rng, prompt, answer, level in _draws("verifier", problems, n, seed):
@@ -197,6 +226,11 @@ def verifier_examples(
         if rng.random() < noise:
             label = not label
         verdict = APPROVE if label else REJECT
+        if blind:
+            out.append({"prompt": prompt, "answer": verdict, "own": own, "candidate": cand,
+                        "segments": [[own + OWN_END, 1], [cand + "?", 0], [verdict, 1]],
+                        "truth": cand == answer, "kind": kind, "level": level})
+            continue
         out.append({"prompt": verify_prompt(prompt, cand),
                     "answer": (own if think else "") + verdict,
                     "truth": cand == answer, "kind": kind, "level": level})
@@ -273,8 +307,9 @@ def role_eval_examples(role: str, levels: Iterable[int] = (1, 2), n: int = 200,
         if role == "verifier":
             truth = i % 2 == 0
             cand = p.answer if truth else wrong_answer(p.prompt, p.answer, rng)[0]
-            out.append({"prompt": verify_prompt(p.prompt, cand),
-                        "label": APPROVE if truth else REJECT, "level": p.level})
+            out.append({"prompt": verify_prompt(p.prompt, cand), "problem": p.prompt,
+                        "candidate": cand, "label": APPROVE if truth else REJECT,
+                        "level": p.level})
         elif role == "selector":
             wrong = wrong_answer(p.prompt, p.answer, rng)[0]
             slot = 1 + i % 2
@@ -295,27 +330,57 @@ def score_role(role: str, completion: str, label: str) -> float:
     return float(got_pick is not None and str(got_pick) == label)
 
 
+def blind_verdicts(model, tokenizer, examples: Sequence[dict[str, Any]],
+                   max_new_tokens: int = 8, batch_size: int = 64) -> list[tuple[str | None, str]]:
+    """Greedy two-turn verdicts of a blind verifier on ``examples`` (``"problem"``,
+    ``"candidate"``): ``(own answer or None, verdict text)`` each; the verdict text is ""
+    when the first turn did not end its own answer."""
+    from astraflow.model import generate_answers
+
+    end = tokenizer(OWN_END, add_special_tokens=False)["input_ids"]
+    firsts = generate_answers(model, tokenizer, [e["problem"] for e in examples],
+                              max_new_tokens=max_new_tokens, batch_size=batch_size,
+                              stop_ids=end)
+    owns = [own_answer(t) for t in firsts]
+    asked = [i for i, own in enumerate(owns) if own is not None]
+    verdicts = generate_answers(
+        model, tokenizer,
+        [blind_verdict_context(examples[i]["problem"], owns[i], examples[i]["candidate"])
+         for i in asked], max_new_tokens=max_new_tokens, batch_size=batch_size)
+    out: list[tuple[str | None, str]] = [(own, "") for own in owns]
+    for i, text in zip(asked, verdicts):
+        out[i] = (owns[i], text)
+    return out
+
+
 def evaluate_role(model, tokenizer, role: str, examples: Sequence[dict[str, Any]],
-                  max_new_tokens: int = 8, batch_size: int = 64) -> float:
-    """Greedy verdict (pick) accuracy of ``model`` on ``examples`` (``role_eval_examples``)."""
+                  max_new_tokens: int = 8, batch_size: int = 64, blind: bool = False) -> float:
+    """Greedy verdict (pick) accuracy of ``model`` on ``examples`` (``role_eval_examples``);
+    ``blind``: a verifier of the two-turn format (``blind_verdicts``)."""
     from astraflow.model import generate_answers
 
     if not examples:
         raise ValueError("evaluate_role needs examples")
-    completions = generate_answers(model, tokenizer, [e["prompt"] for e in examples],
-                                   max_new_tokens=max_new_tokens, batch_size=batch_size)
+    if blind:
+        if role != "verifier":
+            raise ValueError(f"only a verifier can be blind, not a {role}")
+        completions = [v for _, v in blind_verdicts(model, tokenizer, examples,
+                                                    max_new_tokens, batch_size)]
+    else:
+        completions = generate_answers(model, tokenizer, [e["prompt"] for e in examples],
+                                       max_new_tokens=max_new_tokens, batch_size=batch_size)
     return sum(score_role(role, c, e["label"]) for c, e in zip(completions, examples)) / len(
         examples)
 
 
 def role_scorer(role: str, levels: Iterable[int] = (1, 2), n: int = 200,
-                max_new_tokens: int = 8) -> Callable[[Any, Any], float]:
+                max_new_tokens: int = 8, blind: bool = False) -> Callable[[Any, Any], float]:
     """``score(model, tokenizer) -> accuracy`` on the role's held-out examples (the
-    evaluator's ``--role``)."""
+    evaluator's ``--role``; ``blind``: its ``--blind``)."""
     examples = role_eval_examples(role, levels, n)
 
     def score(model, tokenizer) -> float:
-        return evaluate_role(model, tokenizer, role, examples, max_new_tokens)
+        return evaluate_role(model, tokenizer, role, examples, max_new_tokens, blind=blind)
 
     return score
 
@@ -340,13 +405,15 @@ def init_role_model(
     seed: int = 0,
     size: str = "tiny",
     eval_size: int = 200,
+    blind: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Write a tiny model to ``dir`` warm-started for ``steps`` supervised steps on the
     role's format (see the module doc); returns metrics and the held-out role accuracy.
 
     Removes the recipe an earlier model left in ``dir`` (it no longer describes what is
-    there); ``astraflow model init-role`` then writes its own, ``init_recipe(args)`` in
+    there); ``blind``: the verifier's two-turn format (``verifier_examples``). ``astraflow
+    model init-role`` then writes its own, ``init_recipe(args)`` in
     ``INIT_RECIPE`` as ``model init`` does, which ``astraflow up`` compares with the
     topology to decide whether the model must be rewritten.
     """
@@ -361,6 +428,8 @@ def init_role_model(
 
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+    if blind and role != "verifier":
+        raise ValueError(f"only a verifier can be blind, not a {role}")
     levels = list(levels)
     t0 = time.time()
     path = init_model(dir, seed=seed, size=size)
@@ -370,7 +439,7 @@ def init_role_model(
     if steps > 0:
         problems = train_problems(levels, n=train_size, seed=seed, unique=False)
         examples = role_examples(role, problems, max(train_size, 1), seed=seed, slip=slip,
-                                 noise=noise)
+                                 noise=noise, **({"blind": True} if blind else {}))
         metrics = warm_start(model, tok, examples, steps=steps, lr=lr, batch_size=batch_size,
                              seed=seed, log=log)
         model.save_pretrained(path)
@@ -378,7 +447,7 @@ def init_role_model(
             save_tokenizer(tok, path)
         result["metrics"] = metrics
     if eval_size > 0:
-        result["eval_accuracy"] = role_scorer(role, levels, eval_size)(model, tok)
+        result["eval_accuracy"] = role_scorer(role, levels, eval_size, blind=blind)(model, tok)
         result["eval_prompts"] = eval_size
     for old in (INIT_RECIPE, OLD_ROLE_RECIPE):
         (path / old).unlink(missing_ok=True)
@@ -414,6 +483,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="the teacher's own answer forgets the carry/borrow with probability P")
     p.add_argument("--label-noise", type=float, default=0.02, metavar="P",
                    help="the teacher's verdict (pick) is flipped with probability P")
+    p.add_argument("--blind", action="store_true",
+                   help="verifier: the two-turn format, its own answer before it is shown "
+                   "the candidate ('37+45=' -> '82|', then '73?' -> 'n')")
     p.add_argument("--levels", default="1,2")
     p.add_argument("--size", default="tiny")
     p.add_argument("--seed", type=int, default=0)
@@ -438,7 +510,8 @@ def cmd_model_init_role(args: argparse.Namespace) -> int:
             args.dir, args.role, steps=args.warm_start_steps, slip=args.carry_slip,
             noise=args.label_noise, levels=[int(x) for x in args.levels.split(",") if x.strip()],
             train_size=args.train_size, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-            size=args.size, eval_size=args.eval_size, log=lambda m: print(m, flush=True))
+            size=args.size, eval_size=args.eval_size, blind=args.blind,
+            log=lambda m: print(m, flush=True))
     except (ModelError, ValueError) as e:
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
@@ -463,11 +536,15 @@ def cmd_model_init_role(args: argparse.Namespace) -> int:
 __all__ = [
     "APPROVE",
     "OLD_ROLE_RECIPE",
+    "OWN_END",
     "REJECT",
     "ROLES",
+    "blind_verdict_context",
+    "blind_verdicts",
     "candidate_answer",
     "evaluate_role",
     "init_role_model",
+    "own_answer",
     "parse_pick",
     "parse_verdict",
     "register",

@@ -139,6 +139,13 @@ class PolicySpec(_Strict):
     lr: float = Field(default=1e-5, gt=0)
     anchor_interval: int = Field(default=10, ge=1)
     trainer_args: list[str] = Field(default_factory=list)  # extra `trainer run` flags
+    # extra `eval run` flags of this policy's evaluator, after the topology's `eval.args`
+    # (a later flag wins: `[--every, "20"]` evaluates this policy less often)
+    eval_args: list[str] = Field(default_factory=list)
+    # CPU niceness of this policy's trainer and evaluator under `astraflow up` (0-19): on
+    # a shared machine a helper policy (a verifier) can train on the cycles the main
+    # policy leaves idle instead of taking its share
+    nice: int = Field(default=0, ge=0, le=19)
     # the policy's role in a multi-policy workflow (astraflow.roles): a verifier/selector
     # tiny model is warm-started on that format (`model init-role`, with warm_start_steps
     # and warm_start_slip) and evaluated on verdict/pick accuracy; solver: answers

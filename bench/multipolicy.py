@@ -71,8 +71,7 @@ def alone_topology(together: dict[str, Any], solver: str = "solver") -> dict[str
         procs[name] = {**proc, "outputs": outs, **({"options": opts} if opts else {})}
     topo["processors"] = procs
     for pool in topo["pools"].values():
-        pool["raas_args"] = [a.replace("solve_verify=", "single_turn=")
-                             for a in pool.get("raas_args", [])]
+        pool["raas_args"] = [_single_turn_options(a) for a in pool.get("raas_args", [])]
     feeder, args = [], iter(topo["feeder"]["args"])
     for a in args:
         if a == "--workflow":
@@ -85,6 +84,18 @@ def alone_topology(together: dict[str, Any], solver: str = "solver") -> dict[str
             feeder.append(a)
     topo["feeder"]["args"] = feeder
     return topo
+
+
+SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed")
+
+
+def _single_turn_options(arg: str) -> str:
+    """``solve_verify={...}`` (a ``--workflow-options`` value) -> ``single_turn={...}`` with
+    the solver's sampling options only; any other argument as it is."""
+    if not arg.startswith("solve_verify="):
+        return arg
+    opts = json.loads(arg.split("=", 1)[1])
+    return "single_turn=" + json.dumps({k: v for k, v in opts.items() if k in SAMPLING_OPTIONS})
 
 
 def run_up(topology: str, duration: float, runs_dir: Path, log: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,9 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     assert raas[raas.index("--tasks-per-transaction") + 1] == k[k.index(
         "--tasks-per-transaction") + 1]
     assert any(x.startswith("single_turn=") for x in raas)
+    # the solver's sampling options only: nothing of the verifier's
+    opts = json.loads(next(x for x in raas if x.startswith("single_turn=")).split("=", 1)[1])
+    assert opts == {"max_new_tokens": 8}
     assert not any("solve_verify" in x for x in raas)
     feeder = alone.feeder.args
     assert feeder[feeder.index("--workflow") + 1] == "single_turn"

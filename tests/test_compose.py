@@ -189,9 +189,9 @@ def test_the_model_service_check_fails_when_they_disagree():
     verifier = SERVICES["sv-model-init-verifier"]
     for old, new in (("1600", "1500"), ("init-role", "init")):
         changed = {**verifier, "command": [new if c == old else c for c in verifier["command"]]}
-        if new == "init":  # `model init` has no --role (nor --label-noise)
-            for role_only in ("--role", "--label-noise"):
+        if new == "init":  # `model init` has no --role, --label-noise nor --blind
+            for role_only, n in (("--role", 2), ("--label-noise", 2), ("--blind", 1)):
                 if role_only in changed["command"]:
                     i = changed["command"].index(role_only)
-                    del changed["command"][i:i + 2]
+                    del changed["command"][i:i + n]
         assert _recipe_mismatches(changed), (old, new)

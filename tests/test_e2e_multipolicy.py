@@ -54,6 +54,11 @@ def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, ka
     topo["policies"]["verifier"].update(
         model=str(tmp_path / "verifier"), warm_start_steps=175, warm_start_slip=0.0,
         lr=0.0001, init_args=["--levels", "1"])
+    # measured on the verifier that is shown the candidate (not `blind`), judging all 8
+    # answers, at normal CPU priority, batches of 8
+    topo["policies"]["verifier"].update(eval_args=[], nice=0)
+    topo["pools"]["local"]["raas_args"] = [
+        "--tasks-per-transaction", "8", "--workflow-options", 'solve_verify={"max_new_tokens": 8}']
     topo["processors"]["batcher-verifier"]["options"]["batch_size"] = 8
     # measured without class_balance: the verifier's batcher reads the router's output
     topo["processors"].pop("balance-verifier", None)

@@ -99,6 +99,80 @@ def test_solve_verify_rewards_roles_prompts_and_metrics():
     assert m["verify/unparseable_rate"] == pytest.approx(1 / 5)
 
 
+def test_blind_verifier_answers_before_it_sees_the_candidate():
+    solver = ScriptedEngine("solver", ["82", "73", "73", "82", "82"], version=5)
+    # first turn: own answers (the third one never ends), then one verdict per own answer
+    verifier = ScriptedEngine("verifier", ["82|", "73|", "8", "y", "y"], version=2)
+    wf = make_workflow("solve_verify", max_new_tokens=4, blind=True)
+    seqs = wf.run(task(), {"solver": solver, "verifier": verifier}, 3)
+
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    assert [s.policy for s in verdicts] == ["verifier"] * 3
+    assert verifier.prompts == ["37+45=", "37+45=82|82?", "37+45=73|73?"]
+    # right answer approved; a wrong answer its own (wrong) answer agrees with approved;
+    # no own answer: no verdict asked, unparseable
+    assert [s.meta["verdict"] for s in verdicts] == ["y", "y", "?"]
+    assert [s.reward for s in verdicts] == [1.0, 0.0, 0.0]
+    assert [s.meta["own"] for s in verdicts] == ["82", "73", ""]
+    assert [s.meta["own_matches"] for s in verdicts] == ["1", "1", "0"]
+    first, second, unfinished = verdicts
+    assert "".join(map(chr, first.token_ids)) == "37+45=82|82?y"
+    # trained: the own answer and the verdict, not the prompt nor the candidate shown
+    assert first.loss_mask == [0] * 6 + [1] * 3 + [0] * 3 + [1]
+    assert first.versions == [-1] * 6 + [2] * 3 + [-1] * 3 + [2]
+    assert len(first.logprobs) == len(first.token_ids)
+    check_masks(unfinished, "37+45=")
+    # the rejected-answer retries follow the verdicts as in the seen format: none here
+    assert not [s for s in seqs if s.role == "solver_retry"]
+    assert SolveVerify.group_metrics(seqs)["verify/approval_rate"] == pytest.approx(2 / 3)
+
+
+def test_verifier_judges_only_the_first_answers_it_is_asked_to():
+    solver = ScriptedEngine("solver", ["73", "82", "73", "73", "82"])  # 4 tries, 1 retry
+    verifier = ScriptedEngine("verifier", ["82|", "82|", "n", "y"])
+    wf = make_workflow("solve_verify", blind=True, verdicts_per_prompt=2)
+    seqs = wf.run(task(), {"solver": solver, "verifier": verifier}, 4)
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    retries = [s for s in seqs if s.role == "solver_retry"]
+    assert [s.sample_index for s in verdicts] == [0, 1]
+    assert verifier.prompts == ["37+45=", "37+45=82|73?", "37+45=82|82?"]
+    assert [s.reward for s in verdicts] == [1.0, 1.0]
+    # answers 2 and 3 (wrong, never judged) are not retried
+    assert [s.sample_index for s in retries] == [0] and retries[0].reward == 1.0
+    m = SolveVerify.group_metrics(seqs)
+    assert m["verify/approval_rate"] == pytest.approx(1 / 2)  # per verdict
+    assert m["verify/retry_rate"] == pytest.approx(1 / 4)  # per answer
+    with pytest.raises(ValueError, match="verdicts_per_prompt"):
+        make_workflow("solve_verify", verdicts_per_prompt=0)
+
+
+def test_blind_verifier_examples_train_own_answer_and_verdict_only():
+    from astraflow.model import encode_segments
+    from astraflow.roles import blind_verdict_context, own_answer
+    from astraflow.tasks.arithmetic import train_problems
+
+    problems = train_problems((1, 2), n=300)
+    examples = verifier_examples(problems, 500, seed=2, blind=True)
+    for e in examples:
+        own_seg, cand_seg, verdict_seg = e["segments"]
+        assert own_seg == [e["own"] + "|", 1] and cand_seg == [e["candidate"] + "?", 0]
+        assert verdict_seg == [e["answer"], 1]
+        # noise-free teacher: approves exactly the candidates equal to its own answer
+        assert (e["answer"] == "y") == (e["own"] == e["candidate"])
+    assert 0.4 < sum(e["truth"] for e in examples) / len(examples) < 0.6
+
+    class CharTok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    ids, mask = encode_segments(CharTok(), "37+45=", [["82|", 1], ["73?", 0], ["n", 1]])
+    assert "".join(map(chr, ids[:-1])) == blind_verdict_context("37+45=", "82", "73") + "n"
+    assert mask == [0] * 6 + [1] * 3 + [0] * 3 + [1, 1]
+    assert own_answer("82|") == "82" and own_answer("82") is None
+
+
 class _ByPrompt(ScriptedEngine):
     """Replies that depend only on the prompt and how often it was asked."""
 
@@ -360,6 +434,36 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
         main(["model", "init-role", str(d), "--role", "critic"])
 
 
+def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
+    from astraflow.cli import main
+    from astraflow.launcher import _model_init_command, _tiny_model_outdated
+    from astraflow.model import INIT_RECIPE, load_policy
+    from astraflow.roles import blind_verdicts, evaluate_role
+    from astraflow.topology import PolicySpec
+
+    d = tmp_path / "blind"
+    spec = PolicySpec(model=str(d), role="verifier", warm_start_steps=3,
+                      init_args=["--blind", "--train-size", "200", "--eval-size", "10",
+                                 "--batch-size", "8", "--levels", "1"])
+    assert main(_model_init_command(spec)) == 0
+    assert json.loads((d / INIT_RECIPE).read_text())["blind"] is True
+    assert _tiny_model_outdated(spec) == ""
+    # the seen-format recipe is another model
+    assert "blind True -> False" in _tiny_model_outdated(spec.model_copy(update={
+        "init_args": [a for a in spec.init_args if a != "--blind"]}))
+    model, tok = load_policy(d)
+    examples = role_eval_examples("verifier", (1,), 6)
+    out = blind_verdicts(model, tok, examples)
+    assert len(out) == 6
+    for own, verdict in out:  # no own answer: no verdict asked
+        assert own is not None or verdict == ""
+    assert 0.0 <= evaluate_role(model, tok, "verifier", examples, blind=True) <= 1.0
+    with pytest.raises(ValueError, match="blind"):
+        evaluate_role(model, tok, "selector", examples, blind=True)
+    assert main(["model", "init-role", str(tmp_path / "s"), "--role", "selector", "--blind",
+                 "--warm-start-steps", "0"]) == 2
+
+
 # --- router, launcher -----------------------------------------------------------------------
 def group_of(seqs, gid: str) -> TrajectoryGroup:
     return TrajectoryGroup(group_id=gid, prompt_id=gid, task_id=gid, workflow="solve_verify",
@@ -416,6 +520,24 @@ def test_launcher_plans_one_trainer_and_evaluator_per_policy():
     assert {"processor-batcher-solver", "processor-batcher-verifier"} <= set(procs)
     feeder = procs["feeder"]
     assert feeder[feeder.index("--workflow") + 1] == "solve_verify"
+
+
+def test_policy_eval_args_and_niceness_reach_its_processes():
+    import pydantic
+
+    from astraflow.launcher import plan_processes, process_niceness
+    from astraflow.topology import load_topology
+
+    topo = load_topology(REPO / "topology/solver-verifier.yaml")
+    spec = topo.policies["verifier"]
+    spec.eval_args, spec.nice = ["--blind", "--every", "20"], 10
+    procs = plan_processes(topo, "t.yaml")
+    ev = procs["eval-verifier"]
+    # the policy's flags come after the topology's, so its --every wins
+    assert ev[-3:] == ["--blind", "--every", "20"] and "--blind" not in procs["eval-solver"]
+    assert process_niceness(topo) == {"trainer-verifier": 10, "eval-verifier": 10}
+    with pytest.raises(pydantic.ValidationError, match="nice"):
+        type(spec)(model="m", nice=20)
 
 
 def test_progress_shows_each_policy():

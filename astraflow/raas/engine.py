@@ -167,23 +167,26 @@ class TorchEngine:
         t0 = time.perf_counter()
         with self._lock, torch.inference_mode():
             version = self.version
-            rows = [list(p) for p in prompts for _ in range(params.n)]
-            gens = [Generation(prompt_ids=list(p)) for p in rows]
-            self._sample(rows, gens, params, version)
+            gens = [Generation(prompt_ids=list(p)) for p in prompts for _ in range(params.n)]
+            self._sample([list(p) for p in prompts], gens, params, version)
         n_tok = sum(len(g.token_ids) for g in gens)
         self.tokens_generated += n_tok
         self.seconds_generating += time.perf_counter() - t0
         return [gens[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _sample(
-        self, rows: list[list[int]], gens: list[Generation], params: SamplingParams, version: int
+        self, prompts: list[list[int]], gens: list[Generation], params: SamplingParams,
+        version: int
     ) -> None:
+        """Samples ``params.n`` completions of each prompt into ``gens`` (prompt-major).
+
+        Each prompt is prefilled once; its KV cache and last logits are then repeated for
+        its n samples (the prefill of n identical rows would cost n times as much)."""
         dev = self.device
-        b = len(rows)
-        width = max(len(r) for r in rows)
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for i, r in enumerate(rows):
+        width = max(len(r) for r in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, r in enumerate(prompts):
             ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
@@ -195,12 +198,18 @@ class TorchEngine:
             gen.seed()
         stop_ids = set(params.stop_token_ids)
         window = max((len(s) for s in params.stop), default=0) + 8
+        b = len(gens)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
 
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()
         last_pos = positions[:, -1]
+        if params.n > 1:
+            cache.batch_repeat_interleave(params.n)
+            logits = logits.repeat_interleave(params.n, dim=0)
+            last_pos = last_pos.repeat_interleave(params.n, dim=0)
+            mask = mask.repeat_interleave(params.n, dim=0)
         for step in range(params.max_new_tokens):
             tok, lp = _pick(logits, params.temperature, params.top_p, gen)
             tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()

@@ -12,6 +12,12 @@ to ``samples.<policy>``) and its ``role``; ``meta`` records what the role saw an
 2. the verifier judges each answer once (``37+45=82?`` -> ``82y``: its own answer, then
    ``y``/``n``; a bare ``y``/``n`` is read as well), role ``verifier``: n verdicts per
    prompt;
+   With ``blind: true`` the verifier answers the problem before it sees a candidate: n
+   own answers per prompt (``37+45=`` -> ``82|``), then each is shown one candidate
+   (``73?``, not trained on) -> ``n``; one sequence ``37+45=82|73?n`` per verdict, ``meta``
+   ``own`` and ``own_matches``. An own answer not ended by ``|`` gets no verdict
+   (unparseable). The verifier model must be warm-started on this format (``model
+   init-role --blind``).
 3. each answer the verifier rejects (an explicit ``n``) is retried once by the solver with
    the rejection in its prompt (``37+45=82?n 37+45=`` -> ``83``), role ``solver_retry``.
    An approved or unparseable verdict ends the attempt. ``retry: false`` turns retries off.
@@ -43,7 +49,8 @@ router's ``split_roles: true``: each (policy, role) becomes its own group.
 Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS node):
 ``verify/approval_rate``, ``verify/retry_rate``, ``verify/verifier_accuracy``,
 ``verify/solver_first_accuracy``, ``verify/solver_final_accuracy``,
-``verify/unparseable_rate``; ``select/solver_accuracy``, ``select/final_accuracy``,
+``verify/unparseable_rate`` (approval and unparseable rates per verdict, retry rate per
+answer); ``select/solver_accuracy``, ``select/final_accuracy``,
 ``select/exactly_one_rate``, ``select/selector_accuracy`` (on pairs with exactly one right
 answer, when there are any), ``select/unparseable_rate``.
 
@@ -51,8 +58,11 @@ Options (both workflows): ``solver_policy`` (default ``solver``), ``verifier_pol
 (``verifier``) or ``selector_policy`` (``selector``), the sampling options of
 ``single_turn`` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) for the solver,
 ``verifier_sampling`` / ``selector_sampling`` (overrides for the judge; default
-``{"max_new_tokens": 8}``), ``checker``, ``max_answer_chars`` (12: how much of an answer the
-judge is shown); ``retry`` (solve_verify), ``ties`` (solve_select). The task's
+``{"max_new_tokens": 8}``, per turn), ``checker``, ``max_answer_chars`` (12: how much of an
+answer the judge is shown); ``retry``, ``blind`` and ``verdicts_per_prompt`` (solve_verify:
+only the first m of the n answers are judged, and so can be retried; default all n -- the
+answers are independent samples, so the first m are a random subset), ``ties``
+(solve_select). The task's
 ``policies`` list is informational: the engines are picked by the option names.
 """
 
@@ -65,6 +75,7 @@ from typing import Any
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows import (
     Checker,
+    SequenceBuilder,
     TaskError,
     _sampling,
     default_checker,
@@ -76,8 +87,10 @@ from astraflow.raas.workflows import (
 )
 from astraflow.records import Sequence, Task
 from astraflow.roles import (
+    OWN_END,
     REJECT,
     candidate_answer,
+    own_answer,
     parse_pick,
     parse_verdict,
     retry_prompt,
@@ -152,11 +165,17 @@ class SolveVerify(_TwoPolicyWorkflow):
         checker: Checker | None = None,
         verifier_sampling: Mapping[str, Any] | None = None,
         max_answer_chars: int = 12,
+        blind: bool = False,
+        verdicts_per_prompt: int | None = None,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
                          max_answer_chars, sampling)
+        if verdicts_per_prompt is not None and verdicts_per_prompt < 1:
+            raise ValueError("verdicts_per_prompt must be at least 1")
         self.retry = bool(retry)
+        self.blind = bool(blind)
+        self.verdicts_per_prompt = verdicts_per_prompt
 
     @property
     def verifier_policy(self) -> str:
@@ -186,13 +205,11 @@ class SolveVerify(_TwoPolicyWorkflow):
             cands.append([candidate_answer(t, self.max_answer_chars) for t in texts])
             right.append([checker(t, answer) > 0.5 for t in texts])
 
-        v_ids = [[_encode(verifier, verify_prompt(prompt, c)) for c in cs]
-                 for (_, prompt, _, _), cs in zip(live, cands)]
-        v_flat = verifier.generate([x for ids in v_ids for x in ids],
-                                   _sampling(self.judge_sampling, verifier, 1))
-        v_gens = [v_flat[k * n:(k + 1) * n] for k in range(len(live))]
-        verdicts = [[parse_verdict(verifier.decode(g[0].token_ids)) for g in gs]
-                    for gs in v_gens]
+        m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
+        judged = (self._judge_blind if self.blind else self._judge_seen)(
+            verifier, [prompt for _, prompt, _, _ in live], [c[:m] for c in cands],
+            [r[:m] for r in right], m)
+        verdicts = [[v for v, _ in vs] for vs in judged]
 
         rejected = [[j for j, v in enumerate(vs) if v is False] if self.retry else []
                     for vs in verdicts]
@@ -209,13 +226,7 @@ class SolveVerify(_TwoPolicyWorkflow):
                 out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j,
                                          float(ok), attempt="1", answer=cands[k][j],
                                          correct=_flag(ok)))
-            for j, (ids, g) in enumerate(zip(v_ids[k], v_gens[k])):
-                v = verdicts[k][j]
-                word = "?" if v is None else ("y" if v else "n")
-                ok = v is not None and v == right[k][j]
-                out.append(role_sequence(self.verifier_policy, ROLE_VERIFIER, ids, g[0], j,
-                                         float(ok), verdict=word, truth=_flag(right[k][j]),
-                                         answer=cands[k][j]))
+            out += [seq for _, seq in judged[k]]
             for j, ids in zip(rejected[k], r_ids[k]):
                 g = r_flat[at][0]
                 at += 1
@@ -228,20 +239,85 @@ class SolveVerify(_TwoPolicyWorkflow):
             results[i] = out
         return results
 
+    def _verdict(self, b: SequenceBuilder, v: bool | None, truth: bool, cand: str,
+                 **meta: str) -> tuple[bool | None, Sequence]:
+        b.meta.update(verdict="?" if v is None else ("y" if v else "n"), truth=_flag(truth),
+                      answer=cand, **meta)
+        s = b.build(float(v is not None and v == truth))
+        s.role = ROLE_VERIFIER
+        return v, s
+
+    def _judge_seen(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
+                    right: list[list[bool]], n: int) -> list[list[tuple[bool | None, Sequence]]]:
+        """One turn per candidate: ``37+45=82?`` -> ``82y``."""
+        v_ids = [[_encode(verifier, verify_prompt(prompt, c)) for c in cs]
+                 for prompt, cs in zip(prompts, cands)]
+        v_flat = verifier.generate([x for ids in v_ids for x in ids],
+                                   _sampling(self.judge_sampling, verifier, 1))
+        out = []
+        for k, ids_k in enumerate(v_ids):
+            row = []
+            for j, ids in enumerate(ids_k):
+                g = v_flat[k * n + j][0]
+                b = SequenceBuilder(self.verifier_policy, ids, j)
+                b.add_generated(g)
+                row.append(self._verdict(b, parse_verdict(verifier.decode(g.token_ids)),
+                                         right[k][j], cands[k][j]))
+            out.append(row)
+        return out
+
+    def _judge_blind(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
+                     right: list[list[bool]], n: int) -> list[list[tuple[bool | None, Sequence]]]:
+        """Two turns: the verifier answers the problem n times (``37+45=`` -> ``82|``), then
+        each own answer is shown one candidate (``73?``, not trained) -> ``n``."""
+        p_ids = [_encode(verifier, prompt) for prompt in prompts]
+        owns = verifier.generate(p_ids, _sampling(self.judge_sampling, verifier, n,
+                                                  stop=(OWN_END,)))
+        builders, asked, ask_ids = [], [], []
+        for k, gens in enumerate(owns):
+            row = []
+            for j, g in enumerate(gens):
+                b = SequenceBuilder(self.verifier_policy, p_ids[k], j)
+                b.add_generated(g)
+                own = own_answer(verifier.decode(g.token_ids))
+                if own is not None:
+                    b.add_external(_encode(verifier, f"{cands[k][j]}?"))
+                    asked.append((k, j))
+                    ask_ids.append(b.token_ids)
+                row.append((b, own))
+            builders.append(row)
+        answers = (verifier.generate(ask_ids, _sampling(self.judge_sampling, verifier, 1))
+                   if ask_ids else [])
+        verdict_gen = dict(zip(asked, (gs[0] for gs in answers)))
+        out = []
+        for k, row in enumerate(builders):
+            judged = []
+            for j, (b, own) in enumerate(row):
+                g = verdict_gen.get((k, j))
+                v = None
+                if g is not None:
+                    b.add_generated(g)
+                    v = parse_verdict(verifier.decode(g.token_ids))
+                judged.append(self._verdict(b, v, right[k][j], cands[k][j],
+                                            own="" if own is None else own,
+                                            own_matches=_flag(own == cands[k][j])))
+            out.append(judged)
+        return out
+
     @staticmethod
     def group_metrics(seqs: list[Sequence]) -> dict[str, float]:
         firsts = {s.sample_index: s for s in seqs if s.role == ROLE_SOLVER}
         verdicts = [s for s in seqs if s.role == ROLE_VERIFIER]
         retries = {s.sample_index: s for s in seqs if s.role == ROLE_RETRY}
-        n = max(len(firsts), 1)
+        n, n_v = max(len(firsts), 1), max(len(verdicts), 1)
         final = [(retries.get(j) or s).meta.get("correct") == "1" for j, s in firsts.items()]
         return {
-            "verify/approval_rate": sum(s.meta.get("verdict") == "y" for s in verdicts) / n,
+            "verify/approval_rate": sum(s.meta.get("verdict") == "y" for s in verdicts) / n_v,
             "verify/retry_rate": len(retries) / n,
             "verify/verifier_accuracy": _mean([s.reward for s in verdicts]),
             "verify/solver_first_accuracy": _mean([s.reward for s in firsts.values()]),
             "verify/solver_final_accuracy": _mean([float(x) for x in final]),
-            "verify/unparseable_rate": sum(s.meta.get("verdict") == "?" for s in verdicts) / n,
+            "verify/unparseable_rate": sum(s.meta.get("verdict") == "?" for s in verdicts) / n_v,
         }
 
 
