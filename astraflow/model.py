@@ -237,9 +237,7 @@ def _eos_ids(tokenizer, model=None) -> list[int]:
 
 def encode_example(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of prompt + answer + eos; the mask covers answer + eos."""
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return p + a, [0] * len(p) + [1] * len(a)
+    return encode_segments(tokenizer, prompt, [[answer, 1]])
 
 
 def encode_segments(tokenizer, prompt: str,

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
+from astraflow.dataflow.groups import with_sequences
 from astraflow.records import Sequence, TrajectoryGroup
 
 
@@ -53,11 +53,7 @@ def balance(group: TrajectoryGroup, policy: str, key: str = "truth",
         k = min(len(v) for v in by_class.values())
         keep = {id(s) for v in by_class.values() for s in rng.sample(v, k)}
     seqs = [s for s in group.sequences if s.policy != policy or id(s) in keep]
-    if not seqs:
-        return None
-    if len(seqs) == len(group.sequences):
-        return group
-    return replace(group, sequences=seqs, rewards=[s.reward for s in seqs])
+    return with_sequences(group, seqs)
 
 
 class ClassBalance(Processor):

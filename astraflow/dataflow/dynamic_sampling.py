@@ -12,12 +12,11 @@ any policy remains. A group of a single sample is zero-variance too and is dropp
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
-from astraflow.dataflow.groups import all_equal, rewards_of
+from astraflow.dataflow.groups import all_equal, rewards_of, with_sequences
 from astraflow.records import TrajectoryGroup
 
 
@@ -43,11 +42,7 @@ def informative(group: TrajectoryGroup, tol: float = 1e-6,
     keep = {p for p in dict.fromkeys(s.policy for s in group.sequences)
             if len(r := rewards_of(group, p)) >= 2 and not all_equal(r, tol)}
     seqs = [s for s in group.sequences if s.policy in keep]
-    if not seqs:
-        return None
-    if len(seqs) == len(group.sequences):
-        return group
-    return replace(group, sequences=seqs, rewards=[s.reward for s in seqs])
+    return with_sequences(group, seqs)
 
 
 class DynamicSampling(Processor):

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
+from astraflow import records
 from astraflow.records import TrajectoryGroup
 
 EASY = "easy"
 HARD = "hard"
 MIXED = "mixed"
+
+
+def with_sequences(group: TrajectoryGroup,
+                   seqs: list[records.Sequence]) -> TrajectoryGroup | None:
+    """``group`` cut down to ``seqs`` (a subset of its sequences, in order) with their
+    rewards; ``group`` itself when nothing was cut, None when nothing is left."""
+    if not seqs:
+        return None
+    if len(seqs) == len(group.sequences):
+        return group
+    return replace(group, sequences=seqs, rewards=[s.reward for s in seqs])
 
 
 def rewards_of(group: TrajectoryGroup, policy: str | None = None) -> list[float]:

@@ -87,6 +87,7 @@ from astraflow.raas.workflows import (
 )
 from astraflow.records import Sequence, Task
 from astraflow.roles import (
+    APPROVE,
     OWN_END,
     REJECT,
     candidate_answer,
@@ -209,10 +210,9 @@ class SolveVerify(_TwoPolicyWorkflow):
         judged = (self._judge_blind if self.blind else self._judge_seen)(
             verifier, [prompt for _, prompt, _, _ in live], [c[:m] for c in cands],
             [r[:m] for r in right], m)
-        verdicts = [[v for v, _ in vs] for vs in judged]
 
-        rejected = [[j for j, v in enumerate(vs) if v is False] if self.retry else []
-                    for vs in verdicts]
+        rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT]
+                    if self.retry else [] for seqs in judged]
         r_ids = [[_encode(solver, retry_prompt(prompt, cands[k][j], REJECT)) for j in rej]
                  for k, ((_, prompt, _, _), rej) in enumerate(zip(live, rejected))]
         r_all = [x for ids in r_ids for x in ids]
@@ -226,7 +226,7 @@ class SolveVerify(_TwoPolicyWorkflow):
                 out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j,
                                          float(ok), attempt="1", answer=cands[k][j],
                                          correct=_flag(ok)))
-            out += [seq for _, seq in judged[k]]
+            out += judged[k]
             for j, ids in zip(rejected[k], r_ids[k]):
                 g = r_flat[at][0]
                 at += 1
@@ -240,15 +240,17 @@ class SolveVerify(_TwoPolicyWorkflow):
         return results
 
     def _verdict(self, b: SequenceBuilder, v: bool | None, truth: bool, cand: str,
-                 **meta: str) -> tuple[bool | None, Sequence]:
-        b.meta.update(verdict="?" if v is None else ("y" if v else "n"), truth=_flag(truth),
-                      answer=cand, **meta)
+                 **meta: str) -> Sequence:
+        """The verdict ``v`` (None: unparseable) of ``b``'s sequence, scored against the
+        truth of the answer it judged."""
+        b.meta.update(verdict="?" if v is None else (APPROVE if v else REJECT),
+                      truth=_flag(truth), answer=cand, **meta)
         s = b.build(float(v is not None and v == truth))
         s.role = ROLE_VERIFIER
-        return v, s
+        return s
 
     def _judge_seen(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
-                    right: list[list[bool]], n: int) -> list[list[tuple[bool | None, Sequence]]]:
+                    right: list[list[bool]], n: int) -> list[list[Sequence]]:
         """One turn per candidate: ``37+45=82?`` -> ``82y``."""
         v_ids = [[_encode(verifier, verify_prompt(prompt, c)) for c in cs]
                  for prompt, cs in zip(prompts, cands)]
@@ -267,7 +269,7 @@ class SolveVerify(_TwoPolicyWorkflow):
         return out
 
     def _judge_blind(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
-                     right: list[list[bool]], n: int) -> list[list[tuple[bool | None, Sequence]]]:
+                     right: list[list[bool]], n: int) -> list[list[Sequence]]:
         """Two turns: the verifier answers the problem n times (``37+45=`` -> ``82|``), then
         each own answer is shown one candidate (``73?``, not trained) -> ``n``."""
         p_ids = [_encode(verifier, prompt) for prompt in prompts]
@@ -283,7 +285,7 @@ class SolveVerify(_TwoPolicyWorkflow):
                 if own is not None:
                     b.add_external(_encode(verifier, f"{cands[k][j]}?"))
                     asked.append((k, j))
-                    ask_ids.append(b.token_ids)
+                    ask_ids.append(list(b.token_ids))
                 row.append((b, own))
             builders.append(row)
         answers = (verifier.generate(ask_ids, _sampling(self.judge_sampling, verifier, 1))
