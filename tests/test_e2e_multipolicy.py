@@ -60,6 +60,11 @@ def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, ka
     topo["pools"]["local"]["raas_args"] = [
         "--tasks-per-transaction", "8", "--workflow-options", 'solve_verify={"max_new_tokens": 8}']
     topo["processors"]["batcher-verifier"]["options"]["batch_size"] = 8
+    # and at max staleness 8 (the shipped run allows 16)
+    topo["processors"]["staleness"]["options"]["max_staleness"] = 8
+    for policy in POLICIES:
+        topo["processors"][f"batcher-{policy}"]["options"]["max_staleness"] = 8
+        topo["policies"][policy]["trainer_args"] = ["--max-staleness", "8"]
     # measured without class_balance: the verifier's batcher reads the router's output
     topo["processors"].pop("balance-verifier", None)
     topo["topics"].pop("samples.verifier.balanced", None)

@@ -103,8 +103,12 @@ def test_blind_verifier_answers_before_it_sees_the_candidate():
     solver = ScriptedEngine("solver", ["82", "73", "73", "82", "82"], version=5)
     # first turn: own answers (the third one never ends), then one verdict per own answer
     verifier = ScriptedEngine("verifier", ["82|", "73|", "8", "y", "y"], version=2)
+    budgets: list[int] = []
+    real = verifier.generate
+    verifier.generate = lambda ps, params: budgets.append(params.max_new_tokens) or real(ps, params)
     wf = make_workflow("solve_verify", max_new_tokens=4, blind=True)
     seqs = wf.run(task(), {"solver": solver, "verifier": verifier}, 3)
+    assert budgets == [8, 1]  # the second turn samples the verdict token only
 
     verdicts = [s for s in seqs if s.role == "verifier"]
     assert [s.policy for s in verdicts] == ["verifier"] * 3

@@ -46,7 +46,9 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         if policy in engines:
             print(f"astraflow raas run: policy {policy!r} given twice", file=sys.stderr)
             return 2
-        engines[policy] = load_torch_engine(path, policy, device=args.device, dtype=args.dtype)
+        engines[policy] = load_torch_engine(
+            path, policy, device=args.device, dtype=args.dtype,
+            prefix_cache_bytes=int(args.prefix_cache_mib * 2**20))
         log.info("policy %s: loaded %s on %s (version 0)", policy, path, args.device)
     options = NodeOptions(
         pool=args.pool,
@@ -96,6 +98,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     run.add_argument("--tasks-per-transaction", type=int, default=1, metavar="K")
     run.add_argument("--device", default="cpu")
     run.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
+    run.add_argument(
+        "--prefix-cache-mib",
+        type=float,
+        default=256.0,
+        metavar="MIB",
+        help="keys/values of earlier generations kept per policy for prompts that continue "
+        "them (multi-turn workflows); 0 turns it off",
+    )
     run.add_argument("--session-timeout-ms", type=int, default=10_000)
     run.add_argument(
         "--no-follow-weights",

@@ -5,7 +5,8 @@ behaviour log-probability and the weight version that produced it. Engines are s
 purpose so that other backends (vLLM, OpenAI-compatible servers) can plug in later.
 
 ``TorchEngine`` is the embedded default: a plain PyTorch/transformers sampling loop with a
-KV cache over a left-padded batch.
+KV cache over a left-padded batch, and a prefix cache (``prefix_cache.py``) that keeps the
+keys and values of earlier calls' rows for prompts that continue them.
 
 Log-probabilities: for every sampled token the engine reports
 ``log_softmax(logits / temperature)[token]``, i.e. the log-probability under the
@@ -23,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from astraflow.raas.prefix_cache import PrefixCache
+
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -109,6 +114,7 @@ class TorchEngine:
         policy: str = "actor",
         version: int = 0,
         device: str | torch.device | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ):
         self.device = (
             torch.device(device) if device is not None else next(model.parameters()).device
@@ -121,6 +127,7 @@ class TorchEngine:
         self._lock = threading.Lock()  # generation and weight swaps never overlap
         self.tokens_generated = 0
         self.seconds_generating = 0.0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
 
@@ -155,6 +162,8 @@ class TorchEngine:
                     f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})"
                 )
             self.version = version
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear(version)
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
@@ -183,14 +192,7 @@ class TorchEngine:
         Each prompt is prefilled once; its KV cache and last logits are then repeated for
         its n samples (the prefill of n identical rows would cost n times as much)."""
         dev = self.device
-        width = max(len(r) for r in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, r in enumerate(prompts):
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions, cache = self._prefill_inputs(prompts)
         gen = torch.Generator(device=dev)
         if params.seed is not None:
             gen.manual_seed(params.seed)
@@ -201,8 +203,10 @@ class TorchEngine:
         b = len(gens)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
 
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True)
         cache = out.past_key_values
+        prompt_mask = mask
         logits = out.logits[:, -1, :].float()
         last_pos = positions[:, -1]
         if params.n > 1:
@@ -210,6 +214,7 @@ class TorchEngine:
             logits = logits.repeat_interleave(params.n, dim=0)
             last_pos = last_pos.repeat_interleave(params.n, dim=0)
             mask = mask.repeat_interleave(params.n, dim=0)
+            prompt_mask = mask
         for step in range(params.max_new_tokens):
             tok, lp = _pick(logits, params.temperature, params.top_p, gen)
             tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
@@ -248,6 +253,62 @@ class TorchEngine:
         for g in gens:
             if g.finish_reason != "stop":
                 g.finish_reason = "length"
+        if self.prefix_cache is not None:
+            self._keep_prefixes(cache, prompt_mask, gens, version)
+
+    def _prefill_inputs(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """Input ids, attention mask, positions and past keys/values of the prefill: each
+        prompt's longest prefix in the prefix cache comes from there (right-aligned in the
+        first ``W`` columns), the rest of it is fed (right-aligned in the last ``S``)."""
+        pc = self.prefix_cache
+        if pc is not None and pc.version != self.version:
+            pc.clear(self.version)
+        hits = [pc.lookup(p) for p in prompts] if pc is not None and len(pc) else []
+        past = [h.length if h else 0 for h in hits] or [0] * len(prompts)
+        w = max(past)
+        rests = [p[n:] for p, n in zip(prompts, past)]
+        s = max(len(r) for r in rests)
+        ids = torch.full((len(prompts), s), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), w + s), dtype=torch.long)
+        positions = torch.zeros((len(prompts), s), dtype=torch.long)
+        for i, (r, n) in enumerate(zip(rests, past)):
+            ids[i, s - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, w - n: w] = 1
+            mask[i, w + s - len(r):] = 1
+            positions[i, s - len(r):] = torch.arange(n, n + len(r))
+        cache = None
+        if w:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(pc.gather(hits, w))  # type: ignore[union-attr]
+        dev = self.device
+        return ids.to(dev), mask.to(dev), positions.to(dev), cache
+
+    def _keep_prefixes(self, cache: Any, prompt_mask: torch.Tensor, gens: list[Generation],
+                       version: int) -> None:
+        """Stores each row's keys/values (its prompt and all generated tokens but the last,
+        the ones fed through the model) in the prefix cache."""
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(la).__name__ != "DynamicLayer" for la in layers):
+            return  # sliding windows and other layouts keep only part of the keys
+        start = prompt_mask.shape[1]
+        rows, cols = [], []
+        for g, m in zip(gens, prompt_mask.tolist()):
+            fed = [c for c, on in enumerate(m) if on]
+            fed += range(start, start + len(g.token_ids) - 1)
+            rows.append(list(g.prompt_ids) + g.token_ids[:-1])
+            cols.append(fed)
+        width = max(len(c) for c in cols)
+        idx = torch.tensor([c + [0] * (width - len(c)) for c in cols], device=self.device)
+        kv = []
+        for la in layers:
+            g_idx = idx[:, None, :, None].expand(-1, la.keys.shape[1], -1, la.keys.shape[3])
+            kv.append((torch.gather(la.keys, 2, g_idx), torch.gather(la.values, 2, g_idx)))
+        assert self.prefix_cache is not None
+        if self.prefix_cache.version == version:
+            self.prefix_cache.add(kv, rows)
 
 
 def _pick(
@@ -271,9 +332,11 @@ def _pick(
 
 
 def load_torch_engine(
-    path: str, policy: str, device: str | None = None, dtype: str | None = None
+    path: str, policy: str, device: str | None = None, dtype: str | None = None,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
 ) -> TorchEngine:
-    """A ``TorchEngine`` for a local model directory (no downloads)."""
+    """A ``TorchEngine`` for a local model directory (no downloads); ``prefix_cache_bytes``
+    0 turns the prefix cache off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -281,7 +344,8 @@ def load_torch_engine(
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return TorchEngine(model, tokenizer, policy=policy, version=0, device=device or "cpu")
+    return TorchEngine(model, tokenizer, policy=policy, version=0, device=device or "cpu",
+                       prefix_cache_bytes=prefix_cache_bytes)
 
 
 __all__ = ["Engine", "Generation", "SamplingParams", "TorchEngine", "load_torch_engine"]

@@ -288,7 +288,9 @@ class SolveVerify(_TwoPolicyWorkflow):
                     ask_ids.append(list(b.token_ids))
                 row.append((b, own))
             builders.append(row)
-        answers = (verifier.generate(ask_ids, _sampling(self.judge_sampling, verifier, 1))
+        # the verdict is the turn's first token: nothing after it is read or worth a step
+        answers = (verifier.generate(ask_ids, _sampling({**self.judge_sampling,
+                                                         "max_new_tokens": 1}, verifier, 1))
                    if ask_ids else [])
         verdict_gen = dict(zip(asked, (gs[0] for gs in answers)))
         out = []
