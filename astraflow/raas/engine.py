@@ -127,7 +127,8 @@ class TorchEngine:
         self._lock = threading.Lock()  # generation and weight swaps never overlap
         self.tokens_generated = 0
         self.seconds_generating = 0.0
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes, version)
+                             if prefix_cache_bytes else None)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
 
@@ -206,7 +207,7 @@ class TorchEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        prompt_mask = mask
+        prompt_mask = mask  # one row per prompt
         logits = out.logits[:, -1, :].float()
         last_pos = positions[:, -1]
         if params.n > 1:
@@ -214,7 +215,6 @@ class TorchEngine:
             logits = logits.repeat_interleave(params.n, dim=0)
             last_pos = last_pos.repeat_interleave(params.n, dim=0)
             mask = mask.repeat_interleave(params.n, dim=0)
-            prompt_mask = mask
         for step in range(params.max_new_tokens):
             tok, lp = _pick(logits, params.temperature, params.top_p, gen)
             tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
@@ -254,7 +254,7 @@ class TorchEngine:
             if g.finish_reason != "stop":
                 g.finish_reason = "length"
         if self.prefix_cache is not None:
-            self._keep_prefixes(cache, prompt_mask, gens, version)
+            self._keep_prefixes(cache, prompt_mask, gens, params.n)
 
     def _prefill_inputs(
         self, prompts: list[list[int]]
@@ -262,11 +262,10 @@ class TorchEngine:
         """Input ids, attention mask, positions and past keys/values of the prefill: each
         prompt's longest prefix in the prefix cache comes from there (right-aligned in the
         first ``W`` columns), the rest of it is fed (right-aligned in the last ``S``)."""
-        pc = self.prefix_cache
-        if pc is not None and pc.version != self.version:
-            pc.clear(self.version)
-        hits = [pc.lookup(p) for p in prompts] if pc is not None and len(pc) else []
-        past = [h.length if h else 0 for h in hits] or [0] * len(prompts)
+        pc = self.prefix_cache  # cleared by load_state_dict: it holds these weights' keys
+        hits = ([pc.lookup(p) for p in prompts] if pc is not None and len(pc)
+                else [None] * len(prompts))
+        past = [h.length if h else 0 for h in hits]
         w = max(past)
         rests = [p[n:] for p, n in zip(prompts, past)]
         s = max(len(r) for r in rests)
@@ -287,19 +286,19 @@ class TorchEngine:
         return ids.to(dev), mask.to(dev), positions.to(dev), cache
 
     def _keep_prefixes(self, cache: Any, prompt_mask: torch.Tensor, gens: list[Generation],
-                       version: int) -> None:
+                       n: int) -> None:
         """Stores each row's keys/values (its prompt and all generated tokens but the last,
-        the ones fed through the model) in the prefix cache."""
+        the ones fed through the model) in the prefix cache; ``prompt_mask``: one row per
+        prompt, whose ``n`` samples are ``gens``' consecutive rows."""
         layers = getattr(cache, "layers", None)
         if not layers or any(type(la).__name__ != "DynamicLayer" for la in layers):
             return  # sliding windows and other layouts keep only part of the keys
         start = prompt_mask.shape[1]
+        prompt_cols = [[c for c, on in enumerate(m) if on] for m in prompt_mask.tolist()]
         rows, cols = [], []
-        for g, m in zip(gens, prompt_mask.tolist()):
-            fed = [c for c, on in enumerate(m) if on]
-            fed += range(start, start + len(g.token_ids) - 1)
+        for i, g in enumerate(gens):
+            cols.append(prompt_cols[i // n] + list(range(start, start + len(g.token_ids) - 1)))
             rows.append(list(g.prompt_ids) + g.token_ids[:-1])
-            cols.append(fed)
         width = max(len(c) for c in cols)
         idx = torch.tensor([c + [0] * (width - len(c)) for c in cols], device=self.device)
         kv = []
@@ -307,8 +306,7 @@ class TorchEngine:
             g_idx = idx[:, None, :, None].expand(-1, la.keys.shape[1], -1, la.keys.shape[3])
             kv.append((torch.gather(la.keys, 2, g_idx), torch.gather(la.values, 2, g_idx)))
         assert self.prefix_cache is not None
-        if self.prefix_cache.version == version:
-            self.prefix_cache.add(kv, rows)
+        self.prefix_cache.add(kv, rows)
 
 
 def _pick(

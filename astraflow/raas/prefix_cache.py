@@ -46,11 +46,11 @@ class _Node:
 class PrefixCache:
     """Keys/values of generated rows, found by the longest common token prefix."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, version: int | None = None):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
-        self.version: int | None = None
+        self.version = version  # of the weights whose keys/values it holds
         self._blocks: OrderedDict[int, tuple[list[LayerKV], list[list[int]], int]] = (
             OrderedDict())
         self._root = _Node()
@@ -76,9 +76,12 @@ class PrefixCache:
                    for k, v in layers)
         if size > self.max_bytes:
             return
+        evicted = False
         while self._blocks and self.bytes + size > self.max_bytes:
             _, (_, _, old) = self._blocks.popitem(last=False)
             self.bytes -= old
+            evicted = True
+        if evicted:
             self._rebuild()
         block = self._next
         self._next += 1
@@ -95,7 +98,7 @@ class PrefixCache:
             node = node.children.get(tok)  # type: ignore[assignment]
             if node is None:
                 break
-            if node.ref is not None and node.ref[0] in self._blocks:
+            if node.ref is not None:  # the trie is rebuilt on eviction: refs are live
                 best = PrefixHit(depth, *node.ref)
         if best is not None:
             self.hits += 1
@@ -107,21 +110,23 @@ class PrefixCache:
         hit's ``length`` positions in its last columns (the rest, masked out by the caller,
         are copies)."""
         used = [(i, h) for i, h in enumerate(hits) if h is not None]
-        sample = self._blocks[used[0][1].block][0]
+        device = self._blocks[used[0][1].block][0][0][0].device
+        plan = []  # per block: its layers, the rows it gives, where they go, which columns
+        for block in {h.block for _, h in used}:
+            mine = [(i, h) for i, h in used if h.block == block]
+            rows = torch.tensor([h.row for _, h in mine], device=device)
+            dest = torch.tensor([i for i, _ in mine], device=device)
+            # column c of row i reads source column c - (width - length), clamped at 0
+            shift = torch.tensor([width - h.length for _, h in mine], device=device)
+            cols = (torch.arange(width, device=device)[None, :] - shift[:, None]).clamp(min=0)
+            plan.append((self._blocks[block][0], rows, dest, cols[:, None, :, None]))
         out = []
-        for layer, (k0, _) in enumerate(sample):
+        for layer, (k0, _) in enumerate(plan[0][0]):
             k = k0.new_zeros((len(hits), k0.shape[1], width, k0.shape[3]))
             v = torch.zeros_like(k)
-            for block in {h.block for _, h in used}:
-                mine = [(i, h) for i, h in used if h.block == block]
-                bk, bv = self._blocks[block][0][layer]
-                rows = torch.tensor([h.row for _, h in mine], device=bk.device)
-                dest = torch.tensor([i for i, _ in mine], device=bk.device)
-                # column c of row i reads source column c - (width - length), clamped at 0
-                shift = torch.tensor([width - h.length for _, h in mine], device=bk.device)
-                cols = (torch.arange(width, device=bk.device)[None, :] - shift[:, None]).clamp(
-                    min=0)
-                idx = cols[:, None, :, None].expand(-1, bk.shape[1], -1, bk.shape[3])
+            for layers, rows, dest, cols in plan:
+                bk, bv = layers[layer]
+                idx = cols.expand(-1, bk.shape[1], -1, bk.shape[3])
                 k[dest] = torch.gather(bk[rows], 2, idx)
                 v[dest] = torch.gather(bv[rows], 2, idx)
             out.append((k, v))
