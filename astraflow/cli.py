@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from astraflow.broker import BrokerError, EmbeddedBroker
+from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
 from astraflow.topology import Topology, TopologyError, load_topology
 
@@ -282,6 +283,7 @@ _EXTENSIONS = (
     "astraflow.feeder",
     "astraflow.raas.cli",
     "astraflow.evaluator",
+    "astraflow.tasks.generate",
     "astraflow.launcher",
 )
 
@@ -306,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.loaded_topology = None
         return args.func(args)
-    except (TopologyError, BrokerError) as e:
+    except (TopologyError, BrokerError, AstraflowError) as e:
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
 

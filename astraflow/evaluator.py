@@ -8,6 +8,7 @@ weight engine, scores greedy answers on the held-out split and publishes the acc
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -27,7 +28,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--policy", default="actor")
     r.add_argument("--model", required=True, metavar="PATH", help="the policy's base model dir")
     r.add_argument("--every", type=int, default=5, metavar="N", help="evaluate versions k*N")
-    r.add_argument("--levels", default="1,2")
+    r.add_argument("--levels", default="1,2", help="synthetic arithmetic levels (no --dataset)")
+    r.add_argument("--dataset", metavar="FILE", help="held-out .jsonl/.parquet file (default: "
+                   "the synthetic arithmetic eval split)")
+    r.add_argument("--prompt-field", default=None)
+    r.add_argument("--answer-field", default=None)
+    r.add_argument("--messages-field", default=None)
+    r.add_argument("--reward", type=reward_arg, default=None, metavar="NAME|JSON",
+                   help="reward from astraflow.tasks.rewards (default numeric), e.g. "
+                   "exact_match or '{\"name\": \"format\", \"pattern\": \"\\\\d+\"}'")
+    r.add_argument("--chat", type=chat_arg, default=None, metavar="JSON",
+                   help='prompt format, e.g. \'{"template": "auto", "system_prompt": "..."}\'')
+    r.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
     r.add_argument("--size", type=int, default=200, help="held-out prompts")
     r.add_argument("--max-new-tokens", type=int, default=8)
     r.add_argument("--once", action="store_true", help="evaluate the latest version and exit")
@@ -41,6 +53,46 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def reward_arg(text: str) -> Any:
+    """``--reward``: a reward name, or a JSON mapping with its options (checked now)."""
+    from astraflow.tasks.rewards import RewardError, make_reward
+
+    spec: Any = text
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    try:
+        make_reward(spec)
+    except RewardError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def chat_arg(text: str) -> Any:
+    """``--chat``: a JSON mapping for ``astraflow.chat.ChatFormat``."""
+    from astraflow.chat import ChatFormat
+
+    try:
+        return ChatFormat.from_options(json.loads(text))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"chat: {e}") from None
+
+
+def held_out_tasks(args: argparse.Namespace) -> list[Any]:
+    """The evaluator's tasks: ``--size`` rows of ``--dataset``, else the synthetic eval split."""
+    if args.dataset:
+        from astraflow.tasks.datasets import load_dataset_file
+
+        return load_dataset_file(args.dataset, prompt_field=args.prompt_field,
+                                 answer_field=args.answer_field,
+                                 messages_field=args.messages_field, limit=args.size)
+    from astraflow.tasks.arithmetic import eval_problems
+
+    return eval_problems(levels=[int(x) for x in args.levels.split(",")], n=args.size)
+
+
 def cmd_eval_run(args: argparse.Namespace) -> int:
     import torch
 
@@ -49,7 +101,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     from astraflow.kafka.clients import RecordProducer
     from astraflow.model import evaluate, load_policy
     from astraflow.records import ComponentStatus
-    from astraflow.tasks.arithmetic import eval_problems
+    from astraflow.tasks.rewards import make_reward
     from astraflow.weights import WeightFollower
 
     if args.blind and args.role != "verifier":
@@ -57,8 +109,9 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     topo = args.loaded_topology
     config = kafka_config(args)
     torch.set_num_threads(1)
-    model, tokenizer = load_policy(args.model)
-    tasks = eval_problems(levels=[int(x) for x in args.levels.split(",")], n=args.size)
+    model, tokenizer = load_policy(args.model, dtype=args.dtype)
+    tasks = held_out_tasks(args)
+    reward = make_reward(args.reward)
     scorer = None
     if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
         from astraflow.roles import role_scorer
@@ -91,7 +144,8 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
             model.load_state_dict(follower.state)
             t0 = time.time()
             acc = (scorer(model, tokenizer) if scorer is not None else
-                   evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens))
+                   evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens,
+                            chat=args.chat, reward=reward))
             done.update(x for x in wanted if x <= v)
             log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
                      args.policy, v, acc, len(tasks), time.time() - t0,

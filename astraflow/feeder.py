@@ -180,6 +180,7 @@ def load_payloads(
     prompt_field: str | None = None,
     answer_field: str | None = None,
     family: str = "arithmetic",
+    messages_field: str | None = None,
 ) -> list[dict[str, Any]]:
     """Payloads from a local dataset file, or ``size`` distinct synthetic problems of
     ``family``: ``arithmetic`` (``astraflow.tasks.arithmetic``) or ``code``
@@ -193,6 +194,7 @@ def load_payloads(
             dataset,
             prompt_field=prompt_field,
             answer_field=answer_field,
+            messages_field=messages_field,
             limit=size if size > 0 else None,
         )
     if family == "code":
@@ -238,6 +240,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     r.add_argument("--prompt-field", default=None)
     r.add_argument("--answer-field", default=None)
+    r.add_argument("--messages-field", default=None,
+                   help="a field holding chat messages (list of {role, content})")
     r.add_argument(
         "--task-family",
         default="arithmetic",
@@ -289,6 +293,7 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
             prompt_field=args.prompt_field,
             answer_field=args.answer_field,
             family=getattr(args, "task_family", "arithmetic"),
+            messages_field=args.messages_field,
         )
     except (TopologyError, DatasetError, ValueError) as e:
         print(f"astraflow: {e}", file=sys.stderr)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astraflow.topology import Topology
+from astraflow.topology import ChatSpec, DatasetSpec, FeederSpec, Topology
 
 
 def register(subparsers: Any) -> None:
@@ -46,7 +46,6 @@ def _astraflow(*args: str) -> list[str]:
 def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
     """Name -> command line of every process `up` starts for ``topo``."""
     procs: dict[str, list[str]] = {}
-    policy_models = [f"{p}={spec.model}" for p, spec in topo.policies.items()]
     for policy, spec in topo.policies.items():
         procs[f"trainer-{policy}"] = _astraflow(
             "trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
@@ -57,21 +56,69 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
                                                 "--instance", "up")
     for pool, spec in topo.pools.items():
         for i in range(spec.nodes):
-            args = ["raas", "run", "--topology", path, "--pool", pool, "--instance",
-                    f"{pool}-{i}", "--n-samples", str(spec.n_samples)]
-            for pm in policy_models:
-                args += ["--policy-model", pm]
-            procs[f"raas-{pool}-{i}"] = _astraflow(*args, *spec.raas_args)
+            procs[f"raas-{pool}-{i}"] = _astraflow(*_raas_args(topo, path, pool, i))
     if topo.feeder is not None:
-        procs["feeder"] = _astraflow("feeder", "run", "--topology", path, *topo.feeder.args)
+        procs["feeder"] = _astraflow("feeder", "run", "--topology", path,
+                                     *_feeder_args(topo.feeder), *topo.feeder.args)
     if topo.eval is not None:
-        for policy, spec in topo.policies.items():
-            role = ["--role", spec.role] if spec.role != "solver" else []
-            procs[f"eval-{policy}"] = _astraflow(
-                "eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-                "--every", str(topo.eval.every_versions), *role, *topo.eval.args,
-                *spec.eval_args)
+        for policy in topo.policies:
+            procs[f"eval-{policy}"] = _astraflow(*_eval_args(topo, path, policy))
     return procs
+
+
+def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
+    spec = topo.pools[pool]
+    args = ["raas", "run", "--topology", path, "--pool", pool, "--instance",
+            f"{pool}-{index}", "--n-samples", str(spec.n_samples)]
+    for policy, p in topo.policies.items():
+        args += ["--policy-model", f"{policy}={p.model}"]
+        if p.chat != ChatSpec():
+            args += ["--chat", f"{policy}={json.dumps(p.chat.model_dump())}"]
+    if spec.engine != "torch":
+        args += ["--engine", spec.engine]
+    if spec.engine_options:
+        args += ["--engine-options", json.dumps(spec.engine_options)]
+    dtypes = {p.dtype for p in topo.policies.values() if p.dtype}
+    if len(dtypes) == 1:
+        args += ["--dtype", dtypes.pop()]
+    if spec.tasks_per_transaction != 1:
+        args += ["--tasks-per-transaction", str(spec.tasks_per_transaction)]
+    for name, options in spec.workflows.items():
+        args += ["--workflow-options", f"{name}={json.dumps(options)}"]
+    return [*args, *spec.raas_args]
+
+
+def _dataset_args(d: DatasetSpec) -> list[str]:
+    args = ["--dataset", d.path]
+    for name in ("prompt_field", "answer_field", "messages_field"):
+        value = getattr(d, name)
+        if value:
+            args += ["--" + name.replace("_", "-"), value]
+    return args
+
+
+def _feeder_args(feeder: FeederSpec) -> list[str]:
+    args = _dataset_args(feeder.dataset) if feeder.dataset else []
+    return args + (["--rate", str(feeder.rate)] if feeder.rate else [])
+
+
+def _eval_args(topo: Topology, path: str, policy: str) -> list[str]:
+    spec, ev = topo.policies[policy], topo.eval
+    assert ev is not None
+    args = ["eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
+            "--every", str(ev.every_versions), "--size", str(ev.size),
+            "--max-new-tokens", str(ev.max_new_tokens)]
+    if spec.role != "solver":
+        args += ["--role", spec.role]
+    if ev.dataset:
+        args += _dataset_args(ev.dataset)
+    if ev.reward is not None:
+        args += ["--reward", ev.reward if isinstance(ev.reward, str) else json.dumps(ev.reward)]
+    if spec.chat != ChatSpec():
+        args += ["--chat", json.dumps(spec.chat.model_dump())]
+    if spec.dtype:
+        args += ["--dtype", spec.dtype]
+    return [*args, *ev.args, *spec.eval_args]
 
 
 def process_niceness(topo: Topology) -> dict[str, int]:
@@ -268,6 +315,9 @@ def _write_tiny_models(topo: Topology) -> bool:
     write (``init_tiny: false``)."""
     wrote = False
     for policy, spec in topo.policies.items():
+        if spec.import_from:
+            wrote = _import_model(policy, spec) or wrote
+            continue
         stale = _tiny_model_outdated(spec)
         if not stale and Path(spec.model, "config.json").exists():
             continue
@@ -280,6 +330,20 @@ def _write_tiny_models(topo: Topology) -> bool:
         subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
         wrote = True
     return wrote
+
+
+def _import_model(policy: str, spec) -> bool:
+    """Import the policy's pretrained model (``import_from``) when its directory has none;
+    True if it was imported."""
+    if Path(spec.model, "config.json").exists():
+        return False
+    source = (["--gguf", spec.import_from] if spec.import_from.endswith(".gguf")
+              else [spec.import_from])
+    print(f"importing {spec.import_from} for {policy} into {spec.model}", flush=True)
+    done = subprocess.run(_astraflow("model", "import", *source, spec.model))
+    if done.returncode:
+        raise MissingModel(f"policy {policy}: importing {spec.import_from} failed")
+    return True
 
 
 def _model_init_command(spec) -> list[str]:

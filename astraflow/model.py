@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from astraflow.errors import AstraflowError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -54,7 +56,7 @@ MAX_POSITIONS = 256
 INIT_RECIPE = "astraflow_init.json"
 
 
-class ModelError(RuntimeError):
+class ModelError(AstraflowError, RuntimeError):
     pass
 
 
@@ -415,20 +417,30 @@ def evaluate(
     batch_size: int = 64,
     *,
     per_level: dict[int, float] | None = None,
+    chat: Any = None,
+    reward: Any = None,
 ) -> float:
-    """Greedy exact-match accuracy on ``tasks`` (fraction in [0, 1]).
+    """Greedy accuracy on ``tasks`` (mean reward, a fraction in [0, 1] for 0/1 rewards).
 
-    Pass a dict as ``per_level`` to get the accuracy of each payload ``level`` filled in.
+    ``chat``: the policy's ``astraflow.chat.ChatFormat`` (default: the chat template when
+    the tokenizer has one, else the plain prompt). ``reward``: a reward function
+    ``(completion, payload)`` from ``astraflow.tasks.rewards`` (default: the final number
+    against the answer). Pass a dict as ``per_level`` to get each payload ``level``'s
+    accuracy filled in.
     """
-    from astraflow.tasks.check import check_answer
+    from astraflow.chat import ChatFormat
+    from astraflow.tasks.rewards import make_reward
 
     if not tasks:
         raise ValueError("evaluate needs at least one task")
+    chat = chat or ChatFormat()
+    reward = reward or make_reward("numeric")
     payloads = [_payload(t) for t in tasks]
     completions = generate_answers(
-        model, tokenizer, [str(p["prompt"]) for p in payloads], max_new_tokens, batch_size
+        model, tokenizer, [chat.prompt_text(tokenizer, p) for p in payloads], max_new_tokens,
+        batch_size
     )
-    scores = [check_answer(c, str(p["answer"])) for c, p in zip(completions, payloads)]
+    scores = [reward(c, p) for c, p in zip(completions, payloads)]
     if per_level is not None:
         by: dict[int, list[float]] = {}
         for p, s in zip(payloads, scores):

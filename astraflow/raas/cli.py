@@ -30,6 +30,27 @@ def _workflow_option(text: str) -> tuple[str, dict[str, Any]]:
     return name, opts
 
 
+def _chat_option(text: str) -> tuple[str, Any]:
+    from astraflow.chat import ChatFormat
+
+    name, value = _workflow_option(text)
+    try:
+        return name, ChatFormat.from_options(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{name}: {e}") from None
+
+
+def _check_workflows(options: dict[str, dict[str, Any]]) -> None:
+    """Build every configured workflow once, so bad options fail at start, not per task."""
+    from astraflow.raas.workflows import make_workflow
+
+    for name, opts in options.items():
+        try:
+            make_workflow(name, **opts)
+        except Exception as e:  # noqa: BLE001 - reported as one line naming the workflow
+            raise SystemExit(f"astraflow raas run: --workflow-options {name}: {e}") from None
+
+
 def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.raas.engine import load_torch_engine
@@ -41,6 +62,12 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         getattr(args, "loaded_topology", None) or load_topology(args.topology)
     )
     config = kafka_config(args)
+    workflow_options = dict(args.workflow_options or [])
+    _check_workflows(workflow_options)
+    chats = dict(args.chat or [])
+    unknown = sorted(set(chats) - {p for p, _ in args.policy_model})
+    if unknown:
+        raise SystemExit(f"astraflow raas run: --chat {unknown[0]}: no such --policy-model")
     engines = {}
     for policy, path in args.policy_model:
         if policy in engines:
@@ -49,6 +76,8 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         engines[policy] = load_torch_engine(
             path, policy, device=args.device, dtype=args.dtype,
             prefix_cache_bytes=int(args.prefix_cache_mib * 2**20))
+        if policy in chats:
+            engines[policy].chat = chats[policy]
         log.info("policy %s: loaded %s on %s (version 0)", policy, path, args.device)
     options = NodeOptions(
         pool=args.pool,
@@ -57,7 +86,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         tasks_per_transaction=args.tasks_per_transaction,
         session_timeout_ms=args.session_timeout_ms,
         follow_weights=not args.no_follow_weights,
-        workflow_options=dict(args.workflow_options or []),
+        workflow_options=workflow_options,
     )
     node = RaaSNode(topo, engines, options, config=config)
 
@@ -88,6 +117,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         type=_kv,
         metavar="POLICY=PATH",
         help="a local transformers model directory per policy (repeatable)",
+    )
+    run.add_argument(
+        "--chat",
+        action="append",
+        type=_chat_option,
+        metavar="POLICY=JSON",
+        help='prompt format of a policy (astraflow.chat), e.g. actor=\'{"template": "auto", '
+        '"system_prompt": "Answer with the number only."}\' (repeatable)',
     )
     run.add_argument("--pool", default="default", help="pool name; group <run>.raas.<pool>")
     run.add_argument(

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from astraflow.chat import ChatFormat
 from astraflow.raas.prefix_cache import PrefixCache
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -105,6 +106,7 @@ class TorchEngine:
     ``model``: a ``PreTrainedModel`` (e.g. from ``AutoModelForCausalLM``); ``tokenizer``:
     its tokenizer (used for ``encode``/``decode``, stop strings and the eos id).
     ``version``: the version of the weights the model holds now (0: loaded from disk).
+    ``chat``: the policy's prompt format (``astraflow.chat.ChatFormat``; workflows read it).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class TorchEngine:
         self._lock = threading.Lock()  # generation and weight swaps never overlap
         self.tokens_generated = 0
         self.seconds_generating = 0.0
+        self.chat = ChatFormat()  # how workflows build this policy's prompts
         self.prefix_cache = (PrefixCache(prefix_cache_bytes, version)
                              if prefix_cache_bytes else None)
         pad = getattr(tokenizer, "pad_token_id", None)

@@ -24,9 +24,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from astraflow.chat import PromptError, engine_chat
 from astraflow.raas.calc import CalcError, calculate
 from astraflow.raas.engine import Engine, Generation, SamplingParams
 from astraflow.records import Sequence, Task
+from astraflow.tasks.rewards import make_reward
 
 Checker = Callable[[str, str], float]
 
@@ -236,31 +238,66 @@ def _sampling(options: Mapping[str, Any], engine: Engine, n: int, **extra: Any) 
 
 
 # --- single turn -------------------------------------------------------------------------
-def _prompt_task(task: Task, engines: Mapping[str, Engine]) -> tuple[str, Engine, list[int]]:
-    """``(answer, engine, prompt token ids)`` of a prompt/answer task; ``TaskError`` if unusable."""
-    payload = parse_payload(task, ("prompt", "answer"))
+def _prompt_task(
+    task: Task, engines: Mapping[str, Engine]
+) -> tuple[dict[str, Any], Engine, list[int]]:
+    """``(payload, engine, prompt token ids)`` of a prompt/answer task, the prompt built by
+    the engine's chat format (``astraflow.chat``); ``TaskError`` if unusable."""
+    payload = parse_payload(task, ("answer",))
     engine = pick_engine(task, engines)
-    prompt_ids = engine.encode(str(payload["prompt"]))
-    if not prompt_ids:
-        raise TaskError("prompt encodes to no tokens")
-    return str(payload["answer"]), engine, prompt_ids
+    try:
+        prompt_ids = engine_chat(engine).prompt_ids(engine_tokenizer(engine), payload)
+    except PromptError as e:
+        raise TaskError(str(e)) from None
+    return payload, engine, prompt_ids
+
+
+def engine_tokenizer(engine: Engine) -> Any:
+    """The engine's tokenizer, or an adapter over its ``encode`` for engines without one."""
+    tok = getattr(engine, "tokenizer", None)
+    return tok if tok is not None else _EncodeOnly(engine)
+
+
+class _EncodeOnly:
+    chat_template = None
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.engine.encode(text)
+
+
+class Scorer:
+    """A workflow's reward: the registry's ``reward`` spec (``astraflow.tasks.rewards``),
+    else ``checker(completion, answer)``, else the default numeric check."""
+
+    def __init__(self, reward: Any = None, checker: Checker | None = None):
+        self.reward = make_reward(reward) if reward is not None else None
+        self.checker = checker
+
+    def __call__(self, completion: str, payload: Mapping[str, Any]) -> float:
+        if self.reward is not None:
+            return self.reward(completion, payload)
+        return (self.checker or default_checker())(completion, str(payload["answer"]))
 
 
 @register_workflow("single_turn")
 class SingleTurn:
-    """One prompt (``payload["prompt"]``), ``n`` samples, reward = checker(completion,
-    ``payload["answer"]``).
+    """One prompt (``payload["prompt"]`` or ``payload["messages"]``, formatted by the
+    engine's chat format), ``n`` samples, reward = the ``reward`` spec or the checker.
 
-    Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``checker``
-    (a callable; default ``astraflow.tasks.check_answer`` or exact match),
-    ``env_latency`` (seconds or a ``Latency`` mapping: extra delay per rollout, to mimic a
-    slow environment).
+    Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``reward`` (a name
+    or mapping from ``astraflow.tasks.rewards``), ``checker`` (a callable ``(completion,
+    answer)``; default ``astraflow.tasks.check_answer``), ``env_latency`` (seconds or a
+    ``Latency`` mapping: extra delay per rollout, to mimic a slow environment).
     """
 
     name = "single_turn"
 
-    def __init__(self, checker: Checker | None = None, env_latency: Any = None, **sampling: Any):
-        self.checker = checker
+    def __init__(self, checker: Checker | None = None, env_latency: Any = None,
+                 reward: Any = None, **sampling: Any):
+        self.score = Scorer(reward, checker)
         self.env_latency = Latency.from_option(env_latency)
         self.sampling = sampling
 
@@ -271,19 +308,18 @@ class SingleTurn:
         self, tasks: list[Task], engines: dict[str, Engine], n: int
     ) -> list[list[Sequence] | Exception]:
         results, ready = prepare_each(tasks, lambda t: _prompt_task(t, engines))
-        by_engine: dict[int, list[tuple[int, str, Engine, list[int]]]] = {}
-        for i, (answer, engine, prompt_ids) in ready:
-            by_engine.setdefault(id(engine), []).append((i, answer, engine, prompt_ids))
-        checker = self.checker or default_checker()
+        by_engine: dict[int, list[tuple[int, dict[str, Any], Engine, list[int]]]] = {}
+        for i, (payload, engine, prompt_ids) in ready:
+            by_engine.setdefault(id(engine), []).append((i, payload, engine, prompt_ids))
         for live in by_engine.values():
             engine = live[0][2]
             gens = engine.generate([p for *_, p in live], _sampling(self.sampling, engine, n))
-            for (i, answer, _, prompt_ids), samples in zip(live, gens):
+            for (i, payload, _, prompt_ids), samples in zip(live, gens):
                 out = []
                 for j, g in enumerate(samples):
                     b = SequenceBuilder(engine.policy, prompt_ids, j)
                     b.add_generated(g)
-                    out.append(b.build(checker(engine.decode(g.token_ids), answer)))
+                    out.append(b.build(self.score(engine.decode(g.token_ids), payload)))
                 results[i] = out
         if self.env_latency is not None and by_engine:
             # the tasks' environments run side by side: the batch waits for the slowest
@@ -345,19 +381,19 @@ class ToolCalc:
         max_turns: int = 4,
         tool_latency: Any = None,
         env_latency: Any = None,
+        reward: Any = None,
         **sampling: Any,
     ):
         if max_turns < 1:
             raise ValueError("max_turns must be at least 1")
-        self.checker = checker
+        self.score = Scorer(reward, checker)
         self.max_turns = max_turns
         self.tool_latency = Latency.from_option(tool_latency)
         self.env_latency = Latency.from_option(env_latency)
         self.sampling = sampling
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
-        answer, engine, prompt_ids = _prompt_task(task, engines)
-        checker = self.checker or default_checker()
+        payload, engine, prompt_ids = _prompt_task(task, engines)
         params = _sampling(self.sampling, engine, 1, stop=(self.close_tag,))
         seqs = [SequenceBuilder(engine.policy, prompt_ids, j) for j in range(n)]
         last_text = [""] * n
@@ -393,7 +429,7 @@ class ToolCalc:
         out = []
         for j, b in enumerate(seqs):
             b.meta["tool_calls"] = str(calls[j])
-            out.append(b.build(checker(last_text[j], answer)))
+            out.append(b.build(self.score(last_text[j], payload)))
         return out
 
 
@@ -407,11 +443,13 @@ __all__ = [
     "BatchWorkflow",
     "Latency",
     "SequenceBuilder",
+    "Scorer",
     "SingleTurn",
     "TaskError",
     "ToolCalc",
     "Workflow",
     "default_checker",
+    "engine_tokenizer",
     "exact_match",
     "make_workflow",
     "prepare_each",

@@ -13,7 +13,7 @@ _BOXED = re.compile(r"\\boxed\s*\{")
 _HASHES = re.compile(r"####\s*(.*)")
 
 
-def _cut_at_stop(text: str) -> str:
+def cut_at_stop(text: str) -> str:
     for m in STOP_MARKERS:
         i = text.find(m)
         if i >= 0:
@@ -48,7 +48,7 @@ def extract_final_number(text: str) -> str | None:
 
     Text after an end-of-sequence marker is ignored; thousands separators are removed.
     """
-    text = _cut_at_stop(text)
+    text = cut_at_stop(text)
     boxed = _boxed_contents(text)
     nums = _NUMBER.findall(boxed) if boxed is not None else []
     if nums:
@@ -93,7 +93,7 @@ def check_answer(completion: str, answer: str) -> float:
     ref = normalize_answer(answer)
     ref_num = _to_decimal(ref)
     if ref_num is None:
-        return 1.0 if _cut_at_stop(completion).strip() == ref else 0.0
+        return 1.0 if cut_at_stop(completion).strip() == ref else 0.0
     got = extract_final_number(completion)
     if got is None:
         return 0.0

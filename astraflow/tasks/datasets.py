@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from astraflow.errors import AstraflowError
 from astraflow.tasks.base import prompt_id
 from astraflow.tasks.check import normalize_answer
 
@@ -14,7 +15,7 @@ PROMPT_FIELDS = ("prompt", "question", "problem", "input", "query")
 ANSWER_FIELDS = ("answer", "solution", "target", "output", "final_answer")
 
 
-class DatasetError(ValueError):
+class DatasetError(AstraflowError, ValueError):
     pass
 
 
@@ -76,16 +77,22 @@ def load_dataset_file(
     *,
     prompt_field: str | None = None,
     answer_field: str | None = None,
+    messages_field: str | None = None,
+    tests_field: str | None = None,
+    meta_fields: tuple[str, ...] = (),
     source: str | None = None,
     limit: int | None = None,
 ) -> list[dict[str, Any]]:
     """Task payloads from a local ``.jsonl``/``.json``/``.parquet`` file.
 
-    The prompt comes from ``prompt_field`` or the first of ``prompt``/``question``/
-    ``problem``/``input``/``query``; the answer from ``answer_field`` or ``answer``/
-    ``solution``/``target``/``output``/``final_answer``. GSM8K-style answers (reasoning,
-    then ``#### 42``) keep the full text under ``solution`` and get ``answer`` = ``"42"``.
-    Payloads: ``{"prompt", "answer", "level": 0, "source", "prompt_id", ["solution"]}``.
+    The prompt comes from ``messages_field`` (a list of ``{"role", "content"}`` chat
+    messages, kept as ``messages``; the last user message also becomes ``prompt``), else
+    ``prompt_field``, else the first of ``messages``/``prompt``/``question``/``problem``/
+    ``input``/``query``. The answer comes from ``answer_field`` or ``answer``/``solution``/
+    ``target``/``output``/``final_answer``. GSM8K-style answers (reasoning, then ``#### 42``)
+    keep the full text under ``solution`` and get ``answer`` = ``"42"``. ``tests_field``
+    (code tasks: ``[[args, expected], ...]``) is kept as ``tests``; ``meta_fields`` are
+    copied as they are. A row missing a named field fails with the file, row and field.
     """
     p = Path(path)
     if not p.is_file():
@@ -98,16 +105,34 @@ def load_dataset_file(
         where = f"{p} row {i}"
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected an object")
-        prompt = str(_pick(row, prompt_field, PROMPT_FIELDS, "prompt", where))
+        payload = _prompt_of(row, prompt_field, messages_field, where)
         raw_answer = str(_pick(row, answer_field, ANSWER_FIELDS, "answer", where))
-        payload: dict[str, Any] = {
-            "prompt": prompt,
-            "answer": normalize_answer(raw_answer),
-            "level": _level(row.get("level")),
-            "source": src,
-            "prompt_id": prompt_id(prompt),
-        }
+        payload.update(answer=normalize_answer(raw_answer), level=_level(row.get("level")),
+                       source=src)
         if payload["answer"] != raw_answer.strip():
             payload["solution"] = raw_answer
+        if tests_field:
+            payload["tests"] = _pick(row, tests_field, (), "tests", where)
+        for name in meta_fields:
+            payload[name] = _pick(row, name, (), name, where)
         out.append(payload)
     return out
+
+
+def _prompt_of(
+    row: dict[str, Any], prompt_field: str | None, messages_field: str | None, where: str
+) -> dict[str, Any]:
+    """``prompt`` (and ``messages``, ``prompt_id``) of a row."""
+    if messages_field or (not prompt_field and isinstance(row.get("messages"), list)):
+        messages = _pick(row, messages_field, ("messages",), "messages", where)
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise DatasetError(f"{where}: messages must be a list of {{role, content}} objects")
+        msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        prompt = users[-1] if users else msgs[-1]["content"]
+        key = json.dumps(msgs, sort_keys=True, ensure_ascii=False)
+        return {"prompt": prompt, "messages": msgs, "prompt_id": prompt_id(key)}
+    prompt = str(_pick(row, prompt_field, PROMPT_FIELDS, "prompt", where))
+    return {"prompt": prompt, "prompt_id": prompt_id(prompt)}

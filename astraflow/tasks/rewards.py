@@ -1,0 +1,131 @@
+"""Rewards as data: a registry of reward functions named in a topology.
+
+A reward scores one completion against its task payload: ``reward(completion, payload) ->
+float``. A topology names it as a string (``reward: exact_match``) or a mapping with
+options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
+
+* ``exact_match``: 1 when the completion, cut at the first end-of-sequence marker and
+  stripped, equals ``payload["answer"]`` (``case_sensitive``, default true).
+* ``numeric``: 1 when the completion's final number (last ``\\boxed{}``, else after
+  ``####``, else the last number) equals the answer by value.
+* ``format``: 1 when the stripped completion fully matches ``pattern`` (a regex).
+* ``code_tests``: the fraction of ``payload["tests"]`` (``[[args, expected], ...]``) that
+  the completion's function ``payload["func"]`` (default ``f``) passes in the sandbox.
+* ``sum``: ``terms`` (a list of reward specs, each with an optional ``weight``) added up;
+  for instance correctness plus a small format bonus.
+
+``register_reward(name)`` adds one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from astraflow.errors import AstraflowError
+from astraflow.tasks.check import check_answer, cut_at_stop
+
+Reward = Callable[[str, Mapping[str, Any]], float]
+RewardFactory = Callable[..., Reward]
+
+REWARDS: dict[str, RewardFactory] = {}
+
+
+class RewardError(AstraflowError, ValueError):
+    """A reward spec that names no known reward or has bad options."""
+
+
+def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
+    """Decorator: make a reward factory (options -> reward function) known as ``name``."""
+
+    def wrap(factory: RewardFactory) -> RewardFactory:
+        REWARDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_reward(spec: str | Mapping[str, Any] | None, default: str = "numeric") -> Reward:
+    """The reward function a spec names (``None``: ``default``)."""
+    if spec is None:
+        spec = default
+    if isinstance(spec, str):
+        name, options = spec, {}
+    elif isinstance(spec, Mapping):
+        options = {k: v for k, v in spec.items() if k != "name"}
+        name = spec.get("name")  # type: ignore[assignment]
+        if not isinstance(name, str):
+            raise RewardError(f"reward: a mapping needs a 'name' (known: {sorted(REWARDS)})")
+    else:
+        raise RewardError(f"reward: expected a name or a mapping, not {spec!r}")
+    factory = REWARDS.get(name)
+    if factory is None:
+        raise RewardError(f"reward: unknown reward {name!r} (known: {sorted(REWARDS)})")
+    try:
+        return factory(**options)
+    except TypeError as e:
+        raise RewardError(f"reward {name!r}: bad options {sorted(options)}: {e}") from None
+
+
+def _answer(payload: Mapping[str, Any]) -> str:
+    if "answer" not in payload:
+        raise RewardError("reward: the task payload has no 'answer'")
+    return str(payload["answer"])
+
+
+@register_reward("exact_match")
+def exact_match(case_sensitive: bool = True) -> Reward:
+    def reward(completion: str, payload: Mapping[str, Any]) -> float:
+        got, want = cut_at_stop(completion).strip(), _answer(payload).strip()
+        if not case_sensitive:
+            got, want = got.lower(), want.lower()
+        return 1.0 if got == want else 0.0
+
+    return reward
+
+
+@register_reward("numeric")
+def numeric() -> Reward:
+    return lambda completion, payload: check_answer(completion, _answer(payload))
+
+
+@register_reward("format")
+def format_match(pattern: str = r"-?\d+") -> Reward:
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise RewardError(f"reward format: bad pattern {pattern!r}: {e}") from None
+    return lambda completion, payload: 1.0 if rx.fullmatch(cut_at_stop(completion).strip()) \
+        else 0.0
+
+
+@register_reward("code_tests")
+def code_tests(cpu_s: int = 2, mem_mb: int = 256, timeout_s: float = 5.0) -> Reward:
+    def reward(completion: str, payload: Mapping[str, Any]) -> float:
+        from astraflow.sandbox import check_cases
+
+        tests = payload.get("tests")
+        if not isinstance(tests, list) or not tests:
+            raise RewardError("reward code_tests: the payload has no 'tests' list")
+        cases = [(list(args), expected) for args, expected in tests]
+        report = check_cases(cut_at_stop(completion), str(payload.get("func", "f")), cases,
+                             cpu_s=cpu_s, mem_mb=mem_mb, timeout_s=timeout_s)
+        return report.fraction
+
+    return reward
+
+
+@register_reward("sum")
+def weighted_sum(terms: list[Any]) -> Reward:
+    if not terms:
+        raise RewardError("reward sum: 'terms' must list at least one reward")
+    parts = []
+    for t in terms:
+        weight = float(t.get("weight", 1.0)) if isinstance(t, Mapping) else 1.0
+        inner = {k: v for k, v in t.items() if k != "weight"} if isinstance(t, Mapping) else t
+        parts.append((weight, make_reward(inner)))
+    return lambda completion, payload: sum(w * r(completion, payload) for w, r in parts)
+
+
+__all__ = ["REWARDS", "Reward", "RewardError", "make_reward", "register_reward"]

@@ -1,0 +1,380 @@
+"""Learning at equal wall-clock time: AstraFlow against TRL's GRPOTrainer.
+
+Runs, one after the other on the same machine, the same model, data, reward, sampling and
+batch shape:
+
+* ``astraflow``: ``astraflow up`` on the topology (default ``topology/smollm2.yaml``) with
+  its online evaluator removed (evaluation is done afterwards, so it takes no CPU from
+  training), for ``--duration`` seconds from the launch of the command;
+* ``trl``: TRL's ``GRPOTrainer`` in one process (what a user picks for one machine), with
+  the topology's learning rate, samples per prompt, batch of groups, temperature,
+  completion length, reward and prompts (built with the same chat template), no KL term
+  (as ours), a constant learning rate, all cores, for the same wall time from its launch.
+
+At every checkpoint time ``t`` (``--checkpoints``) it takes the newest weights each system
+had published by ``t`` (AstraFlow: the newest manifest on ``weights.<policy>``, rebuilt
+from the weights topic; TRL: the state after its last optimizer step finished before
+``t``), and scores them afterwards the same way the evaluator does (greedy, the
+topology's held-out dataset, size and reward). It prints both curves side by side, where
+AstraFlow's time went (versions, trainer busy/waiting, rollout tokens/s, stale drops),
+and writes ``bench/results/learning.json``.
+
+Usage:
+
+    python bench/learning.py [--duration 600] [--checkpoints 60,120,240,360,480,600]
+        [--systems astraflow,trl] [--topology topology/smollm2.yaml]
+
+Needs TRL (``python3 -m pip install trl``) for the ``trl`` system, and the model the
+topology imports (``astraflow model import smollm2 DIR``; done here when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = "bench-learning"
+
+
+def bench_topology(src: Path, runs_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The topology AstraFlow runs in the bench: ``src`` with run id ``bench-learning``,
+    absolute paths, and no online evaluator (its settings are kept for scoring)."""
+    doc = yaml.safe_load(src.read_text())
+    run_dir = runs_dir / RUN
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = copy.deepcopy(doc)
+    out["run"] = RUN
+    for spec in out.get("policies", {}).values():
+        spec["model"] = str((REPO / spec["model"]).resolve())
+    for part in ("feeder", "eval"):
+        ds = (out.get(part) or {}).get("dataset")
+        if ds:
+            ds["path"] = str((REPO / ds["path"]).resolve())
+    evaluation = out.pop("eval", None) or {}
+    path = run_dir / "topology.yaml"
+    path.write_text(f"# bench/learning.py: {src} without its evaluator\n"
+                    + yaml.safe_dump(out, sort_keys=False))
+    return path, {**out, "eval": evaluation}
+
+
+def ensure_model(doc: dict[str, Any]) -> Path:
+    policy = next(iter(doc["policies"].values()))
+    model = Path(policy["model"])
+    if not (model / "config.json").exists():
+        source = policy.get("import_from") or "smollm2"
+        cmd = ["model", "import", *(["--gguf", source] if source.endswith(".gguf") else [source]),
+               str(model)]
+        subprocess.run([sys.executable, "-m", "astraflow.cli", *cmd], check=True)
+    return model
+
+
+# --- AstraFlow --------------------------------------------------------------------------
+def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``astraflow up`` for ``--duration`` s; the newest version at each checkpoint."""
+    from astraflow.kafka.clients import read_all
+    from astraflow.records import WeightManifest
+    from astraflow.topology import load_topology
+
+    topo = load_topology(path)
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--fresh", "--duration",
+           str(args.duration), "--runs-dir", str(args.runs_dir)]
+    t0 = time.time()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith((" ", "{", "}")) or "s |" in line:
+                print(f"[astraflow] {line.rstrip()}", flush=True)
+    policy = next(iter(topo.policies))
+    records = read_all(topo.kafka.effective(), topo.full_name(f"weights.{policy}"),
+                       idle_s=3.0, timeout_s=300.0, expect=WeightManifest)
+    first_at: dict[int, float] = {}
+    for r in records:
+        v = r.record.version
+        first_at[v] = min(first_at.get(v, 1e18), r.timestamp_ms / 1000 - t0)
+    summary_file = args.runs_dir / RUN / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
+          for t in args.checkpoints}
+    return {"at": at, "versions": max(first_at, default=0), "summary": summary,
+            "_manifests": [r.record for r in records], "_topology": topo}
+
+
+def score_astraflow(result: dict[str, Any], ev: dict[str, Any], doc: dict[str, Any]) -> None:
+    from astraflow.weights import WeightFollower
+
+    topo = result.pop("_topology")
+    manifests = result.pop("_manifests")
+    policy = next(iter(topo.policies))
+    follower = WeightFollower(policy=policy, kafka_config=topo.kafka.effective())
+    follower.observe(manifests)
+    scores: dict[int, float] = {}
+    for t, v in result["at"].items():
+        if v is None:
+            continue
+        if v not in scores:
+            follower.update(v)
+            scores[v] = ev["score"](follower.state)
+        result.setdefault("accuracy", {})[t] = scores[v]
+
+
+# --- TRL ----------------------------------------------------------------------------------
+def run_trl(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's GRPOTrainer in a child process (``--trl-worker``) for ``--duration`` s."""
+    out_dir = args.runs_dir / RUN / "trl"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "doc.json").write_text(json.dumps(doc))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out_dir),
+           "--duration", str(args.duration),
+           "--checkpoints", ",".join(str(t) for t in args.checkpoints)]
+    env = {**os.environ, "BENCH_T0": str(time.time())}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("[trl]"):
+                print(line.rstrip(), flush=True)
+    return json.loads((out_dir / "result.json").read_text())
+
+
+def score_trl(result: dict[str, Any], ev: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    for t, ckpt in result["at"].items():
+        if ckpt is not None:
+            result.setdefault("accuracy", {})[t] = ev["score"](load_file(ckpt["path"]))
+
+
+def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
+    """The TRL run (child process): writes a bf16 checkpoint per checkpoint time."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    t0 = float(os.environ.get("BENCH_T0", time.time()))
+    torch.set_num_threads(os.cpu_count() or 1)
+    doc = json.loads((out_dir / "doc.json").read_text())
+    setup = trl_setup(doc)
+    rows = setup["rows"]
+    config = GRPOConfig(
+        output_dir=str(out_dir / "out"), learning_rate=setup["lr"],
+        lr_scheduler_type="constant", per_device_train_batch_size=setup["batch"],
+        gradient_accumulation_steps=1, num_generations=setup["n"],
+        max_completion_length=setup["max_new_tokens"], temperature=setup["temperature"],
+        top_p=1.0, beta=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        max_steps=10**6, save_strategy="no", report_to=[], logging_steps=1,
+        disable_dropout=True, seed=0, dataloader_num_workers=0,
+    )
+    clock = _TrlClock(t0, duration, checkpoints, out_dir)
+    trainer = GRPOTrainer(model=setup["model"], reward_funcs=[setup["reward_fn"]],
+                          args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=setup["tokenizer"], callbacks=[clock])
+    trainer.train()
+    clock.finish(trainer.model)
+    (out_dir / "result.json").write_text(json.dumps(
+        {"at": clock.at, "steps": clock.steps, "paused_s": round(clock.paused, 1)}))
+    return 0
+
+
+def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
+    """Model, tokenizer, prompts and reward of the topology, in TRL's terms."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.chat import ChatFormat
+    from astraflow.model import load_policy
+    from astraflow.tasks.datasets import load_dataset_file
+    from astraflow.tasks.rewards import make_reward
+
+    name, policy = next(iter(doc["policies"].items()))
+    pool = next(iter(doc["pools"].values()))
+    wf = pool.get("workflows", {}).get("single_turn", {})
+    _, tokenizer = load_policy(policy["model"])
+    model = AutoModelForCausalLM.from_pretrained(policy["model"], dtype=torch.float32)
+    chat = ChatFormat.from_options(policy.get("chat"))
+    payloads = load_dataset_file(doc["feeder"]["dataset"]["path"])
+    rows = [{"prompt": chat.prompt_text(tokenizer, p), "answer": p["answer"]} for p in payloads]
+    reward = make_reward(wf.get("reward"))
+
+    def reward_fn(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return [reward(c, {"answer": a}) for c, a in zip(completions, answer)]
+
+    batch_groups = next(p["options"]["batch_size"] for p in doc["processors"].values()
+                        if p["kind"] == "batcher")
+    n = int(pool.get("n_samples", 8))
+    return {"model": model, "tokenizer": tokenizer, "rows": rows, "reward_fn": reward_fn,
+            "lr": float(policy["lr"]), "n": n, "batch": n * int(batch_groups),
+            "max_new_tokens": int(wf.get("max_new_tokens", 64)),
+            "temperature": float(wf.get("temperature", 1.0)), "policy": name}
+
+
+def _trl_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
+    """Stops TRL at the deadline and keeps, for each checkpoint time, the weights of the
+    last step finished before it (the time spent copying and saving is not counted)."""
+
+    def __init__(self, t0: float, duration: float, checkpoints: list[float], out: Path):
+        self.t0, self.duration, self.out = t0, duration, out
+        self.pending = sorted(checkpoints)
+        self.at: dict[str, Any] = {}
+        self.paused = 0.0
+        self.steps = 0
+        self.prev: dict[str, Any] | None = None
+        self.prev_step = 0
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0 - self.paused
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self._snapshot(model, 0)
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.steps = state.global_step
+        now = self.elapsed()
+        self._save_due(now)
+        self._snapshot(model, state.global_step)
+        print(f"[trl] {now:6.0f}s step {state.global_step}", flush=True)
+        if now >= self.duration:
+            control.should_training_stop = True
+
+    def _snapshot(self, model, step: int) -> None:
+        import torch
+
+        t = time.time()
+        self.prev = {k: v.detach().to(torch.bfloat16).clone()
+                     for k, v in model.state_dict().items()}
+        self.prev_step = step
+        self.paused += time.time() - t
+
+    def _save_due(self, now: float) -> None:
+        from safetensors.torch import save_file
+
+        while self.pending and self.pending[0] <= now:
+            t = time.time()
+            cp = self.pending.pop(0)
+            path = self.out / f"ckpt-{int(cp)}.safetensors"
+            assert self.prev is not None
+            save_file({k: v.contiguous() for k, v in self.prev.items()
+                       if k != "lm_head.weight"}, str(path))
+            self.at[str(cp)] = {"path": str(path), "step": self.prev_step}
+            self.paused += time.time() - t
+
+    def finish(self, model) -> None:
+        self._save_due(self.elapsed() + 1e9 if self.elapsed() >= self.duration else 0)
+
+
+# --- scoring and report -------------------------------------------------------------------
+def make_scorer(doc: dict[str, Any]) -> dict[str, Any]:
+    """``score(state) -> accuracy`` with the topology's evaluator settings."""
+    import torch
+
+    from astraflow.chat import ChatFormat
+    from astraflow.model import evaluate, load_policy
+    from astraflow.tasks.datasets import load_dataset_file
+    from astraflow.tasks.rewards import make_reward
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    ev = doc["eval"]
+    policy = next(iter(doc["policies"].values()))
+    model, tokenizer = load_policy(policy["model"], dtype=policy.get("dtype"))
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    tasks = load_dataset_file(ev["dataset"]["path"], limit=int(ev.get("size", 200)))
+    chat = ChatFormat.from_options(policy.get("chat"))
+    reward = make_reward(ev.get("reward"))
+
+    def score(state: dict[str, Any] | None) -> float:
+        model.load_state_dict(base if state is None else state, strict=False)
+        return evaluate(model, tokenizer, tasks, max_new_tokens=int(ev.get("max_new_tokens", 16)),
+                        chat=chat, reward=reward)
+
+    return {"score": score}
+
+
+def report(results: dict[str, Any], checkpoints: list[float], start: float) -> str:
+    systems = list(results)
+    head = "| t (s) | " + " | ".join(systems) + " |"
+    lines = [head, "|" + "---|" * (len(systems) + 1), "| 0 | " + " | ".join(
+        f"{100 * start:.1f} %" for _ in systems) + " |"]
+    for t in checkpoints:
+        cells = []
+        for s in systems:
+            acc = results[s].get("accuracy", {}).get(t, results[s].get("accuracy", {}).get(
+                str(t)))
+            where = results[s]["at"].get(t, results[s]["at"].get(str(t)))
+            tag = (f"v{where}" if s == "astraflow" else f"step {where['step']}") \
+                if where is not None else "-"
+            cells.append(f"{100 * acc:.1f} % ({tag})" if acc is not None else "-")
+        lines.append(f"| {t:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def where_time_went(result: dict[str, Any]) -> str:
+    s = result.get("summary", {})
+    trainer = next(iter(s.get("trainer", {}).values()), {})
+    keys = ("trainer/wait_fraction", "trainer/step_seconds", "trainer/zero_advantage_frac",
+            "trainer/stale_dropped_groups")
+    parts = [f"{k} {trainer[k]:.3g}" for k in keys if k in trainer]
+    wm = s.get("workflow_metrics", {})
+    parts += [f"{k} {v:.3g}" for k, v in wm.items() if "tokens_per_s" in k or "reward" in k]
+    return (f"astraflow: {result['versions']} versions; stale drops "
+            f"{s.get('staleness_dropped')}; " + "; ".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topology", type=Path, default=REPO / "topology" / "smollm2.yaml")
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--checkpoints", default="60,120,240,360,480,600")
+    ap.add_argument("--systems", default="astraflow,trl")
+    ap.add_argument("--runs-dir", type=Path, default=REPO / "runs")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learning.json")
+    ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.checkpoints = [float(x) for x in args.checkpoints.split(",") if x]
+    if args.trl_worker:
+        return trl_worker(args.trl_worker, args.duration, args.checkpoints)
+    args.runs_dir = args.runs_dir.resolve()
+    path, doc = bench_topology(args.topology, args.runs_dir)
+    ensure_model(doc)
+    systems = [s for s in args.systems.split(",") if s]
+    results: dict[str, Any] = {}
+    for system in systems:
+        print(f"[bench] {system}: {args.duration:g} s", flush=True)
+        results[system] = run_astraflow(path, args) if system == "astraflow" \
+            else run_trl(doc, args)
+    print("[bench] scoring the checkpoints", flush=True)
+    ev = make_scorer(doc)
+    start = ev["score"](None)
+    for system, result in results.items():
+        (score_astraflow(result, ev, doc) if system == "astraflow" else score_trl(result, ev))
+    table = report(results, args.checkpoints, start)
+    print("\nheld-out accuracy (greedy, " f"{doc['eval'].get('size', 200)} prompts):\n" + table)
+    if "astraflow" in results:
+        print(where_time_went(results["astraflow"]))
+    if "trl" in results:
+        print(f"trl: {results['trl']['steps']} optimizer steps")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "learning", "duration_s": args.duration,
+                                    "topology": str(args.topology), "start_accuracy": start,
+                                    "results": results, "table": table}, indent=2,
+                                   default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
