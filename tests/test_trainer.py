@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -15,6 +16,7 @@ import torch
 from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.records import Batch, ComponentStatus, Sequence, TrajectoryGroup
 from astraflow.trainer.loss import group_advantages, policy_loss
+from astraflow.trainer.trainer import _Row
 
 from .conftest import REPO, wait_for
 
@@ -166,7 +168,6 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
 
 
 def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_model):
-    import dataclasses
 
     from astraflow.trainer.loss import policy_loss
     from astraflow.trainer.trainer import Trainer, TrainerConfig
@@ -181,7 +182,7 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
     tr = Trainer(tiny_model, cfg, policy="actor")
     calls: list[int] = []
     real = tr.token_logprobs
-    tr.token_logprobs = lambda ids, attn: calls.append(len(ids)) or real(ids, attn)
+    tr.token_logprobs = lambda ids, attn, **kw: calls.append(len(ids)) or real(ids, attn, **kw)
     m = tr.train_step(batch)
     assert sum(calls) == 8  # the 8 sequences of the two groups with signal, not 12
     assert m["trainer/zero_advantage_frac"] == pytest.approx(4 / 12)
@@ -206,7 +207,7 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
     still.train_step(batch)
     before = {k: v.clone() for k, v in still.state_dict().items()}
     calls.clear()
-    still.token_logprobs = lambda ids, attn: calls.append(len(ids)) or real(ids, attn)
+    still.token_logprobs = lambda ids, attn, **kw: calls.append(len(ids)) or real(ids, attn, **kw)
     m = still.train_step(dataclasses.replace(batch, groups=[flat]))
     assert calls == [] and m["trainer/zero_advantage_frac"] == 1.0
     assert any(not torch.equal(before[k], v) for k, v in still.state_dict().items())
@@ -265,6 +266,257 @@ def test_engine_computes_in_its_own_dtype_with_bf16_published_weights(tiny_model
     assert len(gens[0].token_ids) == 3
 
 
+def _grads(tr) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in tr.model.named_parameters() if p.grad is not None}
+
+
+def _backward(tr, batch: Batch) -> float:
+    """The batch's loss through the trainer's micro-batches, gradients left in place."""
+    rows = [r for r in tr._rows(batch) if r.advantage != 0.0]
+    total = sum(sum(1 for m in r.seq.loss_mask[1:] if m) for r in tr._rows(batch))
+    tr.optimizer.zero_grad(set_to_none=True)
+    return tr._accumulate(rows, total)["loss"]
+
+
+def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_temperature(
+    tiny_model,
+):
+    """TorchEngine records log_softmax(logits / T)[token]; the trainer recomputes it."""
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.raas.engine import SamplingParams, TorchEngine
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(
+        AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True), None,
+        prefix_cache_bytes=0,
+    )
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14]]
+    for temp in (0.7, 0.0):
+        gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=temp,
+                                                       n=2, seed=1))
+        seqs = [
+            Sequence(policy="actor", token_ids=g.prompt_ids + g.token_ids,
+                     loss_mask=[0] * len(g.prompt_ids) + [1] * len(g.token_ids),
+                     logprobs=[0.0] * len(g.prompt_ids) + g.logprobs,
+                     versions=[-1] * len(g.prompt_ids) + g.versions, reward=0.0,
+                     sample_index=0, finish_reason=g.finish_reason)
+            for per_prompt in gens for g in per_prompt
+        ]
+        for trained_t, same in ((temp, True), (1.3, False)):
+            tr = Trainer(tiny_model, TrainerConfig(temperature=trained_t), policy="actor")
+            rows = [_Row(s, 1.0) for s in seqs]
+            ids, attn, behaviour, mask, _ = tr._tensors(rows)
+            with torch.no_grad():
+                start = int(mask.any(0).nonzero()[0]) - 1
+                new = tr.token_logprobs(ids, attn, start=start)
+            diff = float(((new - behaviour).abs() * mask).max())
+            if same:  # greedy (0) reports, and the trainer computes, temperature 1
+                assert diff < 1e-4, (temp, diff)
+            else:
+                assert diff > 1e-2, (temp, trained_t, diff)
+
+
+def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(3, groups=3, samples=4)
+    budget = 30
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=budget), policy="actor")
+    rows = tr._rows(batch)
+    parts = tr.micro_batches(rows)
+    assert sorted(id(r) for p in parts for r in p) == sorted(id(r) for r in rows)
+    lengths = [len(r.seq.token_ids) for p in parts for r in p]
+    assert lengths == sorted(lengths, reverse=True)  # longest first: little padding
+    for p in parts:
+        width = max(len(r.seq.token_ids) for r in p)
+        assert len(p) * width <= budget or len(p) == 1, [len(r.seq.token_ids) for r in p]
+    assert len(parts) > 2
+    alone = Trainer(tiny_model, TrainerConfig(micro_batch_tokens=1), policy="actor")
+    assert [len(p) for p in alone.micro_batches(rows)] == [1] * len(rows)
+
+    one = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=100), policy="actor")
+    assert len(one.micro_batches(rows)) == 1
+    assert _backward(tr, batch) == pytest.approx(_backward(one, batch), rel=1e-5)
+    g_parts, g_one = _grads(tr), _grads(one)
+    assert g_parts.keys() == g_one.keys()
+    for k, g in g_one.items():
+        assert torch.allclose(g_parts[k], g, rtol=1e-4, atol=1e-7), k
+    m = tr.train_step(batch)
+    one.train_step(batch)
+    assert m["trainer/micro_batches"] == float(len(parts))
+    # Adam divides by |gradient|: where it is ~1e-9 (eps) summation-order noise shows
+    # as ~1e-6 of the lr-1e-3 update, so 1 % of the step size
+    for (k, a), b in zip(tr.state_dict().items(), one.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), k
+
+
+@pytest.fixture(scope="module")
+def tiny_dropout_model(tmp_path_factory) -> str:
+    """The tiny model with attention dropout 0.5: in train mode two passes would differ."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                      max_position_embeddings=128, attention_dropout=0.5)
+    cfg._attn_implementation = "eager"  # the dropout is applied in the eager attention
+    path = tmp_path_factory.mktemp("tiny-qwen2-dropout")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny_dropout_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(4)
+    plain = Trainer(tiny_dropout_model, TrainerConfig(micro_batch_size=3), policy="actor")
+    ckpt = Trainer(tiny_dropout_model,
+                   TrainerConfig(micro_batch_size=3, gradient_checkpointing=True),
+                   policy="actor")
+    assert not ckpt.model.model.layers[0].self_attn.training  # no dropout
+    calls: list[str] = []
+    for tr, name in ((plain, "plain"), (ckpt, "ckpt")):
+        tr.model.model.layers[0].mlp.register_forward_pre_hook(lambda *a, n=name: calls.append(n))
+    loss_plain = _backward(plain, batch)
+    loss_ckpt = _backward(ckpt, batch)
+    micro = len(plain.micro_batches([r for r in plain._rows(batch) if r.advantage]))
+    # the checkpointed layer runs again in the backward pass (a pre-hook: the recompute
+    # stops as soon as it has what the backward needs, inside the mlp)
+    assert calls.count("plain") == micro and calls.count("ckpt") == 2 * micro
+    assert loss_ckpt == loss_plain
+    g_plain, g_ckpt = _grads(plain), _grads(ckpt)
+    assert g_plain.keys() == g_ckpt.keys()
+    for k, g in g_plain.items():
+        assert torch.allclose(g_ckpt[k], g, rtol=1e-6, atol=1e-9), k
+    # eval mode holds: the dropout of the model's config does not act
+    assert _backward(ckpt, batch) == loss_ckpt
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.weights.delta import state_bytes_equal
+
+    torch.set_num_threads(1)
+    batch = make_batch(2)
+    cfg = TrainerConfig(lr=1e-4, micro_batch_size=3)
+    fp32 = Trainer(tiny_model, cfg, policy="actor")
+    bf16 = Trainer(tiny_model, dataclasses.replace(cfg, autocast="bf16"), policy="actor")
+    rows = bf16._rows(batch)
+    ids, attn, _, mask, _ = bf16._tensors(rows)
+    with torch.no_grad():
+        lp16, lp32 = bf16.token_logprobs(ids, attn), fp32.token_logprobs(ids, attn)
+    assert lp16.dtype == torch.float32
+    err = float(((lp16 - lp32).abs() * mask).max())
+    assert 0 < err < 0.1, err  # computed in bf16 (not bit-equal), close to fp32
+    _backward(bf16, batch)
+    assert {g.dtype for g in _grads(bf16).values()} == {torch.float32}
+    m = bf16.train_step(batch)
+    assert math.isfinite(m["trainer/loss"]) and m["trainer/grad_norm"] > 0
+    master, published = bf16.state_dict(), bf16.published_state()
+    assert {v.dtype for v in master.values()} == {torch.float32}
+    for k, v in published.items():
+        assert torch.equal(v, master[k].to(torch.bfloat16)), k
+    # the state snapshot restores exactly, while training goes on after it
+    snap = bf16.snapshot(1)
+    before = {k: v.clone() for k, v in master.items()}
+    bf16.train_step(make_batch(3))
+    other = Trainer(tiny_model, dataclasses.replace(cfg, autocast="bf16"), policy="actor")
+    other.load_master_bytes(bytes(snap.master_bytes()))
+    other.load_optimizer_bytes(bytes(snap.optimizer_bytes()))
+    assert state_bytes_equal(other.state_dict(), before)
+    other.train_step(make_batch(3))
+    assert state_bytes_equal(other.state_dict(), bf16.state_dict())
+    assert _optimizer_states_equal(other.optimizer.state_dict(), bf16.optimizer.state_dict())
+
+
+def test_config_errors_name_the_flag(tiny_model):
+    from astraflow.trainer.service import ServiceOptions
+    from astraflow.trainer.trainer import TrainerConfig
+
+    bad = [
+        (TrainerConfig(micro_batch_tokens=0), "--micro-batch-tokens"),
+        (TrainerConfig(micro_batch_size=0), "--micro-batch-size"),
+        (TrainerConfig(temperature=-1.0), "--temperature"),
+        (TrainerConfig(autocast="fp16"), "--autocast"),
+        (ServiceOptions(policy="a", model_path="m", state_interval=0), "--state-interval"),
+        (ServiceOptions(policy="a", model_path="m", keep_optimizer=0), "--keep-optimizer"),
+        (ServiceOptions(policy="a", model_path="m", state_max_lag=0), "--state-max-lag"),
+    ]
+    for obj, flag in bad:
+        with pytest.raises(ValueError, match=flag):
+            obj.validate()
+    TrainerConfig(micro_batch_tokens=1, temperature=0.0).validate()
+    cli = subprocess.run(
+        [sys.executable, "-m", "astraflow.cli", "trainer", "run", "--topology",
+         str(REPO / "topology" / "default.yaml"), "--policy", "actor", "--model", tiny_model,
+         "--micro-batch-tokens", "0"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert cli.returncode == 2 and "--micro-batch-tokens" in cli.stderr, cli.stderr
+
+
+class _SlowStore:
+    """A blob store whose writes wait for ``release`` (or fail when ``fail`` is set)."""
+
+    uri = "memory://slow"
+
+    def __init__(self, fail: bool = False):
+        import threading
+
+        self.release = threading.Event()
+        self.fail = fail
+        self.blobs: dict[str, bytes] = {}
+
+    def put(self, blob_id, data):
+        import hashlib
+
+        from astraflow.records import BlobRef
+
+        self.release.wait(30)
+        if self.fail:
+            raise OSError("disk full")
+        raw = bytes(data)
+        self.blobs[blob_id] = raw
+        return BlobRef(uri=f"{self.uri}/{blob_id}", bytes=len(raw),
+                       sha256=hashlib.sha256(raw).hexdigest())
+
+
+def test_state_writer_writes_in_the_background_one_at_a_time(tiny_model):
+    from astraflow.trainer.state import StateWriter, recorded_state_version
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    tr.train_step(make_batch(0))
+    store = _SlowStore()
+    writer = StateWriter(store, "actor")
+    writer.start(tr.snapshot(1))
+    assert writer.in_flight == 1 and writer.poll() is None  # still writing
+    with pytest.raises(RuntimeError, match="version 1 is still being written"):
+        writer.start(tr.snapshot(1))
+    tr.train_step(make_batch(1))  # training goes on meanwhile
+    store.release.set()
+    done = writer.wait()
+    assert done is not None and done.version == 1 and writer.in_flight is None
+    assert writer.poll() is None and writer.wait() is None  # collected once
+    assert sorted(k.split(".")[2] for k in store.blobs) == ["master", "optim"]
+    assert recorded_state_version(7, done.meta) == 1
+    assert recorded_state_version(7, {"optimizer_uri": "x"}) == 7  # before: its own version
+    assert recorded_state_version(7, {}) is None
+
+    failing = _SlowStore(fail=True)
+    failing.release.set()
+    writer = StateWriter(failing, "actor")
+    writer.start(tr.snapshot(2))
+    with pytest.raises(RuntimeError, match="state of version 2 failed: OSError: disk full"):
+        writer.wait()
+    assert writer.in_flight is None
+
+
 def _optimizer_states_equal(a: dict, b: dict) -> bool:
     """Bit-identical optimizer ``state_dict()``s (tensors compared by their bytes)."""
     if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
@@ -289,101 +541,154 @@ def _optimizer_states_equal(a: dict, b: dict) -> bool:
 
 
 # --------------------------------------------------------------------------- on Kafka
-@pytest.mark.kafka
-@pytest.mark.slow
-@pytest.mark.parametrize("publish", [None, "same"], ids=["publish-bf16-default", "publish-same"])
-def test_trainer_resumes_exactly_after_sigkill(
-    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, publish
-):
-    """Default: fp32 master weights, bf16 published; ``same``: fp32 published."""
-    import io
-
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
-    from astraflow.weights.history import WeightFollower
+def _crash_then_resume(kafka_config, kafka_bootstrap, topo, path, tiny_model, tmp_path, *,
+                       n: int, crash_at: int, args: list[str]):
+    """``astraflow trainer run`` over ``n`` batches: SIGKILLed with version ``crash_at``'s
+    transaction open (blobs written, manifests and offsets sent, no commit), then restarted
+    until version ``n`` and stopped with SIGTERM. Returns the batches sent, the manifests
+    after the crash and at the end, and the log."""
     from astraflow.weights.kafka_store import read_manifests
-    from astraflow.weights.store import FileBlobStore
 
-    topo, path = make_topology(
-        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}
-    )
     batches_topic = topo.full_name("batches.actor")
     weights_topic = topo.full_name("weights.actor")
-    n = 6
     producer = RecordProducer(kafka_config)
     for i in range(n):
         producer.produce(batches_topic, make_batch(i), key="actor")
     producer.flush()
     sent = read_all(kafka_config, batches_topic, idle_s=1.0, expect=Batch)
     assert len(sent) == n
-
-    lr = "1e-4"  # the tiny random model's weights are ~0.02: larger rates move every bf16
     log = tmp_path / "trainer.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "astraflow.cli",
-        "trainer",
-        "run",
-        "--topology",
-        str(path),
-        "--policy",
-        "actor",
-        "--model",
-        tiny_model,
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--lr",
-        lr,
-        "--anchor-interval",
-        "4",
-        "--threads",
-        "1",
-        "--micro-batch-size",
-        "3",
-        "--instance",
-        "0",
-        *(["--publish-dtype", publish] if publish else []),
-    ]
+    cmd = [sys.executable, "-m", "astraflow.cli", "trainer", "run", "--topology", str(path),
+           "--policy", "actor", "--model", tiny_model, "--state-dir", str(tmp_path / "state"),
+           "--anchor-interval", "4", "--threads", "1", "--instance", "0", *args]
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "PYTHONUNBUFFERED": "1"}
-    # first run: SIGKILLs itself with version 3's transaction open (blobs written,
-    # manifests and offsets sent, no commit)
     with open(log, "ab") as out:
-        p = subprocess.Popen(
-            cmd,
-            env={**env, "ASTRAFLOW_TRAINER_CRASH_AT": "3"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
+        p = subprocess.Popen(cmd, env={**env, "ASTRAFLOW_TRAINER_CRASH_AT": str(crash_at)},
+                             stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        assert p.wait(120) == -signal.SIGKILL, log.read_text()[-3000:]
+        assert p.wait(180) == -signal.SIGKILL, log.read_text()[-3000:]
     finally:
         if p.poll() is None:
             p.kill()
-    versions = sorted({m.version for m in read_manifests(kafka_config, weights_topic)})
-    assert versions == [0, 1, 2], versions
+    before = read_manifests(kafka_config, weights_topic)
+    assert sorted({m.version for m in before}) == list(range(crash_at))
 
-    # second run: resumes at version 2, trains the remaining batches, SIGTERM exits 0
+    def newest() -> int:
+        return max((m.version for m in read_manifests(kafka_config, weights_topic)), default=-1)
+
     with open(log, "ab") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        wait_for(
-            lambda: (
-                max((m.version for m in read_manifests(kafka_config, weights_topic)), default=-1)
-                >= n
-            ),
-            120,
-            f"version {n}",
-            step=1.0,
-        )
+        wait_for(lambda: newest() >= n, 180, f"version {n}", step=1.0)
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if p.poll() is None:
             p.kill()
-    text = log.read_text()
-    assert "resumed at version 2" in text, text[-3000:]
+    return sent, before, read_manifests(kafka_config, weights_topic), log.read_text()
+
+
+def _reference(tiny_model, sent, config) -> dict[str, dict]:
+    """The uninterrupted run over the same (decoded) batches: per version its master
+    weights, published weights and optimizer state."""
+    import copy
+
+    from astraflow.trainer.trainer import Trainer
+
+    torch.set_num_threads(1)
+    ref = Trainer(tiny_model, config, policy="actor")
+    out: dict[str, dict] = {"master": {}, "published": {}, "optimizer": {}}
+
+    def keep(v: int) -> None:
+        out["master"][v] = {k: t.clone() for k, t in ref.state_dict().items()}
+        out["published"][v] = {k: t.clone() for k, t in ref.published_state().items()}
+        out["optimizer"][v] = copy.deepcopy(ref.optimizer.state_dict())
+
+    keep(0)
+    for v, r in enumerate(sent, start=1):
+        ref.train_step(r.record)
+        keep(v)
+    return out
+
+
+def _check_history(kafka_config, manifests, sent, ref, batches_topic: str) -> None:
+    """Versions 1..n contiguous, version v trained on batch v-1 (each batch once), and
+    every published version equal to the uninterrupted run's bit for bit."""
+    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.history import WeightFollower
+
+    n = len(sent)
+    assert sorted(m.version for m in manifests if m.kind == "delta") == list(range(1, n + 1))
+    for m in manifests:
+        if m.version == 0:
+            assert m.consumed_offsets == []
+            continue
+        (po,) = m.consumed_offsets
+        assert (po.topic, po.partition) == (batches_topic, 0)
+        assert po.offset == sent[m.version - 1].offset + 1
+        assert m.meta["batch_id"] == f"batch-{m.version - 1}"
+        assert int(m.meta["batch_offset"]) == sent[m.version - 1].offset
+    follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
+    follower.observe(manifests)
+    for target in range(n + 1):
+        follower.update(target)
+        assert state_bytes_equal(follower.state, ref["published"][target]), target
+
+
+def _recorded(manifests) -> dict[int, object]:
+    """state version -> the manifest that records it."""
+    from astraflow.trainer.state import recorded_state_version
+
+    out = {}
+    for m in sorted(manifests, key=lambda m: m.version):
+        v = recorded_state_version(m.version, m.meta)
+        if v is not None:
+            assert v not in out or out[v].meta["optimizer_uri"] == m.meta["optimizer_uri"]
+            out.setdefault(v, m)
+    return out
+
+
+def _check_state_blobs(store, manifest, ref, version: int, master: bool) -> None:
+    """The state blobs a manifest records equal the uninterrupted run's at ``version``."""
+    import io
+
+    from astraflow.weights.delta import state_bytes_equal
+
+    opt = torch.load(io.BytesIO(store.get(_meta_ref(manifest.meta, "optimizer"))),
+                     weights_only=True)
+    assert _optimizer_states_equal(opt, ref["optimizer"][version]), version
+    assert ("master_uri" in manifest.meta) == master
+    if master:
+        weights = torch.load(io.BytesIO(store.get(_meta_ref(manifest.meta, "master"))),
+                             weights_only=True)
+        assert state_bytes_equal(weights, ref["master"][version]), version
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.parametrize("publish", [None, "same"], ids=["publish-bf16-default", "publish-same"])
+def test_trainer_resumes_exactly_after_sigkill(
+    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, publish
+):
+    """State written every version. Default: fp32 master weights, bf16 published; ``same``:
+    fp32 published."""
+    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.weights.store import FileBlobStore
+
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}
+    )
+    n = 6
+    lr = "1e-4"  # the tiny random model's weights are ~0.02: larger rates move every bf16
+    sent, before, manifests, text = _crash_then_resume(
+        kafka_config, kafka_bootstrap, topo, path, tiny_model, tmp_path, n=n, crash_at=3,
+        args=["--lr", lr, "--micro-batch-size", "3", "--state-interval", "1",
+              *(["--publish-dtype", publish] if publish else [])])
+    # every version's state is recorded by the next version's manifest (lag <= interval):
+    # version 1's by version 2's; version 2's was to go with the crashed version 3
+    assert sorted(_recorded(before)) == [1]
+    assert "resumed at version 2 from the state of version 1" in text, text[-3000:]
+    assert "recomputed versions 2..2" in text, text[-3000:]
     assert "matches version 2's manifest" in text, text[-3000:]
     master_log = "master weights loaded" if publish is None else "master weights the published"
     assert master_log in text, text[-3000:]
@@ -398,65 +703,34 @@ def test_trainer_resumes_exactly_after_sigkill(
     assert mine and max(s.weight_versions["actor"] for s in mine) >= 3
     assert all("trainer/wait_fraction" in s.metrics for s in mine)
 
-    manifests = read_manifests(kafka_config, weights_topic)
-    deltas = sorted(m.version for m in manifests if m.kind == "delta")
-    fulls = sorted(m.version for m in manifests if m.kind == "full")
-    assert deltas == list(range(1, n + 1)) and fulls == [0, 4]
-    # every batch trained exactly once, in order: version k consumed batch k-1
-    for m in manifests:
-        if m.version == 0:
-            assert m.consumed_offsets == []
-            continue
-        (po,) = m.consumed_offsets
-        assert (po.topic, po.partition) == (batches_topic, 0)
-        assert po.offset == sent[m.version - 1].offset + 1
-        assert m.meta["batch_id"] == f"batch-{m.version - 1}"
-        assert "optimizer_sha256" in m.meta
-        assert ("master_sha256" in m.meta) == (publish is None)
-
-    # the uninterrupted reference run over the same (decoded) batches
-    torch.set_num_threads(1)
-    ref = Trainer(
-        tiny_model,
-        TrainerConfig(lr=float(lr), micro_batch_size=3, publish_dtype=publish or "bf16"),
-        policy="actor",
-    )
-    masters = {0: {k: v.clone() for k, v in ref.state_dict().items()}}
-    states = {0: {k: v.clone() for k, v in ref.published_state().items()}}
-    for k, r in enumerate(sent, start=1):
-        ref.train_step(r.record)
-        masters[k] = {k2: v.clone() for k2, v in ref.state_dict().items()}
-        states[k] = {k2: v.clone() for k2, v in ref.published_state().items()}
-    # every published version, resumed or not, equals the reference bit for bit
-    follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
-    follower.observe(manifests)
-    for target in range(n + 1):
-        follower.update(target)
-        assert state_bytes_equal(follower.state, states[target]), f"version {target} differs"
+    assert sorted(m.version for m in manifests if m.kind == "full") == [0, 4]
+    cfg = TrainerConfig(lr=float(lr), micro_batch_size=3, publish_dtype=publish or "bf16")
+    ref = _reference(tiny_model, sent, cfg)
+    _check_history(kafka_config, manifests, sent, ref, topo.full_name("batches.actor"))
     dtype = "float32" if publish == "same" else "bfloat16"
     assert {m.dtype for m in manifests} == {dtype}
-    # the resumed trainer's master weights and optimizer state, as saved with version n
-    # (the newest keep-optimizer versions keep them), equal the uninterrupted run's
+    # version v's state is recorded by version v+1. Version 2's went with the crashed
+    # transaction (its blobs are garbage) and the resumed trainer recomputed version 2
+    # without writing it; the write after the last version is recorded by none and deleted
+    # at the stop
+    recorded = _recorded(manifests)
+    assert sorted(recorded) == [1, *range(3, n)], sorted(recorded)
+    assert all(m.version == v + 1 for v, m in recorded.items())
     store = FileBlobStore(tmp_path / "state" / "blobs", create=False)
-    (last,) = [m for m in manifests if m.version == n]
-    opt = torch.load(
-        io.BytesIO(store.get(_meta_ref(last.meta, "optimizer"))), weights_only=True
-    )
-    assert _optimizer_states_equal(opt, ref.optimizer.state_dict())
-    if publish is None:
-        master = torch.load(
-            io.BytesIO(store.get(_meta_ref(last.meta, "master"))), weights_only=True
-        )
-        assert state_bytes_equal(master, masters[n])
-        # the optimizer and master blobs of the newest 3 versions are kept (--keep-optimizer),
-        # older ones the resumed trainer knew of (version 2's) are deleted
-        kept = {".".join(b.blob_id.split(".")[1:3]) for b in store.list()}
-        for v in range(n - 2, n + 1):
-            assert {f"v{v:08d}.optim", f"v{v:08d}.master"} <= kept, (v, kept)
-        assert not kept & {"v00000002.optim", "v00000002.master"}, kept
+    for v in (n - 1,):  # the resumed trainer's state equals the uninterrupted run's
+        _check_state_blobs(store, recorded[v], ref, v, master=publish is None)
+    # the newest 3 recorded states are kept (--keep-optimizer); older ones are deleted, and
+    # so is the one written after the last version
+    kept = {".".join(b.blob_id.split(".")[1:3]) for b in store.list()}
+    kinds = ["optim", "master"] if publish is None else ["optim"]
+    for v in range(n - 3, n):
+        assert {f"v{v:08d}.{k}" for k in kinds} <= kept, (v, kept)
+    for v in (1, n):
+        assert not {f"v{v:08d}.{k}" for k in kinds} & kept, (v, kept)
 
     # delta sparsity: AdamW moves every fp32 weight each step, but only some of them cross
     # a bf16 rounding step (at this lr about 0.3-0.5 of the bf16 weights stay unchanged)
+    masters = ref["master"]
     deltas = {m.version: m for m in manifests if m.kind == "delta"}
     fp32_unchanged = [
         sum(int((masters[v][k] == masters[v - 1][k]).sum()) for k in masters[v])
@@ -471,6 +745,45 @@ def test_trainer_resumes_exactly_after_sigkill(
         )
     else:
         assert max(deltas[v].sparsity for v in range(1, n + 1)) < 0.05
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_trainer_recomputes_the_versions_after_the_newest_state_on_resume(
+    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path
+):
+    """State every 3 versions, crash between state writes (version 6's transaction open):
+    the restart loads the state of version 3, recomputes 4 and 5 without publishing
+    (checked against the published ones), then trains on. The real-model settings (bf16
+    autocast, gradient checkpointing, token-budget micro-batches) resume exactly too."""
+    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.weights.store import FileBlobStore
+
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}
+    )
+    n = 8
+    sent, before, manifests, text = _crash_then_resume(
+        kafka_config, kafka_bootstrap, topo, path, tiny_model, tmp_path, n=n, crash_at=6,
+        args=["--lr", "1e-4", "--micro-batch-tokens", "40", "--autocast", "bf16",
+              "--gradient-checkpointing", "--state-interval", "3", "--state-max-lag", "1"])
+    recorded_before = _recorded(before)
+    assert sorted(recorded_before) == [3] and recorded_before[3].version == 4
+    assert "resumed at version 5 from the state of version 3" in text, text[-3000:]
+    assert "recomputed versions 4..5" in text, text[-3000:]
+    assert "recomputed version 4 from batch batch-3" in text, text[-3000:]
+    cfg = TrainerConfig(lr=1e-4, micro_batch_tokens=40, autocast="bf16",
+                        gradient_checkpointing=True)
+    ref = _reference(tiny_model, sent, cfg)
+    _check_history(kafka_config, manifests, sent, ref, topo.full_name("batches.actor"))
+    recorded = _recorded(manifests)
+    assert {v: m.version for v, m in recorded.items()} == {3: 4, 6: 7}
+    store = FileBlobStore(tmp_path / "state" / "blobs", create=False)
+    for v, m in recorded.items():
+        _check_state_blobs(store, m, ref, v, master=True)
+    states = {".".join(b.blob_id.split(".")[1:3]) for b in store.list()
+              if b.blob_id.split(".")[2] in ("optim", "master")}
+    assert {s.split(".")[0] for s in states} == {"v00000003", "v00000006"}, states
 
 
 def _meta_ref(meta: dict[str, str], kind: str):
@@ -499,11 +812,13 @@ def test_group_staleness_guard_drops_old_groups():
 
 @pytest.mark.kafka
 @pytest.mark.slow
-def test_trainer_master_blob_restores_exactly_and_is_checksummed(
+def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     kafka_config, make_topology, tiny_model, tmp_path
 ):
-    """In process: the restored fp32 master weights and optimizer state equal the trainer's
-    that wrote them; a master blob whose bytes changed is refused (sha256)."""
+    """In process, state every 2 versions: a write is recorded by a later manifest, at the
+    latest by the next state's version; a restart recomputes the versions after the newest
+    state and then equals the trainer that wrote them; other settings, or a master blob
+    whose bytes changed (sha256), are refused."""
     from astraflow.trainer.service import ServiceOptions, TrainerService
     from astraflow.trainer.trainer import TrainerConfig
     from astraflow.weights.delta import state_bytes_equal
@@ -513,46 +828,62 @@ def test_trainer_master_blob_restores_exactly_and_is_checksummed(
         topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}
     )
     producer = RecordProducer(kafka_config)
-    for i in range(2):
+    for i in range(4):
         producer.produce(topo.full_name("batches.actor"), make_batch(i), key="actor")
     producer.flush()
     torch.set_num_threads(1)
 
-    def options(**kw) -> ServiceOptions:
+    def options(temperature: float = 1.0, **kw) -> ServiceOptions:
         return ServiceOptions(
             policy="actor",
             model_path=tiny_model,
             state_dir=str(tmp_path / "state"),
             poll_timeout_s=0.2,
-            trainer=TrainerConfig(lr=1e-4, micro_batch_size=3),
+            state_interval=2,
+            trainer=TrainerConfig(lr=1e-4, micro_batch_size=3, temperature=temperature),
             **kw,
         )
 
-    first = TrainerService(topo, options(max_steps=2), config=kafka_config)
-    first.run()
-    assert first.version == 2
+    def restored(**kw) -> TrainerService:
+        svc = TrainerService(topo, options(**kw), config=kafka_config)
+        svc._open()
+        try:
+            svc._restore()
+        finally:
+            svc.store.close()
+        return svc
 
-    second = TrainerService(topo, options(), config=kafka_config)
-    second._open()
-    second._restore()
-    assert second.resumed_from == 2
+    # no state yet after version 1: the next run starts from version 0 (the model
+    # directory) and recomputes version 1
+    TrainerService(topo, options(max_steps=1), config=kafka_config).run()
+    first = TrainerService(topo, options(max_steps=3), config=kafka_config)
+    first.run()
+    assert first.resumed_from == 1 and first.version == 4
+    manifests = read_manifests(kafka_config, topo.full_name("weights.actor"))
+    recorded = _recorded(manifests)
+    assert list(recorded) == [2] and recorded[2].version in (3, 4), recorded
+    assert first.state_version == 2
+    blobs = [b.blob_id for b in first.store.list()]
+    assert not [b for b in blobs if ".v00000004.optim" in b or ".v00000004.master" in b]
+
+    second = restored()
+    assert second.resumed_from == 4
     assert second.trainer.state_dict()["model.norm.weight"].dtype == torch.float32
     assert state_bytes_equal(second.trainer.state_dict(), first.trainer.state_dict())
     assert _optimizer_states_equal(
         second.trainer.optimizer.state_dict(), first.trainer.optimizer.state_dict()
     )
     assert state_bytes_equal(second.publisher._prev, first.publisher._prev)
-    second.store.close()
+    assert second.positions == first.positions
 
-    (v2,) = [m for m in read_manifests(kafka_config, topo.full_name("weights.actor"))
-             if m.version == 2]
-    assert v2.dtype == "bfloat16"
-    blob = tmp_path / "state" / "blobs" / v2.meta["master_uri"].rsplit("/", 1)[1]
+    with pytest.raises(RuntimeError, match="version 3 recomputed from the state of version 2 "
+                       "differs from the published version 3"):
+        restored(temperature=0.9)
+
+    assert recorded[2].dtype == "bfloat16"
+    blob = tmp_path / "state" / "blobs" / recorded[2].meta["master_uri"].rsplit("/", 1)[1]
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit, same size
     blob.write_bytes(bytes(data))
-    third = TrainerService(topo, options(), config=kafka_config)
-    third._open()
     with pytest.raises(RuntimeError, match="master state of version 2.*sha256"):
-        third._restore()
-    third.store.close()
+        restored()

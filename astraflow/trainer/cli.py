@@ -76,8 +76,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument(
         "--micro-batch-size",
         type=int,
-        default=8,
-        help="sequences per forward/backward (gradients accumulated)",
+        default=None,
+        metavar="N",
+        help="sequences per forward/backward, gradients accumulated to one step per batch "
+        "(default 8)",
+    )
+    r.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of --micro-batch-size: at most N padded tokens per forward/backward "
+        "(sequences sorted by length; a longer sequence goes alone)",
+    )
+    r.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="the rollouts' sampling temperature: log-probs are log_softmax(logits / T), "
+        "as the engines record them (0, greedy: 1)",
+    )
+    r.add_argument(
+        "--autocast",
+        default="none",
+        choices=["none", "bf16"],
+        help="bf16: forward/backward under torch.autocast(bfloat16) with fp32 master weights, "
+        "optimizer and loss (recommended for real models; default none)",
+    )
+    r.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass (less memory, "
+        "about one more forward of time)",
     )
     r.add_argument(
         "--dtype",
@@ -102,10 +133,27 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="full checkpoint every N versions (deltas in between)",
     )
     r.add_argument(
+        "--state-interval",
+        type=int,
+        default=10,
+        metavar="N",
+        help="write the trainer state (optimizer, fp32 master weights) every N versions, in "
+        "the background; a restart recomputes the versions after the newest one (default 10)",
+    )
+    r.add_argument(
+        "--state-max-lag",
+        type=int,
+        default=None,
+        metavar="K",
+        help="record a state write at the latest K versions after it, waiting for it then "
+        "(default: the state interval)",
+    )
+    r.add_argument(
         "--keep-optimizer",
         type=int,
         default=3,
-        help="keep the optimizer states (and master weights) of the newest K versions",
+        metavar="K",
+        help="keep the newest K written trainer states (optimizer and master weights)",
     )
     r.add_argument("--threads", type=int, help="torch.set_num_threads")
     r.add_argument("--seed", type=int, default=0)
@@ -123,14 +171,18 @@ def handler(args: argparse.Namespace) -> int:
 
     from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.topology import TopologyError, load_topology
-    from astraflow.trainer.service import ServiceOptions, TrainerService
-    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.trainer.service import TrainerService
 
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+    try:
+        opts = _options(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
     if topo is None:
         try:
@@ -145,32 +197,6 @@ def handler(args: argparse.Namespace) -> int:
         torch.use_deterministic_algorithms(True)
     args.loaded_topology = topo
     config = kafka_config(args)
-    opts = ServiceOptions(
-        policy=args.policy,
-        model_path=args.model,
-        blob_store=args.blob_store,
-        state_dir=args.state_dir,
-        instance=args.instance,
-        anchor_interval=args.anchor_interval,
-        keep_optimizer=args.keep_optimizer,
-        max_steps=args.max_steps,
-        trainer=TrainerConfig(
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            adam_eps=args.adam_eps,
-            weight_decay=args.weight_decay,
-            max_grad_norm=args.max_grad_norm,
-            clip_low=args.clip_low,
-            clip_high=args.clip_high,
-            tis_cap=args.tis_cap,
-            normalize_std=not args.no_std_normalize,
-            micro_batch_size=args.micro_batch_size,
-            dtype=args.dtype,
-            publish_dtype=args.publish_dtype,
-            device=args.device,
-            max_staleness=args.max_staleness,
-        ),
-    )
     service = TrainerService(topo, opts, config=config)
 
     stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),
@@ -183,3 +209,44 @@ def handler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options(args: argparse.Namespace) -> Any:
+    """``ServiceOptions`` from the parsed flags, validated (``ValueError`` names the flag)."""
+    from astraflow.trainer.service import ServiceOptions
+    from astraflow.trainer.trainer import TrainerConfig
+
+    if args.micro_batch_size is not None and args.micro_batch_tokens is not None:
+        raise ValueError("give --micro-batch-size or --micro-batch-tokens, not both")
+    opts = ServiceOptions(
+        policy=args.policy,
+        model_path=args.model,
+        blob_store=args.blob_store,
+        state_dir=args.state_dir,
+        instance=args.instance,
+        anchor_interval=args.anchor_interval,
+        state_interval=args.state_interval,
+        state_max_lag=args.state_max_lag,
+        keep_optimizer=args.keep_optimizer,
+        max_steps=args.max_steps,
+        trainer=TrainerConfig(
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            adam_eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm,
+            clip_low=args.clip_low,
+            clip_high=args.clip_high,
+            tis_cap=args.tis_cap,
+            normalize_std=not args.no_std_normalize,
+            micro_batch_size=args.micro_batch_size if args.micro_batch_size is not None else 8,
+            micro_batch_tokens=args.micro_batch_tokens,
+            dtype=args.dtype,
+            publish_dtype=args.publish_dtype,
+            autocast=args.autocast,
+            gradient_checkpointing=args.gradient_checkpointing,
+            temperature=args.temperature,
+            device=args.device,
+            max_staleness=args.max_staleness,
+        ),
+    )
+    opts.validate()
+    return opts

@@ -2,32 +2,34 @@
 
 One Kafka transaction per training step holds the new version's ``WeightManifest``(s), the
 consumer offsets of the batch it was trained on (``send_offsets_to_transaction``), any dead
-letters and, when due, a ``ComponentStatus``. The blobs (weights delta/full checkpoint, the
-optimizer state and, when the published weights are a rounding of the trained ones, the
-master weights) are written to the blob store *before* the transaction; a crash before the
-commit leaves only unreferenced blobs (garbage for ``astraflow weights gc``).
+letters and, when due, a ``ComponentStatus``. The weight blobs (delta/full checkpoint) are
+written to the blob store *before* the transaction; a crash before the commit leaves only
+unreferenced blobs (garbage for ``astraflow weights gc``). Each manifest's ``meta`` names
+the batch it was trained on (``batch_id``, ``batch_partition``, ``batch_offset``).
 
 Published weights are the trained (fp32 master) weights rounded to ``publish_dtype`` (bf16
 by default), so the deltas are taken between consecutive bf16 versions: bit-exact and
-sparse. The master weights of each version go to a blob named in the manifest's ``meta``
-(``master_uri``/``master_sha256``/``master_bytes``) next to the optimizer state; both are
-kept for the newest ``keep_optimizer`` versions.
+sparse. The *trainer state* (the optimizer state and, when the published weights are a
+rounding, the master weights) is written every ``state_interval`` versions by a background
+thread (``astraflow.trainer.state``) and recorded in the ``meta`` of the first manifest
+committed after the write finished (``state_version``, ``optimizer_uri``/``_sha256``/
+``_bytes``, ``master_uri``/...), at the latest ``state_lag`` versions after it; the newest
+``keep_optimizer`` recorded states are kept.
 
 Restart (after SIGKILL, anywhere):
 
 1. the transactional producer (id ``<run>.trainer.<policy>.<instance>``) is created first:
    ``init_transactions`` fences a dead predecessor and aborts its open transaction, so
    ``read_committed`` readers are not held up by it;
-2. every manifest on ``weights.<policy>`` is read; the newest version's published weights
-   are rebuilt with a ``WeightFollower`` (bit-exact, sha256-verified) and become the
-   publisher's base for the next delta; its optimizer state and master weights are loaded
-   from the blobs named in the manifest's ``meta`` (sha256-verified; the master weights
-   must round to the published ones bit for bit). Version 0 has no master blob: it was
-   published from the model directory, which is what the trainer loads. With
-   ``publish_dtype`` ``same`` the published weights are the trained ones;
-3. consumption resumes at the manifest's ``consumed_offsets``, which are the group's
-   committed offsets because both were committed in the same transaction (checked and
-   logged).
+2. every manifest on ``weights.<policy>`` is read. The newest recorded state (version k;
+   none: version 0, the model directory) is loaded, sha256-verified, and its master weights
+   must round to version k's published weights (rebuilt with a ``WeightFollower``) bit for
+   bit. With ``publish_dtype`` ``same`` the published weights are the trained ones;
+3. the versions k+1..L after it (L the newest published) are retrained from the batches
+   their manifests name, without publishing, and each must equal the published version bit
+   for bit (``astraflow.trainer.resume``); a difference is refused;
+4. consumption resumes at version L's ``consumed_offsets``, which are the group's committed
+   offsets because both were committed in the same transaction (checked and logged).
 
 So no batch is lost and none is trained twice, and a resumed trainer continues bit for bit
 as an uninterrupted one would have. Version 0 (the initial weights) is published when
@@ -38,12 +40,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +68,8 @@ from astraflow.records import (
     WeightManifest,
 )
 from astraflow.topology import Topology
+from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
+from astraflow.trainer.state import StateWriter, WrittenState
 from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
@@ -89,7 +91,12 @@ class ServiceOptions:
     state_dir: str | None = None
     instance: str | None = None
     anchor_interval: int = 10
-    keep_optimizer: int = 3  # optimizer (and master weight) blobs of the newest K versions
+    # trainer state (optimizer, master weights) written every N versions, in the background
+    state_interval: int = 10
+    # a state write is recorded at the latest in the manifest of version k + lag (the step
+    # waits for it there); None: the interval (the next state waits for it)
+    state_max_lag: int | None = None
+    keep_optimizer: int = 3  # the newest K written trainer states are kept
     max_steps: int | None = None  # stop (cleanly) after this many steps in this process
     poll_timeout_s: float = 0.5
     session_timeout_ms: int = 10_000
@@ -97,14 +104,33 @@ class ServiceOptions:
     commit_retries: int = 3
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the option (and its CLI flag) of a bad setting."""
+        checks = [
+            ("state_interval", "--state-interval", self.state_interval >= 1),
+            ("state_max_lag", "--state-max-lag",
+             self.state_max_lag is None or self.state_max_lag >= 1),
+            ("keep_optimizer", "--keep-optimizer", self.keep_optimizer >= 1),
+            ("anchor_interval", "--anchor-interval", self.anchor_interval >= 0),
+        ]
+        for name, flag, ok in checks:
+            if not ok:
+                minimum = 0 if name == "anchor_interval" else 1
+                raise ValueError(
+                    f"{name} ({flag}) must be at least {minimum}, got {getattr(self, name)!r}"
+                )
+        self.trainer.validate()
+
+    @property
+    def state_lag(self) -> int:
+        """Versions after which a state write must be recorded (waited for)."""
+        lag = self.state_max_lag or self.state_interval
+        return min(lag, self.state_interval)
+
 
 @dataclass
 class ServiceCounters(RuntimeCounters):
     steps: int = 0
-
-
-def _safe(policy: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", policy)[:120] or "policy"
 
 
 class TrainerService:
@@ -142,12 +168,15 @@ class TrainerService:
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, float] = {}
         self.positions: dict[tuple[str, int], int] = {}
-        self._state_refs: list[list[BlobRef]] = []  # per version: optimizer, master blobs
+        # recorded trainer states, oldest first: (version, optimizer and master blobs)
+        self._state_refs: list[tuple[int, list[BlobRef]]] = []
+        self.state_version: int | None = None  # the newest recorded state
         self._dead: list[DeadLetter] = []
         self._check_committed: list[TopicPartition] = []
         self._stop = threading.Event()
         self._last_status = 0.0
         self._loop_start = time.monotonic()
+        options.validate()
         crash = os.environ.get(CRASH_ENV)
         self._crash_at = int(crash) if crash else None
 
@@ -176,6 +205,7 @@ class TrainerService:
             transactional_id=self.transactional_id,
             **{"transaction.timeout.ms": 60_000},
         )
+        self.writer = StateWriter(self.store, self.policy)
         if self.trainer is None:
             self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy)
 
@@ -202,75 +232,90 @@ class TrainerService:
                 self.weights_topic,
             )
             return
+        t0 = time.perf_counter()
+        latest = max(m.version for m in manifests)
+        start, meta = newest_state(manifests)
         follower = WeightFollower(
             policy=self.policy, stores=[self.store], kafka_config=self.config, inplace=False
         )
         follower.observe(manifests)
-        t0 = time.perf_counter()
-        res = follower.update()
-        version = follower.version
-        assert version is not None and follower.state is not None
+        res = follower.update(start)
+        opt, master = self._load_state(follower, start, meta, manifests)
+        reader = BatchReader(self.config, self.batches_topic, self.codec)
+        try:
+            replay_s = recompute(self.trainer, follower, manifests, start, latest, reader,
+                                 self.weights_topic)
+        finally:
+            reader.close()
+        assert follower.state is not None
+        self.publisher = WeightPublisher(
+            self.store,
+            self.policy,
+            anchor_interval=o.anchor_interval,
+            version=latest,
+            state=follower.state,
+        )
+        last = [m for m in manifests if m.version == latest][0]
+        self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
+        self.version = self.resumed_from = latest
+        self.state_version = start if meta else None
+        self._state_refs = recorded_states(manifests)
+        self._drop_old_states()
+        log.info(
+            "%s: resumed at version %d from the state of version %d (%d manifests applied, "
+            "%d bytes); optimizer state %s; master weights %s; recomputed versions %s in "
+            "%.2fs; %.2fs in all; consuming from %s",
+            self.component_id,
+            latest,
+            start,
+            len(res.applied),
+            res.bytes_fetched,
+            opt,
+            master,
+            f"{start + 1}..{latest}" if latest > start else "none",
+            replay_s,
+            time.perf_counter() - t0,
+            _fmt_positions(self.positions) or "the group's committed offsets",
+        )
+
+    def _load_state(
+        self, follower, version: int, meta: dict[str, str], manifests: list[WeightManifest]
+    ) -> tuple[str, str]:
+        """Load the trainer state of ``version`` (recorded in ``meta``; the follower holds
+        its published weights); how the optimizer and the master weights were obtained."""
         published = follower.state
-        latest = [m for m in manifests if m.version == version]
-        meta = latest[0].meta
-        self._check_published_dtypes(published, version, latest[0].dtype)
-        refs: list[BlobRef] = []
+        assert follower.version == version and published is not None
+        dtype = [m for m in manifests if m.version == version][0].dtype
+        self._check_published_dtypes(published, version, dtype)
+        opt = "fresh"
         if "optimizer_uri" in meta:
-            data, ref = self._read_state_blob(follower, meta, "optimizer", version)
+            data, _ = self._read_state_blob(follower, meta, "optimizer", version)
             self.trainer.load_optimizer_bytes(data)
-            refs.append(ref)
-        elif version > 0:
-            raise RuntimeError(
-                f"{self.weights_topic}: version {version} names no optimizer state "
-                "(meta optimizer_uri); cannot resume exactly"
-            )
+            opt = "loaded"
         if not self.trainer.keeps_master:
             self.trainer.load_weights(published)
             master = "the published weights"
         else:
             if "master_uri" in meta:
-                data, ref = self._read_state_blob(follower, meta, "master", version)
+                data, _ = self._read_state_blob(follower, meta, "master", version)
                 self.trainer.load_master_bytes(data)
-                refs.append(ref)
                 master = "loaded"
             elif version == 0:
                 master = "the model directory"  # what version 0 was published from
             else:
                 raise RuntimeError(
-                    f"{self.weights_topic}: version {version} was published as "
-                    f"{latest[0].dtype} but names no master weights (meta master_uri), "
-                    "and they cannot be rebuilt from the rounded ones; cannot resume "
-                    "exactly (restart with the --publish-dtype the run was started with)"
+                    f"{self.weights_topic}: version {version} was published as {dtype} but "
+                    "its state names no master weights (meta master_uri), and they cannot be "
+                    "rebuilt from the rounded ones; cannot resume exactly (restart with the "
+                    "--publish-dtype the run was started with)"
                 )
             if not state_bytes_equal(self.trainer.published_state(), published):
                 raise RuntimeError(
                     f"{self.weights_topic}: the master weights of version {version} (from "
                     f"{master}) do not round to its published weights; cannot resume exactly"
                 )
-        if refs:
-            self._state_refs.append(refs)
         self.trainer.steps = version
-        self.publisher = WeightPublisher(
-            self.store,
-            self.policy,
-            anchor_interval=o.anchor_interval,
-            version=version,
-            state=published,
-        )
-        self.positions = {(p.topic, p.partition): p.offset for p in latest[0].consumed_offsets}
-        self.version = self.resumed_from = version
-        log.info(
-            "%s: resumed at version %d (%d manifests applied, %d bytes, %.2fs); "
-            "optimizer state %s; master weights %s; consuming from %s",
-            self.component_id,
-            version,
-            len(res.applied),
-            res.bytes_fetched,
-            time.perf_counter() - t0,
-            "loaded" if "optimizer_uri" in meta else "fresh",
-            master,
-            _fmt_positions(self.positions) or "the group's committed offsets",
-        )
+        return opt, master
 
     def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
         """The newest version must have been published in the dtype this trainer publishes
@@ -498,6 +543,7 @@ class TrainerService:
             log.info(
                 "%s: leaving group %s at version %s", self.component_id, self.group, self.version
             )
+            self._finish_state_write()
             self.consumer.close()
             self.store.close()
         return self.counters
@@ -543,25 +589,15 @@ class TrainerService:
                      int(metrics["trainer/stale_dropped_groups"]))
             return
         version = self.version + 1
-        stem = f"{_safe(self.policy)}.v{version:08d}"
-        tag = uuid.uuid4().hex[:12]
-        opt_ref = self.store.put(f"{stem}.optim.{tag}", self.trainer.optimizer_bytes())
-        refs = [opt_ref]
-        meta = {
-            "optimizer_uri": opt_ref.uri,
-            "optimizer_sha256": opt_ref.sha256,
-            "optimizer_bytes": str(opt_ref.bytes),
-        }
-        if self.trainer.keeps_master:  # published weights are rounded: keep the trained ones
-            master_ref = self.store.put(f"{stem}.master.{tag}", self.trainer.master_bytes())
-            refs.append(master_ref)
-            meta["master_uri"] = master_ref.uri
-            meta["master_sha256"] = master_ref.sha256
-            meta["master_bytes"] = str(master_ref.bytes)
+        written = self._state_step(version, metrics)
+        meta = dict(written.meta) if written is not None else {}
         meta["batch_id"] = batch.batch_id
+        meta["batch_partition"] = str(part)
+        meta["batch_offset"] = str(off)
         meta["loss"] = f"{metrics['trainer/loss']:.6g}"
         meta["reward_mean"] = f"{metrics['trainer/reward_mean']:.6g}"
         offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
+        t_pub = time.perf_counter()
         manifests = self.publisher.publish(
             self.trainer.published_state(),
             version=version,
@@ -569,6 +605,7 @@ class TrainerService:
             consumed_offsets=offsets,
             meta=meta,
         )
+        metrics["trainer/publish_seconds"] = time.perf_counter() - t_pub
         self.version = version
         self.counters.steps += 1
         self.counters.busy_s += time.monotonic() - t0
@@ -578,19 +615,33 @@ class TrainerService:
         # of the published version (in its dtype): the delta, or the full checkpoint
         metrics["trainer/weights_sparsity"] = float(delta.sparsity)
         metrics["trainer/weights_bytes"] = float(delta.encoded_bytes)
+        newest = written.version if written is not None else self.state_version
+        metrics["trainer/state_version"] = float(newest if newest is not None else -1)
         self.last_metrics = metrics
         self._commit(manifests, offsets=True, status=self._status_due())
-        self._state_refs.append(refs)
-        self._drop_old_states()
+        if written is not None:  # recorded by a committed manifest: older ones can go
+            self.state_version = written.version
+            self._state_refs.append((written.version, written.refs))
+            self._drop_old_states()
+        self._log_version(version, batch, (topic, part, off), metrics, manifests, written)
+
+    def _log_version(self, version: int, batch: Batch, where: tuple[str, int, int],
+                     metrics: dict[str, float], manifests: list[WeightManifest],
+                     written: WrittenState | None) -> None:
+        delta = next((m for m in manifests if m.kind == "delta"), manifests[0])
+        state = ""
+        if written is not None:
+            state = (f" | state v{written.version} recorded ({written.bytes} bytes, "
+                     f"written in {written.write_seconds:.2f}s)")
+        if self.writer.in_flight is not None:
+            state += f" | writing state v{self.writer.in_flight}"
         log.info(
             "%s: v%d batch %s @%s[%d]:%d loss %.5f reward %.3f clip %.3f kl %.2e grad %.3f "
-            "wait %.2f step %.2fs | %s %s sparsity %.4f %d bytes%s",
+            "wait %.2f step %.2fs | %s %s sparsity %.4f %d bytes%s%s",
             self.component_id,
             version,
             batch.batch_id,
-            topic,
-            part,
-            off,
+            *where,
             metrics["trainer/loss"],
             metrics["trainer/reward_mean"],
             metrics["trainer/clip_frac"],
@@ -603,18 +654,66 @@ class TrainerService:
             delta.sparsity,
             delta.encoded_bytes,
             " (+full)" if len(manifests) > 1 else "",
+            state,
+        )
+
+    def _state_step(self, version: int, metrics: dict[str, float]) -> WrittenState | None:
+        """Collect a finished state write (to be recorded in ``version``'s manifest),
+        waiting for it when the lag bound or the next state is due, and start the write
+        of ``version``'s state when it is due."""
+        o = self.options
+        t0 = time.perf_counter()
+        written = self.writer.poll()
+        due = version % o.state_interval == 0
+        pending = self.writer.in_flight
+        if written is None and pending is not None and (due or version - pending >= o.state_lag):
+            written = self.writer.wait()
+        metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
+        if due:
+            snap = self.trainer.snapshot(version)
+            metrics["trainer/state_snapshot_seconds"] = snap.seconds
+            self.writer.start(snap)
+        if written is not None:
+            metrics["trainer/state_write_seconds"] = written.write_seconds
+            metrics["trainer/state_bytes"] = float(written.bytes)
+            metrics["trainer/state_version"] = float(written.version)
+        return written
+
+    def _finish_state_write(self) -> None:
+        """On the way out: wait for a write in flight; no manifest will record it, so its
+        blobs are deleted (a restart resumes from the newest recorded state)."""
+        try:
+            written = self.writer.wait()
+        except RuntimeError as e:
+            log.warning("%s: %s", self.component_id, e)
+            return
+        if written is None:
+            return
+        for ref in written.refs:
+            self._delete_blob(ref)
+        log.info(
+            "%s: the state of version %d was written after the last committed version; no "
+            "manifest records it, deleted (a restart resumes from the state of version %s "
+            "and recomputes the versions after it)",
+            self.component_id,
+            written.version,
+            self.state_version if self.state_version is not None else 0,
         )
 
     def _drop_old_states(self) -> None:
         """Delete the optimizer and master weight blobs of all but the newest
-        ``keep_optimizer`` versions."""
+        ``keep_optimizer`` recorded states."""
         keep = max(1, self.options.keep_optimizer)
         while len(self._state_refs) > keep:
-            for ref in self._state_refs.pop(0):
-                try:
-                    self.store.delete(ref)
-                except Exception as e:  # a store that cannot delete keeps it: harmless
-                    log.debug("could not delete %s: %s", ref.uri, e)
+            _, refs = self._state_refs.pop(0)
+            for ref in refs:
+                self._delete_blob(ref)
+
+    def _delete_blob(self, ref: BlobRef) -> None:
+        try:
+            self.store.delete(ref)
+        except Exception as e:  # a store that cannot delete keeps it: harmless
+            log.debug("could not delete %s: %s", ref.uri, e)
 
 
 def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:

@@ -4,9 +4,19 @@
 log-probs as the rollout recorded them; nothing is tokenized here), computes GRPO group
 advantages from the sequence rewards, the new log-probs of every token given its prefix,
 the clipped/truncated loss of ``astraflow.trainer.loss`` on the loss-mask tokens, and takes
-one AdamW step with gradient-norm clipping. Micro-batching (``micro_batch_size`` sequences
-per forward/backward, gradients accumulated) bounds memory; the result is the same step as
-one full-batch pass, because the loss is normalised by the token count of the whole batch.
+one AdamW step with gradient-norm clipping. Micro-batching bounds memory: either
+``micro_batch_size`` sequences per forward/backward, or ``micro_batch_tokens`` padded tokens
+(sequences sorted by length, so little is padding); gradients are accumulated to one step
+per batch, the same step as one full-batch pass, because the loss is normalised by the
+token count of the whole batch. The model computes logits only from the first column a
+micro-batch trains (``logits_to_keep``): prompt positions need none.
+
+Log-probs are ``log_softmax(logits / temperature)``, the rollouts' sampling temperature, as
+the engines record the behaviour log-probs (``astraflow.raas.engine``).
+
+Real models: ``autocast="bf16"`` runs forward and backward under ``torch.autocast`` in
+bfloat16 while the master weights, gradients, optimizer and the log-softmax/loss stay fp32;
+``gradient_checkpointing`` recomputes each layer's activations in the backward pass.
 
 Determinism: the model runs in eval mode (no dropout), so a step depends only on weights,
 optimizer state and batch; with the same torch thread count a resumed trainer reproduces an
@@ -22,7 +32,9 @@ weight. The master weights cannot be rebuilt from the published ones: ``master_b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import io
 import logging
 import time
@@ -33,6 +45,7 @@ import torch
 
 from astraflow.records import Batch, Sequence
 from astraflow.trainer.loss import SUM_KEYS, group_advantages, policy_loss
+from astraflow.trainer.state import StateSnapshot
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -60,14 +73,55 @@ class TrainerConfig:
     tis_cap: float = 2.0
     normalize_std: bool = True
     micro_batch_size: int = 8  # sequences per forward/backward
+    # padded tokens per forward/backward (sequences sorted by length); replaces
+    # micro_batch_size when set
+    micro_batch_tokens: int | None = None
     dtype: str = "fp32"  # the trained (master) weights
     # the published weights: the master weights rounded to this ("same": as trained)
     publish_dtype: str = "bf16"
+    # "bf16": forward/backward under torch.autocast(bfloat16), master weights, gradients,
+    # optimizer and the log-softmax/loss in fp32 (recommended for real models)
+    autocast: str = "none"
+    gradient_checkpointing: bool = False
+    # the sampling temperature of the rollouts: log-probs are log_softmax(logits / T), as
+    # the engines record them; 0 (greedy) means 1, as the engines report greedy tokens
+    temperature: float = 1.0
     device: str = "cpu"
     pad_token_id: int = 0
     # drop groups whose oldest generated token is more than this many versions behind the
     # version being trained (the last guard of the staleness bound); None: keep all
     max_staleness: int | None = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field (and its CLI flag) of a bad setting."""
+        checks = [
+            ("lr", "--lr", self.lr > 0, "must be > 0"),
+            ("micro_batch_size", "--micro-batch-size", self.micro_batch_size >= 1,
+             "must be at least 1"),
+            ("micro_batch_tokens", "--micro-batch-tokens",
+             self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+             "must be at least 1"),
+            ("temperature", "--temperature", self.temperature >= 0, "must be >= 0"),
+            ("max_grad_norm", "--max-grad-norm", self.max_grad_norm > 0, "must be > 0"),
+            ("max_staleness", "--max-staleness",
+             self.max_staleness is None or self.max_staleness >= 0, "must be >= 0"),
+            ("dtype", "--dtype", self.dtype in DTYPES, f"must be one of {sorted(DTYPES)}"),
+            ("publish_dtype", "--publish-dtype",
+             self.publish_dtype == "same" or self.publish_dtype in DTYPES,
+             f"must be 'same' or one of {sorted(DTYPES)}"),
+            ("autocast", "--autocast", self.autocast in AUTOCAST, f"must be one of {AUTOCAST}"),
+        ]
+        for name, flag, ok, what in checks:
+            if not ok:
+                raise ValueError(f"{name} ({flag}) {what}, got {getattr(self, name)!r}")
+
+    @property
+    def logit_temperature(self) -> float:
+        """What the logits are divided by: ``temperature``, 1 for greedy (0)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+AUTOCAST = ("none", "bf16")
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
@@ -100,13 +154,8 @@ class Trainer:
         self.config = config or TrainerConfig()
         self.policy = policy
         c = self.config
-        if c.dtype not in DTYPES:
-            raise ValueError(f"dtype {c.dtype!r}: use one of {sorted(DTYPES)}")
+        c.validate()
         self.dtype = DTYPES[c.dtype]
-        if c.publish_dtype != "same" and c.publish_dtype not in DTYPES:
-            raise ValueError(
-                f"publish_dtype {c.publish_dtype!r}: use 'same' or one of {sorted(DTYPES)}"
-            )
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
         self.device = torch.device(c.device)
         if model is None:
@@ -117,6 +166,9 @@ class Trainer:
             )
         self.model = model.to(self.device)
         self.model.eval()  # no dropout: deterministic, and log-probs match the rollout's
+        if c.gradient_checkpointing:
+            _enable_checkpointing(self.model)
+        self._keep_arg = _logits_to_keep_supported(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=c.lr,
@@ -148,6 +200,12 @@ class Trainer:
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state, strict=True)
+
+    def snapshot(self, version: int) -> StateSnapshot:
+        """CPU copies of the optimizer state and (when ``keeps_master``) the master weights,
+        to be serialized while training goes on."""
+        master = self.state_dict() if self.keeps_master else None
+        return StateSnapshot.of(version, self.optimizer.state_dict(), master)
 
     def master_bytes(self) -> bytes:
         """The trained weights, serialized bit-exactly (``torch.save``)."""
@@ -195,6 +253,25 @@ class Trainer:
                 rows.append(_Row(s, a))
         return rows
 
+    def micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        """``rows`` cut into forward/backward passes: ``micro_batch_size`` sequences in
+        order, or, with ``micro_batch_tokens``, sorted longest first and packed while the
+        padded size (sequences x longest) stays within the budget (a longer one alone)."""
+        c = self.config
+        if c.micro_batch_tokens is None:
+            size = max(1, c.micro_batch_size)
+            return [rows[i : i + size] for i in range(0, len(rows), size)]
+        parts: list[list[_Row]] = []
+        for r in sorted(rows, key=lambda r: len(r.seq.token_ids), reverse=True):
+            # the first row of a part is its longest: the padded width
+            if parts and len(parts[-1][0].seq.token_ids) * (len(parts[-1]) + 1) <= (
+                c.micro_batch_tokens
+            ):
+                parts[-1].append(r)
+            else:
+                parts.append([r])
+        return parts
+
     def _tensors(self, rows: list[_Row]):
         """Right-padded ids, attention mask, behaviour log-probs, loss mask, advantages."""
         n = max(len(r.seq.token_ids) for r in rows)
@@ -214,17 +291,83 @@ class Trainer:
         adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)[:, None]
         return ids, attn, behaviour, mask, adv
 
-    def token_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """log pi(token_t | tokens_<t) for t >= 1, in float32; column 0 is 0."""
-        logits = (
-            self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device))
-            .logits[:, :-1]
-            .float()
-        )
-        target = ids[:, 1:].to(self.device)
+    def _autocast(self):
+        if self.config.autocast == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def token_logprobs(
+        self, ids: torch.Tensor, attn: torch.Tensor, start: int = 0
+    ) -> torch.Tensor:
+        """``log_softmax(logits / temperature)`` of each token given its prefix, in float32,
+        for tokens ``t > start``; columns ``0..start`` are 0. ``start`` lets the model
+        compute logits only from that column on (``logits_to_keep``): prompts need none."""
+        n = ids.shape[1]
+        start = max(0, min(start, n - 1))
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if self._keep_arg and start > 0:
+            kwargs["logits_to_keep"] = n - start
+        with self._autocast():
+            logits = self.model(
+                input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs
+            ).logits
+        if logits.shape[1] == n:
+            logits = logits[:, start:]
+        # the loss side stays in float32, outside autocast
+        logits = logits[:, :-1].float() / self.config.logit_temperature
+        target = ids[:, start + 1 :].to(self.device)
         picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         lp = picked - torch.logsumexp(logits, dim=-1)
-        return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        return torch.cat([lp.new_zeros((lp.shape[0], start + 1)), lp], dim=1)
+
+    def _accumulate(self, live: list[_Row], total_tokens: int) -> dict[str, Any]:
+        """Forward/backward of every micro-batch of ``live``, gradients summed."""
+        c = self.config
+        acc: dict[str, Any] = {"loss": 0.0, "ratio_max": 0.0, "micro_batches": 0,
+                               "padded_tokens": 0, "sums": dict.fromkeys(SUM_KEYS, 0.0)}
+        for part in self.micro_batches(live):
+            ids, attn, behaviour, mask, adv = self._tensors(part)
+            cols = mask.any(0).nonzero()
+            if len(cols) == 0:
+                continue
+            new = self.token_logprobs(ids, attn, start=int(cols[0]) - 1)
+            out = policy_loss(
+                new,
+                behaviour.to(self.device),
+                adv.to(self.device),
+                mask.to(self.device),
+                clip_low=c.clip_low,
+                clip_high=c.clip_high,
+                tis_cap=c.tis_cap,
+                num_tokens=total_tokens,
+            )
+            out.loss.backward()
+            acc["loss"] += float(out.loss.detach())
+            acc["micro_batches"] += 1
+            acc["padded_tokens"] += ids.numel()
+            for k in SUM_KEYS:
+                acc["sums"][k] += out.sums[k]
+            acc["ratio_max"] = max(acc["ratio_max"], out.sums["ratio_max"])
+        return acc
+
+    def _optimizer_step(self, total_tokens: int) -> float:
+        """Clip and apply the accumulated gradients; the gradient norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = 0.0
+        if total_tokens > 0:
+            for p in params:  # a step on zero gradients still moves Adam's moments
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _sync(self) -> float:
+        """``perf_counter`` after the device finished its queued work (for timings)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def train_step(self, batch: Batch, current_version: int | None = None) -> dict[str, float]:
         """One optimizer step on ``batch``; returns ``trainer/*`` metrics.
@@ -241,7 +384,6 @@ class Trainer:
             stale_dropped = len(batch.groups) - len(kept)
             batch = dataclasses.replace(batch, groups=kept)
         rows = self._rows(batch)
-        rewards = [r.seq.reward for r in rows]
         tokens = [sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows]
         total_tokens = sum(tokens)
         # A sequence with advantage 0 (every one of a group whose rewards are all equal)
@@ -251,68 +393,80 @@ class Trainer:
         live = [r for r in rows if r.advantage != 0.0]
         live_tokens = sum(t for t, r in zip(tokens, rows) if r.advantage != 0.0)
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(SUM_KEYS, 0.0)
-        ratio_max = 0.0
-        loss_total = 0.0
-        metrics_extra: dict[str, float] = {}
-        for start in range(0, len(live), max(1, c.micro_batch_size)):
-            part = live[start : start + max(1, c.micro_batch_size)]
-            ids, attn, behaviour, mask, adv = self._tensors(part)
-            if mask.sum() == 0:
-                continue
-            new = self.token_logprobs(ids, attn)
-            out = policy_loss(
-                new,
-                behaviour.to(self.device),
-                adv.to(self.device),
-                mask.to(self.device),
-                clip_low=c.clip_low,
-                clip_high=c.clip_high,
-                tis_cap=c.tis_cap,
-                num_tokens=total_tokens,
-            )
-            out.loss.backward()
-            loss_total += float(out.loss.detach())
-            for k in SUM_KEYS:
-                sums[k] += out.sums[k]
-            ratio_max = max(ratio_max, out.sums["ratio_max"])
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if total_tokens > 0:
-            for p in params:  # a step on zero gradients still moves Adam's moments
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm))
-            self.optimizer.step()
-        else:
-            grad_norm = 0.0
-        self.optimizer.zero_grad(set_to_none=True)
+        acc = self._accumulate(live, total_tokens)
+        t1 = self._sync()
+        grad_norm = self._optimizer_step(total_tokens)
+        t2 = self._sync()
         self.steps += 1
-        if current_version is not None:
-            lags = [
-                current_version - v
-                for r in rows
-                for v, m in zip(r.seq.versions, r.seq.loss_mask)
-                if m and v >= 0
-            ]
-            if lags:
-                metrics_extra["trainer/staleness_mean"] = sum(lags) / len(lags)
-                metrics_extra["trainer/staleness_max"] = float(max(lags))
-        denom = max(live_tokens, 1)  # the ratio and clipping figures: of trained tokens
+        rewards = [r.seq.reward for r in rows]
         metrics = {
-            "trainer/loss": loss_total,
+            "trainer/loss": acc["loss"],
             "trainer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "trainer/grad_norm": grad_norm,
             "trainer/sequences": float(len(rows)),
             "trainer/loss_tokens": float(total_tokens),
             "trainer/zero_advantage_frac": 1.0 - len(live) / len(rows) if rows else 0.0,
-            "trainer/ratio_max": ratio_max,
-            "trainer/step_seconds": time.perf_counter() - t0,
+            "trainer/ratio_max": acc["ratio_max"],
+            "trainer/micro_batches": float(acc["micro_batches"]),
+            "trainer/padded_tokens": float(acc["padded_tokens"]),
+            "trainer/forward_backward_seconds": t1 - t0,
+            "trainer/optimizer_seconds": t2 - t1,
+            "trainer/step_seconds": t2 - t0,
+            "trainer/stale_dropped_groups": float(stale_dropped),
         }
+        denom = max(live_tokens, 1)  # the ratio and clipping figures: of trained tokens
         for k in SUM_KEYS:
-            metrics[f"trainer/{k}"] = sums[k] / denom
-        metrics.update(metrics_extra)
-        metrics["trainer/stale_dropped_groups"] = float(stale_dropped)
+            metrics[f"trainer/{k}"] = acc["sums"][k] / denom
+        metrics.update(_staleness_metrics(rows, current_version))
         return metrics
+
+
+def _staleness_metrics(rows: list[_Row], current_version: int | None) -> dict[str, float]:
+    """How many versions behind ``current_version`` the trained tokens were generated."""
+    if current_version is None:
+        return {}
+    lags = [current_version - v for r in rows
+            for v, m in zip(r.seq.versions, r.seq.loss_mask) if m and v >= 0]
+    if not lags:
+        return {}
+    return {"trainer/staleness_mean": sum(lags) / len(lags),
+            "trainer/staleness_max": float(max(lags))}
+
+
+def _logits_to_keep_supported(model: Any) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers >= 4.50)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _enable_checkpointing(model: Any) -> None:
+    """Activation checkpointing on a model that stays in eval mode (no dropout).
+
+    transformers checkpoints a layer only while ``layer.training`` is set, so that flag
+    alone is set on the checkpointed layers; their submodules (attention, dropout) stay in
+    eval mode. Non-reentrant ``torch.utils.checkpoint`` recomputes under the same autocast
+    state and needs no input that requires grad.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"gradient_checkpointing (--gradient-checkpointing): {type(model).__name__} "
+            "does not support it"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not layers:
+        raise ValueError(
+            f"gradient_checkpointing (--gradient-checkpointing): no checkpointed layer found "
+            f"in {type(model).__name__}"
+        )
+    for m in layers:
+        m.training = True
 
 
 def _group_staleness(group, policy: str, current_version: int) -> int:

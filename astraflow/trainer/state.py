@@ -1,0 +1,219 @@
+"""Trainer state (optimizer and fp32 master weights) written to the blob store in the
+background, every N versions.
+
+At 1.5B parameters the fp32 master weights and the two Adam moments are about 18 GB:
+writing them with every version would cost more than the step. The trainer instead takes a
+``StateSnapshot`` every ``state_interval`` versions: CPU copies of the tensors (training
+then goes on and changes the originals), which a ``StateWriter`` thread serializes
+(``torch.save``) and puts into the blob store, at most one write at a time.
+
+A finished write is *recorded* in the ``meta`` of the next manifest the trainer commits
+(``state_version`` and, as before, ``optimizer_uri/_sha256/_bytes`` and
+``master_uri/_sha256/_bytes``): a manifest of version v records the state of a version
+k < v. A resume loads the newest recorded state and recomputes the versions after it from
+their batches (``astraflow.trainer.service``); a write that was never recorded (the
+trainer died or stopped first) is garbage.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from astraflow.records import BlobRef
+
+log = logging.getLogger("astraflow.trainer")
+
+
+def _cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies; tensors that are views of the same memory (tied embeddings)
+    share one copy, as ``torch.save`` would have stored them."""
+    seen: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for k, v in tensors.items():
+        key = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), tuple(v.stride()))
+        if key not in seen:
+            seen[key] = v.detach().to("cpu", copy=True)
+        out[k] = seen[key]
+    return out
+
+
+def _copy_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict()`` with every tensor copied to the CPU (the optimizer
+    updates its own tensors in place on the next step)."""
+    return {
+        "state": {
+            i: {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                else copy.deepcopy(v) for k, v in s.items()}
+            for i, s in state["state"].items()
+        },
+        "param_groups": copy.deepcopy(state["param_groups"]),
+    }
+
+
+def _saved(obj: Any) -> memoryview:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()  # no copy of the serialized bytes
+
+
+@dataclass
+class StateSnapshot:
+    """The trainer's state after version ``version``, as CPU copies."""
+
+    version: int
+    optimizer: dict[str, Any]
+    master: dict[str, torch.Tensor] | None = None  # None: the published weights are it
+    seconds: float = 0.0  # the time the copies took
+
+    @classmethod
+    def of(
+        cls,
+        version: int,
+        optimizer_state: dict[str, Any],
+        master: dict[str, torch.Tensor] | None,
+    ) -> StateSnapshot:
+        t0 = time.perf_counter()
+        opt = _copy_optimizer_state(optimizer_state)
+        weights = _cpu_copies(master) if master is not None else None
+        return cls(version, opt, weights, time.perf_counter() - t0)
+
+    def optimizer_bytes(self) -> memoryview:
+        return _saved(self.optimizer)
+
+    def master_bytes(self) -> memoryview:
+        assert self.master is not None
+        return _saved(self.master)
+
+
+@dataclass
+class WrittenState:
+    """A snapshot in the blob store: its blobs and the manifest ``meta`` that records it."""
+
+    version: int
+    refs: list[BlobRef]
+    meta: dict[str, str]
+    snapshot_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.refs)
+
+
+def state_meta(version: int, optimizer: BlobRef, master: BlobRef | None) -> dict[str, str]:
+    """The manifest ``meta`` entries that record the state of ``version``."""
+    meta = {"state_version": str(version)}
+    for kind, ref in (("optimizer", optimizer), ("master", master)):
+        if ref is not None:
+            meta[f"{kind}_uri"] = ref.uri
+            meta[f"{kind}_sha256"] = ref.sha256
+            meta[f"{kind}_bytes"] = str(ref.bytes)
+    return meta
+
+
+def recorded_state_version(manifest_version: int, meta: dict[str, str]) -> int | None:
+    """The version whose state a manifest's ``meta`` records (None: none). Manifests
+    written before states were asynchronous name their own version implicitly."""
+    if "optimizer_uri" not in meta:
+        return None
+    return int(meta.get("state_version", manifest_version))
+
+
+def write_state(store: Any, policy: str, snap: StateSnapshot) -> WrittenState:
+    """Serialize ``snap`` into ``store`` (blocking): optimizer, then master weights."""
+    t0 = time.perf_counter()
+    stem = f"{re.sub(r'[^A-Za-z0-9._-]', '_', policy)[:120] or 'policy'}.v{snap.version:08d}"
+    tag = uuid.uuid4().hex[:12]
+    opt = store.put(f"{stem}.optim.{tag}", snap.optimizer_bytes())
+    refs = [opt]
+    master = None
+    if snap.master is not None:
+        master = store.put(f"{stem}.master.{tag}", snap.master_bytes())
+        refs.append(master)
+    return WrittenState(snap.version, refs, state_meta(snap.version, opt, master),
+                        snapshot_seconds=snap.seconds, write_seconds=time.perf_counter() - t0)
+
+
+@dataclass
+class StateWriter:
+    """Writes snapshots in one background thread, one at a time.
+
+    ``start`` hands a snapshot over (the previous write must have been collected);
+    ``poll`` returns a finished write once (None while it runs or when none was started);
+    ``wait`` blocks until the write in flight is done and returns it. A failed write
+    raises its error from ``poll``/``wait``.
+    """
+
+    store: Any
+    policy: str
+    _thread: threading.Thread | None = None
+    _result: WrittenState | None = None
+    _error: BaseException | None = None
+    _version: int | None = None
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The version being written (or written and not collected yet), None if none."""
+        return self._version
+
+    def start(self, snap: StateSnapshot) -> None:
+        if self._version is not None:
+            raise RuntimeError(f"state of version {self._version} is still being written")
+        self._version, self._result, self._error = snap.version, None, None
+        self._done.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=(snap,), name=f"state-writer-v{snap.version}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, snap: StateSnapshot) -> None:
+        try:
+            self._result = write_state(self.store, self.policy, snap)
+        except BaseException as e:  # handed to the training thread by poll/wait
+            self._error = e
+        finally:
+            self._done.set()
+
+    def poll(self) -> WrittenState | None:
+        if self._version is None or not self._done.is_set():
+            return None
+        return self._collect()
+
+    def wait(self) -> WrittenState | None:
+        if self._version is None:
+            return None
+        self._done.wait()
+        return self._collect()
+
+    def _collect(self) -> WrittenState:
+        assert self._thread is not None
+        self._thread.join()
+        version, self._version, self._thread = self._version, None, None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing the trainer state of version {version} failed: "
+                               f"{type(err).__name__}: {err}") from err
+        assert self._result is not None
+        result, self._result = self._result, None
+        return result
+
+
+__all__ = [
+    "StateSnapshot",
+    "StateWriter",
+    "WrittenState",
+    "recorded_state_version",
+    "state_meta",
+    "write_state",
+]
