@@ -50,7 +50,7 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
         procs[f"trainer-{policy}"] = _astraflow(
             "trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
             "--lr", str(spec.lr), "--anchor-interval", str(spec.anchor_interval),
-            *spec.trainer_args)
+            "--temperature", str(spec.temperature), *spec.trainer_args)
     for name in topo.processors:
         procs[f"processor-{name}"] = _astraflow("processor", "run", name, "--topology", path,
                                                 "--instance", "up")
@@ -83,7 +83,10 @@ def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
         args += ["--dtype", dtypes.pop()]
     if spec.tasks_per_transaction != 1:
         args += ["--tasks-per-transaction", str(spec.tasks_per_transaction)]
+    temperatures = {p.temperature for p in topo.policies.values()}
     for name, options in spec.workflows.items():
+        if len(temperatures) == 1:  # the policies' temperature unless the workflow sets one
+            options = {"temperature": next(iter(temperatures)), **options}
         args += ["--workflow-options", f"{name}={json.dumps(options)}"]
     return [*args, *spec.raas_args]
 

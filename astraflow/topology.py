@@ -153,6 +153,9 @@ class PolicySpec(_Strict):
     import_from: str | None = None
     chat: ChatSpec = Field(default_factory=ChatSpec)
     dtype: str | None = None  # dtype of the RaaS engines and the evaluator (as saved)
+    # sampling temperature of the rollouts (workflows that set none) and of the trainer's
+    # log-probabilities, so behaviour and trained log-probs are of the same distribution
+    temperature: float = Field(default=1.0, gt=0)
     warm_start_steps: int = Field(default=0, ge=0)
     # the warm-start teacher forgets carries/borrows with this probability (model init
     # --carry-slip); the tiny default model is rewritten when steps or slip change

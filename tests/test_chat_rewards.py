@@ -188,7 +188,10 @@ def test_smollm2_topology_maps_to_component_flags():
     assert wf.startswith("single_turn=") and json.loads(wf.split("=", 1)[1])["reward"]["name"] \
         == "sum"
     assert raas[raas.index("--dtype") + 1] == "bfloat16"
-    assert raas[raas.index("--tasks-per-transaction") + 1] == "8"
+    assert raas[raas.index("--tasks-per-transaction") + 1] == "4"
+    assert json.loads(wf.split("=", 1)[1])["temperature"] == 0.7  # the policy's
+    trainer = procs["trainer-actor"]
+    assert trainer[trainer.index("--temperature") + 1] == "0.7"
     ev = procs["eval-actor"]
     assert ev[ev.index("--dataset") + 1] == "data/addition.eval.jsonl"
     assert ev[ev.index("--reward") + 1] == "exact_match"
