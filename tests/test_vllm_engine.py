@@ -17,7 +17,7 @@ import torch
 
 from astraflow.raas.engine import SamplingParams
 
-from .conftest import running, wait_for
+from .conftest import REPO, running, wait_for
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 SKIP_REASON = ("vLLM not installed: bash scripts/vllm-env, then "
@@ -104,6 +104,34 @@ def test_missing_vllm_names_the_setup_command(tmp_path):
 
     with pytest.raises(VLLMNotInstalled, match="bash scripts/vllm-env"):
         load_vllm_engine(write_tiny_llama(tmp_path), "actor")
+
+
+def raas_run(*extra: str) -> list[str]:
+    return ["raas", "run", "-t", str(REPO / "topology/default.yaml"), *extra]
+
+
+def test_cli_checks_engine_options_at_start(tmp_path, capsys):
+    from astraflow.cli import main
+
+    model = str(tmp_path / "nope")
+    for engine, options, named in (
+        ("vllm", '{"max_len": 1}', "'max_len'"),
+        ("torch", '{"cpus": 1}', "'cpus'"),
+        ("openai", '{"url": "x"}', "'url'"),
+        ("openai", "{}", "'base_url' is required"),
+    ):
+        rc = main(raas_run("--policy-model", f"actor={model}", "--engine", engine,
+                           "--engine-options", options))
+        err = capsys.readouterr().err
+        assert rc == 2 and "--engine-options" in err and named in err, err
+    rc = main(raas_run("--policy-model", f"actor={model}", "--engine", "vllm"))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{model}: no such model directory" in err, err
+    if not HAVE_VLLM:
+        rc = main(raas_run("--policy-model", f"actor={write_tiny_llama(tmp_path / 'm')}",
+                           "--engine", "vllm"))
+        err = capsys.readouterr().err
+        assert rc == 2 and "bash scripts/vllm-env" in err, err
 
 
 # --- the engine ----------------------------------------------------------------------------
