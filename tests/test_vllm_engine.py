@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -89,13 +90,18 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int], temperature: float)
 # --- bad input, before vLLM starts (runs everywhere) ---------------------------------------
 def test_unknown_option_and_missing_directory_fail_at_start(tmp_path):
     from astraflow.model import ModelError
-    from astraflow.raas.vllm_engine import VLLMOptions, load_vllm_engine
+    from astraflow.raas.vllm_engine import VLLMOptions, cpu_list, load_vllm_engine
 
     with pytest.raises(ValueError, match="unknown vllm engine option 'max_len'"):
         load_vllm_engine(tmp_path, "actor", max_len=12)
     with pytest.raises(ModelError, match="no such model directory"):
         load_vllm_engine(tmp_path / "nope", "actor")
     assert VLLMOptions.from_dict({"cpus": 1, "enforce_eager": True}).cpus == 1
+    mine = sorted(os.sched_getaffinity(0))
+    assert cpu_list(1) == str(mine[0]) and cpu_list("1") == str(mine[0])
+    assert cpu_list("all") == ",".join(map(str, mine)) and cpu_list("0-3") == "0-3"
+    with pytest.raises(ValueError, match="cpus"):
+        cpu_list(len(mine) + 1)
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: its absence cannot be shown")
@@ -324,7 +330,6 @@ def test_node_with_vllm_follows_published_weights(kafka_config, make_topology, f
 @pytest.fixture(scope="module")
 def vllm_server(model_dir, tmp_path_factory):
     """`vllm serve` of the tiny model on a free loopback port; its /v1 URL."""
-    import os
     import subprocess
     import sys
     import urllib.request

@@ -62,7 +62,8 @@ class VLLMOptions:
 
     ``cpus``: the cores vLLM's OpenMP threads are bound to on a CPU build: ``"all"`` (the
     cores this process may run on), a number N (the first N of them) or a list such as
-    ``"0-3,6"``. ``kv_cache_gib``: the KV cache size on CPU, in GiB. ``max_model_len``:
+    ``"0-3,6"``; None (default): ``$VLLM_CPU_OMP_THREADS_BIND`` if set, else all.
+    ``kv_cache_gib``: the KV cache size on CPU, in GiB. ``max_model_len``:
     longest prompt + completion (None: the model's). ``dtype``: ``auto``, ``bfloat16``,
     ``float32``... ``enforce_eager``: skip torch.compile (starts faster, runs slower).
     ``seed``: vLLM's global seed. ``gpu_memory_utilization``: share of GPU memory (GPU
@@ -72,7 +73,7 @@ class VLLMOptions:
     which happens as soon as a batch's prompts exceed the step's token budget.
     """
 
-    cpus: str | int = "all"
+    cpus: str | int | None = None
     kv_cache_gib: int = 2
     max_model_len: int | None = None
     dtype: str = "auto"
@@ -284,7 +285,8 @@ def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngin
     tokenizer = load_tokenizer(path)  # checks the directory before vLLM starts
     import_vllm()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weights are passed as tensors
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(opts.cpus)
+    if opts.cpus is not None or not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(opts.cpus or "all")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(opts.kv_cache_gib))
     from vllm import LLM
 
