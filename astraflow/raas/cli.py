@@ -51,13 +51,76 @@ def _check_workflows(options: dict[str, dict[str, Any]]) -> None:
             raise SystemExit(f"astraflow raas run: --workflow-options {name}: {e}") from None
 
 
+ENGINES = ("torch", "vllm", "openai")
+TORCH_OPTIONS = ("device", "dtype", "prefix_cache_mib")
+
+
+def _engine_options(text: str) -> dict[str, Any]:
+    try:
+        opts = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return opts
+
+
+def check_engine_options(kind: str, options: dict[str, Any]) -> None:
+    """``ValueError`` naming the first option ``kind``'s engine does not know (nothing is
+    loaded or imported from vLLM here)."""
+    if kind == "torch":
+        for key in options:
+            if key not in TORCH_OPTIONS:
+                raise ValueError(f"unknown torch engine option {key!r} "
+                                 f"(known: {', '.join(TORCH_OPTIONS)})")
+    elif kind == "vllm":
+        from astraflow.raas.vllm_engine import VLLMOptions
+
+        VLLMOptions.from_dict(options)
+    elif kind == "openai":
+        from astraflow.raas.openai_engine import OpenAIOptions
+
+        OpenAIOptions.from_dict(options)
+    else:
+        raise ValueError(f"unknown engine {kind!r} (known: {', '.join(ENGINES)})")
+
+
+def load_engine(args: argparse.Namespace, policy: str, path: str) -> Any:
+    """The engine of ``policy`` from ``args.engine`` and ``args.engine_options``; the
+    ``--device``/``--dtype``/``--prefix-cache-mib`` flags are defaults the options
+    override."""
+    opts = dict(args.engine_options or {})
+    if args.engine == "vllm":
+        from astraflow.raas.vllm_engine import load_vllm_engine
+
+        if args.dtype and "dtype" not in opts:
+            opts["dtype"] = args.dtype
+        return load_vllm_engine(path, policy, **opts)
+    if args.engine == "openai":
+        from astraflow.raas.openai_engine import load_openai_engine
+
+        return load_openai_engine(path, policy, **opts)
+    from astraflow.raas.engine import load_torch_engine
+
+    mib = float(opts.get("prefix_cache_mib", args.prefix_cache_mib))
+    return load_torch_engine(path, policy, device=opts.get("device", args.device),
+                             dtype=opts.get("dtype", args.dtype),
+                             prefix_cache_bytes=int(mib * 2**20))
+
+
 def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, stop_on_signals
-    from astraflow.raas.engine import load_torch_engine
+    from astraflow.model import ModelError
     from astraflow.raas.node import NodeOptions, RaaSNode
+    from astraflow.raas.vllm_engine import VLLMNotInstalled
     from astraflow.topology import load_topology
 
     log = logging.getLogger("astraflow.raas")
+    try:
+        check_engine_options(args.engine, dict(args.engine_options or {}))
+    except ValueError as e:
+        print(f"astraflow raas run: --engine-options: {e}", file=sys.stderr)
+        return 2
     topo = args.loaded_topology = (
         getattr(args, "loaded_topology", None) or load_topology(args.topology)
     )
@@ -73,12 +136,15 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         if policy in engines:
             print(f"astraflow raas run: policy {policy!r} given twice", file=sys.stderr)
             return 2
-        engines[policy] = load_torch_engine(
-            path, policy, device=args.device, dtype=args.dtype,
-            prefix_cache_bytes=int(args.prefix_cache_mib * 2**20))
+        try:
+            engines[policy] = load_engine(args, policy, path)
+        except (VLLMNotInstalled, ModelError, ValueError) as e:
+            print(f"astraflow raas run: policy {policy!r}: {e}", file=sys.stderr)
+            return 2
         if policy in chats:
             engines[policy].chat = chats[policy]
-        log.info("policy %s: loaded %s on %s (version 0)", policy, path, args.device)
+        log.info("policy %s: %s engine on %s (version %d)", policy, args.engine, path,
+                 engines[policy].version)
     options = NodeOptions(
         pool=args.pool,
         instance=args.instance,
@@ -133,6 +199,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     run.add_argument("--n-samples", type=int, default=4, metavar="N", help="samples per task")
     run.add_argument("--tasks-per-transaction", type=int, default=1, metavar="K")
+    run.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="torch",
+        help="rollout engine of the node's policies: torch (in-tree), vllm (vLLM in this "
+        "process; needs `bash scripts/vllm-env`), openai (an OpenAI-compatible server)",
+    )
+    run.add_argument(
+        "--engine-options",
+        type=_engine_options,
+        metavar="JSON",
+        help='engine options as a JSON object, e.g. \'{"max_model_len": 1024, "cpus": 2}\' '
+        "(vllm) or '{\"base_url\": \"http://127.0.0.1:8000/v1\"}' (openai); an unknown key "
+        "fails at start",
+    )
     run.add_argument("--device", default="cpu")
     run.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
     run.add_argument(

