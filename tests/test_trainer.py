@@ -425,8 +425,8 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
     before = {k: v.clone() for k, v in master.items()}
     bf16.train_step(make_batch(3))
     other = Trainer(tiny_model, dataclasses.replace(cfg, autocast="bf16"), policy="actor")
-    other.load_master_bytes(bytes(snap.master_bytes()))
-    other.load_optimizer_bytes(bytes(snap.optimizer_bytes()))
+    other.load_master_bytes(b"".join(snap.master_bytes()))
+    other.load_optimizer_bytes(b"".join(snap.optimizer_bytes()))
     assert state_bytes_equal(other.state_dict(), before)
     other.train_step(make_batch(3))
     assert state_bytes_equal(other.state_dict(), bf16.state_dict())
@@ -479,7 +479,9 @@ class _SlowStore:
         self.release.wait(30)
         if self.fail:
             raise OSError("disk full")
-        raw = bytes(data)
+        from astraflow.weights.store import pieces
+
+        raw = b"".join(bytes(p) for p in pieces(data))
         self.blobs[blob_id] = raw
         return BlobRef(uri=f"{self.uri}/{blob_id}", bytes=len(raw),
                        sha256=hashlib.sha256(raw).hexdigest())
@@ -507,6 +509,25 @@ def test_state_writer_writes_in_the_background_one_at_a_time(tiny_model):
     assert recorded_state_version(7, done.meta) == 1
     assert recorded_state_version(7, {"optimizer_uri": "x"}) == 7  # before: its own version
     assert recorded_state_version(7, {}) is None
+
+    # the state streams in chunks, the same bytes torch.save writes into a file; a reader
+    # that stops early stops the serializing thread
+    import io
+
+    from astraflow.trainer import state as state_mod
+
+    snap = tr.snapshot(3)
+    buf = io.BytesIO()
+    torch.save(snap.optimizer, buf)
+    chunk, state_mod._CHUNK = state_mod._CHUNK, 4096
+    try:
+        parts = list(snap.optimizer_bytes())
+        assert len(parts) > 2 and b"".join(parts) == buf.getvalue()
+        stream = snap.master_bytes()
+        next(stream)
+        stream.close()  # joins the serializer: it must not hang on the full queue
+    finally:
+        state_mod._CHUNK = chunk
 
     failing = _SlowStore(fail=True)
     failing.release.set()

@@ -5,7 +5,8 @@ At 1.5B parameters the fp32 master weights and the two Adam moments are about 18
 writing them with every version would cost more than the step. The trainer instead takes a
 ``StateSnapshot`` every ``state_interval`` versions: CPU copies of the tensors (training
 then goes on and changes the originals), which a ``StateWriter`` thread serializes
-(``torch.save``) and puts into the blob store, at most one write at a time.
+(``torch.save``, streamed: never held serialized as a whole) into the blob store, at
+most one write at a time.
 
 A finished write is *recorded* in the ``meta`` of the next manifest the trainer commits
 (``state_version`` and, as before, ``optimizer_uri/_sha256/_bytes`` and
@@ -18,12 +19,13 @@ trainer died or stopped first) is garbage.
 from __future__ import annotations
 
 import copy
-import io
 import logging
+import queue
 import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +62,66 @@ def _copy_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _saved(obj: Any) -> memoryview:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getbuffer()  # no copy of the serialized bytes
+_CHUNK = 16 << 20
+_END = object()
+
+
+class _QueueWriter:
+    """A write-only file for ``torch.save`` that hands copies of what it is given, in
+    chunks, to a bounded queue; raises once the reader is gone."""
+
+    def __init__(self, q: queue.Queue, stop: threading.Event):
+        self.q = q
+        self.stop = stop
+
+    def put(self, item: Any) -> None:
+        while not self.stop.is_set():
+            try:
+                self.q.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+        raise OSError("the reader of the serialized state stopped")
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")  # torch hands views of tensor memory: copy now
+        for i in range(0, len(mv), _CHUNK):
+            self.put(bytes(mv[i : i + _CHUNK]))
+        return len(mv)
+
+    def flush(self) -> None:
+        pass
+
+
+def stream_saved(obj: Any, depth: int = 4) -> Iterator[bytes]:
+    """``torch.save(obj)`` as a stream of byte chunks (the same bytes as into a file),
+    serialized by a helper thread at most ``depth`` chunks ahead of the reader: a multi-GB
+    state is never held serialized in memory as a whole."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    writer = _QueueWriter(q, stop)
+
+    def run() -> None:
+        try:
+            torch.save(obj, writer)  # type: ignore[arg-type]
+            writer.put(_END)
+        except BaseException as e:  # handed to the reader
+            if not stop.is_set():
+                writer.put(e)
+
+    t = threading.Thread(target=run, name="state-serializer", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join()
 
 
 @dataclass
@@ -87,12 +145,14 @@ class StateSnapshot:
         weights = _cpu_copies(master) if master is not None else None
         return cls(version, opt, weights, time.perf_counter() - t0)
 
-    def optimizer_bytes(self) -> memoryview:
-        return _saved(self.optimizer)
+    def optimizer_bytes(self) -> Iterator[bytes]:
+        """The optimizer state as ``torch.save`` writes it, streamed in chunks."""
+        return stream_saved(self.optimizer)
 
-    def master_bytes(self) -> memoryview:
+    def master_bytes(self) -> Iterator[bytes]:
+        """The master weights as ``torch.save`` writes them, streamed in chunks."""
         assert self.master is not None
-        return _saved(self.master)
+        return stream_saved(self.master)
 
 
 @dataclass
@@ -215,5 +275,6 @@ __all__ = [
     "WrittenState",
     "recorded_state_version",
     "state_meta",
+    "stream_saved",
     "write_state",
 ]
