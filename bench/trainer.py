@@ -29,9 +29,11 @@ The settings run round robin (each takes version v before any takes v+1), so loa
 other processes falls on all of them alike; they are in memory together (about 2.2 GB per
 setting for a 135M model, plus 1.6 GB while a state is written).
 
-Settings (``--settings``): ``fp32`` (no autocast, 8 sequences per micro-batch: the trainer
-before real-model support), ``bf16`` (``--autocast bf16``), ``bf16-tokens`` (and
-``--micro-batch-tokens``), ``bf16-ckpt`` (and ``--gradient-checkpointing``).
+Settings (``--settings``): ``fp32`` (no autocast, 8 sequences per micro-batch, each
+sequence's prompt in its own pass: the trainer before real-model support), ``fp32-shared``
+(a group's samples share one pass over their prompt, the default), ``bf16``
+(``--autocast bf16``), ``bf16-shared``, ``bf16-tokens`` (and ``--micro-batch-tokens``),
+``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence).
 
 Needs a local model directory, e.g. SmolLM2-135M-Instruct imported without internet::
 
@@ -66,9 +68,11 @@ from astraflow.weights.delta import EncodeStats, iter_encode_delta
 from astraflow.weights.store import FileBlobStore
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "fp32": {"autocast": "none", "micro_batch_size": 8},
-    "bf16": {"autocast": "bf16", "micro_batch_size": 8},
-    "bf16-tokens": {"autocast": "bf16", "micro_batch_tokens": 2048},
+    "fp32": {"autocast": "none", "micro_batch_size": 8, "share_prompt": False},
+    "fp32-shared": {"autocast": "none", "micro_batch_size": 8},
+    "bf16": {"autocast": "bf16", "micro_batch_size": 8, "share_prompt": False},
+    "bf16-shared": {"autocast": "bf16", "micro_batch_size": 8},
+    "bf16-tokens": {"autocast": "bf16", "micro_batch_tokens": 2048, "share_prompt": False},
     "bf16-ckpt": {"autocast": "bf16", "micro_batch_size": 8, "gradient_checkpointing": True},
 }
 
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1,
                    help="first versions left out of the step timings (deltas all shown)")
     p.add_argument("--shape", default="short", choices=["short", "long"])
-    p.add_argument("--settings", default="fp32,bf16,bf16-tokens,bf16-ckpt",
+    p.add_argument("--settings", default="fp32,fp32-shared,bf16,bf16-shared",
                    help=f"comma-separated, of {', '.join(SETTINGS)}")
     p.add_argument("--state-interval", type=int, default=3,
                    help="state written every N versions in the background (one synchronous "

@@ -163,8 +163,10 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
     t8 = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=8), policy="actor")
     t1.train_step(batch)
     t8.train_step(batch)
+    # Adam divides by |gradient|: where it is ~0 (the key biases) summation-order noise
+    # shows as ~1e-6 of the lr-1e-3 update
     for (k, a), b in zip(t1.state_dict().items(), t8.state_dict().values()):
-        assert torch.allclose(a, b, atol=1e-6), k
+        assert torch.allclose(a, b, atol=1e-5), k
 
 
 def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_model):
@@ -178,7 +180,7 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
     flat = dataclasses.replace(batch.groups[0], sequences=[
         dataclasses.replace(s, reward=1.0) for s in batch.groups[0].sequences])
     batch = dataclasses.replace(batch, groups=[flat, *batch.groups[1:]])
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4)
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, share_prompt=False)
     tr = Trainer(tiny_model, cfg, policy="actor")
     calls: list[int] = []
     real = tr.token_logprobs
@@ -324,7 +326,8 @@ def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
     torch.set_num_threads(1)
     batch = make_batch(3, groups=3, samples=4)
     budget = 30
-    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=budget), policy="actor")
+    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=budget, share_prompt=False),
+                 policy="actor")
     rows = tr._rows(batch)
     parts = tr.micro_batches(rows)
     assert sorted(id(r) for p in parts for r in p) == sorted(id(r) for r in rows)
@@ -373,7 +376,8 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny_d
 
     torch.set_num_threads(1)
     batch = make_batch(4)
-    plain = Trainer(tiny_dropout_model, TrainerConfig(micro_batch_size=3), policy="actor")
+    plain = Trainer(tiny_dropout_model, TrainerConfig(micro_batch_size=3, share_prompt=False),
+                    policy="actor")
     ckpt = Trainer(tiny_dropout_model,
                    TrainerConfig(micro_batch_size=3, gradient_checkpointing=True),
                    policy="actor")
@@ -908,3 +912,32 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     blob.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="master state of version 2.*sha256"):
         restored()
+
+
+def test_shared_prompt_pass_gives_the_logprobs_and_gradients_of_separate_passes(tiny_model):
+    """A group's samples share their prompt's forward pass (keys/values repeated): the
+    log-probs, the loss and every gradient equal those of one pass per sequence."""
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(7, groups=3, samples=4)
+    shared = Trainer(tiny_model, TrainerConfig(lr=1e-3), policy="actor")
+    plain = Trainer(tiny_model, TrainerConfig(lr=1e-3, share_prompt=False), policy="actor")
+    passes = shared.passes(shared._rows(batch))
+    assert [len(p) for _, p in passes] == [4, 4, 4]  # one pass per group's prompt
+    for (prompt_len, part), g in zip(passes, batch.groups):
+        assert prompt_len == g.sequences[0].loss_mask.index(1)
+        ids, attn, _, mask, _ = shared._tensors(part)
+        with torch.no_grad():
+            a = shared.shared_prompt_logprobs(ids, attn, prompt_len)
+            b = plain.token_logprobs(ids, attn)
+        assert float(((a - b).abs() * mask).max()) < 1e-5
+    assert all(n == 0 for n, _ in plain.passes(plain._rows(batch)))
+    assert _backward(shared, batch) == pytest.approx(_backward(plain, batch), rel=1e-5)
+    g_shared, g_plain = _grads(shared), _grads(plain)
+    assert g_shared.keys() == g_plain.keys()
+    for k, g in g_plain.items():
+        assert torch.allclose(g_shared[k], g, rtol=1e-4, atol=1e-7), k
+    # the ids of a padded row are right-aligned after the shared prompt
+    with pytest.raises(ValueError, match="prompt length"):
+        shared.shared_prompt_logprobs(ids, attn, ids.shape[1])

@@ -18,6 +18,7 @@ the reported value is ``log_softmax(logits)[token]`` (temperature 1).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,6 +135,11 @@ class TorchEngine:
                              if prefix_cache_bytes else None)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
+        try:
+            params = inspect.signature(self.model.forward).parameters
+            self._keep_logits = "logits_to_keep" in params  # transformers >= 4.50
+        except (TypeError, ValueError):
+            self._keep_logits = False
 
     # --- text ------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -207,8 +213,11 @@ class TorchEngine:
         b = len(gens)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
 
+        # only the last column's logits are sampled from: the others cost a vocabulary-wide
+        # projection per prompt token for nothing
+        keep = {"logits_to_keep": 1} if self._keep_logits else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True)
+                         past_key_values=cache, use_cache=True, **keep)
         cache = out.past_key_values
         prompt_mask = mask  # one row per prompt
         logits = out.logits[:, -1, :].float()

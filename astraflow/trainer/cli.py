@@ -111,6 +111,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "about one more forward of time)",
     )
     r.add_argument(
+        "--no-share-prompt",
+        action="store_true",
+        help="run each sequence's prompt through the model itself (default: the sequences "
+        "of a group share one pass over their prompt; always off with gradient checkpointing)",
+    )
+    r.add_argument(
         "--dtype",
         default="fp32",
         choices=["fp32", "bf16", "fp16"],
@@ -243,6 +249,7 @@ def _options(args: argparse.Namespace) -> Any:
             publish_dtype=args.publish_dtype,
             autocast=args.autocast,
             gradient_checkpointing=args.gradient_checkpointing,
+            share_prompt=not args.no_share_prompt,
             temperature=args.temperature,
             device=args.device,
             max_staleness=args.max_staleness,

@@ -83,6 +83,10 @@ class TrainerConfig:
     # optimizer and the log-softmax/loss in fp32 (recommended for real models)
     autocast: str = "none"
     gradient_checkpointing: bool = False
+    # sequences that share a prompt (a group's samples) run it through the model once: its
+    # keys/values are repeated for their completions, and gradients flow back through them
+    # (off with gradient checkpointing, whose recomputation would repeat the cache update)
+    share_prompt: bool = True
     # the sampling temperature of the rollouts: log-probs are log_softmax(logits / T), as
     # the engines record them; 0 (greedy) means 1, as the engines report greedy tokens
     temperature: float = 1.0
@@ -272,6 +276,50 @@ class Trainer:
                 parts.append([r])
         return parts
 
+    def passes(self, rows: list[_Row]) -> list[tuple[int, list[_Row]]]:
+        """The forward/backward passes over ``rows``: ``(prompt_len, micro_batch)``.
+
+        With ``share_prompt``, rows are first grouped by their prompt (the tokens before
+        the first loss-mask token), each group cut into micro-batches, and ``prompt_len``
+        is that prompt's length: the pass runs it once for all of them. Otherwise
+        ``prompt_len`` is 0 and the micro-batches are ``micro_batches(rows)``."""
+        c = self.config
+        if not c.share_prompt or c.gradient_checkpointing:
+            return [(0, part) for part in self.micro_batches(rows)]
+        by_prompt: dict[tuple[int, ...], list[_Row]] = {}
+        for r in rows:
+            mask = r.seq.loss_mask
+            first = mask.index(1) if 1 in mask else len(mask)
+            by_prompt.setdefault(tuple(r.seq.token_ids[:first]), []).append(r)
+        return [(len(prompt), part) for prompt, group in by_prompt.items()
+                for part in self.micro_batches(group)]
+
+    def shared_prompt_logprobs(self, ids: torch.Tensor, attn: torch.Tensor,
+                               prompt_len: int) -> torch.Tensor:
+        """``token_logprobs`` of rows that all begin with the same ``prompt_len`` tokens
+        (right-padded, as ``_tensors`` makes them), with the prompt run once: its keys and
+        values are repeated for every row and the rows' own tokens attend to them. Columns
+        ``0..prompt_len-1`` are 0; the gradient is the one of ``token_logprobs``."""
+        if prompt_len < 1 or prompt_len >= ids.shape[1]:
+            raise ValueError(f"prompt length {prompt_len} outside 1..{ids.shape[1] - 1}")
+        dev, k, n = self.device, ids.shape[0], ids.shape[1]
+        ids, attn = ids.to(dev), attn.to(dev)
+        keep = {"logits_to_keep": 1} if self._keep_arg else {}
+        with self._autocast():
+            head = self.model(input_ids=ids[:1, :prompt_len], use_cache=True, **keep)
+            cache = head.past_key_values
+            if k > 1:
+                cache.batch_repeat_interleave(k)
+            rest = ids[:, prompt_len:]
+            positions = torch.arange(prompt_len, n, device=dev).expand(k, -1)
+            tail = self.model(input_ids=rest, attention_mask=attn, position_ids=positions,
+                              past_key_values=cache, use_cache=True).logits
+        first = head.logits[:, -1:].float().expand(k, 1, -1)
+        logits = torch.cat([first, tail[:, :-1].float()], dim=1) / self.config.logit_temperature
+        picked = logits.gather(-1, rest.unsqueeze(-1)).squeeze(-1)
+        lp = picked - torch.logsumexp(logits, dim=-1)
+        return torch.cat([lp.new_zeros((k, prompt_len)), lp], dim=1)
+
     def _tensors(self, rows: list[_Row]):
         """Right-padded ids, attention mask, behaviour log-probs, loss mask, advantages."""
         n = max(len(r.seq.token_ids) for r in rows)
@@ -325,12 +373,15 @@ class Trainer:
         c = self.config
         acc: dict[str, Any] = {"loss": 0.0, "ratio_max": 0.0, "micro_batches": 0,
                                "padded_tokens": 0, "sums": dict.fromkeys(SUM_KEYS, 0.0)}
-        for part in self.micro_batches(live):
+        for prompt_len, part in self.passes(live):
             ids, attn, behaviour, mask, adv = self._tensors(part)
             cols = mask.any(0).nonzero()
             if len(cols) == 0:
                 continue
-            new = self.token_logprobs(ids, attn, start=int(cols[0]) - 1)
+            if 0 < prompt_len < ids.shape[1]:
+                new = self.shared_prompt_logprobs(ids, attn, prompt_len)
+            else:
+                new = self.token_logprobs(ids, attn, start=int(cols[0]) - 1)
             out = policy_loss(
                 new,
                 behaviour.to(self.device),
