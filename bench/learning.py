@@ -10,6 +10,8 @@ batch shape:
   the topology's learning rate, samples per prompt, batch of groups, temperature,
   completion length, reward and prompts (built with the same chat template), no KL term
   (as ours), a constant learning rate, all cores, for the same wall time from its launch.
+  With a ``downsample`` processor in the topology (AstraFlow rolls out ``n_samples`` per
+  prompt and trains on the ``keep`` that vary most), TRL samples and trains ``keep``.
 
 At every checkpoint time ``t`` (``--checkpoints``) it takes the newest weights each system
 had published by ``t`` (AstraFlow: the newest manifest on ``weights.<policy>``, rebuilt
@@ -173,7 +175,7 @@ def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
         max_completion_length=setup["max_new_tokens"], temperature=setup["temperature"],
         top_p=1.0, beta=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
         max_steps=10**6, save_strategy="no", report_to=[], logging_steps=1,
-        disable_dropout=True, seed=0, dataloader_num_workers=0,
+        disable_dropout=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
     clock = _TrlClock(t0, duration, checkpoints, out_dir)
     trainer = GRPOTrainer(model=setup["model"], reward_funcs=[setup["reward_fn"]],
@@ -211,11 +213,21 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
 
     batch_groups = next(p["options"]["batch_size"] for p in doc["processors"].values()
                         if p["kind"] == "batcher")
-    n = int(pool.get("n_samples", 8))
+    n = trained_group_size(doc)
     return {"model": model, "tokenizer": tokenizer, "rows": rows, "reward_fn": reward_fn,
             "lr": float(policy["lr"]), "n": n, "batch": n * int(batch_groups),
             "max_new_tokens": int(wf.get("max_new_tokens", 64)),
             "temperature": float(wf.get("temperature", 1.0)), "policy": name}
+
+
+def trained_group_size(doc: dict[str, Any]) -> int:
+    """Samples per prompt the trainer trains on: a ``downsample`` processor's ``keep``,
+    else the pool's ``n_samples``. TRL samples and trains this many (the same batch
+    shape); it has no down-sampling step of its own."""
+    n = int(next(iter(doc["pools"].values())).get("n_samples", 8))
+    keeps = [int(p["options"]["keep"]) for p in doc["processors"].values()
+             if p["kind"] == "downsample"]
+    return min([n, *keeps])
 
 
 def _trl_callback_base():
@@ -305,6 +317,49 @@ def make_scorer(doc: dict[str, Any]) -> dict[str, Any]:
     return {"score": score}
 
 
+def exploration(doc: dict[str, Any], prompts: int) -> str:
+    """How often the starting policy, sampled as the rollouts sample it (the pool's ``n``,
+    temperature and completion length), earns each term of the training reward and the
+    held-out reward: what RL has to start from. One line per term."""
+    import torch
+
+    from astraflow.chat import ChatFormat
+    from astraflow.raas.engine import SamplingParams, load_torch_engine
+    from astraflow.tasks.datasets import load_dataset_file
+    from astraflow.tasks.rewards import make_reward
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    setup_policy = next(iter(doc["policies"].values()))
+    engine = load_torch_engine(setup_policy["model"], "actor", dtype="float32",
+                               prefix_cache_bytes=0)
+    tok, chat = engine.tokenizer, ChatFormat.from_options(setup_policy.get("chat"))
+    pool = next(iter(doc["pools"].values()))
+    wf = pool.get("workflows", {}).get("single_turn", {})
+    spec = wf.get("reward")
+    held_out = doc["eval"].get("reward")
+    terms = {f"eval reward {held_out}": make_reward(held_out)}
+    for t in (spec.get("terms", []) if isinstance(spec, dict) and spec.get("name") == "sum"
+              else [spec]):
+        terms[json.dumps(t)] = make_reward({k: v for k, v in t.items() if k != "weight"}
+                                           if isinstance(t, dict) else t)
+    tasks = load_dataset_file(doc["feeder"]["dataset"]["path"], limit=prompts)
+    ids = [tok.encode(chat.prompt_text(tok, t), add_special_tokens=False) for t in tasks]
+    n = int(pool.get("n_samples", 8))
+    params = SamplingParams(n=n, max_new_tokens=int(wf.get("max_new_tokens", 64)), seed=0,
+                            temperature=float(setup_policy.get("temperature", 1.0)),
+                            stop_token_ids=(engine.eos_token_id,))
+    outs = [(engine.decode(g.token_ids), t) for t, gs in zip(tasks, engine.generate(ids, params))
+            for g in gs]
+    lines = [f"v0 samples ({len(outs)}: {prompts} prompts x {n}, T {params.temperature:g}) "
+             "earning each reward term:"]
+    for name, fn in terms.items():
+        hits = [fn(c, t) > 0 for c, t in outs]
+        groups = sum(any(hits[i * n:(i + 1) * n]) for i in range(len(tasks)))
+        lines.append(f"  {name}: {100 * sum(hits) / len(hits):.1f} % of samples, "
+                     f"{groups}/{len(tasks)} groups")
+    return "\n".join(lines)
+
+
 def report(results: dict[str, Any], checkpoints: list[float], start: float) -> str:
     systems = list(results)
     head = "| t (s) | " + " | ".join(systems) + " |"
@@ -343,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="astraflow,trl")
     ap.add_argument("--runs-dir", type=Path, default=REPO / "runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learning.json")
+    ap.add_argument("--explore", type=int, default=32, metavar="PROMPTS",
+                    help="sample this many training prompts with the starting policy and "
+                    "report how often each reward term pays (0: skip)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.checkpoints = [float(x) for x in args.checkpoints.split(",") if x]
@@ -368,10 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         print(where_time_went(results["astraflow"]))
     if "trl" in results:
         print(f"trl: {results['trl']['steps']} optimizer steps")
+    explored = exploration(doc, args.explore) if args.explore > 0 else ""
+    print(explored)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "learning", "duration_s": args.duration,
                                     "topology": str(args.topology), "start_accuracy": start,
-                                    "results": results, "table": table}, indent=2,
+                                    "results": results, "table": table,
+                                    "exploration": explored}, indent=2,
                                    default=str) + "\n")
     return 0
 

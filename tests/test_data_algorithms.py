@@ -63,7 +63,7 @@ def inc(rec, topic: str = "tasks.source", partition: int = 0, offset: int = 0) -
 
 def test_every_kind_is_registered_with_strict_options():
     for kind in ("greso", "curriculum", "mixer", "dynamic_sampling", "reward_norm",
-                 "rule_router", "class_balance"):
+                 "rule_router", "class_balance", "downsample"):
         cls = PROCESSOR_KINDS[kind]
         assert cls.Options.model_config.get("extra") == "forbid", kind
         assert cls.__doc__
@@ -282,6 +282,51 @@ def test_dynamic_sampling_per_policy():
                          DynamicSamplingOptions(per_policy=True))
     list(ds.process(inc(g, "trajectories.raw")))
     assert ds.metrics()["dynamic_sampling/dropped_sequences"] == 2
+
+
+# --- down-sampling -----------------------------------------------------------------------
+def test_max_variance_indices_keep_the_extremes_that_vary_most():
+    import itertools
+    import statistics
+
+    from astraflow.dataflow.downsample import max_variance_indices
+
+    # one right answer among many wrong: kept with wrong ones (not the middling ones)
+    rewards = [0.0, 0.5, 0.0, 1.2, 0.5, 0.0, 0.0, 0.5]
+    idx = max_variance_indices(rewards, 4)
+    assert 3 in idx and len(idx) == 4 and idx == sorted(idx)
+    # brute force over every subset: nothing varies more
+    rng = random.Random(3)
+    for _ in range(30):
+        rs = [rng.choice([0.0, 0.2, 0.5, 1.0, 1.2]) for _ in range(rng.randint(3, 9))]
+        keep = rng.randint(2, 4)
+        best = max(statistics.pvariance([rs[i] for i in c])
+                   for c in itertools.combinations(range(len(rs)), min(keep, len(rs))))
+        got = statistics.pvariance([rs[i] for i in max_variance_indices(rs, keep)])
+        assert got == pytest.approx(best), (rs, keep)
+    assert max_variance_indices([1.0, 0.0], 4) == [0, 1]  # small groups pass
+    assert len(max_variance_indices([0.0] * 6, 2)) == 2  # all equal: any two
+
+
+def test_downsample_cuts_each_policys_samples_and_counts():
+    from astraflow.dataflow.downsample import Downsample, DownsampleOptions
+
+    ds = Downsample("ds", ["trajectories.raw"], ["trajectories"], DownsampleOptions(keep=2))
+    g = group("m", [0, 0, 1, 0])
+    g.sequences += [seq(1.0, "verifier"), seq(0.0, "verifier"), seq(1.0, "verifier")]
+    g.rewards = [s.reward for s in g.sequences]
+    (out,) = ds.process(inc(g, "trajectories.raw"))
+    got = out.record
+    assert [(s.policy, s.reward) for s in got.sequences] == [
+        ("actor", 0), ("actor", 1), ("verifier", 0.0), ("verifier", 1.0)]
+    assert got.rewards == [s.reward for s in got.sequences] and len(g.sequences) == 7
+    small = group("s", [1, 0])
+    assert next(iter(ds.process(inc(small, "trajectories.raw")))).record is small
+    m = ds.metrics()
+    assert m == {"downsample/groups": 2.0, "downsample/cut_groups": 1.0,
+                 "downsample/dropped_sequences": 3.0}
+    with pytest.raises(ValueError):
+        DownsampleOptions(keep=1)
 
 
 # --- class balance -----------------------------------------------------------------------

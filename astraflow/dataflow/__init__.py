@@ -5,6 +5,7 @@ from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.batcher import Batcher
 from astraflow.dataflow.class_balance import ClassBalance
 from astraflow.dataflow.curriculum import Curriculum
+from astraflow.dataflow.downsample import Downsample
 from astraflow.dataflow.dynamic_sampling import DynamicSampling
 from astraflow.dataflow.greso import Greso
 from astraflow.dataflow.mixer import Mixer
@@ -17,11 +18,12 @@ from astraflow.dataflow.staleness import StalenessFilter
 PROCESSOR_KINDS: dict[str, type[Processor]] = {
     cls.kind: cls for cls in (Passthrough, StalenessFilter, PolicyRouter, Batcher)
 }
-# data algorithms: prompt selection, curriculum, mixing, post-rollout filters, rule routing
+# data algorithms: prompt selection, curriculum, mixing, post-rollout filters and
+# down-sampling, rule routing
 PROCESSOR_KINDS.update({
     cls.kind: cls
     for cls in (Greso, Curriculum, Mixer, DynamicSampling, RewardNorm, RuleRouter,
-                ClassBalance)
+                ClassBalance, Downsample)
 })
 
 # backpressure: holds tasks back while the RaaS pool or a trainer lags
