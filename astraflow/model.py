@@ -464,6 +464,17 @@ def evaluate(
     return sum(scores) / len(scores)
 
 
+def takes_logits_to_keep(model: Any) -> bool:
+    """Whether ``model.forward`` takes ``logits_to_keep`` (transformers >= 4.50), which
+    computes the vocabulary projection for the last positions only."""
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 # --- CLI ----------------------------------------------------------------------------------
 def _levels(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]

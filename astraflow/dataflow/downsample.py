@@ -14,6 +14,7 @@ samples are cut apart.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from statistics import pvariance
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,11 +30,6 @@ class DownsampleOptions(BaseModel):
     keep: int = Field(ge=2, description="samples kept per group")
 
 
-def _variance(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values) / len(values)
-
-
 def max_variance_indices(rewards: Sequence[float], keep: int) -> list[int]:
     """Indices (ascending) of ``keep`` rewards with the largest variance: the ``k`` highest
     and ``keep - k`` lowest for the best ``k`` (ties: the most balanced split). All indices
@@ -45,7 +41,7 @@ def max_variance_indices(rewards: Sequence[float], keep: int) -> list[int]:
     candidates = []
     for k in range(keep + 1):
         chosen = order[:keep - k] + order[n - k:]
-        candidates.append((_variance([rewards[i] for i in chosen]), -abs(2 * k - keep),
+        candidates.append((pvariance([rewards[i] for i in chosen]), -abs(2 * k - keep),
                            chosen))
     _, _, chosen = max(candidates, key=lambda c: (c[0], c[1]))
     return sorted(chosen)

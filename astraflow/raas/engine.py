@@ -18,7 +18,6 @@ the reported value is ``log_softmax(logits)[token]`` (temperature 1).
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from astraflow.chat import ChatFormat
+from astraflow.model import takes_logits_to_keep
 from astraflow.raas.prefix_cache import PrefixCache
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -135,11 +135,7 @@ class TorchEngine:
                              if prefix_cache_bytes else None)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
-        try:
-            params = inspect.signature(self.model.forward).parameters
-            self._keep_logits = "logits_to_keep" in params  # transformers >= 4.50
-        except (TypeError, ValueError):
-            self._keep_logits = False
+        self._keep_logits = takes_logits_to_keep(self.model)
 
     # --- text ------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import io
 import logging
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from astraflow.model import takes_logits_to_keep
 from astraflow.records import Batch, Sequence
 from astraflow.trainer.loss import SUM_KEYS, group_advantages, policy_loss
 from astraflow.trainer.state import StateSnapshot
@@ -172,7 +172,7 @@ class Trainer:
         self.model.eval()  # no dropout: deterministic, and log-probs match the rollout's
         if c.gradient_checkpointing:
             _enable_checkpointing(self.model)
-        self._keep_arg = _logits_to_keep_supported(self.model)
+        self._keep_arg = takes_logits_to_keep(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=c.lr,
@@ -314,10 +314,8 @@ class Trainer:
             positions = torch.arange(prompt_len, n, device=dev).expand(k, -1)
             tail = self.model(input_ids=rest, attention_mask=attn, position_ids=positions,
                               past_key_values=cache, use_cache=True).logits
-        first = head.logits[:, -1:].float().expand(k, 1, -1)
-        logits = torch.cat([first, tail[:, :-1].float()], dim=1) / self.config.logit_temperature
-        picked = logits.gather(-1, rest.unsqueeze(-1)).squeeze(-1)
-        lp = picked - torch.logsumexp(logits, dim=-1)
+        first = head.logits[:, -1:].expand(k, 1, -1)
+        lp = self._picked_logprobs(torch.cat([first, tail[:, :-1]], dim=1), rest)
         return torch.cat([lp.new_zeros((k, prompt_len)), lp], dim=1)
 
     def _tensors(self, rows: list[_Row]):
@@ -361,12 +359,15 @@ class Trainer:
             ).logits
         if logits.shape[1] == n:
             logits = logits[:, start:]
-        # the loss side stays in float32, outside autocast
-        logits = logits[:, :-1].float() / self.config.logit_temperature
-        target = ids[:, start + 1 :].to(self.device)
-        picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        lp = picked - torch.logsumexp(logits, dim=-1)
+        lp = self._picked_logprobs(logits[:, :-1], ids[:, start + 1 :].to(self.device))
         return torch.cat([lp.new_zeros((lp.shape[0], start + 1)), lp], dim=1)
+
+    def _picked_logprobs(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``log_softmax(logits / temperature)`` at ``target``, in float32 (the loss side
+        stays in float32, outside autocast)."""
+        logits = logits.float() / self.config.logit_temperature
+        picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
 
     def _accumulate(self, live: list[_Row], total_tokens: int) -> dict[str, Any]:
         """Forward/backward of every micro-batch of ``live``, gradients summed."""
@@ -482,14 +483,6 @@ def _staleness_metrics(rows: list[_Row], current_version: int | None) -> dict[st
         return {}
     return {"trainer/staleness_mean": sum(lags) / len(lags),
             "trainer/staleness_max": float(max(lags))}
-
-
-def _logits_to_keep_supported(model: Any) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` (transformers >= 4.50)."""
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _enable_checkpointing(model: Any) -> None:
