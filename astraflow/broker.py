@@ -133,17 +133,40 @@ def ensure_jars(version: str | None = None, log=print) -> Path:
     return libs
 
 
+def _bindable(port: int) -> bool:
+    """True when a listener could bind ``port`` now. SO_REUSEADDR, as the JVM sets it: the
+    connections a stopped or killed broker leaves in TIME_WAIT do not hold its port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(preferred: int | None = None) -> int:
-    if preferred:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", preferred))
-                return preferred
-            except OSError:
-                pass
+    """``preferred`` when it can be bound, else a free port the system picks."""
+    if preferred and _bindable(preferred):
+        return preferred
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kept_port(port: int, what: str, wait_s: float = 15.0) -> int:
+    """``port``, which a restarted broker must keep (clients and the KRaft voter set
+    remember it), once it can be bound; a ``BrokerError`` if it stays taken."""
+    deadline = time.time() + wait_s
+    while not _bindable(port):
+        if time.time() > deadline:
+            raise BrokerError(
+                f"the broker's {what} port {port} (kept from its previous start) is in use "
+                "by another process: stop that process, or `astraflow broker stop --purge` "
+                "to start afresh on new ports"
+            )
+        time.sleep(0.5)
+    return port
 
 
 def _port_open(port: int) -> bool:
@@ -210,6 +233,18 @@ class EmbeddedBroker:
         except (OSError, ValueError):
             return {}
 
+    def _choose_ports(self, port: int | None) -> tuple[int, int]:
+        """Client and controller ports: those of the previous start, which clients and the
+        KRaft voter set remember (waiting for them to be free), else free ones."""
+        previous = self._ports()
+        if previous.get("port") and port in (None, previous["port"]):
+            port = kept_port(int(previous["port"]), "client")
+        else:
+            port = free_port(port or DEFAULT_PORT)
+        if previous.get("controller_port"):
+            return port, kept_port(int(previous["controller_port"]), "controller")
+        return port, free_port()
+
     def status(self) -> BrokerStatus:
         info = self._info()
         running = bool(info) and _pid_alive(int(info["pid"]))
@@ -237,10 +272,7 @@ class EmbeddedBroker:
         self.state.mkdir(parents=True, exist_ok=True)
         (self.state / "logs").mkdir(exist_ok=True)
         data = self.state / "data"
-        # keep the ports of the previous start: clients and the KRaft voter set remember them
-        previous = self._ports()
-        port = free_port(port or previous.get("port") or DEFAULT_PORT)
-        controller_port = free_port(previous.get("controller_port"))
+        port, controller_port = self._choose_ports(port)
         (self.state / "ports.json").write_text(
             json.dumps({"port": port, "controller_port": controller_port})
         )

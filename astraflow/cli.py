@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous dataflow RL over Apache Kafka.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--debug", action="store_true", help="debug logging, and a traceback with any error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_topology(p: argparse.ArgumentParser, required: bool) -> None:
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose or args.debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
@@ -309,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             args.loaded_topology = None
         return args.func(args)
     except (TopologyError, BrokerError, AstraflowError) as e:
+        if args.debug:
+            raise
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
 

@@ -139,14 +139,17 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
             wanted = versions[-1:]
         else:
             wanted = [v for v in versions if v % args.every == 0 and v not in done]
-        for v in wanted[-1:]:  # the newest due version; older ones are history
-            result = follower.update(v)
+        for due in wanted[-1:]:  # the newest due version; older ones are history
+            done.update(x for x in wanted if x <= due)
+            result = _reach(follower, due, args.policy)
+            if result is None:
+                continue
+            v = result.version
             model.load_state_dict(follower.state)
             t0 = time.time()
             acc = (scorer(model, tokenizer) if scorer is not None else
                    evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens,
                             chat=args.chat, reward=reward))
-            done.update(x for x in wanted if x <= v)
             log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
                      args.policy, v, acc, len(tasks), time.time() - t0,
                      getattr(result, "steps", ""))
@@ -162,3 +165,15 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
         stop.wait(2.0)
     reader.close()
     return 0
+
+
+def _reach(follower, version: int, policy: str):
+    """The follower brought to ``version``, or to the newest reachable version before it
+    (its ``UpdateResult``); None when none is reachable (said in the log)."""
+    from astraflow.weights import NoPlanError, WeightsError
+
+    try:
+        return follower.update_reachable(version)
+    except (NoPlanError, WeightsError) as e:
+        log.warning("%s v%d: no reachable weights (%s); skipped", policy, version, e)
+        return None

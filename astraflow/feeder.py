@@ -6,6 +6,11 @@ id, at an optional rate (tasks per second) and up to an optional total count.
 ``should_pause()``, when given, is polled before each task; while it says so the feeder
 waits (admission control plugs in here later). ``stop`` (a ``threading.Event``) ends it
 early; what was produced is flushed.
+
+A restarted ``feeder run`` resumes: the ids of the tasks already on the topic (ids are
+stable across restarts) are skipped and ``--count`` counts them, so a run killed half-way
+and started again with the same arguments feeds each task once (``--from-start`` feeds
+them all again).
 """
 
 from __future__ import annotations
@@ -273,8 +278,31 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="workflow of the tasks (default single_turn, for code: code_tests)",
     )
+    r.add_argument(
+        "--from-start",
+        action="store_true",
+        help="feed every task again (default: skip the task ids already on the topic)",
+    )
     r.set_defaults(func=cmd_feeder_run)
     return p
+
+
+def resume_tasks(
+    tasks: Iterator[tuple[int, Task]], fed: set[str], count: int | None
+) -> Iterator[tuple[int, Task]]:
+    """``tasks`` up to ``count`` of them (None: all), without those whose id is in ``fed``."""
+    for n, item in enumerate(tasks):
+        if count is not None and n >= count:
+            return
+        if item[1].task_id not in fed:
+            yield item
+
+
+def fed_task_ids(config: Any, topic: str) -> set[str]:
+    """The ids of the tasks on ``topic`` (read once, to its end)."""
+    from astraflow.kafka.clients import read_all
+
+    return {r.record.task_id for r in read_all(config, topic, idle_s=1.0, expect=Task)}
 
 
 def cmd_feeder_run(args: argparse.Namespace) -> int:
@@ -310,7 +338,8 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    producer = RecordProducer(topo.kafka.effective())
+    config = topo.kafka.effective()
+    producer = RecordProducer(config)
     tasks = iter_tasks(
         payloads,
         epochs=args.epochs or None,
@@ -319,9 +348,11 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
         workflow=workflow,
         run=topo.run,
     )
-    feeder = TaskFeeder(
-        producer, topic, tasks, rate=args.rate, count=args.count, log=lambda m: print(m, flush=True)
-    )
+    fed = set() if getattr(args, "from_start", False) else fed_task_ids(config, topic)
+    if fed:
+        print(f"resuming: {len(fed)} tasks already on {topic} are skipped", flush=True)
+    feeder = TaskFeeder(producer, topic, resume_tasks(tasks, fed, args.count), rate=args.rate,
+                        log=lambda m: print(m, flush=True))
     print(f"feeding {len(payloads)} distinct tasks to {topic}", flush=True)
     try:
         st = feeder.run(stop)

@@ -32,6 +32,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--versions", type=int, default=0, help="stop after this many versions")
     p.add_argument("--fresh", action="store_true",
                    help="delete this run's topics first (start from version 0)")
+    p.add_argument("--keep-broker", action="store_true",
+                   help="leave the embedded broker running when the run ends (default: stop "
+                   "it if this `up` started it)")
     p.set_defaults(func=cmd_up)
     d = subparsers.add_parser("down", help="stop what `astraflow up` started")
     d.add_argument("topology", metavar="FILE")
@@ -230,16 +233,31 @@ def _pids_file(topo: Topology, runs_dir: str) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from astraflow.broker import EmbeddedBroker
-    from astraflow.kafka.clients import make_admin
-    from astraflow.kafka.lag import LagReader, total_lag
-    from astraflow.kafka.topics import apply_topics
+    """``astraflow up``: one run at a time (a lock in its run directory)."""
+    from astraflow.supervisor import RunLocked, run_lock
 
     topo: Topology = args.loaded_topology
-    path = args.topology
     run_dir = Path(args.runs_dir) / topo.run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        with run_lock(run_dir / "up.lock"):
+            return _up(args, topo, run_dir)
+    except RunLocked as e:
+        print(f"astraflow up: {e}", file=sys.stderr)
+        return 2
+
+
+def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
+    from astraflow.broker import EmbeddedBroker
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.topics import apply_topics
+    from astraflow.supervisor import Supervisor
+
+    broker = None
     if not os.environ.get("ASTRAFLOW_BOOTSTRAP") and not topo.kafka.bootstrap_servers:
+        broker = EmbeddedBroker()
+        if broker.status().running or args.keep_broker:
+            broker = None  # not ours to stop
         print(EmbeddedBroker().start().describe())
     config = topo.kafka.effective()
     admin = make_admin(config)
@@ -255,23 +273,52 @@ def cmd_up(args: argparse.Namespace) -> int:
     for c in apply_topics(admin, topo.resolved_topics()):
         if c.action != "unchanged":
             print(f"topic {c.action}: {c.topic}")
+    sup = Supervisor(plan_processes(topo, args.topology), _spawner(topo, config, run_dir))
+    pids = _pids_file(topo, args.runs_dir)
+    progress = Progress()
+    try:
+        sup.start_all()
+        pids.write_text(json.dumps(sup.pids()))
+        print(f"started {len(sup.procs)} processes ({', '.join(sup.procs)}); logs in "
+              f"{run_dir / 'logs'}")
+        code = _watch(args, topo, config, sup, progress, pids)
+    finally:
+        sup.stop_all()
+        pids.unlink(missing_ok=True)
+        if broker is not None:
+            broker.stop()
+            print("stopped the embedded broker (--keep-broker keeps it)")
+    summary = _write_summary(run_dir, topo, progress)
+    summary["restarts"] = {n: k for n, k in sup.restarts.items() if k}
+    print(json.dumps(summary, indent=2))
+    return code
 
-    procs: dict[str, subprocess.Popen] = {}
+
+def _spawner(topo: Topology, config, run_dir: Path):
+    """``spawn(name, cmd)``: a component's process, logging to ``logs/<name>.log``."""
     # one intra-op thread per process: several processes share the cores, and torch's
     # default (all cores each) makes them thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
            "PYTHONUNBUFFERED": "1"}
     niceness = process_niceness(topo)
-    for name, cmd in plan_processes(topo, path).items():
-        log = open(run_dir / "logs" / f"{name}.log", "ab")
-        nice = niceness.get(name, 0)
-        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True,
-                                       preexec_fn=(lambda k=nice: os.nice(k)) if nice else None)
-    _pids_file(topo, args.runs_dir).write_text(json.dumps({n: p.pid for n, p in procs.items()}))
-    print(f"started {len(procs)} processes ({', '.join(procs)}); logs in {run_dir / 'logs'}")
 
-    progress = Progress()
+    def spawn(name: str, cmd: list[str]) -> subprocess.Popen:
+        nice = niceness.get(name, 0)
+        with open(run_dir / "logs" / f"{name}.log", "ab") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True,
+                                    preexec_fn=(lambda k=nice: os.nice(k)) if nice else None)
+
+    return spawn
+
+
+def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Progress,
+           pids: Path) -> int:
+    """Show progress and supervise until the duration, the versions, Ctrl-C or a component
+    that keeps failing (exit code 1) ends the run."""
+    from astraflow.kafka.lag import LagReader, total_lag
+    from astraflow.supervisor import GaveUp
+
     status = _StatusTail(config, topo.full_name("status"))
     lags = LagReader(config)
     pool_groups = [f"{topo.run}.raas.{p}" for p in topo.pools]
@@ -283,27 +330,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         while not stop["flag"]:
             for st in status.poll():
                 progress.fold(st)
-            for name, p in procs.items():
-                if p.poll() is not None and name != "feeder":
-                    print(f"{name} exited with code {p.returncode}; see {run_dir}/logs/{name}.log")
-                    stop["flag"] = True
+            if sup.check():
+                pids.write_text(json.dumps(sup.pids()))
+            if sup.finished - {"feeder"}:
+                print(f"{', '.join(sorted(sup.finished - {'feeder'}))} finished: stopping")
+                break
             if time.time() - last_line >= 5:
                 lag = sum(total_lag(lags.lag(g, [topo.full_name("tasks")])) for g in pool_groups)
-                print(progress.line(lag), flush=True)
+                restarts = sup.restart_summary()
+                print(progress.line(lag) + (f" | restarts {restarts}" if restarts else ""),
+                      flush=True)
                 last_line = time.time()
-            elapsed = time.time() - progress.started
-            if args.duration and elapsed >= args.duration:
+            if args.duration and time.time() - progress.started >= args.duration:
                 break
             if args.versions and progress.versions and min(progress.versions.values()) >= \
                     args.versions:
                 break
             time.sleep(0.5)
+    except GaveUp as e:
+        print(f"astraflow up: {e}; see its log in {Path(args.runs_dir) / topo.run / 'logs'}",
+              file=sys.stderr)
+        return 1
     finally:
-        _stop_all(procs)
         lags.close()
         status.close()
-    summary = _write_summary(run_dir, topo, progress)
-    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -434,19 +484,6 @@ class _StatusTail:
 
     def close(self) -> None:
         self.consumer.close()
-
-
-def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 30.0) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.time() + timeout
-    for p in procs.values():
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
 
 
 def _write_summary(run_dir: Path, topo: Topology, progress: Progress) -> dict[str, Any]:

@@ -188,6 +188,24 @@ def _resolve_dtype(dtype: Any):
     return names[dtype]
 
 
+def check_model_dir(path: str | Path, tokenizer: bool = True) -> Path:
+    """``path`` as a ``Path`` if it holds a Hugging Face model (with a tokenizer, unless
+    ``tokenizer`` is false); else a ``ModelError`` naming what is missing (instead of the
+    hub's "Repo id" error)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelError(f"{p}: no such model directory (create one with `astraflow model init` "
+                         "or `astraflow model import`)")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"{p}: no config.json here; not a Hugging Face model directory")
+    if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(
+            f"{p}: no tokenizer here (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "model's tokenizer files next to its weights"
+        )
+    return p
+
+
 def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
     """Load a local Hugging Face causal LM and its tokenizer: ``(model, tokenizer)``.
 
@@ -198,16 +216,7 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelError(f"{p}: no such model directory (create one with `astraflow model init`)")
-    if not (p / "config.json").is_file():
-        raise ModelError(f"{p}: no config.json here; not a Hugging Face model directory")
-    if not any((p / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelError(
-            f"{p}: no tokenizer here (none of {', '.join(TOKENIZER_FILES)}); copy the "
-            "model's tokenizer files next to its weights"
-        )
+    p = check_model_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - rewrapped with the path
@@ -593,6 +602,38 @@ def init_recipe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
+    """``astraflow model init``: written under a temporary name and renamed into place once
+    complete (recipe included), so an interrupted init never leaves a model to reuse."""
+    from astraflow.staging import check_replaceable, staged_dir
+
+    t0 = time.time()
+    final = Path(args.dir)
+    try:
+        check_replaceable(final)
+        with staged_dir(final) as path:
+            init_model(path, seed=args.seed, size=args.size)
+            model, tok = load_policy(path)
+            nparams = sum(p.numel() for p in model.parameters())
+            print(f"wrote {args.size} model ({nparams / 1e6:.2f}M parameters) to {final} "
+                  f"in {time.time() - t0:.1f}s", flush=True)
+            result: dict[str, Any] = {"dir": str(final), "size": args.size, "params": nparams}
+            if args.warm_start_steps > 0:
+                result.update(_warm_start_init(args, model, tok))
+                model.save_pretrained(path)
+                if (path / "tokenizer.json").is_file():
+                    save_tokenizer(tok, path)
+            recipe = init_recipe(args)
+            (path / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+    except AstraflowError as e:
+        print(f"astraflow: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+def _warm_start_init(args: argparse.Namespace, model: Any, tok: Any) -> dict[str, Any]:
+    """``model init``'s supervised warm start of ``model`` in place; its metrics."""
     from astraflow.roles import retry_examples
     from astraflow.tasks.arithmetic import (
         carry_slip_answer,
@@ -601,89 +642,51 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         with_carry_slips,
     )
 
-    t0 = time.time()
-    try:
-        path = init_model(args.dir, seed=args.seed, size=args.size)
-        model, tok = load_policy(path)
-    except ModelError as e:
-        print(f"astraflow: {e}", file=sys.stderr)
-        return 2
-    nparams = sum(p.numel() for p in model.parameters())
-    print(
-        f"wrote {args.size} model ({nparams / 1e6:.2f}M parameters) to {path} "
-        f"in {time.time() - t0:.1f}s",
-        flush=True,
-    )
-    result: dict[str, Any] = {"dir": str(path), "size": args.size, "params": nparams}
-    if args.warm_start_steps > 0:
-        levels = _levels(args.levels)
-        # Drawn with repeats so every level gets its share of the steps, however few
-        # distinct train prompts it has (level 1 has about 90).
-        train = train_problems(levels, n=args.train_size, seed=args.seed, unique=False)
-        if args.carry_slip:
-            train = with_carry_slips(train, args.carry_slip, seed=args.seed)
-        retries: list[dict[str, Any]] = []
-        if args.retry_share > 0:
-            if not args.retry_share < 1:
-                print("astraflow: --retry-share must be below 1", file=sys.stderr)
-                return 2
-            n_retry = round(len(train) * args.retry_share / (1 - args.retry_share))
-            retries = retry_examples(train, n_retry, seed=args.seed, slip=args.retry_slip)
-        evals = eval_problems(levels, n=args.eval_size)
-        until = None
-        if args.warm_start_until is not None:
-            # train-split prompts the teacher always answers right (no carry to slip on)
-            check = [
-                p
-                for p in train_problems(levels, n=400, seed=args.seed + 1)
-                if carry_slip_answer(p) == p.answer or not args.carry_slip
-            ][:200]
+    levels = _levels(args.levels)
+    # Drawn with repeats so every level gets its share of the steps, however few
+    # distinct train prompts it has (level 1 has about 90).
+    train = train_problems(levels, n=args.train_size, seed=args.seed, unique=False)
+    if args.carry_slip:
+        train = with_carry_slips(train, args.carry_slip, seed=args.seed)
+    retries: list[dict[str, Any]] = []
+    if args.retry_share > 0:
+        if not args.retry_share < 1:
+            raise ModelError("--retry-share must be below 1")
+        n_retry = round(len(train) * args.retry_share / (1 - args.retry_share))
+        retries = retry_examples(train, n_retry, seed=args.seed, slip=args.retry_slip)
+    evals = eval_problems(levels, n=args.eval_size)
+    until = None
+    if args.warm_start_until is not None:
+        # train-split prompts the teacher always answers right (no carry to slip on)
+        check = [p for p in train_problems(levels, n=400, seed=args.seed + 1)
+                 if carry_slip_answer(p) == p.answer or not args.carry_slip][:200]
 
-            def until() -> bool:
-                acc = evaluate(model, tok, check)
-                print(f"warm start check: {acc:.1%} on {len(check)} carry-free train "
-                      f"prompts (target {args.warm_start_until:.0%})", flush=True)
-                return acc >= args.warm_start_until
+        def until() -> bool:
+            acc = evaluate(model, tok, check)
+            print(f"warm start check: {acc:.1%} on {len(check)} carry-free train "
+                  f"prompts (target {args.warm_start_until:.0%})", flush=True)
+            return acc >= args.warm_start_until
 
-        metrics = warm_start(
-            model,
-            tok,
-            [*train, *retries],
-            steps=args.warm_start_steps,
-            lr=args.lr,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            log=lambda m: print(m, flush=True),
-            until=until,
-        )
-        if until is not None and not metrics["criterion_met"]:
-            print(f"warm start: the check never passed in {args.warm_start_steps} steps; "
-                  "RL starts from a model that has not learned the format well", flush=True)
-        per: dict[int, float] = {}
-        acc = evaluate(model, tok, evals, per_level=per)
-        model.save_pretrained(path)
-        if (path / "tokenizer.json").is_file():
-            save_tokenizer(tok, path)
-        levels_txt = " ".join(f"L{lv}={a:.1%}" for lv, a in per.items())
-        print(
-            f"warm start: {metrics['steps']:.0f} steps in {metrics['seconds']:.1f}s, loss "
-            f"{metrics['loss_first']:.3f} -> {metrics['loss_last']:.3f}; held-out eval "
-            f"accuracy {acc:.1%} on {len(evals)} prompts ({levels_txt})",
-            flush=True,
-        )
-        result.update(
-            metrics=metrics, eval_accuracy=acc, eval_per_level=per, eval_prompts=len(evals)
-        )
-        if retries:
-            retry_acc = evaluate(model, tok, retry_examples(evals, len(evals), seed=args.seed))
-            print(f"retry format: held-out accuracy {retry_acc:.1%} after a rejected answer",
-                  flush=True)
-            result.update(eval_retry_accuracy=retry_acc)
-    recipe = init_recipe(args)
-    (path / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
-    if args.json:
-        print(json.dumps(result, sort_keys=True))
-    return 0
+    metrics = warm_start(model, tok, [*train, *retries], steps=args.warm_start_steps,
+                         lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                         log=lambda m: print(m, flush=True), until=until)
+    if until is not None and not metrics["criterion_met"]:
+        print(f"warm start: the check never passed in {args.warm_start_steps} steps; "
+              "RL starts from a model that has not learned the format well", flush=True)
+    per: dict[int, float] = {}
+    acc = evaluate(model, tok, evals, per_level=per)
+    levels_txt = " ".join(f"L{lv}={a:.1%}" for lv, a in per.items())
+    print(f"warm start: {metrics['steps']:.0f} steps in {metrics['seconds']:.1f}s, loss "
+          f"{metrics['loss_first']:.3f} -> {metrics['loss_last']:.3f}; held-out eval "
+          f"accuracy {acc:.1%} on {len(evals)} prompts ({levels_txt})", flush=True)
+    result: dict[str, Any] = {"metrics": metrics, "eval_accuracy": acc,
+                              "eval_per_level": per, "eval_prompts": len(evals)}
+    if retries:
+        retry_acc = evaluate(model, tok, retry_examples(evals, len(evals), seed=args.seed))
+        print(f"retry format: held-out accuracy {retry_acc:.1%} after a rejected answer",
+              flush=True)
+        result["eval_retry_accuracy"] = retry_acc
+    return result
 
 
 

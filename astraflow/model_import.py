@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.model import ModelError, one_line, save_tokenizer
+from astraflow.staging import replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def import_gguf(gguf: str | Path, out: str | Path, dtype: str = "bf16", *,
         }
         (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         _usual_permissions(tmp)
-        _replace(tmp, dst, force)
+        replace_dir(tmp, dst, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -268,27 +269,6 @@ def _usual_permissions(dir: Path) -> None:
     for f in dir.iterdir():
         if f.is_file():
             f.chmod(0o666 & ~umask)
-
-
-def _replace(tmp: Path, out: Path, force: bool) -> None:
-    """Move the finished ``tmp`` to ``out``; an old ``out`` (empty, or with ``force``) goes."""
-    old: Path | None = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            if not force:  # filled while we converted
-                raise ModelError(f"{out}: exists and is not empty; pass --force to replace it")
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-        else:
-            out.rmdir()
-    try:
-        tmp.rename(out)
-    except BaseException:
-        if old is not None:
-            old.rename(out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def dir_bytes(path: Path) -> int:

@@ -67,6 +67,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from astraflow.errors import AstraflowError
+
 ROLES = ("verifier", "selector")  # roles with their own format (the solver's is the default)
 APPROVE, REJECT = "y", "n"
 PICK_SEP = ":"
@@ -499,22 +501,34 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_model_init_role(args: argparse.Namespace) -> int:
-    from astraflow.model import INIT_RECIPE, ModelError, init_recipe
+    from astraflow.staging import check_replaceable, staged_dir
 
     for name in ("carry_slip", "label_noise"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             print(f"astraflow: --{name.replace('_', '-')} must be in [0, 1]", file=sys.stderr)
             return 2
     try:
-        result = init_role_model(
-            args.dir, args.role, steps=args.warm_start_steps, slip=args.carry_slip,
-            noise=args.label_noise, levels=[int(x) for x in args.levels.split(",") if x.strip()],
-            train_size=args.train_size, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-            size=args.size, eval_size=args.eval_size, blind=args.blind,
-            log=lambda m: print(m, flush=True))
-    except (ModelError, ValueError) as e:
+        check_replaceable(Path(args.dir))
+        with staged_dir(args.dir) as tmp:
+            result = _init_role_in(tmp, args)
+    except (AstraflowError, ValueError) as e:
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
+    if args.json:
+        print(json.dumps({**result, "dir": args.dir}, sort_keys=True, default=str))
+    return 0
+
+
+def _init_role_in(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``model init-role`` writing into ``path`` (the staged directory), recipe included."""
+    from astraflow.model import INIT_RECIPE, init_recipe
+
+    result = init_role_model(
+        path, args.role, steps=args.warm_start_steps, slip=args.carry_slip,
+        noise=args.label_noise, levels=[int(x) for x in args.levels.split(",") if x.strip()],
+        train_size=args.train_size, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+        size=args.size, eval_size=args.eval_size, blind=args.blind,
+        log=lambda m: print(m, flush=True))
     m = result.get("metrics")
     text = f"wrote {args.role} model ({result['params'] / 1e6:.2f}M parameters) to {args.dir}"
     if m:
@@ -527,10 +541,8 @@ def cmd_model_init_role(args: argparse.Namespace) -> int:
     # what made the model, as `model init` records it: `astraflow up` compares the recipe of
     # the command it would run with this one
     recipe = init_recipe(args)
-    (Path(args.dir) / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
-    if args.json:
-        print(json.dumps(result, sort_keys=True, default=str))
-    return 0
+    (path / INIT_RECIPE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+    return result
 
 
 __all__ = [

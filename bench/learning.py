@@ -88,8 +88,8 @@ def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from astraflow.topology import load_topology
 
     topo = load_topology(path)
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--fresh", "--duration",
-           str(args.duration), "--runs-dir", str(args.runs_dir)]
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--fresh", "--keep-broker",
+           "--duration", str(args.duration), "--runs-dir", str(args.runs_dir)]
     t0 = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1) as proc:

@@ -101,7 +101,7 @@ def _single_turn_options(arg: str) -> str:
 def run_up(topology: str, duration: float, runs_dir: Path, log: Path) -> dict[str, Any]:
     """``astraflow up TOPOLOGY --fresh --duration D``; its summary.json."""
     run = yaml.safe_load((REPO / topology).read_text())["run"]
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", topology, "--fresh",
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", topology, "--fresh", "--keep-broker",
            "--duration", str(duration), "--runs-dir", str(runs_dir)]
     print(f"$ {' '.join(cmd[2:])}  (log {log})", flush=True)
     t0 = time.time()

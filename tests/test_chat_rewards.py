@@ -77,6 +77,13 @@ def test_chat_format_without_a_template_and_bad_payloads():
     ("numeric", "\\boxed{1,000}", "1000", 1.0),
     ("numeric", "81", "82", 0.0),
     ({"name": "format", "pattern": "-?[0-9]+"}, "81", "82", 1.0),
+    ("closeness", "80<|im_end|>", "100", 0.8),
+    ("closeness", "so 79 + 3 = 72", "80", 0.9),
+    ("closeness", "no number", "80", 0.0),
+    ("closeness", "300", "100", 0.0),
+    ("closeness", "-2", "0", 0.0),
+    ({"name": "closeness", "alone": True}, "79 + 3 = 72", "80", 0.0),
+    ({"name": "closeness", "alone": True}, " 1,000 ", "1000", 1.0),
     ({"name": "format", "pattern": "-?[0-9]+"}, "81 apples", "82", 0.0),
     ({"name": "sum", "terms": [{"name": "numeric", "weight": 0.5},
                                {"name": "exact_match", "weight": 0.5},
@@ -189,9 +196,9 @@ def test_smollm2_topology_maps_to_component_flags():
         == "sum"
     assert raas[raas.index("--dtype") + 1] == "float32"  # fp32 compute on CPU
     assert raas[raas.index("--tasks-per-transaction") + 1] == "4"
-    assert json.loads(wf.split("=", 1)[1])["temperature"] == 0.7  # the policy's
+    assert json.loads(wf.split("=", 1)[1])["temperature"] == 1.0  # the policy's
     trainer = procs["trainer-actor"]
-    assert trainer[trainer.index("--temperature") + 1] == "0.7"
+    assert trainer[trainer.index("--temperature") + 1] == "1.0"
     ev = procs["eval-actor"]
     assert ev[ev.index("--dataset") + 1] == "data/addition.eval.jsonl"
     assert ev[ev.index("--reward") + 1] == "exact_match"

@@ -88,3 +88,32 @@ def test_broker_start_status_logs_stop(tmp_path):
         res = run_cli("broker", "stop", "--purge", env=env)
     assert res.returncode == 0 and "stopped" in res.stdout
     assert run_cli("broker", "status", env=env).returncode == 3
+
+
+def test_unknown_processor_missing_topics_and_model_are_one_line_errors(
+        kafka_bootstrap, make_topology, tmp_path):
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}
+
+    def one_line(res, text: str) -> None:
+        assert res.returncode == 2, res.stderr
+        assert text in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+    one_line(run_cli("processor", "run", "nope", "--topology", "topology/default.yaml", env=env),
+             "no processor named 'nope'")
+    trainer = ["trainer", "run", "--policy", "actor", "--state-dir", str(tmp_path / "state")]
+    missing = tmp_path / "no-model"
+    model = tmp_path / "model"  # looks like a model: the topics are checked next
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    one_line(run_cli(*trainer, "-t", "topology/default.yaml", "--model", str(model), env=env),
+             "topics missing on")
+    _, path = make_topology(topics={"batches.actor": {}, "weights.actor": {}, "status": {},
+                                    "dlq": {}})
+    res = run_cli(*trainer, "-t", str(path), "--model", str(missing), env=env)
+    one_line(res, f"{missing}: no such model directory")
+    assert "Repo id" not in res.stderr
+    # --debug shows the traceback
+    res = run_cli("--debug", "processor", "run", "nope", "--topology", "topology/default.yaml",
+                  env=env)
+    assert res.returncode != 0 and "Traceback" in res.stderr

@@ -309,6 +309,36 @@ def test_feeder_cli_run(kafka_config, make_topology, capsys):
     assert main(["feeder", "run", "--topology", str(path), "--dataset", "/nope.jsonl"]) == 2
 
 
+@pytest.mark.kafka
+def test_feeder_restart_resumes_without_feeding_a_task_twice(kafka_config, make_topology,
+                                                             capsys):
+    from astraflow.cli import main
+
+    topo, path = make_topology(topics={"tasks.source": {}})
+    args = ["feeder", "run", "--topology", str(path), "--levels", "2"]
+    assert main([*args, "--count", "5"]) == 0
+    assert main([*args, "--count", "8"]) == 0  # the same command, run on: 3 more
+    out = capsys.readouterr().out
+    assert "resuming: 5 tasks already on" in out and '"produced": 3' in out
+    got = _read_until(kafka_config, topo.full_name("tasks.source"), 8)
+    ids = [r.record.task_id for r in got]
+    assert len(ids) == 8 and len(set(ids)) == 8
+    assert main([*args, "--count", "2", "--from-start"]) == 0
+    got = _read_until(kafka_config, topo.full_name("tasks.source"), 10)
+    assert len(got) == 10 and {r.record.task_id for r in got} == set(ids)
+
+
+def test_resume_tasks_skips_fed_ids_and_counts_them():
+    from astraflow.feeder import resume_tasks
+
+    items = list(iter_tasks([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)],
+                            shuffle=False))
+    fed = {items[0][1].task_id, items[2][1].task_id}
+    assert [t.task_id for _, t in resume_tasks(iter(items), fed, 4)] == \
+        [items[1][1].task_id, items[3][1].task_id]
+    assert len(list(resume_tasks(iter(items), set(), None))) == 6
+
+
 @pytest.mark.parametrize(
     "prompt, answer, slipped",
     [
@@ -340,3 +370,38 @@ def test_with_carry_slips_changes_only_carry_problems_at_the_rate():
     assert with_carry_slips(problems, 0.0) == problems
     with pytest.raises(ValueError, match="slip"):
         with_carry_slips(problems, 1.5)
+
+
+def test_interrupted_model_init_leaves_no_model_and_a_finished_one_has_its_recipe(tmp_path):
+    """Ctrl-C during the warm start: no directory the next run could take for a model."""
+    import signal
+    import subprocess
+    import sys
+
+    from astraflow.model import INIT_RECIPE
+
+    out = tmp_path / "model"
+    cmd = [sys.executable, "-u", "-m", "astraflow.cli", "model", "init", str(out),
+           "--warm-start-steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the config and weights are written: the warm start runs
+        if line.startswith("wrote tiny model"):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+    done = subprocess.run([*cmd[:-1], "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (out / "config.json").is_file() and (out / INIT_RECIPE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    # a directory holding something else is not replaced
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    res = subprocess.run([*cmd[:5], "init", str(other)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "holds no model" in res.stderr
+    assert (other / "todo.txt").read_text() == "keep me"

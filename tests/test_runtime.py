@@ -109,6 +109,9 @@ def test_garbage_goes_to_dlq_and_processor_goes_on(kafka_config, make_topology):
     producer.produce_raw(src, b"definitely not avro", key="junk")
     producer.produce(src, Batch(policy="x", batch_id="b", groups=[]), key="wrong-type")
     producer.produce_raw(src, producer.codec.encode(task(2), src)[:-5], key="cut")
+    # decodes, but makes no sense: dead-lettered by the first component that reads it
+    producer.produce(src, Task(task_id="", prompt_id="p9", workflow="single_turn",
+                               payload="{}", source="test"), key="senseless")
     producer.produce(src, task(3), key="p3")
     producer.flush()
     try:
@@ -116,7 +119,8 @@ def test_garbage_goes_to_dlq_and_processor_goes_on(kafka_config, make_topology):
                  "the two valid records")
         dead = read_all(kafka_config, topo.full_name("dlq"), expect=DeadLetter)
         by_key = {r.key: r.record for r in dead}
-        assert set(by_key) == {b"junk", b"wrong-type", b"cut"}
+        assert set(by_key) == {b"junk", b"wrong-type", b"cut", b"senseless"}
+        assert "InvalidRecord: Task: a task needs a task_id" in by_key[b"senseless"].error
         assert "SchemaMismatchError" in by_key[b"junk"].error
         assert "expected astraflow.Task" in by_key[b"wrong-type"].error
         assert "TruncatedRecordError" in by_key[b"cut"].error
@@ -127,7 +131,7 @@ def test_garbage_goes_to_dlq_and_processor_goes_on(kafka_config, make_topology):
         produce_tasks(kafka_config, src, [4])
         wait_for(lambda: len(committed_ids(kafka_config, topo.full_name("tasks"))) == 3, 30,
                  "a record after the garbage")
-        assert rt.runtime.counters.dead_lettered == 3
+        assert rt.runtime.counters.dead_lettered == 4
         statuses = read_all(kafka_config, topo.full_name("status"), expect=ComponentStatus)
         assert statuses and statuses[-1].record.component_id == "fwd/a"
     finally:

@@ -180,7 +180,8 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
     flat = dataclasses.replace(batch.groups[0], sequences=[
         dataclasses.replace(s, reward=1.0) for s in batch.groups[0].sequences])
     batch = dataclasses.replace(batch, groups=[flat, *batch.groups[1:]])
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, share_prompt=False)
+    # the reference steps the model's own parameters: no separate master copy
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, share_prompt=False, forward_on="master")
     tr = Trainer(tiny_model, cfg, policy="actor")
     calls: list[int] = []
     real = tr.token_logprobs
@@ -245,6 +246,45 @@ def test_published_state_rounds_fp32_master_weights(tiny_model):
         Trainer(tiny_model, TrainerConfig(publish_dtype="int8"), policy="actor")
 
 
+def test_forward_runs_on_the_published_weights_and_the_master_keeps_small_steps(tiny_model):
+    """The trainer's log-probs are the published policy's (what the engines sample), while
+    the optimizer's fp32 master keeps the steps the bf16 rounding drops."""
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(lr=1e-5, micro_batch_size=4)
+    tr = Trainer(tiny_model, cfg, policy="actor")
+    master_run = Trainer(tiny_model, dataclasses.replace(cfg, forward_on="master"),
+                         policy="actor")
+    engine = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True).eval()
+    rows = [_Row(s, 1.0) for g in make_batch(9).groups for s in g.sequences]
+    ids, attn, *_ = tr._tensors(rows)
+    for i in range(3):
+        tr.train_step(make_batch(i))
+        master_run.train_step(make_batch(i))
+        published = tr.published_state()
+        params = dict(tr.model.named_parameters())
+        for k, v in published.items():  # the parameters hold the published values exactly
+            if k in params:
+                assert torch.equal(params[k].detach(), v.float()), k
+        engine.load_state_dict(published, strict=False)
+        with torch.no_grad():
+            mine = tr.token_logprobs(ids, attn)[:, 1:]
+            ref = torch.log_softmax(engine(input_ids=ids, attention_mask=attn).logits.float(),
+                                    -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        assert torch.allclose(mine, ref, atol=1e-5), i
+    # the master keeps what the rounding dropped, and its update goes the way stepping the
+    # fp32 weights themselves goes (the gradients differ only by where they were taken)
+    ours, theirs = tr.state_dict(), master_run.state_dict()
+    assert any(not torch.equal(ours[k], published[k].float()) for k in published)
+    start = engine.__class__.from_pretrained(tiny_model, local_files_only=True).state_dict()
+    a = torch.cat([(ours[k] - start[k]).flatten() for k in theirs])
+    b = torch.cat([(theirs[k] - start[k]).flatten() for k in theirs])
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.9
+
+
 def test_engine_computes_in_its_own_dtype_with_bf16_published_weights(tiny_model):
     """A RaaS engine (fp32 model) loads the published bf16 state: values cast, dtype kept."""
     from transformers import AutoModelForCausalLM
@@ -307,7 +347,9 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_tempera
             for per_prompt in gens for g in per_prompt
         ]
         for trained_t, same in ((temp, True), (1.3, False)):
-            tr = Trainer(tiny_model, TrainerConfig(temperature=trained_t), policy="actor")
+            # the engine runs the fp32 model itself: the trainer computes on it unrounded
+            tr = Trainer(tiny_model, TrainerConfig(temperature=trained_t, publish_dtype="same"),
+                         policy="actor")
             rows = [_Row(s, 1.0) for s in seqs]
             ids, attn, behaviour, mask, _ = tr._tensors(rows)
             with torch.no_grad():
@@ -941,3 +983,40 @@ def test_shared_prompt_pass_gives_the_logprobs_and_gradients_of_separate_passes(
     # the ids of a padded row are right-aligned after the shared prompt
     with pytest.raises(ValueError, match="prompt length"):
         shared.shared_prompt_logprobs(ids, attn, ids.shape[1])
+
+
+@pytest.mark.kafka
+def test_trainer_dead_letters_a_batch_that_decodes_but_makes_no_sense(
+    kafka_config, make_topology, tiny_model, tmp_path
+):
+    """A group whose sequence fields differ in length, or a NaN reward, goes to dlq with the
+    reason; the trainer trains the good batches around it instead of crash-looping."""
+    from astraflow.records import DeadLetter
+    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.trainer import TrainerConfig
+
+    topo, _ = make_topology(topics={"batches.actor": {"partitions": 1},
+                                    "weights.actor": {"partitions": 1}, "dlq": {}})
+    good = make_batch(0)
+    short = make_batch(1)
+    seq = short.groups[0].sequences[0]
+    short.groups[0].sequences[0] = dataclasses.replace(seq, logprobs=seq.logprobs[:-1])
+    nan = make_batch(2)
+    nan.groups[1].sequences[2] = dataclasses.replace(nan.groups[1].sequences[2],
+                                                     reward=float("nan"))
+    producer = RecordProducer(kafka_config)
+    for b in (good, short, nan, make_batch(3)):
+        producer.produce(topo.full_name("batches.actor"), b, key="actor")
+    producer.flush()
+    torch.set_num_threads(1)
+    svc = TrainerService(topo, ServiceOptions(
+        policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
+        poll_timeout_s=0.2, max_steps=2,
+        trainer=TrainerConfig(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+    svc.run()
+    assert svc.version == 2 and svc.counters.dead_lettered == 2
+    dead = [r.record for r in read_all(kafka_config, topo.full_name("dlq"), expect=DeadLetter)]
+    assert len(dead) == 2
+    assert "logprobs (" in dead[0].error and "differ in length" in dead[0].error
+    assert "InvalidRecord: Batch: group" in dead[0].error
+    assert "reward is nan" in dead[1].error

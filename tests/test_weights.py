@@ -512,6 +512,15 @@ def test_anchors_and_fallback_on_corrupt_blob(tmp_path):
         h.update(7)
     assert h.version == 4
     assert_same(h.state, versions[4])
+    # update_reachable goes as far as the chain allows: a fresh follower reaches v4 (full)
+    # when v7 needs the broken delta; one already at v4 has nothing newer to reach
+    k = WeightFollower(stores=[store])
+    k.observe(manifests)
+    assert k.update_reachable(7).version == 4 and k.version == 4
+    assert_same(k.state, versions[4])
+    with pytest.raises(NoPlanError):
+        h.update_reachable(7)
+    assert h.update_reachable().version == 9  # the newest, through full v8
 
 
 def test_follower_raises_when_nothing_usable(tmp_path):
@@ -662,6 +671,12 @@ def test_cli_inspect_plan_and_gc(tmp_path, capsys):
     assert run("inspect", str(blob_file), "--tensors") == 0
     out = capsys.readouterr().out
     assert "delta blob" in out and "emb" in out
+    ref = manifests[1].blobs[0]
+    assert f"sha256 {ref.sha256}" in out
+    assert run("inspect", str(blob_file), "--sha256", ref.sha256) == 0
+    assert "(as expected)" in capsys.readouterr().out
+    assert run("inspect", str(blob_file), "--sha256", "0" * 64) == 1
+    assert "does not match the expected" in capsys.readouterr().err
     assert run("plan", "--manifests", str(mdir), "--held", "1") == 0
     assert "v1 -> v5" in capsys.readouterr().out
     keep_dir = tmp_path / "keep"

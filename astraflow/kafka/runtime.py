@@ -31,9 +31,10 @@ from astraflow.kafka.clients import (
     make_codec_for,
 )
 from astraflow.kafka.config import KafkaConfig
-from astraflow.kafka.topics import missing_topics
+from astraflow.kafka.topics import MissingTopicsError, missing_topics
 from astraflow.records import ComponentStatus, DeadLetter, now_ms
-from astraflow.topology import Topology
+from astraflow.topology import Topology, TopologyError
+from astraflow.validate import check_record
 
 log = logging.getLogger("astraflow.runtime")
 
@@ -63,7 +64,7 @@ class ProcessorRuntime:
         session_timeout_ms: int = 10_000,
     ):
         if name not in topology.processors:
-            raise KeyError(
+            raise TopologyError(
                 f"no processor named {name!r} in {topology.source} "
                 f"(have: {sorted(topology.processors)})"
             )
@@ -118,7 +119,7 @@ class ProcessorRuntime:
         ]
         missing = missing_topics(admin, needed)
         if missing:
-            raise RuntimeError(
+            raise MissingTopicsError(
                 f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
                 f"create them with `astraflow topics apply {self.topology.source}`"
             )
@@ -193,6 +194,7 @@ class ProcessorRuntime:
             self.counters.consumed += 1
             try:
                 record = self.codec.decode(m.value(), topic, part, off, expect=self._expect[topic])
+                check_record(record)
                 incoming = Incoming(
                     self._inputs[topic], part, off, m.key(), record, m.timestamp()[1]
                 )

@@ -14,6 +14,7 @@ from confluent_kafka.admin import (
     NewTopic,
 )
 
+from astraflow.errors import AstraflowError
 from astraflow.topology import ResolvedTopic
 
 
@@ -78,6 +79,10 @@ def apply_topics(
             TopicChange(t.full_name, "updated" if details else "unchanged", "; ".join(details))
         )
     return changes
+
+
+class MissingTopicsError(AstraflowError, RuntimeError):
+    """A component's topics do not exist on the cluster (one line, no traceback)."""
 
 
 def missing_topics(admin: AdminClient, names: list[str], timeout: float = 10.0) -> list[str]:

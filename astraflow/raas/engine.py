@@ -345,6 +345,9 @@ def load_torch_engine(
     0 turns the prefix cache off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from astraflow.model import check_model_dir
+
+    check_model_dir(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype:
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)

@@ -28,6 +28,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import RecordDecodeError
+from astraflow.dataflow.base import InvalidRecord
 from astraflow.kafka.clients import (
     RecordProducer,
     commit_consumed,
@@ -37,12 +38,13 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.runtime import RuntimeCounters
-from astraflow.kafka.topics import missing_topics
+from astraflow.kafka.topics import MissingTopicsError, missing_topics
 from astraflow.raas.engine import Engine
 from astraflow.raas.weights_follow import FollowingEngine, WeightWatcher
 from astraflow.raas.workflows import Workflow, make_workflow
 from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
 from astraflow.topology import Topology
+from astraflow.validate import check_record
 
 log = logging.getLogger("astraflow.raas")
 
@@ -147,7 +149,7 @@ class RaaSNode:
         needed = [self._tasks, self._out, self._dlq, self._status_topic]
         missing = missing_topics(admin, needed)
         if missing:
-            raise RuntimeError(
+            raise MissingTopicsError(
                 f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
                 f"create them with `astraflow topics apply {self.topology.source}`"
             )
@@ -232,7 +234,9 @@ class RaaSNode:
             self._positions[(topic, part)] = off + 1
             self.counters.consumed += 1
             try:
-                tasks.append((m, self.codec.decode(m.value(), topic, part, off, expect=Task)))
+                task = self.codec.decode(m.value(), topic, part, off, expect=Task)
+                check_record(task)
+                tasks.append((m, task))
             except Exception as e:  # noqa: BLE001 - any bad task goes to dlq, the node goes on
                 dead.append(self._dead_task(m, e))
         by_workflow: dict[str, list[int]] = {}
@@ -288,7 +292,7 @@ class RaaSNode:
 
     def _dead_task(self, m, e: Exception) -> DeadLetter:
         reason = f"{type(e).__name__}: {e}"
-        expected = isinstance(e, RecordDecodeError | ValueError)
+        expected = isinstance(e, RecordDecodeError | ValueError | InvalidRecord)
         level = logging.WARNING if expected else logging.ERROR
         log.log(level, "%s: dead-lettering %s[%d]@%d: %s", self.component_id, m.topic(),
                 m.partition(), m.offset(), reason, exc_info=(e if not expected else None))

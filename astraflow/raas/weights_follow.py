@@ -109,9 +109,13 @@ class WeightWatcher:
 
         t0 = time.perf_counter()
         try:
-            result = self.follower.update(target)
+            result = self.follower.update_reachable(target)
         except (NoPlanError, WeightsError) as e:
-            log.warning("%s: cannot reach version %s: %s", self.topic, target, e)
+            log.warning("%s: cannot reach version %s nor an older one after %s: %s",
+                        self.topic, target, self.engine.version, e)
+            self._failed_target = target
+            return False
+        if result.version is None or result.version <= self.engine.version:
             self._failed_target = target
             return False
         assert self.follower.state is not None

@@ -34,7 +34,7 @@ def _boxed_contents(text: str) -> str | None:
     return last
 
 
-def _to_decimal(s: str) -> Decimal | None:
+def to_decimal(s: str) -> Decimal | None:
     s = s.replace(",", "").strip()
     try:
         return Decimal(s)
@@ -91,11 +91,11 @@ def check_answer(completion: str, answer: str) -> float:
     any end-of-sequence marker.
     """
     ref = normalize_answer(answer)
-    ref_num = _to_decimal(ref)
+    ref_num = to_decimal(ref)
     if ref_num is None:
         return 1.0 if cut_at_stop(completion).strip() == ref else 0.0
     got = extract_final_number(completion)
     if got is None:
         return 0.0
-    got_num = _to_decimal(got)
+    got_num = to_decimal(got)
     return 1.0 if got_num is not None and got_num == ref_num else 0.0

@@ -8,6 +8,10 @@ options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
   stripped, equals ``payload["answer"]`` (``case_sensitive``, default true).
 * ``numeric``: 1 when the completion's final number (last ``\\boxed{}``, else after
   ``####``, else the last number) equals the answer by value.
+* ``closeness``: partial credit for a near miss, ``max(0, 1 - |got - want| / max(|want|,
+  1))`` on the completion's final number (as ``numeric`` extracts it); with ``alone``
+  (default false) only when the completion is that number alone. A dense signal where the
+  exact answer is rarely sampled.
 * ``format``: 1 when the stripped completion fully matches ``pattern`` (a regex).
 * ``code_tests``: the fraction of ``payload["tests"]`` (``[[args, expected], ...]``) that
   the completion's function ``payload["func"]`` (default ``f``) passes in the sandbox.
@@ -24,7 +28,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from astraflow.errors import AstraflowError
-from astraflow.tasks.check import check_answer, cut_at_stop
+from astraflow.tasks.check import (
+    check_answer,
+    cut_at_stop,
+    extract_final_number,
+    normalize_answer,
+    to_decimal,
+)
 
 Reward = Callable[[str, Mapping[str, Any]], float]
 RewardFactory = Callable[..., Reward]
@@ -88,6 +98,22 @@ def exact_match(case_sensitive: bool = True) -> Reward:
 @register_reward("numeric")
 def numeric() -> Reward:
     return lambda completion, payload: check_answer(completion, _answer(payload))
+
+
+@register_reward("closeness")
+def closeness(alone: bool = False) -> Reward:
+    def reward(completion: str, payload: Mapping[str, Any]) -> float:
+        text = cut_at_stop(completion).strip()
+        got = extract_final_number(text)
+        want = to_decimal(normalize_answer(_answer(payload)))
+        if got is None or want is None or (alone and text.replace(",", "") != got):
+            return 0.0
+        value = to_decimal(got)
+        if value is None:
+            return 0.0
+        return max(0.0, 1.0 - float(abs(value - want)) / max(float(abs(want)), 1.0))
+
+    return reward
 
 
 @register_reward("format")

@@ -117,6 +117,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "of a group share one pass over their prompt; always off with gradient checkpointing)",
     )
     r.add_argument(
+        "--forward-on",
+        default="published",
+        choices=["published", "master"],
+        help="weights forward/backward run on when the published ones are rounded "
+        "(--publish-dtype): 'published' (default; the rollouts' own policy, the optimizer "
+        "steps an fp32 master copy) or 'master'",
+    )
+    r.add_argument(
         "--dtype",
         default="fp32",
         choices=["fp32", "bf16", "fp16"],
@@ -184,8 +192,11 @@ def handler(args: argparse.Namespace) -> int:
             level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+    from astraflow.model import check_model_dir
+
     try:
         opts = _options(args)
+        check_model_dir(args.model, tokenizer=False)  # before any Kafka client starts
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -250,6 +261,7 @@ def _options(args: argparse.Namespace) -> Any:
             autocast=args.autocast,
             gradient_checkpointing=args.gradient_checkpointing,
             share_prompt=not args.no_share_prompt,
+            forward_on=args.forward_on,
             temperature=args.temperature,
             device=args.device,
             max_staleness=args.max_staleness,

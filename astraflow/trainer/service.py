@@ -50,6 +50,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import RecordDecodeError
+from astraflow.dataflow.base import InvalidRecord
 from astraflow.kafka.clients import (
     RecordProducer,
     dead_letter,
@@ -58,7 +59,7 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.runtime import RuntimeCounters
-from astraflow.kafka.topics import missing_topics
+from astraflow.kafka.topics import MissingTopicsError, missing_topics
 from astraflow.records import (
     Batch,
     BlobRef,
@@ -71,6 +72,7 @@ from astraflow.topology import Topology
 from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
 from astraflow.trainer.state import StateWriter, WrittenState
 from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.validate import check_record
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
 
@@ -193,7 +195,7 @@ class TrainerService:
             [self.batches_topic, self.weights_topic, self.status_topic, self.dlq_topic],
         )
         if missing:
-            raise RuntimeError(
+            raise MissingTopicsError(
                 f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
                 f"create them with `astraflow topics apply {self.topology.source}`"
             )
@@ -561,7 +563,8 @@ class TrainerService:
         self.counters.consumed += 1
         try:
             rec = self.codec.decode(m.value(), topic, part, off, expect=Batch)
-        except RecordDecodeError as e:
+            check_record(rec)
+        except (RecordDecodeError, InvalidRecord) as e:
             reason = f"{type(e).__name__}: {e}"
             log.warning(
                 "%s: dead-lettering %s[%d]@%d: %s", self.component_id, topic, part, off, reason

@@ -28,6 +28,13 @@ trained). Consecutive bf16 roundings differ only where an update crossed a bf16 
 the deltas between published versions are sparse even though AdamW moves every fp32
 weight. The master weights cannot be rebuilt from the published ones: ``master_bytes()``
 / ``load_master_bytes()`` save and restore them, like the optimizer state.
+
+With such a rounding, forward and backward run on the published weights
+(``forward_on="published"``, the default): the model's parameters hold the master rounded
+to ``publish_dtype`` and the optimizer steps a separate fp32 copy (one more copy of the
+weights in memory). The trainer's log-probs are then those of the very policy the engines
+sample from; on the master weights (``"master"``) they drift from it, since the rounding
+drops most single AdamW steps, and PPO clipping zeroes the gradient of many tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import Any
 
 import torch
 
-from astraflow.model import takes_logits_to_keep
+from astraflow.model import check_model_dir, takes_logits_to_keep
 from astraflow.records import Batch, Sequence
 from astraflow.trainer.loss import SUM_KEYS, group_advantages, policy_loss
 from astraflow.trainer.state import StateSnapshot
@@ -87,6 +94,12 @@ class TrainerConfig:
     # keys/values are repeated for their completions, and gradients flow back through them
     # (off with gradient checkpointing, whose recomputation would repeat the cache update)
     share_prompt: bool = True
+    # "published": forward and backward run on the weights exactly as published (the
+    # master rounded to publish_dtype), so the trainer's log-probs are the rollouts' own
+    # policy; the optimizer steps a separate fp32 master copy. "master": on the master
+    # weights, whose small AdamW steps the published rounding mostly drops: the trainer
+    # then drifts from the policy the engines sample (a steady KL, many clipped tokens)
+    forward_on: str = "published"
     # the sampling temperature of the rollouts: log-probs are log_softmax(logits / T), as
     # the engines record them; 0 (greedy) means 1, as the engines report greedy tokens
     temperature: float = 1.0
@@ -114,6 +127,8 @@ class TrainerConfig:
              self.publish_dtype == "same" or self.publish_dtype in DTYPES,
              f"must be 'same' or one of {sorted(DTYPES)}"),
             ("autocast", "--autocast", self.autocast in AUTOCAST, f"must be one of {AUTOCAST}"),
+            ("forward_on", "--forward-on", self.forward_on in FORWARD_ON,
+             f"must be one of {FORWARD_ON}"),
         ]
         for name, flag, ok, what in checks:
             if not ok:
@@ -126,6 +141,7 @@ class TrainerConfig:
 
 
 AUTOCAST = ("none", "bf16")
+FORWARD_ON = ("published", "master")
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
@@ -165,6 +181,7 @@ class Trainer:
         if model is None:
             from transformers import AutoModelForCausalLM
 
+            check_model_dir(model_path, tokenizer=False)  # the trainer needs no tokenizer
             model = AutoModelForCausalLM.from_pretrained(
                 model_path, local_files_only=True, **_dtype_kwarg(self.dtype)
             )
@@ -173,7 +190,22 @@ class Trainer:
         if c.gradient_checkpointing:
             _enable_checkpointing(self.model)
         self._keep_arg = takes_logits_to_keep(self.model)
+        # True when the published weights are a rounding of the trained ones, which then
+        # have to be saved apart (master_bytes) for an exact resume
+        self.keeps_master = self.publish_dtype is not None and any(
+            v.is_floating_point() and v.dtype != self.publish_dtype
+            for v in self.model.state_dict().values()
+        )
+        # forward_on="published": model parameter -> its fp32 master (what the optimizer
+        # steps); the parameter holds the master rounded to publish_dtype
+        self._masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if self.keeps_master and c.forward_on == "published":
+            self._masters = [(p, p.detach().clone().requires_grad_(True))
+                             for p in self.model.parameters() if p.requires_grad]
+            self._round_params()
+        self._master_of = {id(p): m for p, m in self._masters}
         self.optimizer = torch.optim.AdamW(
+            [m for _, m in self._masters] or
             [p for p in self.model.parameters() if p.requires_grad],
             lr=c.lr,
             betas=c.betas,
@@ -181,17 +213,25 @@ class Trainer:
             weight_decay=c.weight_decay,
         )
         self.steps = 0
-        # True when the published weights are a rounding of the trained ones, which then
-        # have to be saved apart (master_bytes) for an exact resume
-        self.keeps_master = self.publish_dtype is not None and any(
-            v.is_floating_point() and v.dtype != self.publish_dtype
-            for v in self.model.state_dict().values()
-        )
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's (master) weights, detached."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return {k: self._master_of.get(id(v), v).detach()
+                for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def _round_params(self) -> None:
+        """Each parameter := its master rounded to ``publish_dtype`` (the published value)."""
+        with torch.no_grad():
+            for p, m in self._masters:
+                p.copy_(m.to(self.publish_dtype))
+
+    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            for p, m in self._masters:
+                m.copy_(p)
+        self._round_params()
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """What is published: the weights with floating tensors cast to ``publish_dtype``
@@ -203,7 +243,7 @@ class Trainer:
         }
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state, strict=True)
+        self._load_model_state(state)
 
     def snapshot(self, version: int) -> StateSnapshot:
         """CPU copies of the optimizer state and (when ``keeps_master``) the master weights,
@@ -226,7 +266,7 @@ class Trainer:
                 f"master weights are {state[bad[0]].dtype} ({bad[0]}), the model trains in "
                 f"{mine[bad[0]].dtype}: restart with the --dtype the run was started with"
             )
-        self.model.load_state_dict(state, strict=True)
+        self._load_model_state(state)
 
     def optimizer_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -410,9 +450,15 @@ class Trainer:
             for p in params:  # a step on zero gradients still moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            if self._masters:
+                for p, m in self._masters:
+                    m.grad, p.grad = p.grad, None
+                params = [m for _, m in self._masters]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
             self.optimizer.step()
+            self._round_params()
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         return grad_norm
 
     def _sync(self) -> float:

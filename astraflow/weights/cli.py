@@ -76,6 +76,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     ins.add_argument("blob", metavar="BLOB_FILE")
     ins.add_argument("--tensors", action="store_true", help="one line per tensor")
     ins.add_argument("--json", action="store_true", help="print as JSON")
+    ins.add_argument(
+        "--sha256", metavar="HEX",
+        help="the digest its manifest records (BlobRef.sha256): exit 1 if the file differs",
+    )
     ins.set_defaults(func=run)
 
     pl = wsub.add_parser("plan", help="the cheapest fetch plan from a held version")
@@ -168,6 +172,11 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from astraflow.weights.delta import inspect_blob
 
+    digest = _sha256_file(args.blob)
+    if args.sha256 and digest != args.sha256.lower():
+        print(f"astraflow: {args.blob}: sha256 {digest} does not match the expected "
+              f"{args.sha256}: the blob is corrupt", file=sys.stderr)
+        return 1
     with open(args.blob, "rb") as f:
         info = inspect_blob(f)
     size = Path(args.blob).stat().st_size
@@ -175,10 +184,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         d = dict(info.__dict__)
         d["tensors"] = [t.__dict__ for t in info.tensors]
         d["num_params"], d["num_changed"] = info.num_params, info.num_changed
+        d["sha256"] = digest
         print(json.dumps(d, indent=1))
         return 0
     raw = sum(_numel(t.shape) * _itemsize(t.dtype) for t in info.tensors)
-    print(f"{args.blob}: {info.kind} blob, format v{info.format_version}, {size:,} bytes")
+    print(f"{args.blob}: {info.kind} blob, format v{info.format_version}, {size:,} bytes, "
+          f"sha256 {digest}" + (" (as expected)" if args.sha256 else ""))
     if info.meta:
         print("meta: " + ", ".join(f"{k}={v}" for k, v in sorted(info.meta.items())))
     print(
@@ -198,6 +209,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 f"changed {t.num_changed:>12,} bytes {t.encoded_bytes:>12,}"
             )
     return 0
+
+
+def _sha256_file(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _numel(shape: list[int]) -> int:

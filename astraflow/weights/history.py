@@ -367,6 +367,32 @@ class WeightFollower:
             raise
         return opened
 
+    def update_reachable(self, target: int | None = None, max_versions: int = 50
+                         ) -> UpdateResult:
+        """``update`` to ``target`` (default: the newest seen) or, when no usable chain
+        reaches it (a blob missing or corrupt), to the newest older version one reaches;
+        ``NoPlanError`` only when none of the ``max_versions`` newest does."""
+        t = self.latest_version if target is None else target
+        if t is None:
+            raise NoPlanError("no manifest seen yet")
+        if t == self.version:
+            return self.update(t)
+        floor = self.version if self.version is not None else -1
+        candidates = sorted({m.version for m in self._manifests.values()
+                             if floor < m.version <= t}, reverse=True)[:max_versions]
+        error: NoPlanError | None = None
+        for v in candidates:
+            try:
+                result = self.update(v)
+            except NoPlanError as e:
+                error = error or e
+                continue
+            if v != t:
+                log.warning("weights: v%s is unreachable (%s); now at v%s, the newest "
+                            "reachable version", t, error, v)
+            return result
+        raise error or NoPlanError(f"no version after v{floor} up to v{t} is known")
+
     def update(self, target: int | None = None, max_attempts: int = 100) -> UpdateResult:
         """Bring the state to ``target`` (default: the newest version seen).
 

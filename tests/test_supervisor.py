@@ -1,0 +1,96 @@
+"""``astraflow up``'s supervision: restart decisions, real child processes, the run lock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from astraflow.supervisor import GaveUp, RestartPolicy, RunLocked, Supervisor, run_lock
+
+
+def test_restart_policy_backs_off_and_gives_up_on_a_component_that_keeps_failing():
+    policy = RestartPolicy(max_restarts=3, window_s=100, backoff_s=1, backoff_max_s=3)
+    assert policy.on_exit("feeder", 0, now=0) is None  # finished: not restarted
+    assert policy.on_exit("raas", 1, now=0) == 1  # 1 s, then doubling up to the cap
+    assert policy.on_exit("raas", 1, now=10) == 12
+    assert policy.on_exit("raas", -9, now=20) == 23
+    with pytest.raises(GaveUp, match="raas failed 4 times in 100s .*exit code 1"):
+        policy.on_exit("raas", 1, now=30)
+    # failures older than the window are forgiven; other components count apart
+    policy = RestartPolicy(max_restarts=1, window_s=10, backoff_s=1)
+    assert policy.on_exit("trainer", 1, now=0) == 1
+    assert policy.on_exit("trainer", 1, now=20) == 21
+    assert policy.on_exit("router", 1, now=20) == 21
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _until(cond, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_supervisor_restarts_a_crashed_process_and_leaves_a_finished_one(tmp_path):
+    marker = tmp_path / "crashed-once"
+    # dies with code 3 the first time, runs on the second
+    flaky = _python(f"import os, sys, time, pathlib\np = pathlib.Path({str(marker)!r})\n"
+                    "if not p.exists():\n    p.touch(); sys.exit(3)\ntime.sleep(60)")
+    plan = {"flaky": flaky, "done": _python("pass"), "steady": _python("import time; "
+                                                                       "time.sleep(60)")}
+    logs: list[str] = []
+    sup = Supervisor(plan, lambda name, cmd: subprocess.Popen(cmd),
+                     RestartPolicy(backoff_s=0.1), log=logs.append)
+    sup.start_all()
+    try:
+        _until(lambda: (sup.check() or True) and sup.restarts["flaky"] == 1
+               and "done" in sup.finished)
+        first = sup.procs["flaky"].pid
+        time.sleep(0.5)
+        sup.check()
+        assert sup.procs["flaky"].poll() is None and sup.procs["flaky"].pid == first
+        assert sup.restart_summary() == "flaky x1"
+        assert set(sup.pids()) == {"flaky", "steady"}
+        assert any("flaky exited with code 3; restarting" in m for m in logs)
+    finally:
+        sup.stop_all(timeout=5)
+    assert all(p.poll() is not None for p in sup.procs.values())
+
+
+def test_supervisor_gives_up_on_a_process_that_always_fails():
+    sup = Supervisor({"broken": _python("raise SystemExit(2)")},
+                     lambda name, cmd: subprocess.Popen(cmd),
+                     RestartPolicy(max_restarts=2, backoff_s=0.05), log=lambda m: None)
+    sup.start_all()
+    with pytest.raises(GaveUp, match="broken failed 3 times"):
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            sup.check()
+            time.sleep(0.02)
+    assert sup.restarts["broken"] == 2
+
+
+def test_a_second_up_of_the_same_run_is_refused(tmp_path):
+    lock = tmp_path / "run" / "up.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path\n"
+         "from astraflow.supervisor import run_lock\n"
+         f"with run_lock(Path({str(lock)!r})):\n"
+         "    print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLocked, match=f"already up \\(pid {holder.pid}\\)"):
+            with run_lock(lock):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_lock(lock):  # the holder died: its lock went with it
+        pass
