@@ -253,12 +253,12 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
     from astraflow.kafka.topics import apply_topics
     from astraflow.supervisor import Supervisor
 
-    broker = None
+    broker = None  # the embedded broker when this `up` starts it and must stop it
     if not os.environ.get("ASTRAFLOW_BOOTSTRAP") and not topo.kafka.bootstrap_servers:
-        broker = EmbeddedBroker()
-        if broker.status().running or args.keep_broker:
-            broker = None  # not ours to stop
-        print(EmbeddedBroker().start().describe())
+        embedded = EmbeddedBroker()
+        if not embedded.status().running and not args.keep_broker:
+            broker = embedded
+        print(embedded.start().describe())
     config = topo.kafka.effective()
     admin = make_admin(config)
     try:

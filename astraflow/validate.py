@@ -71,10 +71,13 @@ def task_problem(t: Task) -> str | None:
     return None
 
 
+_CHECKS = {Batch: batch_problem, TrajectoryGroup: group_problem, Task: task_problem,
+           Sequence: sequence_problem}
+
+
 def check_record(record: Record) -> None:
     """Raise ``InvalidRecord`` naming what is wrong with ``record`` (types it knows)."""
-    check = {Batch: batch_problem, TrajectoryGroup: group_problem, Task: task_problem,
-             Sequence: sequence_problem}.get(type(record))
+    check = _CHECKS.get(type(record))
     why = check(record) if check else None  # type: ignore[operator]
     if why:
         raise InvalidRecord(f"{type(record).__name__}: {why}")

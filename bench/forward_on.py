@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,8 +41,9 @@ from astraflow.chat import ChatFormat  # noqa: E402
 from astraflow.records import Batch, Sequence, TrajectoryGroup  # noqa: E402
 from astraflow.tasks.rewards import make_reward  # noqa: E402
 
-REWARD = {"name": "sum", "terms": [{"name": "exact_match", "weight": 1.0},
-                                   {"name": "closeness", "alone": True, "weight": 0.5}]}
+# the training reward of topology/smollm2.yaml
+REWARD = yaml.safe_load((REPO / "topology" / "smollm2.yaml").read_text()
+                        )["pools"]["local"]["workflows"]["single_turn"]["reward"]
 SETTINGS = {"master": ("bf16", "master"), "published": ("bf16", "published"),
             "fp32": ("same", "published")}
 

@@ -170,9 +170,10 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from astraflow.model_import import sha256_of
     from astraflow.weights.delta import inspect_blob
 
-    digest = _sha256_file(args.blob)
+    digest = sha256_of(Path(args.blob))
     if args.sha256 and digest != args.sha256.lower():
         print(f"astraflow: {args.blob}: sha256 {digest} does not match the expected "
               f"{args.sha256}: the blob is corrupt", file=sys.stderr)
@@ -209,16 +210,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 f"changed {t.num_changed:>12,} bytes {t.encoded_bytes:>12,}"
             )
     return 0
-
-
-def _sha256_file(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _numel(shape: list[int]) -> int:
