@@ -410,6 +410,9 @@ share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 message.max.bytes=16777216
+# segments below a log start offset that DeleteRecords moved (pruned weight blobs) are
+# removed within 30 s instead of the default 5 min
+log.retention.check.interval.ms=30000
 """
 
 

@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose or args.debug else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.debug:  # librdkafka's own lines too (one per reconnect while a broker is away)
+        from astraflow.kafka.config import LIBRDKAFKA_LOG
+
+        LIBRDKAFKA_LOG.setLevel(logging.DEBUG)
     try:
         path = getattr(args, "topology", None)
         if isinstance(path, str) and path:

@@ -16,6 +16,11 @@ import threading
 import time
 from typing import Any
 
+from confluent_kafka import KafkaException
+
+from astraflow.kafka.loop import kafka_error, transient
+from astraflow.records import ComponentStatus
+
 log = logging.getLogger("astraflow.evaluator")
 
 
@@ -97,19 +102,17 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     import torch
 
     from astraflow.cli import kafka_config
-    from astraflow.dataflow.versions import LatestVersions
-    from astraflow.kafka.clients import RecordProducer
     from astraflow.model import evaluate, load_policy
-    from astraflow.records import ComponentStatus
+    from astraflow.model_share import ensure_model
     from astraflow.tasks.rewards import make_reward
-    from astraflow.weights import WeightFollower
 
     if args.blind and args.role != "verifier":
         raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
     topo = args.loaded_topology
     config = kafka_config(args)
     torch.set_num_threads(1)
-    model, tokenizer = load_policy(args.model, dtype=args.dtype)
+    path = ensure_model(args.model, config, topo, args.policy)
+    model, tokenizer = load_policy(path, dtype=args.dtype)
     tasks = held_out_tasks(args)
     reward = make_reward(args.reward)
     scorer = None
@@ -118,53 +121,96 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
 
         scorer = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
                              args.max_new_tokens, blind=args.blind)
-    topic = topo.full_name(f"weights.{args.policy}")
-    follower = WeightFollower(policy=args.policy, kafka_config=config)
-    producer = RecordProducer(config)
+
+    def score() -> float:
+        return (scorer(model, tokenizer) if scorer else evaluate(
+            model, tokenizer, tasks, max_new_tokens=args.max_new_tokens, chat=args.chat,
+            reward=reward))
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    done: set[int] = set()
+    _follow(args, topo, config, stop, model, score, len(tasks))
+    return 0
+
+
+def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
+    """Evaluate every ``--every``-th version as it is published (the newest due one),
+    waiting out broker outages up to the outage limit."""
+    from astraflow.dataflow.versions import LatestVersions
+    from astraflow.kafka.clients import RecordProducer
+    from astraflow.kafka.loop import Outage
+    from astraflow.weights import WeightFollower
+
+    follower = WeightFollower(policy=args.policy, kafka_config=config)
+    producer = RecordProducer(config)
     component = f"eval-{args.policy}/{socket.gethostname()}"
+    outage = Outage(component, config.bootstrap_servers or "?", config.outage_limit_s,
+                    config.outage_log_interval_s)
+    topic = topo.full_name(f"weights.{args.policy}")
     # read the weights topic incrementally (it only grows), not from the start each round
-    reader = LatestVersions(config, producer.codec, {args.policy: topic})
+    reader = _answered(outage, stop, lambda: LatestVersions(
+        config, producer.codec, {args.policy: topic}))
     versions: list[int] = []
-    while not stop.is_set():
-        fresh = reader.refresh(timeout=1.0)
-        follower.observe(fresh)
-        versions = sorted(set(versions) | {m.version for m in fresh})
-        if args.once:
-            if not versions:  # nothing read yet: the topic may still be arriving
-                continue
-            wanted = versions[-1:]
-        else:
-            wanted = [v for v in versions if v % args.every == 0 and v not in done]
-        for due in wanted[-1:]:  # the newest due version; older ones are history
-            done.update(x for x in wanted if x <= due)
-            result = _reach(follower, due, args.policy)
-            if result is None:
-                continue
-            v = result.version
-            model.load_state_dict(follower.state)
-            t0 = time.time()
-            acc = (scorer(model, tokenizer) if scorer is not None else
-                   evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens,
-                            chat=args.chat, reward=reward))
-            log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
-                     args.policy, v, acc, len(tasks), time.time() - t0,
-                     getattr(result, "steps", ""))
-            print(f"eval {args.policy} v{v} accuracy {acc:.4f}", flush=True)
-            producer.produce(topo.full_name("status"), ComponentStatus(
-                component_id=component, kind="evaluator", host=socket.gethostname(),
-                policy=args.policy, weight_versions={args.policy: v},
-                metrics={"eval/accuracy": acc, "eval/version": float(v),
-                         "eval/prompts": float(len(tasks))}), key=component)
-            producer.flush()
+    done: set[int] = set()
+    while reader is not None and not stop.is_set():
+        try:
+            fresh = reader.refresh(timeout=1.0)
+            follower.observe(fresh)
+            versions = sorted(set(versions) | {m.version for m in fresh})
+            if args.once:
+                if not versions:  # nothing read yet: the topic may still be arriving
+                    continue
+                wanted = versions[-1:]
+            else:
+                wanted = [v for v in versions if v % args.every == 0 and v not in done]
+            for due in wanted[-1:]:  # the newest due version; older ones are history
+                result = _reach(follower, due, args.policy)
+                done.update(x for x in wanted if x <= due)
+                if result is not None:
+                    _report(args, topo, component, producer, result, follower, model, score,
+                            n_prompts)
+            outage.ok()
+        except KafkaException as e:  # the broker is away: wait for it (up to the limit)
+            if not transient(kafka_error(e)):
+                raise
+            outage.failed(str(e))
         if args.once:
             break
         stop.wait(2.0)
-    reader.close()
-    return 0
+    if reader is not None:
+        reader.close()
+
+
+def _answered(outage, stop, make):
+    """``make()``, again while Kafka does not answer; None when stopped first."""
+    while not stop.is_set():
+        try:
+            return make()
+        except KafkaException as e:
+            if not transient(kafka_error(e)):
+                raise
+            outage.failed(str(e))
+            stop.wait(2.0)
+    return None
+
+
+def _report(args, topo, component, producer, result, follower, model, score,
+            n_prompts: int) -> None:
+    """Evaluate the follower's version and publish the accuracy on ``status``."""
+    v = result.version
+    model.load_state_dict(follower.state)
+    t0 = time.time()
+    acc = score()
+    log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
+             args.policy, v, acc, n_prompts, time.time() - t0, getattr(result, "steps", ""))
+    print(f"eval {args.policy} v{v} accuracy {acc:.4f}", flush=True)
+    producer.produce(topo.full_name("status"), ComponentStatus(
+        component_id=component, kind="evaluator", host=socket.gethostname(),
+        policy=args.policy, weight_versions={args.policy: v},
+        metrics={"eval/accuracy": acc, "eval/version": float(v),
+                 "eval/prompts": float(n_prompts)}), key=component)
+    producer.flush()
 
 
 def _reach(follower, version: int, policy: str):

@@ -201,7 +201,8 @@ class Progress:
                       "eval_version": ev[-1][1] if ev else None}
         return out
 
-    def line(self, lag: int) -> str:
+    def line(self, lag: int | None) -> str:
+        """One progress line; ``lag`` None: Kafka did not answer."""
         t = time.time() - self.started
         parts = [f"{t:6.0f}s"]
         for policy, v in sorted(self.versions.items()):
@@ -220,7 +221,7 @@ class Progress:
         if self.rollout_reward:
             r = sum(self.rollout_reward.values()) / len(self.rollout_reward)
             parts.append(f"rollout reward {r:.3f}")
-        parts.append(f"tasks lag {lag}")
+        parts.append(f"tasks lag {lag}" if lag is not None else "Kafka not answering")
         parts.append(f"stale drops {self.stale_dropped:.0f}")
         self.series.append({"t": t, **{f"version/{p}": float(v) for p, v in self.versions.items()},
                             **{f"reward/{p}": tm.get("trainer/reward_mean", float("nan"))
@@ -316,6 +317,8 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
            pids: Path) -> int:
     """Show progress and supervise until the duration, the versions, Ctrl-C or a component
     that keeps failing (exit code 1) ends the run."""
+    from confluent_kafka import KafkaException
+
     from astraflow.kafka.lag import LagReader, total_lag
     from astraflow.supervisor import GaveUp
 
@@ -336,7 +339,11 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
                 print(f"{', '.join(sorted(sup.finished - {'feeder'}))} finished: stopping")
                 break
             if time.time() - last_line >= 5:
-                lag = sum(total_lag(lags.lag(g, [topo.full_name("tasks")])) for g in pool_groups)
+                try:
+                    lag = sum(total_lag(lags.lag(g, [topo.full_name("tasks")], timeout=3))
+                              for g in pool_groups)
+                except KafkaException:  # the components wait for it; so does the line
+                    lag = None
                 restarts = sup.restart_summary()
                 print(progress.line(lag) + (f" | restarts {restarts}" if restarts else ""),
                       flush=True)
@@ -368,21 +375,26 @@ def _write_tiny_models(topo: Topology) -> bool:
     write (``init_tiny: false``)."""
     wrote = False
     for policy, spec in topo.policies.items():
-        if spec.import_from:
-            wrote = _import_model(policy, spec) or wrote
-            continue
-        stale = _tiny_model_outdated(spec)
-        if not stale and Path(spec.model, "config.json").exists():
-            continue
-        if not spec.init_tiny:
-            raise MissingModel(f"policy {policy}: no model at {spec.model}")
-        what = "default" if spec.role == "solver" else spec.role
-        print(f"writing the tiny {what} model for {policy} to {spec.model} (warm start "
-              f"{spec.warm_start_steps} steps, carry slip {spec.warm_start_slip})"
-              f"{': ' + stale if stale else ''}", flush=True)
-        subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
-        wrote = True
+        wrote = write_policy_model(policy, spec) or wrote
     return wrote
+
+
+def write_policy_model(policy: str, spec) -> bool:
+    """Write (or import) the model of one policy as its topology entry says, unless it is
+    there and up to date; True if it was written."""
+    if spec.import_from:
+        return _import_model(policy, spec)
+    stale = _tiny_model_outdated(spec)
+    if not stale and Path(spec.model, "config.json").exists():
+        return False
+    if not spec.init_tiny:
+        raise MissingModel(f"policy {policy}: no model at {spec.model}")
+    what = "default" if spec.role == "solver" else spec.role
+    print(f"writing the tiny {what} model for {policy} to {spec.model} (warm start "
+          f"{spec.warm_start_steps} steps, carry slip {spec.warm_start_slip})"
+          f"{': ' + stale if stale else ''}", flush=True)
+    subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
+    return True
 
 
 def _import_model(policy: str, spec) -> bool:

@@ -283,6 +283,10 @@ class Topology(_Strict):
             schema_type=schema_type,
         )
 
+    def max_message_bytes(self, name: str) -> int:
+        """The largest record ``name`` (logical) accepts, from its ``max.message.bytes``."""
+        return int(self.topic(name).configs["max.message.bytes"])
+
     def resolved_topics(self) -> list[ResolvedTopic]:
         return [self.topic(n) for n in self.topics]
 

@@ -124,7 +124,8 @@ COMPONENTS = {"processor", "trainer", "raas", "feeder", "eval"}
     if n != "kafka" and getattr(_parsed(s), "command", None) in COMPONENTS])
 def test_components_wait_for_their_topics_and_model(name):
     """A component depends on the service applying its run's topics (same run id and
-    topics) and on the `model init` services writing the models it loads, all finished."""
+    topics) and, where services share ./runs, on the `model init` services writing the
+    models it loads, all finished."""
     service = SERVICES[name]
     args = _parsed(service)
     topo = load_topology(REPO / args.topology)
@@ -142,6 +143,14 @@ def test_components_wait_for_their_topics_and_model(name):
         models = [model for _policy, model in args.policy_model]
     else:
         models = []
+    if not any("/app/runs" in v for v in service.get("volumes", [])):
+        # shares nothing but Kafka: the trainer writes its model as the topology's policy
+        # entry says, the others build theirs from weights.<policy> (model_share)
+        policies = ([p for p, _ in args.policy_model] if args.command == "raas"
+                    else [args.policy] if models else [])
+        for policy in policies:
+            assert policy in topo.policies and f"weights.{policy}" in topo.topics, name
+        return
     written = {a.dir for a in setups.values() if a is not None and a.command == "model"}
     for model in models:
         assert model in written, f"{name} loads {model}, which no service it waits for writes"
@@ -209,3 +218,102 @@ def test_the_model_service_check_fails_when_they_disagree():
                     i = changed["command"].index(role_only)
                     del changed["command"][i:i + n]
         assert _recipe_mismatches(changed), (old, new)
+
+
+def _default_services() -> dict:
+    return {n: s for n, s in SERVICES.items() if n != "kafka" and not s.get("profiles")}
+
+
+def test_the_default_services_run_what_astraflow_up_runs():
+    """The default run's services are the components `astraflow up` starts, with the same
+    arguments (bar the instance name `up` gives processors), and mount no shared ./runs."""
+    from astraflow.launcher import plan_processes
+
+    topo = load_topology(REPO / "topology" / "default.yaml")
+    planned = {tuple(c[3:]) for c in plan_processes(topo, "topology/default.yaml").values()}
+    planned = {tuple(a for a in c if a not in ("--instance", "up")) if "processor" in c
+               else c for c in planned}
+    services = _default_services()
+    commands = {tuple(s["command"][1:]) for n, s in services.items() if n != "topics"}
+    assert commands == planned
+    for name, s in services.items():
+        assert all("/app/runs" not in v for v in s.get("volumes", [])), name
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_the_default_services_train_sharing_nothing_but_kafka(kafka_bootstrap, kafka_config,
+                                                              tmp_path):
+    """Every default service of docker-compose.yml as a local process: its own command and
+    environment (Kafka address: the test broker's), its own working directory (what the
+    image holds: topology/, with a fresh run id) and HOME. The trainer writes the model,
+    the RaaS node and the evaluator get it from Kafka; the trainer's versions reach the
+    RaaS node and held-out accuracy rises."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from astraflow.kafka.clients import read_all
+    from astraflow.records import ComponentStatus
+
+    from .conftest import random_name, wait_for
+
+    run = random_name("compose")
+    text = (REPO / "topology" / "default.yaml").read_text().replace("run: default", f"run: {run}")
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, service: dict) -> subprocess.Popen:
+        home = tmp_path / name
+        (home / "topology").mkdir(parents=True)
+        shutil.copytree(REPO / "data", home / "data")
+        (home / "topology" / "default.yaml").write_text(text)
+        env = {**os.environ, **{k: str(v) for k, v in service.get("environment", {}).items()},
+               "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "HOME": str(home / "home"),
+               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "astraflow.cli", *service["command"][1:]]
+        return subprocess.Popen(cmd, cwd=home, env=env, stdout=open(home / "log", "wb"),
+                                stderr=subprocess.STDOUT)
+
+    def logs() -> str:
+        return "\n".join(f"--- {n}\n{(tmp_path / n / 'log').read_text()[-3000:]}" for n in procs)
+
+    services = _default_services()
+    try:
+        procs["topics"] = start("topics", services.pop("topics"))
+        assert procs["topics"].wait(120) == 0, logs()
+        for name, service in services.items():
+            procs[name] = start(name, service)
+
+        def statuses() -> list:
+            return [r.record for r in read_all(kafka_config, f"{run}.status",
+                                               expect=ComponentStatus, idle_s=1.0)]
+
+        def evals() -> list[tuple[int, float]]:
+            return sorted((int(s.metrics["eval/version"]), s.metrics["eval/accuracy"])
+                          for s in statuses() if "eval/accuracy" in s.metrics)
+
+        def learned() -> bool:
+            dead = [n for n, p in procs.items() if n != "topics" and p.poll() is not None]
+            assert not dead, f"{dead} exited\n{logs()}"
+            e = evals()
+            return len(e) >= 2 and e[0][0] == 0 and max(a for _, a in e[1:]) >= e[0][1] + 0.05
+
+        # 0.05 on 200 prompts is ten more right answers than version 0 got
+        wait_for(learned, 900, "held-out accuracy 5 points over version 0's", step=5.0)
+        raas = [s for s in statuses() if s.kind == "raas"]
+        assert max(s.weight_versions["actor"] for s in raas) >= 5, logs()
+        print("held-out accuracy by version:", evals())
+        assert not (tmp_path / "raas-local-0" / "runs" / "default" / "model" /
+                    "training_args.json").exists()
+        assert "fetching policy actor's model from" in (tmp_path / "raas-local-0" / "log"
+                                                        ).read_text()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()

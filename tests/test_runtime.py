@@ -175,3 +175,35 @@ def test_sigterm_finishes_and_leaves_the_group(kafka_config, make_topology, astr
     desc = admin.describe_consumer_groups([group])[group].result()
     assert len(desc.members) == 0, "the processor did not leave its consumer group"
     assert total_lag(lag(kafka_config, group, [src])) == 0
+
+
+@pytest.mark.kafka
+def test_an_output_over_its_topics_max_message_bytes_is_dead_lettered(kafka_config,
+                                                                      make_topology):
+    """A 3 MB task for an output topic that takes 1 MiB goes to dlq with the reason and its
+    bytes; the records around it go through and the processor keeps running."""
+    topo, _ = make_topology(
+        topics={"tasks.source": {"partitions": 1},
+                "tasks": {"partitions": 1, "max_message_bytes": 1_048_576}},
+        processors={"fwd": {"kind": "passthrough", "inputs": ["tasks.source"],
+                            "outputs": ["tasks"], "poll_timeout_s": 0.2}})
+    src, dst, dlq = (topo.full_name(t) for t in ("tasks.source", "tasks", "dlq"))
+    big = Task(task_id="big", prompt_id="p", workflow="single_turn", payload="x" * 3_000_000,
+               source="test")
+    producer = RecordProducer(kafka_config, **{"message.max.bytes": 8_000_000})
+    for i in range(3):
+        producer.produce(src, task(i), key="p")
+    producer.produce(src, big, key="p")
+    for i in range(3, 6):
+        producer.produce(src, task(i), key="p")
+    producer.flush()
+    rt = RuntimeThread(ProcessorRuntime(topo, "fwd", instance="0", config=kafka_config))
+    try:
+        wait_for(lambda: len(committed_ids(kafka_config, dst)) == 6, 60, "the small tasks")
+        dead = [r.record for r in read_all(kafka_config, dlq, expect=DeadLetter)]
+        assert len(dead) == 1 and dead[0].offset == 3 and len(dead[0].raw) > 3_000_000
+        assert "RecordTooLarge" in dead[0].error and "accepts at most 1048576" in dead[0].error
+        assert committed_ids(kafka_config, dst) == [f"t{i}" for i in range(6)]
+        assert rt.thread.is_alive()
+    finally:
+        rt.stop()

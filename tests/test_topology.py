@@ -54,6 +54,9 @@ def base(**extra):
         (lambda d: d["topics"]["tasks"].update(partitions=0), "topics.tasks.partitions"),
         (lambda d: d["topics"]["tasks"].update(compression="brotli"), "topics.tasks.compression"),
         (lambda d: d.update(kafka={"bootstrap": "x"}), "kafka.bootstrap"),
+        (lambda d: d.update(kafka={"outage_limit_s": 0}), "kafka.outage_limit_s"),
+        (lambda d: d.update(kafka={"transaction_timeout_ms": 10}),
+         "kafka.transaction_timeout_ms"),
         (lambda d: d.update(run="has space"), "run"),
     ],
 )

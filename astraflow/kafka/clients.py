@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -45,16 +45,20 @@ class RecordProducer:
         config: KafkaConfig,
         codec: Codec | None = None,
         transactional_id: str | None = None,
+        init: bool = True,
         **extra: object,
     ):
         conf = config.producer_conf(**extra)
         if transactional_id:
             conf["transactional.id"] = transactional_id
+        else:  # records wait out a broker outage (a transaction's wait for one is its own)
+            conf.setdefault("message.timeout.ms", int(config.outage_limit_s * 1000) + 30_000)
+        self.wait_s = config.outage_limit_s
         self.producer = Producer(conf)
         self.codec = codec or make_codec_for(config)
         self.errors: list[KafkaError] = []
         self.delivered = 0
-        if transactional_id:
+        if transactional_id and init:
             self.producer.init_transactions(30)
 
     def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
@@ -89,10 +93,18 @@ class RecordProducer:
             except BufferError:
                 self.producer.poll(0.1)  # local queue full: serve deliveries, then retry
 
-    def flush(self, timeout: float = 60.0) -> None:
-        remaining = self.producer.flush(timeout)
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every record is delivered: up to ``timeout`` (default: the config's
+        ``outage_limit_s``, logging once a minute while Kafka does not answer)."""
+        limit = self.wait_s if timeout is None else timeout
+        start = time.monotonic()
+        remaining = self.producer.flush(min(limit, 60.0))
+        while remaining and time.monotonic() - start < limit:
+            log.warning("%d records wait for Kafka (%.0fs so far, giving up after %.0fs)",
+                        remaining, time.monotonic() - start, limit)
+            remaining = self.producer.flush(min(60.0, limit - (time.monotonic() - start)))
         if remaining:
-            raise KafkaException(f"{remaining} messages still undelivered after {timeout}s")
+            raise KafkaException(f"{remaining} messages still undelivered after {limit:.0f}s")
         if self.errors:
             errs, self.errors = self.errors, []
             raise KafkaException(errs[0])
@@ -241,7 +253,6 @@ def read_all(
 
 __all__ = [
     "RecordProducer",
-    "commit_consumed",
     "RecordConsumer",
     "Received",
     "RecordDecodeError",
@@ -249,40 +260,3 @@ __all__ = [
     "make_codec_for",
     "read_all",
 ]
-
-
-def commit_consumed(
-    producer: RecordProducer,
-    consumer: Consumer,
-    produce: Callable[[], None],
-    offsets: list,
-    component_id: str,
-) -> bool:
-    """One transaction: ``produce()``'s records plus the consumer's ``offsets``.
-
-    Returns False when the transaction had to be aborted (the caller rewinds to its
-    committed offsets and redoes the work); a fatal error (fenced by another copy with
-    the same transactional id) raises with a hint.
-    """
-    producer.begin()
-    try:
-        produce()
-        if offsets:
-            producer.producer.send_offsets_to_transaction(
-                offsets, consumer.consumer_group_metadata(), 30
-            )
-        producer.commit()
-        return True
-    except KafkaException as e:
-        kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-        if kerr is not None and kerr.txn_requires_abort():
-            log.warning("%s: aborting transaction: %s", component_id, kerr)
-            producer.abort()
-            return False
-        if kerr is not None and kerr.fatal():
-            raise RuntimeError(
-                f"{component_id}: fatal producer error ({kerr.str()}); if it says fenced, "
-                f"another copy runs with the same transactional id: give each copy its own "
-                f"--instance"
-            ) from e
-        raise

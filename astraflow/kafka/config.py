@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -9,6 +10,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+LIBRDKAFKA_LOG = logging.getLogger("astraflow.librdkafka")
+if os.environ.get("ASTRAFLOW_LIBRDKAFKA_LOG", "").lower() not in ("1", "debug", "on"):
+    LIBRDKAFKA_LOG.setLevel(logging.CRITICAL)
 
 
 class KafkaConfig(BaseModel):
@@ -28,6 +32,12 @@ class KafkaConfig(BaseModel):
     consumer_options: dict[str, Any] = Field(default_factory=dict)
     schema_registry_url: str | None = None
     schema_registry_options: dict[str, Any] = Field(default_factory=dict)
+    # a component waits this long for a broker that went away, then exits non-zero
+    outage_limit_s: float = Field(default=300.0, gt=0)
+    outage_log_interval_s: float = Field(default=10.0, gt=0)  # one line per interval
+    # how long one transaction may stay open (its records and offsets, not the work
+    # before it); at most the broker's transaction.max.timeout.ms (15 min by default)
+    transaction_timeout_ms: int = Field(default=60_000, ge=1000)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> KafkaConfig:
@@ -51,6 +61,9 @@ class KafkaConfig(BaseModel):
         return {
             "bootstrap.servers": self.bootstrap_servers or resolve_bootstrap(),
             "client.id": self.client_id,
+            # librdkafka's own log lines (one per failed reconnect) go to Python logging,
+            # quiet unless asked for; what matters reaches us as errors and error_cb
+            "logger": LIBRDKAFKA_LOG,
             **self.options,
         }
 

@@ -111,6 +111,7 @@ def load_engine(args: argparse.Namespace, policy: str, path: str) -> Any:
 def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.model import ModelError
+    from astraflow.model_share import ensure_model
     from astraflow.raas.node import NodeOptions, RaaSNode
     from astraflow.raas.vllm_engine import VLLMNotInstalled
     from astraflow.topology import load_topology
@@ -136,6 +137,8 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         if policy in engines:
             print(f"astraflow raas run: policy {policy!r} given twice", file=sys.stderr)
             return 2
+        if args.engine != "openai":  # a missing local model comes from the weight stream
+            path = str(ensure_model(path, config, topo, policy))
         try:
             engines[policy] = load_engine(args, policy, path)
         except (VLLMNotInstalled, ModelError, ValueError) as e:

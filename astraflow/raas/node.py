@@ -19,26 +19,20 @@ import logging
 import os
 import socket
 import statistics
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, Message
 
 from astraflow.codec import RecordDecodeError
 from astraflow.dataflow.base import InvalidRecord
-from astraflow.kafka.clients import (
-    RecordProducer,
-    commit_consumed,
-    dead_letter,
-    make_admin,
-    make_codec_for,
-)
+from astraflow.kafka.clients import dead_letter, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
-from astraflow.kafka.runtime import RuntimeCounters
-from astraflow.kafka.topics import MissingTopicsError, missing_topics
+from astraflow.kafka.loop import Checkpoint, RecordTooLarge, RuntimeCounters, TransactionalLoop
+from astraflow.kafka.runtime import loop_spec
+from astraflow.kafka.topics import missing_topics
 from astraflow.raas.engine import Engine
 from astraflow.raas.weights_follow import FollowingEngine, WeightWatcher
 from astraflow.raas.workflows import Workflow, make_workflow
@@ -93,23 +87,26 @@ class RaaSNode:
         self.transactional_id = f"{self.group}.{self.instance}"
         self.codec = make_codec_for(self.config)
         self.counters = NodeCounters()
-        self._tasks = topology.full_name("tasks")
         self._out = topology.full_name("trajectories.raw")
-        self._dlq = topology.full_name("dlq")
-        self._status_topic = topology.full_name("status")
         self._workflows: dict[str, Workflow] = {}
         self._watchers: dict[str, WeightWatcher] = {}
-        self._positions: dict[tuple[str, int], int] = {}
-        self._stop = threading.Event()
-        self.running = threading.Event()
         self.current_task: str | None = None
         self._last_metrics: dict[str, float] = {}
         self._window: dict[str, list[float]] = {}  # workflow metrics since the last status
         self._window_means: dict[str, float] = {}
+        o = self.options
+        self.loop = TransactionalLoop(
+            loop_spec(topology, self.component_id, self.group, self.transactional_id,
+                      ["tasks"], ["trajectories.raw"], max_batch=o.tasks_per_transaction,
+                      poll_timeout_s=o.poll_timeout_s,
+                      consumer_options={"session.timeout.ms": o.session_timeout_ms,
+                                        "max.poll.interval.ms": o.max_poll_interval_ms}),
+            self, self.config, self.codec)
+        self.running = self.loop.running
 
     def stop(self) -> None:
         """Finish the current task(s), commit, leave the group, return from ``run``."""
-        self._stop.set()
+        self.loop.stop()
 
     # --- setup -------------------------------------------------------------------------
     def _workflow(self, name: str) -> Workflow:
@@ -143,85 +140,42 @@ class RaaSNode:
         for w in self._watchers.values():
             w.refresh()
 
-    # --- the loop ----------------------------------------------------------------------
+    # --- the Work the transactional loop runs -----------------------------------------
     def run(self) -> NodeCounters:
-        admin = make_admin(self.config)
-        needed = [self._tasks, self._out, self._dlq, self._status_topic]
-        missing = missing_topics(admin, needed)
-        if missing:
-            raise MissingTopicsError(
-                f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
-                f"create them with `astraflow topics apply {self.topology.source}`"
-            )
-        self._start_watchers(admin)
-        consumer = Consumer(
-            self.config.consumer_conf(
-                self.group,
-                **{
-                    "session.timeout.ms": self.options.session_timeout_ms,
-                    "max.poll.interval.ms": self.options.max_poll_interval_ms,
-                },
-            )
-        )
-        producer = RecordProducer(
-            self.config,
-            self.codec,
-            transactional_id=self.transactional_id,
-            **{"transaction.timeout.ms": 60_000},
-        )
-        consumer.subscribe([self._tasks], on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        log.info(
-            "%s: consuming %s as group %s, transactional id %s, policies %s",
-            self.component_id,
-            self._tasks,
-            self.group,
-            self.transactional_id,
-            ", ".join(f"{p}@v{e.version}" for p, e in self.engines.items()),
-        )
-        self.running.set()
-        last_status = 0.0
-        try:
-            while not self._stop.is_set():
-                self.refresh_weights()
-                t0 = time.monotonic()
-                msgs = consumer.consume(
-                    self.options.tasks_per_transaction, self.options.poll_timeout_s
-                )
-                t1 = time.monotonic()
-                status_due = time.monotonic() - last_status >= self.topology.status_interval_s
-                msgs = [m for m in msgs if not self._skip(m)]
-                if not msgs:
-                    self.counters.waiting_s += t1 - t0
-                    if status_due:
-                        self._commit(producer, consumer, [], [], True)
-                        last_status = time.monotonic()
-                    continue
-                groups, dead = self._rollouts(msgs)
-                self.counters.busy_s += time.monotonic() - t1
-                status_due = time.monotonic() - last_status >= self.topology.status_interval_s
-                self._commit(producer, consumer, groups, dead, status_due)
-                if status_due:
-                    last_status = time.monotonic()
-        finally:
-            self.running.clear()
-            log.info("%s: leaving group %s", self.component_id, self.group)
-            consumer.close()
-            for w in self._watchers.values():
-                w.close()
+        self.loop.run()
         return self.counters
 
-    def _skip(self, m) -> bool:
-        err = m.error()
-        if err is None:
-            return False
-        if err.code() != KafkaError._PARTITION_EOF:
-            if err.fatal():
-                raise KafkaException(err)
-            log.warning("%s: consumer error: %s", self.component_id, err)
-        return True
+    def start(self, loop: TransactionalLoop) -> None:
+        self._start_watchers(make_admin(self.config))
+        log.info("%s: policies %s", self.component_id,
+                 ", ".join(f"{p}@v{e.version}" for p, e in self.engines.items()))
 
-    def _rollouts(self, msgs) -> tuple[list[TrajectoryGroup], list[DeadLetter]]:
-        """The groups of ``msgs``' tasks, in order, and dead letters for the bad ones.
+    def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
+        self.refresh_weights()
+        if not msgs:
+            return
+        groups, dead = self._rollouts(msgs)
+        for letter in dead:
+            cp.dead_letter(letter)
+        for m, g in groups:
+            try:
+                cp.add(self._out, g, g.prompt_id)
+            except RecordTooLarge as e:
+                cp.dead_letter(self._dead_task(m, e))
+
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        return {}
+
+    def on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        """Nothing is held between transactions."""
+
+    def close(self) -> None:
+        for w in self._watchers.values():
+            w.close()
+
+    def _rollouts(self, msgs) -> tuple[list[tuple[Any, TrajectoryGroup]], list[DeadLetter]]:
+        """The groups of ``msgs``' tasks (with their message), in order, and dead letters
+        for the bad ones.
 
         Tasks of one workflow that has ``run_batch`` are rolled out together (one
         ``generate`` call per phase for all of them); a batch that fails as a whole is run
@@ -231,8 +185,6 @@ class RaaSNode:
         tasks: list[tuple[Any, Task]] = []
         for m in msgs:
             topic, part, off = m.topic(), m.partition(), m.offset()
-            self._positions[(topic, part)] = off + 1
-            self.counters.consumed += 1
             try:
                 task = self.codec.decode(m.value(), topic, part, off, expect=Task)
                 check_record(task)
@@ -256,7 +208,7 @@ class RaaSNode:
                 else:
                     made[i] = self._group(tasks[i][1], wf, result, seconds)
         self.current_task = None
-        return [made[i] for i in sorted(made)], dead
+        return [(tasks[i][0], made[i]) for i in sorted(made)], dead
 
     def _run_batch(self, wf: Workflow, tasks: list[Task]) -> list[tuple[Any, float]]:
         """Per task: its sequences or exception, and the seconds its rollout took."""
@@ -292,7 +244,7 @@ class RaaSNode:
 
     def _dead_task(self, m, e: Exception) -> DeadLetter:
         reason = f"{type(e).__name__}: {e}"
-        expected = isinstance(e, RecordDecodeError | ValueError | InvalidRecord)
+        expected = isinstance(e, RecordDecodeError | ValueError | InvalidRecord | RecordTooLarge)
         level = logging.WARNING if expected else logging.ERROR
         log.log(level, "%s: dead-lettering %s[%d]@%d: %s", self.component_id, m.topic(),
                 m.partition(), m.offset(), reason, exc_info=(e if not expected else None))
@@ -362,35 +314,6 @@ class RaaSNode:
             meta={"attempt": str(task.attempt)},
         )
 
-    def _commit(self, producer, consumer, groups, dead, status_due) -> None:
-        def produce() -> None:
-            for g in groups:
-                producer.produce(self._out, g, g.prompt_id)
-            for d in dead:
-                producer.produce(self._dlq, d, d.raw_key)
-            if status_due:
-                producer.produce(self._status_topic, self.status(), self.component_id)
-
-        offsets = [TopicPartition(t, p, o) for (t, p), o in self._positions.items()]
-        if not commit_consumed(producer, consumer, produce, offsets, self.component_id):
-            self.counters.aborted += 1
-            self._rewind(consumer)
-            return
-        self._positions.clear()
-        self.counters.transactions += 1
-        self.counters.produced += len(groups)
-        self.counters.dead_lettered += len(dead)
-
-    def _rewind(self, consumer: Consumer) -> None:
-        assigned = consumer.assignment()
-        for tp in consumer.committed(assigned, timeout=30):
-            consumer.seek(tp if tp.offset >= 0 else TopicPartition(tp.topic, tp.partition, -2))
-        self._positions.clear()
-
-    def _on_revoke(self, consumer, partitions) -> None:
-        for p in partitions:
-            self._positions.pop((p.topic, p.partition), None)
-
     def _take_window(self) -> dict[str, float]:
         """Means of the workflow metrics of the groups since the last call (the previous
         means when no group came in between)."""
@@ -401,7 +324,7 @@ class RaaSNode:
 
     def status(self) -> ComponentStatus:
         c = self.counters
-        state = "stopping" if self._stop.is_set() else "running"
+        state = "stopping" if self.loop.stopping else "running"
         gen_s = sum(getattr(e, "seconds_generating", 0.0) for e in self.engines.values())
         metrics = {
             "raas/transactions": float(c.transactions),

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.codec import Codec, RecordDecodeError
 from astraflow.kafka.config import KafkaConfig
@@ -114,6 +114,9 @@ class WeightWatcher:
             log.warning("%s: cannot reach version %s nor an older one after %s: %s",
                         self.topic, target, self.engine.version, e)
             self._failed_target = target
+            return False
+        except KafkaException as e:  # the broker is away: rollouts go on, retried later
+            log.debug("%s: version %s not fetched yet: %s", self.topic, target, e)
             return False
         if result.version is None or result.version <= self.engine.version:
             self._failed_target = target

@@ -38,7 +38,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument(
         "--blob-store",
         metavar="URI",
-        help="file:///dir or kafka://<run>.weights.blobs (default file://<state dir>/blobs)",
+        help="file:///dir or kafka://<topic> (default: kafka://<run>.weights.blobs when the "
+        "topology has that topic, else file://<state dir>/blobs)",
     )
     r.add_argument(
         "--state-dir", metavar="DIR", help="default ~/.local/state/astraflow/trainer/<run>.<policy>"
@@ -169,6 +170,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         metavar="K",
         help="keep the newest K written trainer states (optimizer and master weights)",
     )
+    r.add_argument(
+        "--keep-versions",
+        type=int,
+        default=20,
+        metavar="N",
+        help="remove the weight blobs of versions older than the newest full checkpoint at "
+        "or below the newest version - N (a Kafka store deletes the records before them); "
+        "0 keeps every blob (default 20)",
+    )
     r.add_argument("--threads", type=int, help="torch.set_num_threads")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument(
@@ -184,7 +194,7 @@ def handler(args: argparse.Namespace) -> int:
     import torch
 
     from astraflow.cli import kafka_config, stop_on_signals
-    from astraflow.topology import TopologyError, load_topology
+    from astraflow.topology import load_topology
     from astraflow.trainer.service import TrainerService
 
     if not logging.getLogger().handlers:
@@ -192,21 +202,17 @@ def handler(args: argparse.Namespace) -> int:
             level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-    from astraflow.model import check_model_dir
+    from astraflow.model import ModelError, check_model_dir
 
+    topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
     try:
+        topo = topo or load_topology(args.topology)
         opts = _options(args)
+        _write_missing_model(topo, args.policy, args.model)
         check_model_dir(args.model, tokenizer=False)  # before any Kafka client starts
-    except ValueError as e:
+    except (ValueError, ModelError) as e:  # TopologyError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
-    if topo is None:
-        try:
-            topo = load_topology(args.topology)
-        except TopologyError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -226,6 +232,23 @@ def handler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_missing_model(topo, policy: str, path: str) -> None:
+    """A trainer whose model directory does not exist writes it as the topology's policy
+    entry says (``model init`` or ``model import``): in a deployment that shares nothing
+    but Kafka the trainer is the one component that holds the model on disk."""
+    from pathlib import Path
+
+    from astraflow.launcher import MissingModel, write_policy_model
+
+    spec = topo.policies.get(policy)
+    if spec is None or Path(path, "config.json").exists():
+        return
+    try:
+        write_policy_model(policy, spec.model_copy(update={"model": path}))
+    except MissingModel as e:
+        raise ValueError(str(e)) from None
+
+
 def _options(args: argparse.Namespace) -> Any:
     """``ServiceOptions`` from the parsed flags, validated (``ValueError`` names the flag)."""
     from astraflow.trainer.service import ServiceOptions
@@ -243,6 +266,7 @@ def _options(args: argparse.Namespace) -> Any:
         state_interval=args.state_interval,
         state_max_lag=args.state_max_lag,
         keep_optimizer=args.keep_optimizer,
+        keep_versions=args.keep_versions,
         max_steps=args.max_steps,
         trainer=TrainerConfig(
             lr=args.lr,

@@ -28,8 +28,9 @@ Restart (after SIGKILL, anywhere):
 3. the versions k+1..L after it (L the newest published) are retrained from the batches
    their manifests name, without publishing, and each must equal the published version bit
    for bit (``astraflow.trainer.resume``); a difference is refused;
-4. consumption resumes at version L's ``consumed_offsets``, which are the group's committed
-   offsets because both were committed in the same transaction (checked and logged).
+4. consumption resumes at the group's committed offsets: version L's ``consumed_offsets``
+   (committed in the same transaction), or past them where batches after it were
+   dead-lettered or skipped (every group stale; such a batch changes nothing).
 
 So no batch is lost and none is trained twice, and a resumed trainer continues bit for bit
 as an uninterrupted one would have. Version 0 (the initial weights) is published when
@@ -42,29 +43,25 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 
 from astraflow.codec import RecordDecodeError
 from astraflow.dataflow.base import InvalidRecord
 from astraflow.kafka.clients import (
-    RecordProducer,
     dead_letter,
-    make_admin,
     make_codec_for,
 )
 from astraflow.kafka.config import KafkaConfig
-from astraflow.kafka.runtime import RuntimeCounters
-from astraflow.kafka.topics import MissingTopicsError, missing_topics
+from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
+from astraflow.kafka.runtime import loop_spec
 from astraflow.records import (
     Batch,
     BlobRef,
     ComponentStatus,
-    DeadLetter,
     PartitionOffset,
     WeightManifest,
 )
@@ -85,6 +82,14 @@ def default_state_dir(run: str, policy: str) -> Path:
     return Path("~/.local/state/astraflow/trainer").expanduser() / f"{run}.{policy}"
 
 
+def default_blob_store(topology: Topology, state_dir: Path) -> str:
+    """The run's ``weights.blobs`` topic when the topology has one (components then share
+    nothing but Kafka), else a directory in the trainer's state dir."""
+    if "weights.blobs" in topology.topics:
+        return f"kafka://{topology.full_name('weights.blobs')}"
+    return (state_dir / "blobs").absolute().as_uri()
+
+
 @dataclass
 class ServiceOptions:
     policy: str
@@ -99,6 +104,9 @@ class ServiceOptions:
     # waits for it there); None: the interval (the next state waits for it)
     state_max_lag: int | None = None
     keep_optimizer: int = 3  # the newest K written trainer states are kept
+    # weight blobs of versions older than the newest full checkpoint at or below the
+    # newest version - keep_versions are removed (Kafka: DeleteRecords); 0 keeps all
+    keep_versions: int = 20
     max_steps: int | None = None  # stop (cleanly) after this many steps in this process
     poll_timeout_s: float = 0.5
     session_timeout_ms: int = 10_000
@@ -114,10 +122,11 @@ class ServiceOptions:
              self.state_max_lag is None or self.state_max_lag >= 1),
             ("keep_optimizer", "--keep-optimizer", self.keep_optimizer >= 1),
             ("anchor_interval", "--anchor-interval", self.anchor_interval >= 0),
+            ("keep_versions", "--keep-versions", self.keep_versions >= 0),
         ]
         for name, flag, ok in checks:
             if not ok:
-                minimum = 0 if name == "anchor_interval" else 1
+                minimum = 0 if name in ("anchor_interval", "keep_versions") else 1
                 raise ValueError(
                     f"{name} ({flag}) must be at least {minimum}, got {getattr(self, name)!r}"
                 )
@@ -155,14 +164,12 @@ class TrainerService:
         self.component_id = f"trainer.{self.policy}/{self.instance}"
         self.batches_topic = topology.full_name(f"batches.{self.policy}")
         self.weights_topic = topology.full_name(f"weights.{self.policy}")
-        self.status_topic = topology.full_name("status")
-        self.dlq_topic = topology.full_name("dlq")
         self.state_dir = (
             Path(options.state_dir).expanduser()
             if options.state_dir
             else (default_state_dir(topology.run, self.policy))
         )
-        self.blob_uri = options.blob_store or (self.state_dir / "blobs").absolute().as_uri()
+        self.blob_uri = options.blob_store or default_blob_store(topology, self.state_dir)
         self.codec = make_codec_for(self.config)
         self.counters = ServiceCounters()
         self.trainer = trainer
@@ -173,40 +180,30 @@ class TrainerService:
         # recorded trainer states, oldest first: (version, optimizer and master blobs)
         self._state_refs: list[tuple[int, list[BlobRef]]] = []
         self.state_version: int | None = None  # the newest recorded state
-        self._dead: list[DeadLetter] = []
-        self._check_committed: list[TopicPartition] = []
-        self._stop = threading.Event()
-        self._last_status = 0.0
         self._loop_start = time.monotonic()
+        self._steps = 0  # in this process
+        self._history: list[WeightManifest] = []  # the manifests whose blobs may be kept
         options.validate()
         crash = os.environ.get(CRASH_ENV)
         self._crash_at = int(crash) if crash else None
+        self._committing: int | None = None  # the version in the open transaction
+        self.loop = TransactionalLoop(
+            loop_spec(topology, self.component_id, self.group, self.transactional_id,
+                      [f"batches.{self.policy}"], [f"weights.{self.policy}"],
+                      max_batch=1, poll_timeout_s=options.poll_timeout_s, keeps_position=True,
+                      consumer_options={"session.timeout.ms": options.session_timeout_ms,
+                                        "max.poll.interval.ms": options.max_poll_interval_ms}),
+            self, self.config, self.codec, before_commit=self._crash_hook)
 
     def stop(self) -> None:
         """Finish the current step (its transaction included), then return from ``run``."""
-        self._stop.set()
+        self.loop.stop()
 
     # --- start-up ------------------------------------------------------------------------
     def _open(self):
         from astraflow.weights.store import open_store
 
-        missing = missing_topics(
-            make_admin(self.config),
-            [self.batches_topic, self.weights_topic, self.status_topic, self.dlq_topic],
-        )
-        if missing:
-            raise MissingTopicsError(
-                f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
-                f"create them with `astraflow topics apply {self.topology.source}`"
-            )
         self.store = open_store(self.blob_uri, self.config)
-        # first: fence a dead predecessor and abort its open transaction
-        self.producer = RecordProducer(
-            self.config,
-            self.codec,
-            transactional_id=self.transactional_id,
-            **{"transaction.timeout.ms": 60_000},
-        )
         self.writer = StateWriter(self.store, self.policy)
         if self.trainer is None:
             self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy)
@@ -218,21 +215,10 @@ class TrainerService:
         manifests = [
             m for m in read_manifests(self.config, self.weights_topic) if m.policy == self.policy
         ]
+        self._history = list(manifests)
         o = self.options
         if not manifests:
-            self.publisher = WeightPublisher(
-                self.store, self.policy, anchor_interval=o.anchor_interval
-            )
-            ms = self.publisher.publish(self.trainer.published_state(), version=0, trainer_step=0)
-            self._commit(ms, offsets=False, status=False)
-            self.version = 0
-            log.info(
-                "%s: published initial weights as version 0 (%s, %d bytes) on %s",
-                self.component_id,
-                ms[-1].dtype,
-                ms[-1].encoded_bytes,
-                self.weights_topic,
-            )
+            self._publish_initial()
             return
         t0 = time.perf_counter()
         latest = max(m.version for m in manifests)
@@ -259,6 +245,7 @@ class TrainerService:
         )
         last = [m for m in manifests if m.version == latest][0]
         self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
+        self.loop.positions.update(self._resume_positions(latest))
         self.version = self.resumed_from = latest
         self.state_version = start if meta else None
         self._state_refs = recorded_states(manifests)
@@ -279,6 +266,49 @@ class TrainerService:
             time.perf_counter() - t0,
             _fmt_positions(self.positions) or "the group's committed offsets",
         )
+
+    def _publish_initial(self) -> None:
+        """Version 0: the model as it is, a full checkpoint with the model's files."""
+        from astraflow.weights.history import WeightPublisher
+
+        self.publisher = WeightPublisher(self.store, self.policy,
+                                         anchor_interval=self.options.anchor_interval)
+        ms = self.publisher.publish(self.trainer.published_state(), version=0, trainer_step=0)
+        self._add_model_files(ms)
+        self._history = list(ms)
+        cp = self.loop.checkpoint()
+        for m in ms:
+            cp.add(self.weights_topic, m, key=self.policy)
+        self.loop.commit(cp, offsets=False)
+        self.version = 0
+        log.info("%s: published initial weights as version 0 (%s, %d bytes) on %s",
+                 self.component_id, ms[-1].dtype, ms[-1].encoded_bytes, self.weights_topic)
+
+    def _resume_positions(self, version: int) -> dict[tuple[str, int], int]:
+        """Where to consume from: the group's committed offsets, checked against version
+        ``version``'s manifest (they may only be past it, by skipped or dead-lettered
+        batches)."""
+        consumer = Consumer(self.config.consumer_conf(self.group))  # reads, never joins
+        try:
+            tps = [TopicPartition(t, p) for t, p in self.positions]
+            committed = consumer.committed(tps, timeout=30) if tps else []
+        finally:
+            consumer.close()
+        out = {}
+        for tp in committed:
+            mine = self.positions[(tp.topic, tp.partition)]
+            group = tp.offset if tp.offset >= 0 else None
+            where = f"{self.component_id}: {tp.topic}[{tp.partition}]: committed offset {group}"
+            if group == mine:
+                log.info("%s matches version %d's manifest", where, version)
+            elif group is not None and group > mine:
+                log.info("%s is past version %d's manifest (%d): the batches between were "
+                         "skipped or dead-lettered", where, version, mine)
+            else:
+                log.warning("%s is before version %d's manifest (%d); resuming from the "
+                            "manifest's offset", where, version, mine)
+            out[(tp.topic, tp.partition)] = max(mine, group if group is not None else -1)
+        return out
 
     def _load_state(
         self, follower, version: int, meta: dict[str, str], manifests: list[WeightManifest]
@@ -350,124 +380,6 @@ class TrainerService:
                 f"({e}); cannot resume exactly"
             ) from e
 
-    # --- consumer ------------------------------------------------------------------------
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            pos = self.positions.get((tp.topic, tp.partition))
-            if pos is not None:
-                tp.offset = pos
-        consumer.assign(partitions)
-        self._check_committed = list(partitions)
-        log.info(
-            "%s: assigned %s",
-            self.component_id,
-            ", ".join(f"{p.topic}[{p.partition}]@{p.offset}" for p in partitions),
-        )
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        log.info(
-            "%s: partitions revoked: %s",
-            self.component_id,
-            ", ".join(f"{p.topic}[{p.partition}]" for p in partitions),
-        )
-
-    def _verify_committed(self, consumer: Consumer) -> None:
-        parts, self._check_committed = self._check_committed, []
-        if not parts:
-            return
-        committed = consumer.committed(
-            [TopicPartition(p.topic, p.partition) for p in parts], timeout=30
-        )
-        for tp in committed:
-            mine = self.positions.get((tp.topic, tp.partition))
-            group = tp.offset if tp.offset >= 0 else None
-            if mine != group:
-                log.warning(
-                    "%s: %s[%d]: group %s committed %s but version %s consumed up to %s; "
-                    "resuming from the manifest's offset",
-                    self.component_id,
-                    tp.topic,
-                    tp.partition,
-                    self.group,
-                    group,
-                    self.version,
-                    mine,
-                )
-            else:
-                log.info(
-                    "%s: %s[%d]: committed offset %s matches version %s's manifest",
-                    self.component_id,
-                    tp.topic,
-                    tp.partition,
-                    group,
-                    self.version,
-                )
-
-    # --- transactions --------------------------------------------------------------------
-    def _commit(
-        self, manifests: list[WeightManifest], offsets: bool = True, status: bool = False
-    ) -> None:
-        dead = list(self._dead) if offsets else []  # dead letters go with their offsets
-        for attempt in range(1, self.options.commit_retries + 1):
-            self.producer.begin()
-            try:
-                for m in manifests:
-                    self.producer.produce(self.weights_topic, m, key=self.policy)
-                for d in dead:
-                    self.producer.produce(self.dlq_topic, d, d.raw_key)
-                if status:
-                    self.producer.produce(self.status_topic, self.status(), self.component_id)
-                if offsets and self.positions:
-                    tps = [TopicPartition(t, p, o) for (t, p), o in sorted(self.positions.items())]
-                    self.producer.producer.send_offsets_to_transaction(
-                        tps, self.consumer.consumer_group_metadata(), 30
-                    )
-                if (
-                    self._crash_at is not None
-                    and manifests
-                    and manifests[0].version == self._crash_at
-                ):
-                    self.producer.flush()
-                    log.warning(
-                        "%s: %s=%d: SIGKILL before committing",
-                        self.component_id,
-                        CRASH_ENV,
-                        self._crash_at,
-                    )
-                    os.kill(os.getpid(), signal.SIGKILL)
-                self.producer.commit()
-            except KafkaException as e:
-                kerr = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-                if (
-                    kerr is not None
-                    and kerr.txn_requires_abort()
-                    and attempt < self.options.commit_retries
-                ):
-                    log.warning(
-                        "%s: aborting transaction (attempt %d): %s",
-                        self.component_id,
-                        attempt,
-                        kerr,
-                    )
-                    self.producer.abort()
-                    continue
-                if kerr is not None and kerr.fatal():
-                    raise RuntimeError(
-                        f"{self.component_id}: fatal producer error ({kerr.str()}); if it "
-                        f"says fenced, another trainer runs with transactional id "
-                        f"{self.transactional_id}"
-                    ) from e
-                raise
-            self.counters.produced += len(manifests)
-            self.counters.dead_lettered += len(dead)
-            del self._dead[: len(dead)]
-            if status:
-                self._last_status = time.monotonic()
-            return
-
-    def _status_due(self) -> bool:
-        return time.monotonic() - self._last_status >= self.topology.status_interval_s
-
     def wait_fraction(self) -> float:
         wall = time.monotonic() - self._loop_start
         return self.counters.waiting_s / wall if wall > 0 else 0.0
@@ -482,7 +394,7 @@ class TrainerService:
             kind="trainer",
             host=socket.gethostname(),
             policy=self.policy,
-            state="stopping" if self._stop.is_set() else "running",
+            state="stopping" if self.loop.stopping else "running",
             produced=c.produced,
             consumed=c.consumed,
             dead_lettered=c.dead_lettered,
@@ -493,100 +405,79 @@ class TrainerService:
             metrics=metrics,
         )
 
-    # --- the loop ------------------------------------------------------------------------
+    # --- the Work the transactional loop runs -------------------------------------------
     def run(self) -> ServiceCounters:
-        self._open()
-        self._restore()
-        self.consumer = Consumer(
-            self.config.consumer_conf(
-                self.group,
-                **{
-                    "session.timeout.ms": self.options.session_timeout_ms,
-                    "max.poll.interval.ms": self.options.max_poll_interval_ms,
-                },
-            )
-        )
-        self.consumer.subscribe(
-            [self.batches_topic],
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_revoke,
-        )
-        log.info(
-            "%s: consuming %s as group %s, transactional id %s, blobs in %s",
-            self.component_id,
-            self.batches_topic,
-            self.group,
-            self.transactional_id,
-            self.store.uri,
-        )
-        self._loop_start = time.monotonic()
-        steps = 0
-        try:
-            while not self._stop.is_set():
-                if self.options.max_steps is not None and steps >= self.options.max_steps:
-                    break
-                t0 = time.monotonic()
-                msgs = self.consumer.consume(1, self.options.poll_timeout_s)
-                self.counters.waiting_s += time.monotonic() - t0
-                if self._check_committed:
-                    self._verify_committed(self.consumer)
-                batch = None
-                for m in msgs:
-                    batch = self._decode(m)
-                if batch is None:
-                    if self._status_due():
-                        self._commit([], offsets=False, status=True)
-                    continue
-                self._step(*batch)
-                steps += 1
-            self._commit([], offsets=False, status=True)  # a last status: the final state
-        finally:
-            log.info(
-                "%s: leaving group %s at version %s", self.component_id, self.group, self.version
-            )
-            self._finish_state_write()
-            self.consumer.close()
-            self.store.close()
+        self.loop.run()
         return self.counters
 
-    def _decode(self, m) -> tuple[Batch, str, int, int] | None:
-        err = m.error()
-        if err is not None:
-            if err.code() == KafkaError._PARTITION_EOF:
-                return None
-            if err.fatal():
-                raise KafkaException(err)
-            log.warning("%s: consumer error: %s", self.component_id, err)
-            return None
+    def start(self, loop: TransactionalLoop) -> None:
+        """Restore (or publish version 0) once the producer has fenced a predecessor."""
+        self._open()
+        self._restore()
+        log.info("%s: blobs in %s", self.component_id, self.store.uri)
+        self._loop_start = time.monotonic()
+
+    def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
+        for m in msgs:
+            batch = self._decode(m, cp)
+            if batch is not None:
+                self._step(*batch, cp)
+                self._steps += 1
+        if self.options.max_steps is not None and self._steps >= self.options.max_steps:
+            self.loop.stop()
+
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        return {}
+
+    def on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        """Never called: the trainer keeps its position (``keeps_position``)."""
+
+    def close(self) -> None:
+        log.info("%s: leaving at version %s", self.component_id, self.version)
+        self._finish_state_write()
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+
+    def _crash_hook(self, cp: Checkpoint) -> None:
+        if self._crash_at is not None and self._committing == self._crash_at:
+            self.loop.producer.flush()
+            log.warning("%s: %s=%d: SIGKILL before committing", self.component_id, CRASH_ENV,
+                        self._crash_at)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _decode(self, m: Message, cp: Checkpoint) -> tuple[Batch, str, int, int] | None:
         topic, part, off = m.topic(), m.partition(), m.offset()
-        self.counters.consumed += 1
         try:
             rec = self.codec.decode(m.value(), topic, part, off, expect=Batch)
             check_record(rec)
+            self._check_versions(rec)
         except (RecordDecodeError, InvalidRecord) as e:
             reason = f"{type(e).__name__}: {e}"
             log.warning(
                 "%s: dead-lettering %s[%d]@%d: %s", self.component_id, topic, part, off, reason
             )
-            # goes out with the next version's transaction, together with this offset
-            self._dead.append(dead_letter(m, self.component_id, reason))
-            self.positions[(topic, part)] = off + 1
+            cp.dead_letter(dead_letter(m, self.component_id, reason))
             return None
         return rec, topic, part, off
 
-    def _step(self, batch: Batch, topic: str, part: int, off: int) -> None:
-        t0 = time.monotonic()
+    def _check_versions(self, batch: Batch) -> None:
+        """A token of this policy generated by a version not yet published cannot be."""
+        newest = max((v for g in batch.groups for s in g.sequences if s.policy == self.policy
+                      for v in s.versions), default=-1)
+        if self.version is not None and newest > self.version:
+            raise InvalidRecord(f"Batch: a token of policy {self.policy} generated by version "
+                                f"{newest}, newer than the newest published ({self.version})")
+
+    def _step(self, batch: Batch, topic: str, part: int, off: int, cp: Checkpoint) -> None:
+        """Train on ``batch``; its version's manifests go into ``cp``."""
         assert self.version is not None
         metrics = self.trainer.train_step(batch, current_version=self.version)
-        self.positions[(topic, part)] = off + 1
+        self.positions = dict(self.loop.positions)
         if metrics["trainer/loss_tokens"] == 0:
             # nothing trained (every group was stale): consume the batch without publishing a
             # version, or empty versions would make yet more data stale. Weights and optimizer
             # are unchanged, so re-reading it after a restart decides the same way.
-            self.counters.busy_s += time.monotonic() - t0
             self.last_metrics = {**self.last_metrics, **metrics}
-            self._commit([], offsets=True, status=self._status_due())
             log.info("%s: batch %s @%s[%d]:%d skipped at v%d: %d stale groups dropped",
                      self.component_id, batch.batch_id, topic, part, off, self.version,
                      int(metrics["trainer/stale_dropped_groups"]))
@@ -608,10 +499,10 @@ class TrainerService:
             consumed_offsets=offsets,
             meta=meta,
         )
+        self._add_model_files(manifests)
         metrics["trainer/publish_seconds"] = time.perf_counter() - t_pub
         self.version = version
         self.counters.steps += 1
-        self.counters.busy_s += time.monotonic() - t0
         delta = next((m for m in manifests if m.kind == "delta"), manifests[0])
         metrics["trainer/version"] = float(version)
         metrics["trainer/wait_fraction"] = self.wait_fraction()
@@ -621,12 +512,22 @@ class TrainerService:
         newest = written.version if written is not None else self.state_version
         metrics["trainer/state_version"] = float(newest if newest is not None else -1)
         self.last_metrics = metrics
-        self._commit(manifests, offsets=True, status=self._status_due())
-        if written is not None:  # recorded by a committed manifest: older ones can go
-            self.state_version = written.version
-            self._state_refs.append((written.version, written.refs))
-            self._drop_old_states()
-        self._log_version(version, batch, (topic, part, off), metrics, manifests, written)
+        for m in manifests:
+            cp.add(self.weights_topic, m, key=self.policy)
+        self._committing = version
+
+        def committed() -> None:
+            self._committing = None
+            self._history += manifests
+            if any(m.kind == "full" for m in manifests):
+                self._prune()
+            if written is not None:  # recorded by a committed manifest: older ones can go
+                self.state_version = written.version
+                self._state_refs.append((written.version, written.refs))
+                self._drop_old_states()
+            self._log_version(version, batch, (topic, part, off), metrics, manifests, written)
+
+        cp.after_commit.append(committed)
 
     def _log_version(self, version: int, batch: Batch, where: tuple[str, int, int],
                      metrics: dict[str, float], manifests: list[WeightManifest],
@@ -703,6 +604,42 @@ class TrainerService:
             self.state_version if self.state_version is not None else 0,
         )
 
+    def _add_model_files(self, manifests: list[WeightManifest]) -> None:
+        """Name the model's other files (config, tokenizer) in a full checkpoint's meta, so
+        that a reader needs nothing but Kafka (``astraflow.model_share``)."""
+        from astraflow.model_share import model_files_meta
+
+        for m in manifests:
+            if m.kind == "full":
+                m.meta.update(model_files_meta(self.store, self.policy, m.version,
+                                               self.options.model_path))
+
+    def _prune(self) -> None:
+        """Remove the weight blobs no reader needs: those of versions before the newest full
+        checkpoint at or below ``newest - keep_versions`` (recorded trainer states stay)."""
+        from astraflow.model_share import files_ref
+        from astraflow.weights.history import retained_manifests
+
+        if not self.options.keep_versions:
+            return
+        kept = retained_manifests(self._history, keep_last=self.options.keep_versions)
+        if len(kept) == len(self._history):
+            return
+        start = min(m.version for m in kept)
+        dropped = [m for m in self._history if m.version < start]
+        truncate = getattr(self.store, "truncate_to", None)
+        if truncate is not None:
+            states = [ref for _, refs in self._state_refs for ref in refs]
+            moved = truncate([ref for m in kept for ref in m.blobs] + states)
+            how = f"records deleted up to offsets {moved}" if moved else "nothing to delete yet"
+        else:
+            refs = [ref for m in dropped for ref in [*m.blobs, files_ref(m)] if ref is not None]
+            gone = sum(self._delete_blob(ref) for ref in refs)
+            how = f"{gone} blobs deleted"
+        self._history = kept
+        log.info("%s: pruned the weight blobs of versions before %d (%s); versions %d.. stay "
+                 "reachable", self.component_id, start, how, start)
+
     def _drop_old_states(self) -> None:
         """Delete the optimizer and master weight blobs of all but the newest
         ``keep_optimizer`` recorded states."""
@@ -712,11 +649,12 @@ class TrainerService:
             for ref in refs:
                 self._delete_blob(ref)
 
-    def _delete_blob(self, ref: BlobRef) -> None:
+    def _delete_blob(self, ref: BlobRef) -> bool:
         try:
-            self.store.delete(ref)
+            return bool(self.store.delete(ref))
         except Exception as e:  # a store that cannot delete keeps it: harmless
             log.debug("could not delete %s: %s", ref.uri, e)
+            return False
 
 
 def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:

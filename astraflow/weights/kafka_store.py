@@ -25,6 +25,7 @@ The topic needs ``max.message.bytes`` above the chunk size (default chunks are 4
 from __future__ import annotations
 
 import hashlib
+import logging
 import tempfile
 import threading
 import time
@@ -49,6 +50,8 @@ from astraflow.weights.store import (
     pieces,
     verify_stream,
 )
+
+log = logging.getLogger("astraflow.weights")
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 TOPIC_MAX_MESSAGE_BYTES = 8 << 20
@@ -129,6 +132,8 @@ class KafkaBlobStore:
                         "compression.type": "none",  # blobs are zstd already
                         "queue.buffering.max.kbytes": max(65536, 4 * size // 1024),
                         "linger.ms": 2,
+                        # chunks wait out a broker outage (kafka.outage_limit_s)
+                        "message.timeout.ms": int(self._wait_s() * 1000) + 30_000,
                     }
                 )
             )
@@ -206,7 +211,7 @@ class KafkaBlobStore:
                         except BufferError:
                             producer.poll(0.1)
                     producer.poll(0)
-                remaining = producer.flush(self.timeout_s)
+                remaining = self._flush(producer, blob_id)
         if errors:
             err = errors[0]
             hint = ""
@@ -217,7 +222,7 @@ class KafkaBlobStore:
                 )
             raise WeightsError(f"writing blob {blob_id} to {self.topic} failed: {err}{hint}")
         if remaining or not first:
-            raise WeightsError(f"writing blob {blob_id}: not acknowledged in {self.timeout_s}s")
+            raise WeightsError(f"writing blob {blob_id}: not acknowledged in {self._wait_s():.0f}s")
         partition, offset = first[0]
         with self._lock:
             self._index[blob_id] = _Located(
@@ -225,6 +230,19 @@ class KafkaBlobStore:
             )
         uri = f"{self.uri}/{blob_id}?partition={partition}&offset={offset}"
         return BlobRef(uri=uri, bytes=total, sha256=sha)
+
+    def _wait_s(self) -> float:
+        return max(self.timeout_s, self.config.outage_limit_s)
+
+    def _flush(self, producer: Producer, blob_id: str) -> int:
+        """Wait for every chunk's ack, through a broker outage up to the outage limit."""
+        start = time.monotonic()
+        remaining = producer.flush(self.timeout_s)
+        while remaining and time.monotonic() - start < self._wait_s():
+            log.warning("blob %s: %d chunks wait for Kafka (%.0fs so far)", blob_id, remaining,
+                        time.monotonic() - start)
+            remaining = producer.flush(min(60.0, self._wait_s()))
+        return remaining
 
     # ------------------------------------------------------------------ reading
 
@@ -253,10 +271,19 @@ class KafkaBlobStore:
             return f.read()
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
-        lo, hi = self._get_consumer().get_watermark_offsets(
-            TopicPartition(self.topic, partition), timeout=self.timeout_s
-        )
-        return lo, hi
+        consumer = self._get_consumer()
+        tp = TopicPartition(self.topic, partition)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return consumer.get_watermark_offsets(tp, timeout=self.timeout_s)
+            except KafkaException as e:
+                # a fresh client may not know the partition yet (metadata on its way)
+                code = e.args[0].code() if e.args and isinstance(e.args[0], KafkaError) else 0
+                if code != KafkaError._UNKNOWN_PARTITION or time.monotonic() > deadline:
+                    raise
+                consumer.list_topics(self.topic, timeout=5)
+                time.sleep(0.2)
 
     def _partitions(self) -> list[int]:
         md = self._get_consumer().list_topics(self.topic, timeout=self.timeout_s)
@@ -412,6 +439,29 @@ class KafkaBlobStore:
             for tp, fut in futs.items():
                 res = fut.result()
                 out[tp.partition] = getattr(res, "low_watermark", tp.offset)
+        return out
+
+
+    def truncate_to(self, keep: Iterable[BlobRef]) -> dict[int, int]:
+        """Delete, per partition, the records before the first chunk of the oldest blob of
+        ``keep`` there, by the offsets in their uris (no scan); partitions holding none of
+        them are left alone. Returns the new low watermark per partition that moved."""
+        cuts: dict[int, int] = {}
+        for ref in keep:
+            hint = _hint(ref.uri)
+            if hint is None:
+                return {}  # a blob we cannot place: keep everything
+            p, off = hint
+            cuts[p] = min(off, cuts.get(p, off))
+        targets = [TopicPartition(self.topic, p, off) for p, off in sorted(cuts.items())
+                   if off > self._watermarks(p)[0]]
+        if not targets:
+            return {}
+        admin = AdminClient(self.config.admin_conf())
+        out = {}
+        for tp, fut in admin.delete_records(targets, request_timeout=self.timeout_s).items():
+            res = fut.result()
+            out[tp.partition] = getattr(res, "low_watermark", tp.offset)
         return out
 
 

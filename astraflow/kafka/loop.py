@@ -1,0 +1,648 @@
+"""The one transactional loop every component runs: consume -> work -> produce + commit.
+
+Processors, RaaS nodes and trainers differ only in their ``Work``: what they make of the
+records they consumed. The loop owns everything else, once: the clients, the consumer
+group, pause/resume, the ``Checkpoint`` (the records of one transaction and the consumer
+offsets committed with them, ``send_offsets_to_transaction``), the status record, a
+graceful stop, and surviving broker outages.
+
+A transaction that fails is aborted. A work that can start over (processors, RaaS nodes)
+drops what it holds and rewinds to the group's committed offsets; a work whose state has
+moved on and cannot be undone (the trainer, ``keeps_position``) sends the same checkpoint
+again in a new transaction. Either way each input is committed once with its outputs.
+
+While the broker is away every call is retried; the loop logs one line per
+``outage_log_interval_s`` and gives up with ``BrokerUnreachable`` after ``outage_limit_s``
+(both in ``KafkaConfig``). A stop requested during an outage ends the loop without a
+commit: the open transaction is aborted by the broker or by the next instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from astraflow.codec import Codec
+from astraflow.errors import AstraflowError
+from astraflow.kafka.clients import RecordProducer, make_admin
+from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.topics import MissingTopicsError, missing_topics
+from astraflow.records import ComponentStatus, DeadLetter, Record, now_ms
+
+log = logging.getLogger("astraflow.loop")
+
+# errors that say "the broker (or its coordinator) is not answering right now"
+_TRANSIENT = {
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._TIMED_OUT,
+    KafkaError._MSG_TIMED_OUT,
+    KafkaError._RESOLVE,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.NOT_ENOUGH_REPLICAS,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+}
+
+
+class BrokerUnreachable(AstraflowError):
+    """Kafka did not answer for longer than the outage limit."""
+
+
+class RecordTooLarge(AstraflowError):
+    """A record is larger than its topic accepts (``max.message.bytes``)."""
+
+
+class _Stopping(Exception):
+    """A stop was requested while a call waited for the broker."""
+
+
+@dataclass
+class RuntimeCounters:
+    consumed: int = 0
+    produced: int = 0
+    dead_lettered: int = 0
+    transactions: int = 0
+    aborted: int = 0
+    busy_s: float = 0.0
+    waiting_s: float = 0.0
+    started_at_ms: int = field(default_factory=now_ms)
+
+
+@dataclass
+class LoopSpec:
+    """Who the loop runs as and what it reads and writes (full topic names)."""
+
+    component_id: str
+    group: str
+    transactional_id: str
+    inputs: list[str]
+    outputs: list[str]
+    dlq: str
+    status_topic: str
+    max_batch: int = 1
+    poll_timeout_s: float = 0.5
+    status_interval_s: float = 5.0
+    consumer_options: dict[str, object] = field(default_factory=dict)
+    producer_options: dict[str, object] = field(default_factory=dict)
+    # the work's state has consumed up to its positions and cannot be rolled back: after an
+    # abort the same checkpoint is sent again; after a rebalance it resumes at its positions
+    keeps_position: bool = False
+    max_bytes: dict[str, int] = field(default_factory=dict)  # topic -> max.message.bytes
+    topology_source: str = "<topology>"
+
+
+class Checkpoint:
+    """The records of one transaction, encoded when added, and what to do once committed."""
+
+    def __init__(self, codec: Codec, dlq: str, max_bytes: dict[str, int]):
+        self.codec = codec
+        self.dlq = dlq
+        self.max_bytes = max_bytes
+        self.records: list[tuple[str, bytes, bytes | str | None, int | None]] = []
+        self.outputs = 0
+        self.dead = 0
+        self.after_commit: list[Callable[[], None]] = []
+
+    def add(self, topic: str, record: Record | None, key: bytes | str | None = None,
+            partition: int | None = None, raw: bytes | None = None) -> None:
+        """Add ``record`` (or its bytes ``raw``) for ``topic``; ``RecordTooLarge`` when it
+        is over the topic's ``max.message.bytes`` (nothing is added then)."""
+        value = raw if raw is not None else self.codec.encode(record, topic)
+        limit = self.max_bytes.get(topic)
+        if limit is not None and len(value) > limit:
+            raise RecordTooLarge(
+                f"a {type(record).__name__ if record is not None else 'record'} of "
+                f"{len(value)} bytes for {topic}, which accepts at most {limit} "
+                f"(max.message.bytes)"
+            )
+        self.records.append((topic, value, key, partition))
+        if topic == self.dlq:
+            self.dead += 1
+        else:
+            self.outputs += 1
+
+    def mark(self) -> tuple[int, int, int]:
+        return len(self.records), self.outputs, self.dead
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        """Drop what was added since ``mark()``."""
+        n, self.outputs, self.dead = mark
+        del self.records[n:]
+
+    def dead_letter(self, letter: DeadLetter) -> None:
+        try:
+            self.add(self.dlq, letter, letter.raw_key)
+        except RecordTooLarge:  # keep the reason and where it was; drop the bytes
+            letter.raw = b""
+            letter.error += " (raw bytes dropped: over the dlq's max.message.bytes)"
+            self.add(self.dlq, letter, letter.raw_key)
+
+    def __bool__(self) -> bool:
+        return bool(self.records)
+
+
+class Work(Protocol):
+    """What a component does inside the loop."""
+
+    counters: RuntimeCounters
+
+    def start(self, loop: TransactionalLoop) -> None:
+        """After the producer fenced predecessors, before the consumer joins the group."""
+
+    def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
+        """Make outputs (and dead letters) of ``msgs`` (may be empty: timers) into ``cp``."""
+
+    def on_revoke(self, partitions: list[tuple[str, int]]) -> None:
+        """Drop what is held for these partitions: their records will be consumed again."""
+
+    def held_offsets(self) -> dict[tuple[str, int], int]:
+        """Per partition, the first offset still held (not to be committed past)."""
+
+    def status(self) -> ComponentStatus: ...
+
+    def close(self) -> None: ...
+
+
+class Outage:
+    """Tracks how long Kafka has not answered; logs once per interval, gives up past the
+    limit."""
+
+    def __init__(self, component_id: str, bootstrap: str, limit_s: float, interval_s: float):
+        self.component_id = component_id
+        self.bootstrap = bootstrap
+        self.limit_s = limit_s
+        self.interval_s = interval_s
+        self.since: float | None = None
+        self.last_log = 0.0
+        self.ended_at = 0.0
+        self.longest_s = 0.0
+
+    def failed(self, what: str) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = self.last_log = now
+            log.warning("%s: Kafka at %s is not answering (%s); retrying for up to %.0fs "
+                        "(kafka.outage_limit_s)", self.component_id, self.bootstrap, what,
+                        self.limit_s)
+            return
+        down = now - self.since
+        if down > self.limit_s:
+            raise BrokerUnreachable(
+                f"{self.component_id}: Kafka at {self.bootstrap} has not answered for "
+                f"{down:.0f}s, over kafka.outage_limit_s={self.limit_s:.0f} (last: {what}); "
+                f"nothing uncommitted was kept, a restart resumes from the committed offsets"
+            )
+        if now - self.last_log >= self.interval_s:
+            self.last_log = now
+            log.warning("%s: Kafka at %s not answering for %.0fs (%s); giving up after %.0fs",
+                        self.component_id, self.bootstrap, down, what, self.limit_s)
+
+    def ok(self) -> None:
+        if self.since is None:
+            return
+        down = time.monotonic() - self.since
+        self.longest_s = max(self.longest_s, down)
+        log.warning("%s: Kafka at %s answers again after %.1fs", self.component_id,
+                    self.bootstrap, down)
+        self.since = None
+        self.ended_at = time.monotonic()
+
+    def recent(self, within_s: float = 600.0) -> bool:
+        """Whether Kafka is away now or was within ``within_s``."""
+        return self.since is not None or time.monotonic() - self.ended_at < within_s
+
+
+def kafka_error(e: BaseException) -> KafkaError | None:
+    arg = e.args[0] if e.args else None
+    return arg if isinstance(arg, KafkaError) else None
+
+
+def transient(err: KafkaError | None) -> bool:
+    """Whether ``err`` says to wait for the broker and retry."""
+    return err is not None and (err.code() in _TRANSIENT or bool(err.retriable()))
+
+
+class TransactionalLoop:
+    """Runs ``work`` against Kafka until ``stop()``: one transaction per non-empty round."""
+
+    def __init__(self, spec: LoopSpec, work: Work, config: KafkaConfig, codec: Codec,
+                 before_commit: Callable[[Checkpoint], None] | None = None):
+        self.spec = spec
+        self.work = work
+        self.config = config
+        self.codec = codec
+        self.before_commit = before_commit
+        self.counters = work.counters
+        self.positions: dict[tuple[str, int], int] = {}  # next offset to commit
+        self.outage = Outage(spec.component_id, config.bootstrap_servers or "?",
+                             config.outage_limit_s, config.outage_log_interval_s)
+        self.running = threading.Event()
+        self._stop = threading.Event()
+        self._requests: queue.Queue[tuple[str, str, list[int] | None]] = queue.Queue()
+        self.paused: dict[str, set[int] | None] = {}  # full topic -> partitions (None: all)
+        self._assignment_changed = True
+        self._call_timeout_s = 10.0
+        self.producer: RecordProducer | None = None
+        self.consumer: Consumer | None = None
+        self._tainted = False  # the producer saw the broker go away
+        self._stuck = False  # a call on the producer never returned
+        self._abandoned: list[RecordProducer] = []
+
+    # --- control, callable from any thread -------------------------------------------
+    def stop(self) -> None:
+        """Finish the open transaction, leave the group and return from ``run``."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def pause(self, topic: str, partitions: list[int] | None = None) -> None:
+        """Stop fetching from ``topic`` (full name), all or some partitions."""
+        self._requests.put(("pause", topic, partitions))
+
+    def resume(self, topic: str, partitions: list[int] | None = None) -> None:
+        self._requests.put(("resume", topic, partitions))
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.codec, self.spec.dlq, self.spec.max_bytes)
+
+    # --- the loop ----------------------------------------------------------------------
+    def run(self) -> None:
+        s = self.spec
+        self._check_topics()
+        self.producer = self._new_producer()
+        try:
+            self.work.start(self)
+            self.consumer = Consumer(self.config.consumer_conf(
+                s.group, error_cb=self._on_client_error, **s.consumer_options))
+            self.consumer.subscribe(s.inputs, on_assign=self._on_assign,
+                                    on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            log.info("%s: consuming %s as group %s, transactional id %s", s.component_id,
+                     ", ".join(s.inputs), s.group, s.transactional_id)
+            self.running.set()
+            self._rounds()
+        except _Stopping:
+            log.warning("%s: stopped while Kafka was away; nothing uncommitted was kept",
+                        s.component_id)
+        finally:
+            self.running.clear()
+            log.info("%s: leaving group %s", s.component_id, s.group)
+            if self.consumer is not None:
+                self.consumer.close()
+            self.work.close()
+
+    def _rounds(self) -> None:
+        last_status = 0.0
+        while not self._stop.is_set():
+            self._apply_pauses()
+            t0 = time.monotonic()
+            msgs = self._consume()
+            t1 = time.monotonic()
+            cp = self.checkpoint()
+            if not self._handle(msgs, cp):
+                continue
+            status_due = time.monotonic() - last_status >= self.spec.status_interval_s
+            if msgs:
+                self.counters.busy_s += time.monotonic() - t1
+            else:
+                self.counters.waiting_s += t1 - t0
+            if not msgs and not cp and not status_due:
+                continue
+            self.commit(cp, status=status_due)
+            if status_due:
+                last_status = time.monotonic()
+        self.commit(self.checkpoint(), status=True)  # a last status: the final state
+
+    def _handle(self, msgs: list[Message], cp: Checkpoint) -> bool:
+        """``work.handle``; False when a side read of a work that can start over hit a
+        broker outage (the round is dropped and the inputs consumed again)."""
+        try:
+            self.work.handle(msgs, cp)
+            return True
+        except KafkaException as e:
+            err = kafka_error(e)
+            if self.spec.keeps_position or not transient(err):
+                raise
+            self.outage.failed(f"handling records: {err.str()}")
+            self._rewind()
+            return False
+
+    def _consume(self) -> list[Message]:
+        # serve the producer's events too: its error_cb is how an idle producer learns that
+        # the broker went away (and must be replaced before its next transaction)
+        self.producer.producer.poll(0)
+        out = []
+        for m in self.consumer.consume(self.spec.max_batch, self.spec.poll_timeout_s):
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise KafkaException(err)
+                self._on_client_error(err)
+                continue
+            self.positions[(m.topic(), m.partition())] = m.offset() + 1
+            self.counters.consumed += 1
+            out.append(m)
+        return out
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        if transient(err):
+            self._tainted = True
+            self.outage.failed(err.str())
+        else:
+            log.warning("%s: Kafka client error: %s", self.spec.component_id, err)
+
+    # --- transactions ------------------------------------------------------------------
+    def commit(self, cp: Checkpoint, status: bool = False, offsets: bool = True) -> None:
+        """Commit ``cp`` (plus a status record, plus the consumed offsets) in one
+        transaction; after an abort, rewind (or, ``keeps_position``, send it again)."""
+        while True:
+            if self._transaction(cp, status, offsets):
+                self.counters.transactions += 1
+                self.counters.produced += cp.outputs
+                self.counters.dead_lettered += cp.dead
+                for done in cp.after_commit:
+                    done()
+                return
+            self.counters.aborted += 1
+            if not self.spec.keeps_position:
+                self._rewind()
+                return
+            self._serve_group()  # e.g. "unknown member": rejoin before sending it again
+
+    def _transaction(self, cp: Checkpoint, status: bool, offsets: bool) -> bool:
+        """One try; False when it was aborted."""
+        if self._tainted:
+            # a producer that lost the broker can hang in send_offsets_to_transaction on a
+            # stale coordinator (librdkafka #5456, #5511): start from a fresh one
+            self._replace_producer("Kafka went away since the last transaction")
+        p = self.producer.producer
+        tps = self._offsets() if offsets and self.consumer is not None else []
+        stage = "producing"
+        try:
+            p.begin_transaction()
+            for topic, value, key, partition in cp.records:
+                self.producer.produce_raw(topic, value, key, partition)
+            if status:
+                st = self.work.status()
+                self.producer.produce(self.spec.status_topic, st, st.component_id)
+            if tps:
+                stage = "sending offsets"
+                meta = self.consumer.consumer_group_metadata()
+                self._bounded(lambda: p.send_offsets_to_transaction(
+                    tps, meta, self._call_timeout_s))
+            if self.before_commit is not None:
+                self.before_commit(cp)
+            stage = "committing"
+            self._retrying("committing", lambda: self._bounded(
+                lambda: p.commit_transaction(self._call_timeout_s)))
+        except KafkaException as e:
+            return self._failed(e, stage, tps)
+        except BaseException:
+            self._abort_quietly()
+            raise
+        self.producer.errors.clear()
+        self.outage.ok()
+        return True
+
+    def _failed(self, e: KafkaException, stage: str, tps: list[TopicPartition]) -> bool:
+        """After a failed transaction: True if it committed after all, False once it is
+        aborted; raises what cannot be recovered from."""
+        err = kafka_error(e)
+        cid = self.spec.component_id
+        if err is not None and err.txn_requires_abort() and not transient(err):
+            log.warning("%s: aborting the transaction (%s): %s", cid, stage, err.str())
+            try:
+                self.producer.producer.abort_transaction(self._call_timeout_s)
+                self.producer.errors.clear()
+            except KafkaException:
+                self._replace_producer("the abort failed")
+            return False
+        if err is not None and (transient(err) or err.txn_requires_abort()
+                                or (err.fatal() and self.outage.recent())):
+            if transient(err):
+                self.outage.failed(f"{stage}: {err.str()}")
+            # a new producer (same transactional id) aborts what the old one left open
+            self._replace_producer(f"{stage} failed: {err.str()}")
+            return stage == "committing" and self._committed_anyway(tps)
+        if err is not None and err.fatal():
+            raise RuntimeError(
+                f"{cid}: fatal producer error ({err.str()}); if it says fenced, another copy "
+                f"runs with transactional id {self.spec.transactional_id}: give each copy "
+                f"its own --instance") from e
+        self._abort_quietly()
+        raise e
+
+    def _bounded(self, call: Callable[[], object]) -> object:
+        """``call()`` on a helper thread, given up after a few call timeouts: librdkafka's
+        transactional calls can block past their timeout when the broker goes away in the
+        middle of one (librdkafka #5456, #5511). A call given up on leaves its producer
+        stuck: it is abandoned, not closed, and replaced."""
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = call()
+            except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
+                box["error"] = e
+
+        t = threading.Thread(target=run, daemon=True, name="kafka-call")
+        t.start()
+        t.join(self._call_timeout_s * 3)
+        if t.is_alive():
+            self._stuck = True
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
+                                            "no answer from the transactional call"))
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box.get("value")
+
+    def _serve_group(self) -> None:
+        """Let the consumer rejoin its group (rebalance callbacks run inside ``consume``)
+        without taking records: every partition is paused meanwhile, and a record that
+        slips through is sought back to."""
+        if self.consumer is None:
+            return
+        assigned = self.consumer.assignment()
+        if assigned:
+            self.consumer.pause(assigned)
+        first: dict[tuple[str, int], int] = {}
+        for m in self.consumer.consume(100, 1.0):
+            if m.error() is None:
+                first.setdefault((m.topic(), m.partition()), m.offset())
+        for (topic, part), off in first.items():
+            self.consumer.seek(TopicPartition(topic, part, off))
+        self._assignment_changed = True  # the next round resumes what is not paused
+
+    def _committed_anyway(self, tps: list[TopicPartition]) -> bool:
+        """Whether a commit whose answer was lost went through: the group's committed
+        offsets are the ones it carried (no one else commits for these partitions)."""
+        if not tps:
+            return False
+        committed = self._retrying("reading committed offsets", lambda: self.consumer.committed(
+            [TopicPartition(t.topic, t.partition) for t in tps], timeout=self._call_timeout_s))
+        mine = {(t.topic, t.partition): t.offset for t in tps}
+        done = all(mine.get((t.topic, t.partition)) == t.offset for t in committed)
+        if done:
+            log.warning("%s: the commit whose answer was lost went through",
+                        self.spec.component_id)
+        return done
+
+    def _replace_producer(self, why: str) -> None:
+        log.warning("%s: starting a new producer (%s)", self.spec.component_id, why)
+        old, self.producer = self.producer, None
+        stuck, self._stuck = self._stuck, False
+        self.producer = self._new_producer()
+        if old is not None and not stuck:  # a stuck one would block here too
+            old.producer.purge()  # its records belong to the aborted transaction
+        elif old is not None:
+            self._abandoned.append(old)  # never closed: its call never returns
+
+    def _abort_quietly(self) -> None:
+        try:
+            self.producer.producer.abort_transaction(self._call_timeout_s)
+        except KafkaException as e:
+            log.debug("%s: abort after an error failed too: %s", self.spec.component_id, e)
+
+    def _offsets(self) -> list[TopicPartition]:
+        held = self.work.held_offsets()
+        out = []
+        for (topic, part), pos in sorted(self.positions.items()):
+            h = held.get((topic, part))
+            out.append(TopicPartition(topic, part, min(pos, h) if h is not None else pos))
+        return out
+
+    def _rewind(self) -> None:
+        """After an abort: drop held state and go back to the committed offsets."""
+        assigned = self.consumer.assignment()
+        self.work.on_revoke([(tp.topic, tp.partition) for tp in assigned])
+        self.positions.clear()
+        committed = self._retrying("reading committed offsets", lambda: self.consumer.committed(
+            assigned, timeout=self._call_timeout_s))
+        for tp in committed:
+            if tp.offset < 0:
+                tp = TopicPartition(tp.topic, tp.partition, -2)  # earliest
+            try:
+                self.consumer.seek(tp)
+            except KafkaException as e:  # revoked meanwhile: the next owner starts there
+                log.debug("%s: no seek on %s[%d]: %s", self.spec.component_id, tp.topic,
+                          tp.partition, e)
+
+    def _retrying(self, what: str, call: Callable[[], object]):
+        """``call()``, again while Kafka is away (up to the outage limit)."""
+        while True:
+            try:
+                return call()
+            except KafkaException as e:
+                err = kafka_error(e)
+                if not transient(err) or err.txn_requires_abort() or self._stuck:
+                    raise
+                self.outage.failed(f"{what}: {err.str()}")
+                if self._stop.is_set():
+                    raise _Stopping() from e
+
+    def _new_producer(self) -> RecordProducer:
+        producer = RecordProducer(
+            self.config, self.codec, transactional_id=self.spec.transactional_id, init=False,
+            error_cb=self._on_client_error,
+            **{"transaction.timeout.ms": self.config.transaction_timeout_ms,
+               **self.spec.producer_options})
+        self._retrying("initialising transactions",
+                       lambda: producer.producer.init_transactions(self._call_timeout_s))
+        self._tainted = False
+        self.outage.ok()
+        return producer
+
+    def _check_topics(self) -> None:
+        s = self.spec
+        needed = list(dict.fromkeys([*s.inputs, *s.outputs, s.dlq, s.status_topic]))
+        admin = make_admin(self.config)
+        missing = self._retrying("listing topics", lambda: missing_topics(admin, needed))
+        if missing:
+            raise MissingTopicsError(
+                f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
+                f"create them with `astraflow topics apply {s.topology_source}`")
+
+    # --- rebalance and pause bookkeeping (run on the loop's thread, inside consume) ------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assignment_changed = True
+        if self.spec.keeps_position:
+            for tp in partitions:
+                pos = self.positions.get((tp.topic, tp.partition))
+                if pos is not None:
+                    tp.offset = pos
+            consumer.assign(partitions)
+        log.info("%s: assigned %s", self.spec.component_id,
+                 ", ".join(f"{p.topic}[{p.partition}]" + (f"@{p.offset}" if p.offset >= 0 else "")
+                           for p in partitions))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assignment_changed = True
+        log.info("%s: revoked %s", self.spec.component_id,
+                 ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+        if self.spec.keeps_position:
+            return
+        self.work.on_revoke([(p.topic, p.partition) for p in partitions])
+        for p in partitions:
+            self.positions.pop((p.topic, p.partition), None)
+
+    def _apply_pauses(self) -> None:
+        changed = self._assignment_changed
+        while True:
+            try:
+                op, topic, parts = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            self._note_request(op, topic, parts)
+        if not changed:
+            return
+        self.paused = {t: p for t, p in self.paused.items() if p is None or p}
+        self._assignment_changed = False
+        to_pause, to_resume = [], []
+        for tp in self.consumer.assignment():
+            paused = self.paused.get(tp.topic, set())
+            (to_pause if paused is None or tp.partition in paused else to_resume).append(tp)
+        if to_pause:
+            self.consumer.pause(to_pause)
+        if to_resume:
+            self.consumer.resume(to_resume)
+
+    def _note_request(self, op: str, topic: str, parts: list[int] | None) -> None:
+        if op == "pause":
+            if parts is None:
+                self.paused[topic] = None
+            elif (current := self.paused.get(topic, set())) is not None:
+                self.paused[topic] = current | set(parts)
+        elif parts is None:
+            self.paused.pop(topic, None)
+        elif self.paused.get(topic) is not None:
+            self.paused[topic] -= set(parts)
+        else:  # resume some of an all-partitions pause: keep the rest paused
+            assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == topic}
+            self.paused[topic] = assigned - set(parts)
+
+
+__all__ = [
+    "BrokerUnreachable",
+    "Checkpoint",
+    "LoopSpec",
+    "Outage",
+    "RecordTooLarge",
+    "RuntimeCounters",
+    "TransactionalLoop",
+    "Work",
+]

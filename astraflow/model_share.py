@@ -1,0 +1,128 @@
+"""A policy's model directory over Kafka, so that only the trainer needs one on disk.
+
+With every full checkpoint the trainer also stores the model's other files (config,
+tokenizer, chat template: everything but the weights) as one blob, named in that
+manifest's ``meta`` (``model_files_uri``/``_sha256``/``_bytes``). A RaaS node or an
+evaluator whose model directory does not exist builds it from the weight stream instead:
+those files plus the weights of the newest version it can reach (``fetch_model``). The
+engine then follows the stream from that version as usual.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import tarfile
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from astraflow.errors import AstraflowError
+from astraflow.kafka.config import KafkaConfig
+from astraflow.records import BlobRef, WeightManifest
+from astraflow.staging import staged_dir
+
+log = logging.getLogger("astraflow.model_share")
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+META = "model_files"
+
+
+class ModelNotPublished(AstraflowError):
+    """No version of the policy carries its model files (yet)."""
+
+
+def pack_model_files(model_dir: str | Path) -> bytes:
+    """The model directory minus its weights, as an uncompressed tar (sorted, no times:
+    the same directory gives the same bytes)."""
+    root = Path(model_dir)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            rel = path.relative_to(root).as_posix()
+            if rel.endswith(WEIGHT_SUFFIXES) or rel.startswith("."):
+                continue
+            info = tarfile.TarInfo(rel)
+            data = path.read_bytes()
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def model_files_meta(store, policy: str, version: int, model_dir: str | Path) -> dict[str, str]:
+    """Store the model files of ``model_dir``; the manifest ``meta`` that names them."""
+    ref = store.put(f"{policy}.v{version:08d}.model-files", pack_model_files(model_dir))
+    return {f"{META}_uri": ref.uri, f"{META}_sha256": ref.sha256,
+            f"{META}_bytes": str(ref.bytes)}
+
+
+def files_ref(m: WeightManifest) -> BlobRef | None:
+    if f"{META}_uri" not in m.meta:
+        return None
+    return BlobRef(uri=m.meta[f"{META}_uri"], bytes=int(m.meta[f"{META}_bytes"]),
+                   sha256=m.meta[f"{META}_sha256"])
+
+
+def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str | Path,
+                wait_s: float = 600.0) -> Path:
+    """Build the model directory ``dest`` from ``weights_topic``: the newest model files and
+    the weights of the newest reachable version. Waits up to ``wait_s`` for a trainer to
+    publish its first version."""
+    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.kafka_store import read_manifests
+
+    deadline = time.monotonic() + wait_s
+    last_log = 0.0
+    while True:
+        manifests = [m for m in read_manifests(config, weights_topic) if m.policy == policy]
+        if any(files_ref(m) for m in manifests):
+            break
+        if time.monotonic() > deadline:
+            raise ModelNotPublished(
+                f"no model for policy {policy} on {weights_topic} after {wait_s:.0f}s: its "
+                "trainer publishes it with version 0")
+        if time.monotonic() - last_log > 30:
+            log.info("waiting for the trainer of %s to publish its model on %s", policy,
+                     weights_topic)
+            last_log = time.monotonic()
+        time.sleep(2.0)
+    follower = WeightFollower(policy=policy, kafka_config=config, inplace=False)
+    follower.observe(manifests)
+    res = follower.update_reachable()
+    with_files = sorted((m for m in manifests if files_ref(m)), key=lambda m: -m.version)
+    for m in with_files:
+        try:
+            with follower.resolver.open(files_ref(m)) as f:  # checks size and sha256
+                data = f.read()
+            break
+        except Exception as e:  # noqa: BLE001 - pruned or corrupt: an older copy may do
+            log.warning("model files of version %d unusable (%s)", m.version, e)
+    else:
+        raise ModelNotPublished(f"the model files on {weights_topic} are all unusable")
+    with staged_dir(dest, label="fetching") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp, filter="data")
+        save_file({k: v.contiguous() for k, v in follower.state.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    log.info("built %s from %s: model files of version %d, weights of version %d",
+             dest, weights_topic, m.version, res.version)
+    return Path(dest)
+
+
+def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -> Path:
+    """``path`` when it holds a model; else the model fetched there from the policy's
+    weight stream (``fetch_model``)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    topic = f"weights.{policy}"
+    if topology is None or topic not in topology.topics:
+        return p  # nothing to fetch from: the caller's check names the missing directory
+    log.info("no model at %s: fetching policy %s's model from %s", p, policy,
+             topology.full_name(topic))
+    return fetch_model(config.effective(), topology.full_name(topic), policy, p)
+
+
+__all__ = ["ModelNotPublished", "ensure_model", "fetch_model", "files_ref", "model_files_meta",
+           "pack_model_files"]

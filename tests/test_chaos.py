@@ -1,0 +1,334 @@
+"""Chaos: the default topology under ``astraflow up`` survives a SIGKILLed processor, RaaS
+node and trainer, a broker stopped for 30 s and for 3 min, and a SIGKILLed broker.
+
+Each scenario runs on a broker of its own (the session's broker is never stopped), faults
+the run once it has published a few versions, waits until the trainer publishes again,
+stops ``up`` with Ctrl-C and then accounts for every record on every topic (``_account``):
+nothing lost, nothing done twice, versions contiguous, no batch trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from astraflow.broker import EmbeddedBroker, _pid_alive, free_port
+from astraflow.kafka.clients import read_all
+from astraflow.kafka.config import KafkaConfig
+from astraflow.records import (
+    Batch,
+    ComponentStatus,
+    DeadLetter,
+    Task,
+    TrajectoryGroup,
+    WeightManifest,
+)
+
+from .conftest import random_name, wait_for
+
+pytestmark = [pytest.mark.chaos, pytest.mark.kafka, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def chaos_model(tmp_path_factory) -> Path:
+    """A tiny model with a short warm start, shared by the scenarios (read only)."""
+    path = tmp_path_factory.mktemp("chaos") / "model"
+    subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(path),
+                    "--warm-start-steps", "100", "--carry-slip", "0.7"],
+                   check=True, cwd=REPO, capture_output=True, timeout=600)
+    return path
+
+
+@pytest.fixture
+def broker(tmp_path) -> EmbeddedBroker:
+    b = EmbeddedBroker(tmp_path / "broker")
+    b.start(port=free_port(), log=lambda *_: None)
+    yield b
+    b.destroy()
+
+
+class Run:
+    """One ``astraflow up`` of the default topology against ``broker``."""
+
+    def __init__(self, broker: EmbeddedBroker, model: Path, tmp_path: Path):
+        self.broker = broker
+        self.bootstrap = broker.bootstrap()
+        self.config = KafkaConfig(bootstrap_servers=self.bootstrap, client_id="chaos")
+        topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
+        self.run = topo["run"] = random_name("chaos")
+        topo["kafka"] = {"bootstrap_servers": self.bootstrap}
+        topo["policies"]["actor"].update(model=str(model), warm_start_steps=100,
+                                         warm_start_slip=0.7, init_args=[])
+        topo["feeder"]["args"] = ["--epochs", "0", "--rate", "20", "--levels", "1"]
+        topo["eval"] = {"every_versions": 5, "args": ["--size", "20", "--levels", "1"]}
+        self.path = tmp_path / "chaos.yaml"
+        self.path.write_text(yaml.safe_dump(topo))
+        self.runs = tmp_path / "runs"
+        self.out = tmp_path / "up.log"
+        env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": self.bootstrap}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "astraflow.cli", "up", str(self.path), "--duration", "900",
+             "--runs-dir", str(self.runs)],
+            stdout=open(self.out, "ab"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def topic(self, logical: str) -> str:
+        return f"{self.run}.{logical}"
+
+    def versions(self) -> int:
+        """Versions published so far (-1: none, or no topic yet)."""
+        try:
+            ms = read_all(self.config, self.topic("weights.actor"), expect=WeightManifest,
+                          idle_s=1.0, timeout_s=20)
+        except KafkaException:
+            return -1
+        return max((r.record.version for r in ms), default=-1)
+
+    def wait_versions(self, n: int, timeout: float) -> None:
+        wait_for(lambda: self.versions() >= n, timeout, f"version {n} on {self.run}",
+                 step=2.0)
+
+    def pid(self, component: str) -> int:
+        """The component's pid from ``up``'s pids.json (-1 while that is being rewritten)."""
+        try:
+            return int(json.loads((self.runs / self.run / "pids.json").read_text())[component])
+        except (ValueError, KeyError, FileNotFoundError):
+            return -1
+
+    def stop(self) -> dict:
+        """Ctrl-C ``up``; its summary."""
+        self.proc.send_signal(signal.SIGINT)
+        code = self.proc.wait(180)
+        text = self.out.read_text()
+        assert code == 0, text[-4000:]
+        return json.loads(text[text.rindex("\n{\n") + 1:])
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"
+                         for p in sorted((self.runs / self.run / "logs").glob("*.log")))
+
+    def kill(self) -> None:
+        """Teardown after a failure: ``up`` and every component it started."""
+        pids_file = self.runs / self.run / "pids.json"
+        children = json.loads(pids_file.read_text()).values() if pids_file.exists() else []
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        for pid in children:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def chaos_run(broker, chaos_model, tmp_path):
+    run = Run(broker, chaos_model, tmp_path)
+    yield run
+    run.kill()
+
+
+def _committed(config: KafkaConfig, group: str, topic: str, partitions: set[int]) -> dict:
+    c = Consumer(config.consumer_conf(group))
+    try:
+        tps = c.committed([TopicPartition(topic, p) for p in sorted(partitions)], timeout=30)
+    finally:
+        c.close()
+    return {tp.partition: max(tp.offset, 0) for tp in tps}
+
+
+def _dropped(statuses: list[ComponentStatus], prefix: str, metric: str) -> int:
+    """``metric`` summed over the processes (component id, start time) of a component: the
+    last value each reported."""
+    last: dict[tuple[str, int], float] = {}
+    for st in statuses:
+        if st.component_id.startswith(prefix) and metric in st.metrics:
+            last[(st.component_id, st.started_at_ms)] = st.metrics[metric]
+    return int(sum(last.values()))
+
+
+def _stage(name, run, inputs, outputs, in_key, out_key, group, dead) -> list:
+    """One stage's books: no output twice and every output from an input. Returns the
+    inputs below the stage's committed offsets that are in no output and not in dlq."""
+    counts = Counter(out_key(o) for o in outputs)
+    twice = [k for k, n in counts.items() if n > 1]
+    assert not twice, f"{name}: {len(twice)} outputs twice, e.g. {twice[:3]}"
+    known = {in_key(r) for _, _, _, r in inputs}
+    assert set(counts) <= known, f"{name}: outputs without input: {list(set(counts) - known)[:3]}"
+    committed = {}
+    for t in {t for t, _, _, _ in inputs}:
+        parts = {p for tt, p, _, _ in inputs if tt == t}
+        committed.update({(t, p): o for p, o in _committed(run.config, group, t, parts).items()})
+    return [r for t, p, o, r in inputs if o < committed.get((t, p), 0)
+            and in_key(r) not in counts and (t, p, o) not in dead]
+
+
+def _account(run: Run, killed: str | None = None) -> dict:
+    """Every record of the run accounted for; the counts per stage. ``killed``: the
+    processor that was SIGKILLed (its drop counter restarted with it)."""
+    def recs(logical, cls):
+        return [(run.topic(logical), r.partition, r.offset, r.record) for r in read_all(
+            run.config, run.topic(logical), expect=cls, idle_s=2.0, timeout_s=180)]
+
+    dead = {(d.source_topic, d.partition, d.offset) for *_, d in recs("dlq", DeadLetter)}
+    statuses = [r for *_, r in recs("status", ComponentStatus)]
+    task_id = lambda t: t.task_id  # noqa: E731
+    group_id = lambda g: g.group_id  # noqa: E731
+    source, tasks = recs("tasks.source", Task), recs("tasks", Task)
+    raw, traj = recs("trajectories.raw", TrajectoryGroup), recs("trajectories", TrajectoryGroup)
+    samples, batches = recs("samples.actor", TrajectoryGroup), recs("batches.actor", Batch)
+    r = run.run
+    routed = lambda g: g.group_id.rsplit("/", 1)[0]  # noqa: E731 - the router adds /<policy>
+    for name, ins, outs, key, out_key in [
+            ("forward-tasks", source, tasks, task_id, task_id),
+            ("raas.local", tasks, raw, task_id, task_id),
+            ("router", traj, samples, group_id, routed)]:
+        lost = _stage(name, run, ins, [o for *_, o in outs], key, out_key, f"{r}.{name}", dead)
+        assert not lost, f"{name}: {len(lost)} inputs lost, e.g. {[key(x) for x in lost[:3]]}"
+    books = {"tasks": len(tasks), "groups": len(raw), "batches": len(batches)}
+    lost = _stage("staleness", run, raw, [g for *_, g in traj], group_id, group_id,
+                  f"{r}.staleness", dead)
+    books["stale_dropped"] = _dropped(statuses, "staleness/", "staleness/dropped")
+    assert len(lost) == books["stale_dropped"], (len(lost), books)
+    in_batches = [g for *_, b in batches for g in b.groups]
+    lost = _stage("batcher", run, samples, in_batches, group_id, group_id, f"{r}.batcher",
+                  dead)
+    reported = _dropped(statuses, "batcher/", "batcher/dropped_stale")
+    if killed != "batcher":
+        assert len(lost) == reported, (len(lost), reported)
+    else:  # the killed process's last drops may postdate its last status: at least those
+        # reported, and each of the rest too old to train on at the end
+        newest = run.versions()
+        assert len(lost) >= reported, (len(lost), reported)
+        oldest = [min(s.min_version for s in g.sequences) for g in lost]
+        assert all(newest - v > 4 for v in oldest), (newest, oldest)
+    books["batcher_dropped"] = len(lost)
+    books.update(_trainer_books(run, batches, dead))
+    return books
+
+
+def _trainer_books(run: Run, batches, dead) -> dict:
+    """Versions contiguous from 0; no batch trained twice; every batch the trainer
+    committed past was trained, skipped (all stale: logged) or dead-lettered."""
+    manifests = [r.record for r in read_all(run.config, run.topic("weights.actor"),
+                                            expect=WeightManifest, idle_s=2.0)]
+    versions = sorted({m.version for m in manifests})
+    assert versions == list(range(len(versions))), versions
+    for kind in ("delta", "full"):
+        per = Counter(m.version for m in manifests if m.kind == kind)
+        assert all(n == 1 for n in per.values()), f"a {kind} manifest twice: {per}"
+    trained = Counter(m.meta["batch_id"] for m in manifests
+                      if m.version > 0 and "batch_id" in m.meta and m.kind == "delta")
+    twice = [b for b, n in trained.items() if n > 1]
+    assert not twice, f"batches trained twice: {twice}"
+    log = (run.runs / run.run / "logs" / "trainer-actor.log").read_text()
+    committed = _committed(run.config, f"{run.run}.trainer.actor", run.topic("batches.actor"),
+                           {p for _, p, _, _ in batches})
+    for t, p, o, b in batches:
+        if o < committed.get(p, 0) and b.batch_id not in trained and (t, p, o) not in dead:
+            assert f"batch {b.batch_id} @" in log and "skipped" in log, b.batch_id
+    return {"versions": len(versions) - 1, "trained": len(trained)}
+
+
+def _recovers(run: Run, fault, wait_s: float = 600) -> None:
+    """Apply ``fault`` once two versions are out; then the trainer must publish two more
+    (which needs every stage from the feeder to the trainer)."""
+    run.wait_versions(2, 600)
+    before = run.versions()
+    fault()
+    run.wait_versions(before + 2, wait_s)
+
+
+@pytest.mark.parametrize("component", ["processor-batcher", "raas-local-0", "trainer-actor"])
+def test_a_sigkilled_component_is_restarted_with_nothing_lost_or_done_twice(chaos_run,
+                                                                             component):
+    run = chaos_run
+
+    def kill() -> None:
+        pid = run.pid(component)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: run.pid(component) not in (pid, -1), 120, f"up to restart {component}")
+
+    _recovers(run, kill)
+    summary = run.stop()
+    assert summary["restarts"] == {component: 1}, (summary["restarts"], run.logs())
+    books = _account(run, killed="batcher" if component == "processor-batcher" else None)
+    print(component, books)
+
+
+@pytest.mark.parametrize("outage_s", [30, 180])
+def test_every_component_rides_out_a_broker_outage(chaos_run, outage_s):
+    run = chaos_run
+
+    def outage() -> None:
+        assert run.broker.stop()
+        time.sleep(outage_s)  # the length of the outage is the scenario, not a wait
+        run.broker.start(log=lambda *_: None)
+
+    _recovers(run, outage)
+    summary = run.stop()
+    assert not summary.get("restarts"), (summary["restarts"], run.logs())
+    books = _account(run)
+    logs = "".join(p.read_text() for p in (run.runs / run.run / "logs").glob("*.log"))
+    assert "not answering" in logs and "answers again after" in logs, run.logs()
+    print(f"outage {outage_s}s", books)
+
+
+def test_every_component_rides_out_a_sigkilled_broker(chaos_run):
+    run = chaos_run
+
+    def crash() -> None:
+        pid = int(json.loads(run.broker.info_file.read_text())["pid"])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not _pid_alive(pid), 30, "the broker to die")
+        run.broker.start(log=lambda *_: None)
+
+    _recovers(run, crash)
+    summary = run.stop()
+    assert not summary.get("restarts"), (summary["restarts"], run.logs())
+    print("broker SIGKILL", _account(run))
+
+
+def test_past_its_outage_limit_a_component_exits_with_one_clear_line(broker, tmp_path):
+    """kafka.outage_limit_s 8: a processor whose broker stays away logs the outage (not
+    librdkafka's reconnect lines), then exits 2 with one line naming the limit."""
+    run = random_name("limit")
+    path = tmp_path / "limit.yaml"
+    path.write_text(yaml.safe_dump({
+        "run": run, "status_interval_s": 1.0,
+        "kafka": {"bootstrap_servers": broker.bootstrap(), "outage_limit_s": 8,
+                  "outage_log_interval_s": 2},
+        "topics": {"tasks.source": {"partitions": 1}, "tasks": {"partitions": 1}},
+        "processors": {"fwd": {"kind": "passthrough", "inputs": ["tasks.source"],
+                               "outputs": ["tasks"]}}}))
+    cli = [sys.executable, "-m", "astraflow.cli"]
+    subprocess.run([*cli, "topics", "apply", str(path)], check=True, cwd=REPO,
+                   capture_output=True, timeout=120)
+    log = tmp_path / "fwd.log"
+    proc = subprocess.Popen([*cli, "processor", "run", "fwd", "--topology", str(path)],
+                            cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "assigned" in log.read_text(), 120, "the processor to start")
+        assert broker.stop()
+        assert proc.wait(120) == 2, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("astraflow: fwd/") and "has not answered for" in last, text
+    assert "over kafka.outage_limit_s=8" in last and "Traceback" not in text, text
+    # librdkafka's own lines (one per reconnect) stay in their logger, quiet
+    assert "%3|" not in text and "astraflow.librdkafka" not in text, text
+    assert 1 <= text.count("not answering") <= 8, text
