@@ -16,6 +16,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 from safetensors.torch import save_file
 
 from astraflow.errors import AstraflowError
@@ -119,9 +121,17 @@ def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -
     topic = f"weights.{policy}"
     if topology is None or topic not in topology.topics:
         return p  # nothing to fetch from: the caller's check names the missing directory
-    log.info("no model at %s: fetching policy %s's model from %s", p, policy,
-             topology.full_name(topic))
-    return fetch_model(config.effective(), topology.full_name(topic), policy, p)
+    full = topology.full_name(topic)
+    log.info("no model at %s: fetching policy %s's model from %s", p, policy, full)
+    try:
+        config = config.effective()
+        AdminClient(config.admin_conf()).list_topics(full, timeout=5)  # Kafka there at all?
+        return fetch_model(config, full, policy, p)
+    except (KafkaException, ModelNotPublished) as e:
+        from astraflow.model import ModelError
+
+        raise ModelError(f"{p}: no such model directory, and none could be fetched from "
+                         f"{full} ({e})") from e
 
 
 __all__ = ["ModelNotPublished", "ensure_model", "fetch_model", "files_ref", "model_files_meta",

@@ -137,9 +137,9 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         if policy in engines:
             print(f"astraflow raas run: policy {policy!r} given twice", file=sys.stderr)
             return 2
-        if args.engine != "openai":  # a missing local model comes from the weight stream
-            path = str(ensure_model(path, config, topo, policy))
         try:
+            if args.engine != "openai":  # a missing local model comes from the weight stream
+                path = str(ensure_model(path, config, topo, policy))
             engines[policy] = load_engine(args, policy, path)
         except (VLLMNotInstalled, ModelError, ValueError) as e:
             print(f"astraflow raas run: policy {policy!r}: {e}", file=sys.stderr)
