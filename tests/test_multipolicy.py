@@ -692,5 +692,6 @@ def test_node_follows_each_policy_weights_independently(kafka_config, make_topol
 
 def test_readme_documents_multi_policy_runs():
     text = (REPO / "README.md").read_text()
-    assert "## Multi-policy runs" in text and "solve_verify" in text
+    assert "## Multi-policy runs" in text and "docs/multi-policy.md" in text
+    assert "solve_verify" in (REPO / "docs" / "multi-policy.md").read_text()
     assert Path(REPO / "topology/solver-verifier.yaml").is_file()
