@@ -70,8 +70,19 @@ def register_workflow(name: str) -> Callable[[type], type]:
     return wrap
 
 
+def load_builtin_workflows() -> dict[str, type]:
+    """Every shipped workflow, registered: those of other modules register themselves when
+    imported, which happens here (on use: they import this module)."""
+    import importlib
+
+    for module in ("astraflow.raas.codegen", "astraflow.raas.verify"):
+        importlib.import_module(module)
+    return WORKFLOWS
+
+
 def make_workflow(name: str, **options: Any) -> Workflow:
     """An instance of the workflow registered as ``name``; raises ``TaskError`` if none."""
+    load_builtin_workflows()
     cls = WORKFLOWS.get(name)
     if cls is None:
         raise TaskError(f"unknown workflow {name!r} (known: {sorted(WORKFLOWS)})")
@@ -451,13 +462,10 @@ __all__ = [
     "default_checker",
     "engine_tokenizer",
     "exact_match",
+    "load_builtin_workflows",
     "make_workflow",
     "prepare_each",
     "register_workflow",
     "role_sequence",
     "unbatched",
 ]
-
-# workflows defined in other modules register themselves when imported
-import astraflow.raas.codegen  # noqa: E402,F401  (code_tests)
-import astraflow.raas.verify  # noqa: E402,F401  (solve_verify, solve_select)
