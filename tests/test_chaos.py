@@ -255,10 +255,14 @@ def test_a_sigkilled_component_is_restarted_with_nothing_lost_or_done_twice(chao
                                                                              component):
     run = chaos_run
 
+    log = run.runs / run.run / "logs" / f"{component}.log"
+
     def kill() -> None:
-        pid = run.pid(component)
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: run.pid(component) not in (pid, -1), 120, f"up to restart {component}")
+        joined = log.read_text().count("consuming ")
+        os.kill(run.pid(component), signal.SIGKILL)
+        # restarted and back in its consumer group (not merely spawned)
+        wait_for(lambda: log.read_text().count("consuming ") > joined, 300,
+                 f"{component} to be restarted and consuming again")
 
     _recovers(run, kill)
     summary = run.stop()
