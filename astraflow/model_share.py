@@ -24,6 +24,7 @@ from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
 from astraflow.records import BlobRef, WeightManifest
 from astraflow.staging import staged_dir
+from astraflow.weights.errors import WeightsError
 
 log = logging.getLogger("astraflow.model_share")
 
@@ -125,9 +126,11 @@ def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -
     log.info("no model at %s: fetching policy %s's model from %s", p, policy, full)
     try:
         config = config.effective()
-        AdminClient(config.admin_conf()).list_topics(full, timeout=5)  # Kafka there at all?
+        md = AdminClient(config.admin_conf()).list_topics(full, timeout=5).topics.get(full)
+        if md is None or md.error is not None:
+            raise ModelNotPublished(f"no topic {full}")
         return fetch_model(config, full, policy, p)
-    except (KafkaException, ModelNotPublished) as e:
+    except (KafkaException, ModelNotPublished, WeightsError) as e:
         from astraflow.model import ModelError
 
         raise ModelError(f"{p}: no such model directory, and none could be fetched from "

@@ -142,7 +142,8 @@ def chaos_run(broker, chaos_model, tmp_path):
 def _committed(config: KafkaConfig, group: str, topic: str, partitions: set[int]) -> dict:
     c = Consumer(config.consumer_conf(group))
     try:
-        tps = c.committed([TopicPartition(topic, p) for p in sorted(partitions)], timeout=30)
+        # up to the transaction timeout: a killed producer's open offsets hold the answer
+        tps = c.committed([TopicPartition(topic, p) for p in sorted(partitions)], timeout=90)
     finally:
         c.close()
     return {tp.partition: max(tp.offset, 0) for tp in tps}
