@@ -23,6 +23,18 @@ def make_codec_for(config: KafkaConfig) -> Codec:
     return make_codec(config.schema_registry_url, config.schema_registry_options)
 
 
+def flush_waiting(producer: Producer, limit_s: float, what: str) -> int:
+    """``producer.flush`` for up to ``limit_s`` (through a broker outage), logging once a
+    minute while records wait; how many are still undelivered."""
+    start = time.monotonic()
+    remaining = producer.flush(min(limit_s, 60.0))
+    while remaining and time.monotonic() - start < limit_s:
+        log.warning("%d %s wait for Kafka (%.0fs so far, giving up after %.0fs)", remaining,
+                    what, time.monotonic() - start, limit_s)
+        remaining = producer.flush(min(60.0, limit_s - (time.monotonic() - start)))
+    return remaining
+
+
 def make_admin(config: KafkaConfig) -> AdminClient:
     return AdminClient(config.admin_conf())
 
@@ -97,12 +109,7 @@ class RecordProducer:
         """Wait until every record is delivered: up to ``timeout`` (default: the config's
         ``outage_limit_s``, logging once a minute while Kafka does not answer)."""
         limit = self.wait_s if timeout is None else timeout
-        start = time.monotonic()
-        remaining = self.producer.flush(min(limit, 60.0))
-        while remaining and time.monotonic() - start < limit:
-            log.warning("%d records wait for Kafka (%.0fs so far, giving up after %.0fs)",
-                        remaining, time.monotonic() - start, limit)
-            remaining = self.producer.flush(min(60.0, limit - (time.monotonic() - start)))
+        remaining = flush_waiting(self.producer, limit, "records")
         if remaining:
             raise KafkaException(f"{remaining} messages still undelivered after {limit:.0f}s")
         if self.errors:

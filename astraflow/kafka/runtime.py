@@ -43,16 +43,12 @@ def loop_spec(topology: Topology, component_id: str, group: str, transactional_i
     produced = [*outputs, "dlq", "status"]
     max_bytes = {full(t): topology.max_message_bytes(t) for t in produced}
     fetch = max(topology.max_message_bytes(t) for t in inputs)
-    extra.setdefault("consumer_options", {})
+    big = max(fetch, 52_428_800)
     extra["consumer_options"] = {
-        "max.partition.fetch.bytes": fetch,
-        "fetch.max.bytes": max(fetch, 52_428_800),
-        "receive.message.max.bytes": max(fetch, 52_428_800) + 1_048_576,
-        **extra["consumer_options"],
-    }
-    extra.setdefault("producer_options", {})
-    extra["producer_options"] = {
-        "message.max.bytes": max(max_bytes.values()) + 65_536, **extra["producer_options"]}
+        "max.partition.fetch.bytes": fetch, "fetch.max.bytes": big,
+        "receive.message.max.bytes": big + 1_048_576, **extra.get("consumer_options", {})}
+    extra["producer_options"] = {"message.max.bytes": max(max_bytes.values()) + 65_536,
+                                 **extra.get("producer_options", {})}
     return LoopSpec(
         component_id=component_id, group=group, transactional_id=transactional_id,
         inputs=[full(t) for t in inputs], outputs=[full(t) for t in outputs],

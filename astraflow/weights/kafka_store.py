@@ -39,7 +39,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
+from astraflow.kafka.clients import flush_waiting
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.loop import kafka_error
 from astraflow.records import BlobChunk, BlobRef, WeightManifest
 from astraflow.weights.errors import CorruptBlobError, MissingBlobError, WeightsError
 from astraflow.weights.store import (
@@ -211,7 +213,7 @@ class KafkaBlobStore:
                         except BufferError:
                             producer.poll(0.1)
                     producer.poll(0)
-                remaining = self._flush(producer, blob_id)
+                remaining = flush_waiting(producer, self._wait_s(), f"chunks of blob {blob_id}")
         if errors:
             err = errors[0]
             hint = ""
@@ -233,16 +235,6 @@ class KafkaBlobStore:
 
     def _wait_s(self) -> float:
         return max(self.timeout_s, self.config.outage_limit_s)
-
-    def _flush(self, producer: Producer, blob_id: str) -> int:
-        """Wait for every chunk's ack, through a broker outage up to the outage limit."""
-        start = time.monotonic()
-        remaining = producer.flush(self.timeout_s)
-        while remaining and time.monotonic() - start < self._wait_s():
-            log.warning("blob %s: %d chunks wait for Kafka (%.0fs so far)", blob_id, remaining,
-                        time.monotonic() - start)
-            remaining = producer.flush(min(60.0, self._wait_s()))
-        return remaining
 
     # ------------------------------------------------------------------ reading
 
@@ -279,8 +271,9 @@ class KafkaBlobStore:
                 return consumer.get_watermark_offsets(tp, timeout=self.timeout_s)
             except KafkaException as e:
                 # a fresh client may not know the partition yet (metadata on its way)
-                code = e.args[0].code() if e.args and isinstance(e.args[0], KafkaError) else 0
-                if code != KafkaError._UNKNOWN_PARTITION or time.monotonic() > deadline:
+                err = kafka_error(e)
+                if (err is None or err.code() != KafkaError._UNKNOWN_PARTITION
+                        or time.monotonic() > deadline):
                     raise
                 consumer.list_topics(self.topic, timeout=5)
                 time.sleep(0.2)
