@@ -169,6 +169,28 @@ def kept_port(port: int, what: str, wait_s: float = 15.0) -> int:
     return port
 
 
+def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path) -> None:
+    """Format fresh KRaft storage in ``data`` (wiped first) for the config ``props``."""
+    shutil.rmtree(data, ignore_errors=True)
+    fmt = subprocess.run(
+        [
+            *jvm,
+            "-cp",
+            classpath,
+            "kafka.tools.StorageTool",
+            "format",
+            f"--cluster-id={_cluster_id()}",
+            "-c",
+            str(props),
+            "--standalone",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if fmt.returncode != 0:
+        raise BrokerError(f"formatting broker storage failed:\n{fmt.stdout}{fmt.stderr}")
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.3)
@@ -283,24 +305,7 @@ class EmbeddedBroker:
         classpath = f"{libs}/*"
         jvm = [java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", f"-Dlog4j2.configurationFile={log4j}"]
         if not (data / "meta.properties").exists():
-            shutil.rmtree(data, ignore_errors=True)
-            fmt = subprocess.run(
-                [
-                    *jvm,
-                    "-cp",
-                    classpath,
-                    "kafka.tools.StorageTool",
-                    "format",
-                    f"--cluster-id={_cluster_id()}",
-                    "-c",
-                    str(props),
-                    "--standalone",
-                ],
-                capture_output=True,
-                text=True,
-            )
-            if fmt.returncode != 0:
-                raise BrokerError(f"formatting broker storage failed:\n{fmt.stdout}{fmt.stderr}")
+            _format_storage(jvm, classpath, props, data)
         with open(self.log_file, "ab") as out:
             proc = subprocess.Popen(
                 [*jvm, "-cp", classpath, "kafka.Kafka", str(props)],
@@ -320,6 +325,16 @@ class EmbeddedBroker:
                 }
             )
         )
+        self._await_metadata(proc, port, timeout)
+        log(
+            f"embedded Apache Kafka {version} up on 127.0.0.1:{port} "
+            f"in {time.time() - t0:.1f}s (pid {proc.pid})"
+        )
+        return self.status()
+
+    def _await_metadata(self, proc: subprocess.Popen, port: int, timeout: float) -> None:
+        """Return once the broker started as ``proc`` serves metadata on ``port``; stop it
+        and raise ``BrokerError`` when it exits first or ``timeout`` passes."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if proc.poll() is not None:
@@ -328,11 +343,7 @@ class EmbeddedBroker:
                     f"last log lines:\n{self.tail(40)}"
                 )
             if _port_open(port) and _metadata_served(f"127.0.0.1:{port}"):
-                log(
-                    f"embedded Apache Kafka {version} up on 127.0.0.1:{port} "
-                    f"in {time.time() - t0:.1f}s (pid {proc.pid})"
-                )
-                return self.status()
+                return
             time.sleep(0.2)
         self.stop()
         raise BrokerError(

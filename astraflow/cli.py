@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from astraflow.broker import BrokerError, EmbeddedBroker
+from astraflow.cliargs import add_command, add_group, add_run_options, examples_epilog, fill
 from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
 from astraflow.topology import Topology, TopologyError, load_topology
@@ -41,8 +46,6 @@ def stop_on_signals(stop: Callable[[], None], log: logging.Logger, doing: str) -
 
 # --- broker ------------------------------------------------------------------------------
 def cmd_broker_start(args: argparse.Namespace) -> int:
-    import os
-
     if os.environ.get("ASTRAFLOW_BOOTSTRAP"):
         print(
             f"ASTRAFLOW_BOOTSTRAP={os.environ['ASTRAFLOW_BOOTSTRAP']}: using that cluster, "
@@ -95,7 +98,21 @@ def cmd_broker_logs(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- topics and lag ----------------------------------------------------------------------
+# --- topics and groups -------------------------------------------------------------------
+def run_name(args: argparse.Namespace) -> str | None:
+    """The run a command works on: the loaded topology's (``--run`` applied), else ``--run``
+    or ``$ASTRAFLOW_RUN`` alone (commands whose topology is optional), else ``None``."""
+    topo: Topology | None = getattr(args, "loaded_topology", None)
+    if topo is not None:
+        return topo.run
+    return getattr(args, "run", None) or os.environ.get("ASTRAFLOW_RUN") or None
+
+
+def _full_name(run: str | None, topic: str) -> str:
+    """``topic`` with the run prefix, unless it has it already (or there is no run)."""
+    return topic if run is None or topic.startswith(f"{run}.") else f"{run}.{topic}"
+
+
 def cmd_topics_apply(args: argparse.Namespace) -> int:
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
@@ -114,7 +131,8 @@ def cmd_topics_list(args: argparse.Namespace) -> int:
 
     config = kafka_config(args)
     topics = make_admin(config).list_topics(timeout=10).topics
-    prefix = f"{args.loaded_topology.run}." if args.loaded_topology else ""
+    run = run_name(args)
+    prefix = f"{run}." if run else ""
     for name in sorted(topics):
         if name.startswith("__") or not name.startswith(prefix):
             continue
@@ -127,38 +145,30 @@ def cmd_topics_describe(args: argparse.Namespace) -> int:
     from astraflow.kafka.topics import describe_topic
 
     config = kafka_config(args)
-    name = args.topic
-    if args.loaded_topology and not name.startswith(f"{args.loaded_topology.run}."):
-        name = args.loaded_topology.full_name(name)
+    name = _full_name(run_name(args), args.topic)
     print(json.dumps(describe_topic(make_admin(config), name), indent=2))
     return 0
 
 
-def cmd_lag(args: argparse.Namespace) -> int:
+def cmd_groups_lag(args: argparse.Namespace) -> int:
     from astraflow.kafka.lag import LagReader, format_lag_table
 
-    config = kafka_config(args)
     pairs: list[tuple[str, list[str]]] = []
     topo: Topology | None = args.loaded_topology
     if args.group:
-        topics = args.topic or []
-        if topo:
-            topics = [t if t.startswith(f"{topo.run}.") else topo.full_name(t) for t in topics]
+        topics = [_full_name(run_name(args), t) for t in args.topic or []]
         if not topics:
-            print(
-                "astraflow lag: --group needs --topic (or a --topology naming the group's "
-                "processor)",
-                file=sys.stderr,
+            raise AstraflowError(
+                "groups lag: --group needs --topic (or a --topology naming the group's "
+                "processor)"
             )
-            return 2
         pairs.append((args.group, topics))
     elif topo:
         for name, spec in topo.processors.items():
             pairs.append((topo.group_of(name), [topo.full_name(t) for t in spec.inputs]))
     else:
-        print("astraflow lag: give --topology FILE, or --group G --topic T", file=sys.stderr)
-        return 2
-    reader = LagReader(config)
+        raise AstraflowError("groups lag: give --topology FILE, or --group G --topic T")
+    reader = LagReader(kafka_config(args))
     rows = []
     try:
         for group, topics in pairs:
@@ -201,93 +211,145 @@ def cmd_processor_list(args: argparse.Namespace) -> int:
 
 # --- parser ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``astraflow <noun> <verb>`` tree: the groups here, then every module's of
+    ``_EXTENSIONS``."""
     parser = argparse.ArgumentParser(
         prog="astraflow",
-        description="Asynchronous dataflow RL over Apache Kafka.",
+        description=fill(
+            "Asynchronous dataflow RL over Apache Kafka. Every command is `astraflow <noun> "
+            "<verb>` (`up` and `down` are shortcuts of `run up` and `run down`); those that "
+            "work on a run take --topology/-t FILE, --run NAME and --bootstrap SERVERS."
+        ),
+        epilog=examples_epilog([
+            "astraflow up topology/default.yaml             # the whole run, live progress",
+            "astraflow topics list -t topology/default.yaml",
+            "astraflow trainer run --help                   # every command has examples",
+        ]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument(
         "--debug", action="store_true", help="debug logging, and a traceback with any error"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_broker(sub)
+    _add_topics(sub)
+    _add_groups(sub)
+    _add_processor(sub)
+    for register in _extension_registrars():
+        register(sub)
+    return parser
 
-    def with_topology(p: argparse.ArgumentParser, required: bool) -> None:
-        p.add_argument(
-            "--topology",
-            "-t",
-            required=required,
-            metavar="FILE",
-            help="topology YAML (topic prefix, Kafka settings)",
-        )
-        p.add_argument(
-            "--bootstrap",
-            help="bootstrap servers (overrides the topology; ASTRAFLOW_BOOTSTRAP overrides both)",
-        )
 
-    broker = sub.add_parser("broker", help="the embedded single-node Apache Kafka broker")
-    bsub = broker.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = bsub.add_parser("start", help="start it (fetching the jars on first use)")
+def _add_broker(sub: Any) -> None:
+    verbs = add_group(sub, "broker", help="the embedded single-node Apache Kafka broker",
+                      dest="action", examples=["astraflow broker start",
+                                               "astraflow broker stop --purge"])
+    p = add_command(verbs, "start", help="start it (fetching the jars on first use)",
+                    examples=["astraflow broker start", "astraflow broker start --port 29092"])
     p.add_argument("--port", type=int, default=None, help="listener port (default 19092)")
     p.set_defaults(func=cmd_broker_start)
-    p = bsub.add_parser("stop", help="stop it")
+    p = add_command(verbs, "stop", help="stop it",
+                    examples=["astraflow broker stop", "astraflow broker stop --purge"])
     p.add_argument("--purge", action="store_true", help="also delete its data and logs")
     p.set_defaults(func=cmd_broker_stop)
-    bsub.add_parser("status", help="is it running, and where").set_defaults(func=cmd_broker_status)
-    p = bsub.add_parser("logs", help="print its log")
-    p.add_argument("-n", "--lines", type=int, default=50)
-    p.add_argument("-f", "--follow", action="store_true")
+    p = add_command(verbs, "status", help="is it running, and where (exit 3: stopped)",
+                    examples=["astraflow broker status"])
+    p.set_defaults(func=cmd_broker_status)
+    p = add_command(verbs, "logs", help="print its log",
+                    examples=["astraflow broker logs -n 200", "astraflow broker logs -f"])
+    p.add_argument("-n", "--lines", type=int, default=50, help="last N lines (default 50)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.set_defaults(func=cmd_broker_logs)
 
-    topics = sub.add_parser("topics", help="create and inspect a run's topics")
-    tsub = topics.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = tsub.add_parser("apply", help="create or update the topics of a topology (idempotent)")
-    p.add_argument("topology", metavar="FILE")
-    p.add_argument("--bootstrap")
+
+def _add_topics(sub: Any) -> None:
+    verbs = add_group(sub, "topics", help="create and inspect a run's topics", dest="action",
+                      examples=["astraflow topics apply -t topology/default.yaml",
+                                "astraflow topics list -t topology/default.yaml"])
+    p = add_command(
+        verbs, "apply", help="create or update the topics of a topology (idempotent)",
+        description="Create the topology's missing topics, add partitions and set the configs "
+        "of existing ones. Running it again changes nothing.",
+        examples=["astraflow topics apply -t topology/default.yaml",
+                  "astraflow topics apply -t topology/default.yaml --run trial2"
+                  "   # a second run's topics",
+                  "astraflow topics apply topology/default.yaml   # older spelling"])
+    add_run_options(p, positional=True)
     p.set_defaults(func=cmd_topics_apply)
-    p = tsub.add_parser("list", help="list topics (of one run with --topology)")
-    with_topology(p, required=False)
+    p = add_command(verbs, "list", help="list topics (of one run with --topology or --run)",
+                    examples=["astraflow topics list -t topology/default.yaml",
+                              "astraflow topics list --run default",
+                              "astraflow topics list   # every run's"])
+    add_run_options(p, required=False)
     p.set_defaults(func=cmd_topics_list)
-    p = tsub.add_parser("describe", help="partitions and configs of a topic")
-    p.add_argument("topic")
-    with_topology(p, required=False)
+    p = add_command(verbs, "describe", help="partitions and configs of a topic",
+                    examples=["astraflow topics describe tasks -t topology/default.yaml",
+                              "astraflow topics describe default.weights.actor"])
+    p.add_argument("topic", metavar="TOPIC",
+                   help="the topic, with its run prefix or without (given a topology or --run)")
+    add_run_options(p, required=False)
     p.set_defaults(func=cmd_topics_describe)
 
-    p = sub.add_parser("lag", help="consumer-group lag per partition")
-    with_topology(p, required=False)
-    p.add_argument("--group", "-g", help="one consumer group (default: every processor's)")
-    p.add_argument("--topic", action="append", help="topic of --group (repeatable)")
-    p.set_defaults(func=cmd_lag)
 
-    proc = sub.add_parser("processor", help="run stream processors")
-    psub = proc.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = psub.add_parser("run", help="run one processor of a topology until SIGTERM")
-    p.add_argument("name")
-    with_topology(p, required=True)
+_LAG_EXAMPLES = ["astraflow groups lag -t topology/default.yaml   # every processor's group",
+                 "astraflow groups lag --group default.batcher --topic default.samples.actor"]
+
+
+def _add_lag(verbs: Any, name: str, hidden: bool = False) -> None:
+    p = add_command(verbs, name, help="consumer-group lag per partition",
+                    examples=_LAG_EXAMPLES, hidden=hidden)
+    add_run_options(p, required=False)
+    p.add_argument("--group", "-g", help="one consumer group (default: every processor's)")
+    p.add_argument("--topic", action="append", metavar="TOPIC",
+                   help="topic of --group (repeatable; the run prefix is added when missing)")
+    p.set_defaults(func=cmd_groups_lag)
+
+
+def _add_groups(sub: Any) -> None:
+    verbs = add_group(sub, "groups", help="consumer groups: how far behind they are",
+                      dest="action", examples=_LAG_EXAMPLES)
+    _add_lag(verbs, "lag")
+    _add_lag(sub, "lag", hidden=True)  # `astraflow lag`, the older spelling
+
+
+def _add_processor(sub: Any) -> None:
+    verbs = add_group(sub, "processor", help="run stream processors", dest="action",
+                      examples=["astraflow processor list -t topology/default.yaml",
+                                "astraflow processor run batcher -t topology/default.yaml"])
+    p = add_command(
+        verbs, "run", help="run one processor of a topology until SIGTERM",
+        description="Run the processor NAME of the topology in its consumer group, its "
+        "outputs and the offsets they came from committed together in Kafka transactions. "
+        "Start more copies (each its own --instance) to share its partitions.",
+        examples=["astraflow processor run batcher -t topology/default.yaml",
+                  "astraflow processor run router -t topology/default.yaml --instance r2"])
+    p.add_argument("name", metavar="NAME", help="the processor's name in the topology")
+    add_run_options(p)
     p.add_argument(
         "--instance",
         help="instance id, unique per running copy (default: $ASTRAFLOW_INSTANCE or the host name)",
     )
     p.set_defaults(func=cmd_processor_run)
-    p = psub.add_parser("list", help="processor kinds, or a topology's processors")
-    with_topology(p, required=False)
+    p = add_command(verbs, "list", help="processor kinds, or a topology's processors",
+                    examples=["astraflow processor list", "astraflow processor list -t "
+                              "topology/default.yaml"])
+    add_run_options(p, required=False, bootstrap=False)
     p.set_defaults(func=cmd_processor_list)
-
-    for register in _extension_registrars():
-        register(sub)
-    return parser
 
 
 # component command groups; each module keeps its heavy imports (torch) inside handlers
 _EXTENSIONS = (
     "astraflow.weights.cli",
     "astraflow.trainer.cli",
-    "astraflow.model",
-    "astraflow.roles",  # model init-role: adds to the `model` group, so after astraflow.model
+    "astraflow.models.cli",
+    "astraflow.roles.cli",  # model init-role: adds to the `model` group, so after models.cli
     "astraflow.feeder",
     "astraflow.raas.cli",
     "astraflow.evaluator",
     "astraflow.tasks.generate",
     "astraflow.launcher",
+    "astraflow.topology_cli",
 )
 
 
@@ -297,7 +359,63 @@ def _extension_registrars() -> list[Callable[[argparse._SubParsersAction], None]
     return [importlib.import_module(name).register for name in _EXTENSIONS]
 
 
+_RUN_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+def with_overrides(topo: Topology, run: str | None = None,
+                   bootstrap: str | None = None) -> Topology:
+    """``topo`` with another run name (its topic and group prefix) and bootstrap servers."""
+    if run and run != topo.run:
+        if not _RUN_NAME.fullmatch(run):
+            raise TopologyError(f"--run {run!r}: use letters, digits, '_' and '-' only")
+        topo = topo.model_copy(update={"run": run})
+    if bootstrap:
+        kafka = topo.kafka.model_copy(update={"bootstrap_servers": bootstrap})
+        topo = topo.model_copy(update={"kafka": kafka})
+    return topo
+
+
+def load_run_topology(args: argparse.Namespace) -> Topology | None:
+    """The topology of ``--topology`` with ``--run`` (else ``$ASTRAFLOW_RUN``) and
+    ``--bootstrap`` applied; ``None`` for a command without one."""
+    path = getattr(args, "topology", None)
+    if not (isinstance(path, str) and path):
+        command = getattr(args, "topology_required", None)
+        if command:
+            raise AstraflowError(f"{command}: give the topology: --topology FILE")
+        return None
+    run = getattr(args, "run", None)
+    if run is None and hasattr(args, "run"):  # a command with --run: the environment's
+        run = os.environ.get("ASTRAFLOW_RUN") or None
+    return with_overrides(load_topology(path), run, getattr(args, "bootstrap", None))
+
+
+@contextmanager
+def _exported_run(run: str | None) -> Iterator[None]:
+    """``ASTRAFLOW_RUN=run`` while the command runs, so that the processes it starts
+    (``up``'s components) work on the same run."""
+    if not run:
+        yield
+        return
+    before = os.environ.get("ASTRAFLOW_RUN")
+    os.environ["ASTRAFLOW_RUN"] = run
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ASTRAFLOW_RUN", None)
+        else:
+            os.environ["ASTRAFLOW_RUN"] = before
+
+
+def _one_line(code: object) -> str:
+    text = str(code)
+    return text if text.startswith("astraflow") else f"astraflow: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``astraflow`` command; an error a user can fix is one line on stderr, exit 2
+    (``--debug``: with its traceback)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -309,16 +427,18 @@ def main(argv: list[str] | None = None) -> int:
 
         LIBRDKAFKA_LOG.setLevel(logging.DEBUG)
     try:
-        path = getattr(args, "topology", None)
-        if isinstance(path, str) and path:
-            args.loaded_topology = load_topology(path)
-        else:
-            args.loaded_topology = None
-        return args.func(args)
+        args.loaded_topology = load_run_topology(args)
+        with _exported_run(getattr(args, "run", None)):
+            return args.func(args)
     except (TopologyError, BrokerError, AstraflowError) as e:
         if args.debug:
             raise
         print(f"astraflow: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # a handler's `raise SystemExit("message")`
+        if not isinstance(e.code, str) or args.debug:
+            raise
+        print(_one_line(e.code), file=sys.stderr)
         return 2
 
 

@@ -13,13 +13,15 @@ Decoding failures raise a ``RecordDecodeError`` subclass naming topic, partition
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 from fastavro import schemaless_reader, schemaless_writer
 
-from astraflow.records import RECORD_TYPES, Record
+from astraflow.records import RECORD_TYPES, Record, avro_builder, is_flat
 from astraflow.schemas import SchemaSet
 
 MAGIC = b"\xc3\x01"
@@ -73,18 +75,40 @@ def _check_expected(name: str, expect, where: tuple[str, int, int]) -> type[Reco
     return cls
 
 
+class _Decoder(NamedTuple):
+    """How to decode the body of one writer schema."""
+
+    writer: Any  # parsed writer schema
+    reader: Any | None  # parsed reader schema; None when the writer's is the current one
+    build: Callable[[dict[str, Any]], Record]  # the record of the reader's dict
+    cls: type[Record]
+    name: str
+
+
 class SingleObjectCodec:
-    """Avro single-object encoding; needs no registry."""
+    """Avro single-object encoding; needs no registry.
+
+    The header (magic and fingerprint) of each writer schema maps to a ready ``_Decoder``,
+    and each record class to its ready header and parsed schema, so a record costs one dict
+    look-up besides fastavro's own work.
+    """
 
     def __init__(self, schemas: SchemaSet | None = None):
         self.schemas = schemas or SchemaSet()
+        self._decoders: dict[bytes, _Decoder] = {}
+        self._encoders: dict[str, tuple[bytes, Any, bool]] = {}
 
     def encode(self, record: Record, topic: str = "") -> bytes:
-        ws = self.schemas.reader(record.avro_name)
+        try:
+            header, schema, flat = self._encoders[record.avro_name]
+        except KeyError:
+            ws = self.schemas.reader(record.avro_name)
+            header, schema, flat = self._encoders[record.avro_name] = (
+                MAGIC + ws.fingerprint, ws.parsed, is_flat(type(record)))
         buf = io.BytesIO()
-        buf.write(MAGIC)
-        buf.write(ws.fingerprint)
-        schemaless_writer(buf, ws.parsed, record.to_dict())
+        buf.write(header)
+        # a record without nested records is its own __dict__ to the writer (read only)
+        schemaless_writer(buf, schema, record.__dict__ if flat else record.avro_value())
         return buf.getvalue()
 
     def decode(
@@ -95,7 +119,30 @@ class SingleObjectCodec:
         offset: int = -1,
         expect: type[Record] | None = None,
     ) -> Record:
-        where = (topic, partition, offset)
+        try:
+            writer, reader, build, cls, name = self._decoders[data[:HEADER_LEN]]
+        except (KeyError, TypeError):  # a header not seen yet, or no value at all
+            writer, reader, build, cls, name = self._decoder(data, (topic, partition, offset))
+        if expect is not None and cls is not expect:
+            _check_expected(name, expect, (topic, partition, offset))
+        buf = io.BytesIO(data)
+        buf.seek(HEADER_LEN)
+        try:
+            value = schemaless_reader(buf, writer, reader)
+        except (EOFError, StopIteration, IndexError) as e:
+            raise TruncatedRecordError(f"body ends early: {type(e).__name__} {e}", topic,
+                                       partition, offset) from e
+        except Exception as e:  # fastavro raises assorted errors on bad bodies
+            raise SchemaMismatchError(f"body does not fit {name}: {e}", topic, partition,
+                                      offset) from e
+        if buf.tell() != len(data):
+            raise SchemaMismatchError(
+                f"{len(data) - buf.tell()} trailing bytes after the {name} body", topic,
+                partition, offset)
+        return build(value)
+
+    def _decoder(self, data: bytes | None, where: tuple[str, int, int]) -> _Decoder:
+        """The decoder for ``data``'s header, made on first sight; or why there is none."""
         if data is None:
             raise SchemaMismatchError("message has no value (tombstone)", *where)
         if len(data) < HEADER_LEN:
@@ -112,21 +159,15 @@ class SingleObjectCodec:
         writer = self.schemas.by_fingerprint.get(fp)
         if writer is None:
             raise UnknownSchemaError(f"unknown schema fingerprint {fp.hex()}", *where)
-        cls = _check_expected(writer.name, expect, where)
+        cls = _check_expected(writer.name, None, where)
         reader = self.schemas.reader(writer.name)
-        buf = io.BytesIO(data)
-        buf.seek(HEADER_LEN)
-        try:
-            value = schemaless_reader(buf, writer.parsed, reader.parsed)
-        except (EOFError, StopIteration, IndexError) as e:
-            raise TruncatedRecordError(f"body ends early: {type(e).__name__} {e}", *where) from e
-        except Exception as e:  # fastavro raises assorted errors on bad bodies
-            raise SchemaMismatchError(f"body does not fit {writer.name}: {e}", *where) from e
-        if buf.tell() != len(data):
-            raise SchemaMismatchError(
-                f"{len(data) - buf.tell()} trailing bytes after the {writer.name} body", *where
-            )
-        return cls.from_dict(value)
+        fields = tuple(f["name"] for f in reader.expanded["fields"])
+        exact = set(fields) == {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        build = avro_builder(cls) if exact else cls.from_dict
+        same = reader.fingerprint == fp
+        dec = _Decoder(writer.parsed, None if same else reader.parsed, build, cls, writer.name)
+        self._decoders[data[:HEADER_LEN]] = dec
+        return dec
 
 
 class RegistryCodec:

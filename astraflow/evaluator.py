@@ -19,26 +19,42 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from astraflow.kafka.loop import kafka_error, transient
-from astraflow.records import ComponentStatus
+from astraflow.metrics import StatusSink
 
 log = logging.getLogger("astraflow.evaluator")
 
 
+_EXAMPLES = [
+    "astraflow eval run -t topology/default.yaml --policy actor --model runs/default/model",
+    "astraflow eval run -t topology/default.yaml --model runs/default/model --once",
+    "astraflow eval run -t topology/solver-verifier.yaml --policy verifier "
+    "--model runs/solver-verifier/verifier --role verifier --blind",
+]
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("eval", help="held-out evaluation of published weight versions")
-    esub = p.add_subparsers(dest="eval_command", required=True, metavar="ACTION")
-    r = esub.add_parser("run", help="evaluate every N-th version as it is published")
-    r.add_argument("--topology", "-t", required=True, metavar="FILE")
-    r.add_argument("--bootstrap")
-    r.add_argument("--policy", default="actor")
+    """Add the ``eval`` command group (``eval run``) to ``subparsers``."""
+    from astraflow.cliargs import add_command, add_group, add_run_options
+
+    verbs = add_group(subparsers, "eval", help="held-out evaluation of published weight versions",
+                      dest="eval_command", examples=_EXAMPLES[:1])
+    r = add_command(
+        verbs, "run", help="evaluate every N-th version as it is published",
+        description="Follow weights.<policy>, rebuild every --every-th version bit-exactly, "
+        "score greedy answers on the held-out prompts and publish the accuracy on "
+        "<run>.status (metric eval/accuracy).",
+        examples=_EXAMPLES)
+    add_run_options(r)
+    r.add_argument("--policy", default="actor", help="policy name (default actor)")
     r.add_argument("--model", required=True, metavar="PATH", help="the policy's base model dir")
     r.add_argument("--every", type=int, default=5, metavar="N", help="evaluate versions k*N")
+    r.add_argument("--once", action="store_true", help="evaluate the latest version and exit")
     r.add_argument("--levels", default="1,2", help="synthetic arithmetic levels (no --dataset)")
     r.add_argument("--dataset", metavar="FILE", help="held-out .jsonl/.parquet file (default: "
                    "the synthetic arithmetic eval split)")
-    r.add_argument("--prompt-field", default=None)
-    r.add_argument("--answer-field", default=None)
-    r.add_argument("--messages-field", default=None)
+    r.add_argument("--prompt-field", default=None, help="the dataset's prompt field")
+    r.add_argument("--answer-field", default=None, help="the dataset's answer field")
+    r.add_argument("--messages-field", default=None, help="a field holding chat messages")
     r.add_argument("--reward", type=reward_arg, default=None, metavar="NAME|JSON",
                    help="reward from astraflow.tasks.rewards (default numeric), e.g. "
                    "exact_match or '{\"name\": \"format\", \"pattern\": \"\\\\d+\"}'")
@@ -47,7 +63,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
     r.add_argument("--size", type=int, default=200, help="held-out prompts")
     r.add_argument("--max-new-tokens", type=int, default=8)
-    r.add_argument("--once", action="store_true", help="evaluate the latest version and exit")
     r.add_argument("--role", default="solver", choices=["solver", "verifier", "selector"],
                    help="what accuracy means: answers (solver), verdicts or picks on held-out "
                    "candidate answers (astraflow.roles)")
@@ -55,7 +70,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="a verifier of the two-turn format (`model init-role --blind`): its "
                    "own answer first, then the candidate and its verdict")
     r.set_defaults(func=cmd_eval_run)
-    return p
+    return subparsers.choices["eval"]
 
 
 def reward_arg(text: str) -> Any:
@@ -102,8 +117,9 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     import torch
 
     from astraflow.cli import kafka_config
-    from astraflow.model import evaluate, load_policy
     from astraflow.model_share import ensure_model
+    from astraflow.models.evaluation import evaluate
+    from astraflow.models.loading import load_policy
     from astraflow.tasks.rewards import make_reward
 
     if args.blind and args.role != "verifier":
@@ -117,7 +133,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     reward = make_reward(args.reward)
     scorer = None
     if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
-        from astraflow.roles import role_scorer
+        from astraflow.roles.scoring import role_scorer
 
         scorer = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
                              args.max_new_tokens, blind=args.blind)
@@ -137,10 +153,12 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
 def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
     """Evaluate every ``--every``-th version as it is published (the newest due one),
     waiting out broker outages up to the outage limit."""
-    from astraflow.dataflow.versions import LatestVersions
     from astraflow.kafka.clients import RecordProducer
     from astraflow.kafka.loop import Outage
+    from astraflow.kafka.table import TopicTable
+    from astraflow.records import WeightManifest
     from astraflow.weights import WeightFollower
+    from astraflow.weights.history import manifest_key
 
     follower = WeightFollower(policy=args.policy, kafka_config=config)
     producer = RecordProducer(config)
@@ -148,16 +166,17 @@ def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
     outage = Outage(component, config.bootstrap_servers or "?", config.outage_limit_s,
                     config.outage_log_interval_s)
     topic = topo.full_name(f"weights.{args.policy}")
-    # read the weights topic incrementally (it only grows), not from the start each round
-    reader = _answered(outage, stop, lambda: LatestVersions(
-        config, producer.codec, {args.policy: topic}))
-    versions: list[int] = []
+    # the weights topic as a table of its manifests, read incrementally (it only grows)
+    manifests = _answered(outage, stop, lambda: TopicTable.open(
+        config, topic, WeightManifest, codec=producer.codec, client_id=f"eval-{args.policy}",
+        key=lambda e: manifest_key(e.value) if e.value is not None else None))
+    if manifests is not None:
+        manifests.on_change(lambda _k, _old, new: new is not None and follower.observe(new))
     done: set[int] = set()
-    while reader is not None and not stop.is_set():
+    while manifests is not None and not stop.is_set():
         try:
-            fresh = reader.refresh(timeout=1.0)
-            follower.observe(fresh)
-            versions = sorted(set(versions) | {m.version for m in fresh})
+            manifests.poll(1.0)
+            versions = sorted({m.version for m in manifests.values()})
             if args.once:
                 if not versions:  # nothing read yet: the topic may still be arriving
                     continue
@@ -178,8 +197,8 @@ def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
         if args.once:
             break
         stop.wait(2.0)
-    if reader is not None:
-        reader.close()
+    if manifests is not None:
+        manifests.close()
 
 
 def _answered(outage, stop, make):
@@ -205,12 +224,9 @@ def _report(args, topo, component, producer, result, follower, model, score,
     log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",
              args.policy, v, acc, n_prompts, time.time() - t0, getattr(result, "steps", ""))
     print(f"eval {args.policy} v{v} accuracy {acc:.4f}", flush=True)
-    producer.produce(topo.full_name("status"), ComponentStatus(
-        component_id=component, kind="evaluator", host=socket.gethostname(),
-        policy=args.policy, weight_versions={args.policy: v},
-        metrics={"eval/accuracy": acc, "eval/version": float(v),
-                 "eval/prompts": float(n_prompts)}), key=component)
-    producer.flush()
+    sink = StatusSink(producer, topo.full_name("status"), component, "evaluator", args.policy)
+    sink.emit(v, {"eval/accuracy": acc, "eval/version": float(v),
+                  "eval/prompts": float(n_prompts)})
 
 
 def _reach(follower, version: int, policy: str):

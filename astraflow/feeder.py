@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from astraflow.cliargs import Option, add_command, add_group, add_run_options, add_table
 from astraflow.records import Task
 from astraflow.tasks.base import make_task
 
@@ -212,79 +213,68 @@ def load_payloads(
 
 
 # --- CLI ----------------------------------------------------------------------------------
+_EXAMPLES = [
+    "astraflow feeder run -t topology/default.yaml --epochs 0 --rate 60   # forever",
+    "astraflow feeder run -t topology/default.yaml --dataset data/addition.train.jsonl",
+    "astraflow feeder run -t topology/default.yaml --dataset gsm8k.parquet "
+    "--prompt-field question --answer-field answer",
+    "astraflow feeder run -t topology/default.yaml --task-family code --levels 1,2,3 --count 500",
+]
+
+_FEEDING: list[Option] = [
+    (("--count",), dict(type=int, default=None, metavar="N", help="stop after N tasks")),
+    (("--rate",), dict(type=float, default=None, metavar="R", help="tasks per second "
+                       "(default: as fast as the broker takes them)")),
+    (("--epochs",), dict(type=int, default=1, metavar="E", help="passes over the tasks "
+                         "(0: forever)")),
+    (("--seed",), dict(type=int, default=0, help="the order of the tasks (and the synthetic "
+                       "ones)")),
+    (("--from-start",), dict(action="store_true", help="feed every task again (default: skip "
+                             "the task ids already on the topic)")),
+    (("--policy",), dict(action="append", default=None, metavar="NAME", help="policy the "
+                         "workflow uses (repeatable; default actor, for code: solver and "
+                         "generator)")),
+    (("--workflow",), dict(default=None, help="workflow of the tasks (default single_turn, for "
+                           "code: code_tests)")),
+]
+
+_TASKS: list[Option] = [
+    (("--dataset",), dict(default=None, metavar="PATH", help="local .jsonl/.parquet file "
+                          "(default: synthetic tasks of --task-family)")),
+    (("--prompt-field",), dict(default=None, help="the dataset's prompt field")),
+    (("--answer-field",), dict(default=None, help="the dataset's answer field")),
+    (("--messages-field",), dict(default=None, help="a field holding chat messages (list of "
+                                 "{role, content})")),
+    (("--task-family",), dict(default="arithmetic", choices=sorted(TASK_FAMILIES), help="synthetic "
+                              "tasks: arithmetic (default) or code (one-expression functions, "
+                              "fed to the code_tests workflow with policies solver and "
+                              "generator unless --workflow / --policy say otherwise)")),
+    (("--levels",), dict(default="1,2", help="levels of the task family (default 1,2)")),
+    (("--split",), dict(default="train", choices=["train", "eval"])),
+    (("--size",), dict(type=int, default=20000, metavar="N", help="distinct tasks per epoch "
+                       "(dataset: first N rows; 0: all)")),
+]
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``feeder`` command group (``feeder run``) to ``subparsers``."""
-    p = subparsers.add_parser("feeder", help="feed tasks from a dataset into tasks.source")
-    fsub = p.add_subparsers(dest="feeder_command", required=True, metavar="ACTION")
-    r = fsub.add_parser(
-        "run",
+    verbs = add_group(subparsers, "feeder", help="feed tasks from a dataset into tasks.source",
+                      dest="feeder_command", examples=_EXAMPLES[:1])
+    r = add_command(
+        verbs, "run",
         help="write Task records to <run>.tasks.source",
         description=(
             "Write Task records (keyed by prompt id) to the topology's tasks.source topic: "
             "synthetic arithmetic (--levels) or a local JSONL/Parquet file (--dataset), for "
             "--epochs passes in seeded order, at --rate tasks/s, at most --count tasks."
         ),
+        examples=_EXAMPLES,
     )
-    r.add_argument("--topology", required=True, metavar="FILE")
-    r.add_argument("--count", type=int, default=None, metavar="N", help="stop after N tasks")
-    r.add_argument(
-        "--rate",
-        type=float,
-        default=None,
-        metavar="R",
-        help="tasks per second (default: as fast as the broker takes them)",
-    )
-    r.add_argument(
-        "--epochs", type=int, default=1, metavar="E", help="passes over the tasks (0: forever)"
-    )
-    r.add_argument(
-        "--dataset",
-        default=None,
-        metavar="PATH",
-        help="local .jsonl/.parquet file (default: synthetic arithmetic)",
-    )
-    r.add_argument("--prompt-field", default=None)
-    r.add_argument("--answer-field", default=None)
-    r.add_argument("--messages-field", default=None,
-                   help="a field holding chat messages (list of {role, content})")
-    r.add_argument(
-        "--task-family",
-        default="arithmetic",
-        choices=sorted(TASK_FAMILIES),
-        help="synthetic tasks: arithmetic (default) or code (one-expression functions, fed "
-        "to the code_tests workflow with policies solver and generator unless --workflow / "
-        "--policy say otherwise)",
-    )
-    r.add_argument("--levels", default="1,2", help="levels of the task family (default 1,2)")
-    r.add_argument("--split", default="train", choices=["train", "eval"])
-    r.add_argument(
-        "--size",
-        type=int,
-        default=20000,
-        metavar="N",
-        help="distinct tasks per epoch (dataset: first N rows; 0: all)",
-    )
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument(
-        "--policy",
-        action="append",
-        default=None,
-        metavar="NAME",
-        help="policy the workflow uses (repeatable; default actor, for code: solver and "
-        "generator)",
-    )
-    r.add_argument(
-        "--workflow",
-        default=None,
-        help="workflow of the tasks (default single_turn, for code: code_tests)",
-    )
-    r.add_argument(
-        "--from-start",
-        action="store_true",
-        help="feed every task again (default: skip the task ids already on the topic)",
-    )
+    add_run_options(r)
+    add_table(r, None, _FEEDING)
+    add_table(r, "tasks", _TASKS)
     r.set_defaults(func=cmd_feeder_run)
-    return p
+    return subparsers.choices["feeder"]
 
 
 def resume_tasks(

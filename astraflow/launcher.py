@@ -17,16 +17,46 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astraflow.topology import ChatSpec, DatasetSpec, FeederSpec, Topology
+from astraflow.topology import ChatSpec, DatasetSpec, FeederSpec, PolicySpec, Topology
+
+_UP_EXAMPLES = [
+    "astraflow run up -t topology/default.yaml",
+    "astraflow run up -t topology/default.yaml --duration 0        # until Ctrl-C",
+    "astraflow run up -t topology/default.yaml --run trial2 --fresh",
+    "astraflow up topology/default.yaml --versions 20             # the shortcut",
+]
+_DOWN_EXAMPLES = ["astraflow run down -t topology/default.yaml",
+                  "astraflow down topology/default.yaml   # the shortcut"]
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("up", help="run a whole topology locally, with live progress")
-    p.add_argument("topology", metavar="FILE")
+    """Add ``run up|down`` and their shortcuts ``up`` and ``down`` to ``subparsers``."""
+    from astraflow.cliargs import add_group
+
+    verbs = add_group(subparsers, "run", help="a whole run as local processes: up, down",
+                      dest="run_command", examples=[*_UP_EXAMPLES[:1], *_DOWN_EXAMPLES[:1]])
+    for where, shortcut in ((verbs, False), (subparsers, True)):  # `astraflow up`: shortcut
+        _add_up(where, shortcut)
+        _add_down(where, shortcut)
+
+
+def _add_up(subparsers: Any, shortcut: bool) -> None:
+    from astraflow.cliargs import add_command, add_run_options
+
+    p = add_command(
+        subparsers, "up", help="shortcut of `run up`" if shortcut else
+        "run a whole topology locally, with live progress",
+        description="Start the embedded broker if needed, apply the topics, write missing "
+        "tiny models, then run every component of the topology as its own process (logs "
+        "under RUNS_DIR/<run>/logs) until --duration or --versions; print progress, then "
+        "stop them and write the run's summary.json.",
+        examples=_UP_EXAMPLES)
+    add_run_options(p, positional=True)
     p.add_argument("--runs-dir", default="runs", help="where logs and summaries go")
     p.add_argument("--duration", type=float, default=600.0, help="seconds to run (0: forever)")
     p.add_argument("--versions", type=int, default=0, help="stop after this many versions")
@@ -36,9 +66,16 @@ def register(subparsers: Any) -> None:
                    help="leave the embedded broker running when the run ends (default: stop "
                    "it if this `up` started it)")
     p.set_defaults(func=cmd_up)
-    d = subparsers.add_parser("down", help="stop what `astraflow up` started")
-    d.add_argument("topology", metavar="FILE")
-    d.add_argument("--runs-dir", default="runs")
+
+
+def _add_down(subparsers: Any, shortcut: bool) -> None:
+    from astraflow.cliargs import add_command, add_run_options
+
+    d = add_command(subparsers, "down", help="shortcut of `run down`" if shortcut else
+                    "stop what `astraflow up` started",
+                    examples=_DOWN_EXAMPLES)
+    add_run_options(d, positional=True, bootstrap=False)
+    d.add_argument("--runs-dir", default="runs", help="where `up` wrote the run's process ids")
     d.set_defaults(func=cmd_down)
 
 
@@ -49,11 +86,8 @@ def _astraflow(*args: str) -> list[str]:
 def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
     """Name -> command line of every process `up` starts for ``topo``."""
     procs: dict[str, list[str]] = {}
-    for policy, spec in topo.policies.items():
-        procs[f"trainer-{policy}"] = _astraflow(
-            "trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-            "--lr", str(spec.lr), "--anchor-interval", str(spec.anchor_interval),
-            "--temperature", str(spec.temperature), *spec.trainer_args)
+    for policy in topo.policies:
+        procs[f"trainer-{policy}"] = _astraflow(*trainer_args(topo, path, policy))
     for name in topo.processors:
         procs[f"processor-{name}"] = _astraflow("processor", "run", name, "--topology", path,
                                                 "--instance", "up")
@@ -62,11 +96,52 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
             procs[f"raas-{pool}-{i}"] = _astraflow(*_raas_args(topo, path, pool, i))
     if topo.feeder is not None:
         procs["feeder"] = _astraflow("feeder", "run", "--topology", path,
-                                     *_feeder_args(topo.feeder), *topo.feeder.args)
+                                     *_feeder_args(topo.feeder))
     if topo.eval is not None:
         for policy in topo.policies:
             procs[f"eval-{policy}"] = _astraflow(*_eval_args(topo, path, policy))
     return procs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _optional_flags(spec: Any, names: Iterable[str]) -> list[str]:
+    """``--name value`` for each of ``names`` that ``spec`` sets (not None); a true bool
+    is the bare flag, a false one nothing."""
+    out: list[str] = []
+    for name in names:
+        value = getattr(spec, name)
+        if value is None or value is False:
+            continue
+        out += [_flag(name)] if value is True else [_flag(name), str(value)]
+    return out
+
+
+# TrainerSpec fields passed as they are (lr and anchor_interval always; the bools that
+# turn something off have their own --no- flags)
+TRAINER_OPTIONAL = ("state_interval", "state_max_lag", "keep_optimizer", "keep_versions",
+                    "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                    "max_grad_norm", "clip_low", "clip_high", "tis_cap", "micro_batch_size",
+                    "micro_batch_tokens", "autocast", "gradient_checkpointing", "forward_on",
+                    "dtype", "publish_dtype", "device", "threads", "deterministic",
+                    "max_steps", "blob_store", "state_dir")
+
+
+def trainer_args(topo: Topology, path: str, policy: str) -> list[str]:
+    """The ``astraflow`` arguments of ``policy``'s trainer (``trainer run``)."""
+    spec = topo.policies[policy]
+    t = spec.trainer
+    args = ["trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
+            "--lr", str(t.lr), "--anchor-interval", str(t.anchor_interval),
+            "--temperature", str(spec.temperature), "--max-staleness", str(spec.max_staleness)]
+    args += _optional_flags(t, TRAINER_OPTIONAL)
+    if not t.std_normalize:
+        args.append("--no-std-normalize")
+    if not t.share_prompt:
+        args.append("--no-share-prompt")
+    return args
 
 
 def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
@@ -80,18 +155,20 @@ def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
     if spec.engine != "torch":
         args += ["--engine", spec.engine]
     if spec.engine_options:
-        args += ["--engine-options", json.dumps(spec.engine_options)]
+        args += ["--engine-options", json.dumps(spec.engine_settings().given())]
     dtypes = {p.dtype for p in topo.policies.values() if p.dtype}
     if len(dtypes) == 1:
         args += ["--dtype", dtypes.pop()]
     if spec.tasks_per_transaction != 1:
         args += ["--tasks-per-transaction", str(spec.tasks_per_transaction)]
     temperatures = {p.temperature for p in topo.policies.values()}
-    for name, options in spec.workflows.items():
+    for name, typed in spec.workflows.items():
+        options = typed.given()
         if len(temperatures) == 1:  # the policies' temperature unless the workflow sets one
             options = {"temperature": next(iter(temperatures)), **options}
         args += ["--workflow-options", f"{name}={json.dumps(options)}"]
-    return [*args, *spec.raas_args]
+    args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms"))
+    return args + ([] if spec.follow_weights else ["--no-follow-weights"])
 
 
 def _dataset_args(d: DatasetSpec) -> list[str]:
@@ -105,15 +182,25 @@ def _dataset_args(d: DatasetSpec) -> list[str]:
 
 def _feeder_args(feeder: FeederSpec) -> list[str]:
     args = _dataset_args(feeder.dataset) if feeder.dataset else []
-    return args + (["--rate", str(feeder.rate)] if feeder.rate else [])
+    args += _optional_flags(feeder, ("rate", "epochs", "levels", "seed", "count", "size",
+                                     "split", "task_family", "workflow"))
+    for policy in feeder.policies or []:
+        args += ["--policy", policy]
+    return args + (["--from-start"] if feeder.from_start else [])
 
 
 def _eval_args(topo: Topology, path: str, policy: str) -> list[str]:
     spec, ev = topo.policies[policy], topo.eval
     assert ev is not None
+    own = spec.eval
+
+    def pick(name: str) -> Any:  # the policy's own value, else the topology's
+        value = getattr(own, name)
+        return getattr(ev, name) if value is None else value
+
     args = ["eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-            "--every", str(ev.every_versions), "--size", str(ev.size),
-            "--max-new-tokens", str(ev.max_new_tokens)]
+            "--every", str(pick("every_versions")), "--size", str(pick("size")),
+            "--max-new-tokens", str(pick("max_new_tokens"))]
     if spec.role != "solver":
         args += ["--role", spec.role]
     if ev.dataset:
@@ -124,7 +211,9 @@ def _eval_args(topo: Topology, path: str, policy: str) -> list[str]:
         args += ["--chat", json.dumps(spec.chat.model_dump())]
     if spec.dtype:
         args += ["--dtype", spec.dtype]
-    return [*args, *ev.args, *spec.eval_args]
+    if pick("levels") is not None:
+        args += ["--levels", pick("levels")]
+    return args + (["--blind"] if own.blind else [])
 
 
 def process_niceness(topo: Topology) -> dict[str, int]:
@@ -322,7 +411,7 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     from astraflow.kafka.lag import LagReader, total_lag
     from astraflow.supervisor import GaveUp
 
-    status = _StatusTail(config, topo.full_name("status"))
+    status = _status_table(config, topo.full_name("status"), progress)
     lags = LagReader(config)
     pool_groups = [f"{topo.run}.raas.{p}" for p in topo.pools]
     stop = {"flag": False}
@@ -331,8 +420,7 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     last_line = 0.0
     try:
         while not stop["flag"]:
-            for st in status.poll():
-                progress.fold(st)
+            status.poll(0.2)
             if sup.check():
                 pids.write_text(json.dumps(sup.pids()))
             if sup.finished - {"feeder"}:
@@ -391,7 +479,7 @@ def write_policy_model(policy: str, spec) -> bool:
         raise MissingModel(f"policy {policy}: no model at {spec.model}")
     what = "default" if spec.role == "solver" else spec.role
     print(f"writing the tiny {what} model for {policy} to {spec.model} (warm start "
-          f"{spec.warm_start_steps} steps, carry slip {spec.warm_start_slip})"
+          f"{spec.warm_start.steps} steps, carry slip {spec.warm_start.slip})"
           f"{': ' + stale if stale else ''}", flush=True)
     subprocess.run(_astraflow(*_model_init_command(spec)), check=True)
     return True
@@ -411,15 +499,23 @@ def _import_model(policy: str, spec) -> bool:
     return True
 
 
-def _model_init_command(spec) -> list[str]:
+# WarmStartSpec fields after steps and slip, as `model init`/`init-role` flags
+WARM_START_OPTIONAL = ("seed", "levels", "lr", "batch_size", "train_size", "eval_size",
+                       "size", "retry_share", "retry_slip", "label_noise", "blind")
+
+
+def _model_init_command(spec: PolicySpec) -> list[str]:
     """The ``astraflow`` arguments that write the tiny model of ``spec``: ``model init``
     (the solver's answer format) or, for a verifier/selector, ``model init-role``.
 
-    ``--carry-slip`` is always passed: the topology's ``warm_start_slip`` (default 0)
+    ``--carry-slip`` is always passed: the topology's ``warm_start.slip`` (default 0)
     decides, not the command's own default (``init-role``'s is 0.5).
     """
-    common = ["--warm-start-steps", str(spec.warm_start_steps),
-              "--carry-slip", str(spec.warm_start_slip), *spec.init_args]
+    ws = spec.warm_start
+    common = ["--warm-start-steps", str(ws.steps), "--carry-slip", str(ws.slip)]
+    if ws.until is not None:
+        common += ["--warm-start-until", str(ws.until)]
+    common += _optional_flags(ws, WARM_START_OPTIONAL)
     if spec.role != "solver":
         return ["model", "init-role", spec.model, "--role", spec.role, *common]
     return ["model", "init", spec.model, *common]
@@ -434,8 +530,7 @@ def _tiny_model_outdated(spec) -> str:
     any other model is left alone.
     """
     from astraflow.cli import build_parser
-    from astraflow.model import INIT_RECIPE, init_recipe
-    from astraflow.roles import OLD_ROLE_RECIPE
+    from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
 
     if not spec.init_tiny:
         return ""
@@ -468,34 +563,16 @@ def _delete_run_topics(admin, topo: Topology) -> None:
         time.sleep(2.0)  # deletions settle before the topics are created again
 
 
-class _StatusTail:
-    def __init__(self, config, topic: str):
-        from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+def _status_table(config, topic: str, progress: Progress):
+    """The ``status`` topic from its end on, as a table by component; every new status is
+    folded into ``progress``."""
+    from astraflow.kafka.table import TopicTable
+    from astraflow.records import ComponentStatus
 
-        from astraflow.kafka.clients import make_codec_for
-
-        self.codec = make_codec_for(config)
-        self.consumer = Consumer(config.consumer_conf("astraflow-up", **{"client.id": "up"}))
-        md = self.consumer.list_topics(topic, timeout=10).topics[topic]
-        self.consumer.assign([TopicPartition(topic, p, OFFSET_END) for p in md.partitions])
-
-    def poll(self) -> list:
-        from astraflow.codec import RecordDecodeError
-        from astraflow.records import ComponentStatus
-
-        out = []
-        for m in self.consumer.consume(500, 0.2):
-            if m.error():
-                continue
-            try:
-                out.append(self.codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
-                                             expect=ComponentStatus))
-            except RecordDecodeError:
-                continue
-        return out
-
-    def close(self) -> None:
-        self.consumer.close()
+    table = TopicTable.open(config, topic, ComponentStatus, start="end", client_id="up",
+                            key=lambda e: e.value.component_id if e.value else None)
+    table.on_change(lambda _k, _old, new: new is not None and progress.fold(new))
+    return table
 
 
 def _write_summary(run_dir: Path, topo: Topology, progress: Progress) -> dict[str, Any]:

@@ -34,7 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from astraflow.model import ModelError, one_line, save_tokenizer
+from astraflow.models.errors import ModelError, one_line
+from astraflow.models.tiny import save_tokenizer
 from astraflow.staging import replace_dir
 
 log = logging.getLogger(__name__)

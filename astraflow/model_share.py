@@ -73,23 +73,8 @@ def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str 
     the weights of the newest reachable version. Waits up to ``wait_s`` for a trainer to
     publish its first version."""
     from astraflow.weights.history import WeightFollower
-    from astraflow.weights.kafka_store import read_manifests
 
-    deadline = time.monotonic() + wait_s
-    last_log = 0.0
-    while True:
-        manifests = [m for m in read_manifests(config, weights_topic) if m.policy == policy]
-        if any(files_ref(m) for m in manifests):
-            break
-        if time.monotonic() > deadline:
-            raise ModelNotPublished(
-                f"no model for policy {policy} on {weights_topic} after {wait_s:.0f}s: its "
-                "trainer publishes it with version 0")
-        if time.monotonic() - last_log > 30:
-            log.info("waiting for the trainer of %s to publish its model on %s", policy,
-                     weights_topic)
-            last_log = time.monotonic()
-        time.sleep(2.0)
+    manifests = _published_manifests(config, weights_topic, policy, wait_s)
     follower = WeightFollower(policy=policy, kafka_config=config, inplace=False)
     follower.observe(manifests)
     res = follower.update_reachable()
@@ -113,6 +98,32 @@ def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str 
     return Path(dest)
 
 
+def _published_manifests(config: KafkaConfig, weights_topic: str, policy: str,
+                         wait_s: float) -> list[WeightManifest]:
+    """The manifests of ``policy`` on ``weights_topic`` (read to its end), once one of them
+    carries the model files; ``ModelNotPublished`` after ``wait_s`` without."""
+    from astraflow.kafka.table import TopicTable
+    from astraflow.weights.history import manifest_key
+
+    start = time.monotonic()
+    with TopicTable.open(config, weights_topic, WeightManifest, client_id="model-fetch",
+                         key=lambda e: manifest_key(e.value) if e.value is not None else None,
+                         filter=lambda e: e.value.policy == policy) as table:
+        table.catch_up(wait_s)
+
+        def published(t: TopicTable) -> bool:
+            return any(files_ref(m) for m in t.values())
+
+        if not published(table):
+            log.info("waiting for the trainer of %s to publish its model on %s", policy,
+                     weights_topic)
+        if not table.wait_until(published, max(0.0, wait_s - (time.monotonic() - start))):
+            raise ModelNotPublished(
+                f"no model for policy {policy} on {weights_topic} after {wait_s:.0f}s: its "
+                "trainer publishes it with version 0")
+        return table.values()
+
+
 def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -> Path:
     """``path`` when it holds a model; else the model fetched there from the policy's
     weight stream (``fetch_model``)."""
@@ -131,7 +142,7 @@ def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -
             raise ModelNotPublished(f"no topic {full}")
         return fetch_model(config, full, policy, p)
     except (KafkaException, ModelNotPublished, WeightsError) as e:
-        from astraflow.model import ModelError
+        from astraflow.models.errors import ModelError
 
         raise ModelError(f"{p}: no such model directory, and none could be fetched from "
                          f"{full} ({e})") from e

@@ -460,14 +460,7 @@ def _run(
     prefix = namespace_prefix(interp, user) if namespaces is not False else ()
     if namespaces and not prefix:
         raise SandboxError("namespaces were required but unshare does not work here")
-    isolation = ["process-group", "rlimits", "tmpdir", "env", "isolated-python"]
-    if prefix:
-        isolation += ["userns", "netns", "pidns"]
-    if user is not None:
-        isolation.append("uid=nobody")
-    if audit:
-        isolation.append("audit-hook")
-
+    isolation = _isolation(prefix, user, audit)
     root = tempfile.mkdtemp(prefix="astraflow-sandbox-")
     try:
         main = os.path.join(root, "main.py")
@@ -476,58 +469,115 @@ def _run(
         os.chmod(main, 0o644)  # readable by the sandbox user whatever the caller's umask
         if user is not None:
             os.chown(root, user, user)
-        cfg = {
-            "mode": mode,
-            "func": func,
-            "nonce": nonce,
-            "cpu": max(1, int(-(-float(limits.cpu_s) // 1))),  # whole seconds, rounded up
-            "mem": int(limits.mem_mb) << 20,
-            "fsize": int(limits.fsize_mb) << 20,
-            "nofile": int(limits.nofile),
-            "audit": bool(audit),
-            "root": root,
-            "main": main,
-            "cpu_exit": CPU_EXIT,
-            "memory_exit": MEMORY_EXIT,
-            "setup_exit": SETUP_EXIT,
-        }
+        cfg = _child_config(mode, func, nonce, limits, audit, root, main)
         cmd = [*prefix, interp, "-I", "-S", "-B", "-X", "utf8", "-c", _PREAMBLE, json.dumps(cfg)]
-        env = {
-            "PATH": SAFE_PATH,
-            "HOME": root,
-            "TMPDIR": root,
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-        }
-        kw: dict[str, Any] = {}
-        if user is not None:
-            kw = {"user": user, "group": user, "extra_groups": []}
-        with tempfile.TemporaryFile() as stdin_file:
-            stdin_file.write(stdin)
-            stdin_file.seek(0)
-            t0 = time.monotonic()
-            proc = subprocess.Popen(
-                cmd,
-                stdin=stdin_file,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=root,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-                **kw,
-            )
+        proc, t0 = _spawn(cmd, root, stdin, user)
         return _wait(proc, t0, limits, isolation)
     finally:
         _rmtree(root)
+
+
+def _isolation(prefix: Sequence[str], user: int | None, audit: bool) -> list[str]:
+    """The names of the isolation layers a run gets (reported in ``SandboxResult``)."""
+    isolation = ["process-group", "rlimits", "tmpdir", "env", "isolated-python"]
+    if prefix:
+        isolation += ["userns", "netns", "pidns"]
+    if user is not None:
+        isolation.append("uid=nobody")
+    if audit:
+        isolation.append("audit-hook")
+    return isolation
+
+
+def _cpu_limit(limits: SandboxLimits) -> int:
+    """The CPU-time limit in whole seconds, rounded up (at least 1)."""
+    return max(1, int(-(-float(limits.cpu_s) // 1)))
+
+
+def _child_config(mode: str, func: str, nonce: str, limits: SandboxLimits, audit: bool,
+                  root: str, main: str) -> dict[str, Any]:
+    """What the preamble in the child reads: what to run and the limits to set."""
+    return {
+        "mode": mode,
+        "func": func,
+        "nonce": nonce,
+        "cpu": _cpu_limit(limits),
+        "mem": int(limits.mem_mb) << 20,
+        "fsize": int(limits.fsize_mb) << 20,
+        "nofile": int(limits.nofile),
+        "audit": bool(audit),
+        "root": root,
+        "main": main,
+        "cpu_exit": CPU_EXIT,
+        "memory_exit": MEMORY_EXIT,
+        "setup_exit": SETUP_EXIT,
+    }
+
+
+def _spawn(cmd: list[str], root: str, stdin: bytes,
+           user: int | None) -> tuple[subprocess.Popen, float]:
+    """Start ``cmd`` in its own session in ``root`` with a minimal environment, reading
+    ``stdin``; the process and its start time."""
+    env = {
+        "PATH": SAFE_PATH,
+        "HOME": root,
+        "TMPDIR": root,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+    }
+    kw: dict[str, Any] = {}
+    if user is not None:
+        kw = {"user": user, "group": user, "extra_groups": []}
+    with tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin)
+        stdin_file.seek(0)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            cmd,
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=root,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            **kw,
+        )
+    return proc, t0
 
 
 def _wait(
     proc: subprocess.Popen, t0: float, limits: SandboxLimits, isolation: list[str]
 ) -> SandboxResult:
     pipes = _Pipes([proc.stdout, proc.stderr], limits.max_output)
+    status, usage, killed_for = _wait_exit(proc, pipes, t0 + float(limits.timeout_s))
+    seconds = time.monotonic() - t0
+    proc.returncode = rc = os.waitstatus_to_exitcode(status)
+    pipes.drain()
+    out, err = pipes.text(proc.stdout), pipes.text(proc.stderr)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    cpu = usage.ru_utime + usage.ru_stime
+    st, reason = _outcome(rc, cpu, err, killed_for, _cpu_limit(limits))
+    return SandboxResult(
+        status=st,
+        stdout=out,
+        stderr=err,
+        returncode=rc,
+        seconds=seconds,
+        cpu_seconds=cpu,
+        reason=reason,
+        truncated=pipes.truncated,
+        isolation=isolation,
+    )
+
+
+def _wait_exit(proc: subprocess.Popen, pipes: _Pipes, deadline: float) -> tuple[int, Any, str]:
+    """Read the pipes until the process exits, its output is over the limit or the
+    ``deadline`` passes; then kill its process group and reap it. ``(wait status, resource
+    usage, why it was killed or "")``."""
     pidfd = _pidfd(proc.pid)
-    deadline = t0 + float(limits.timeout_s)
     killed_for = ""
     try:
         while True:
@@ -552,46 +602,31 @@ def _wait(
         if pidfd is not None:
             pipes.forget(pidfd)
             os.close(pidfd)
-    seconds = time.monotonic() - t0
-    proc.returncode = rc = os.waitstatus_to_exitcode(status)
-    pipes.drain()
-    out, err = pipes.text(proc.stdout), pipes.text(proc.stderr)
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            stream.close()
-    cpu = usage.ru_utime + usage.ru_stime
-    cpu_limit = max(1, int(-(-float(limits.cpu_s) // 1)))
+    return status, usage, killed_for
+
+
+def _outcome(rc: int, cpu: float, err: str, killed_for: str,
+             cpu_limit: int) -> tuple[str, str]:
+    """``(status, reason)`` of a run from its exit code, CPU time and stderr."""
     if killed_for == "wall-clock timeout":
-        st, reason = "timeout", killed_for
-    elif killed_for:
-        st, reason = "killed", killed_for
-    elif rc == CPU_EXIT or rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and cpu >= cpu_limit):
-        st, reason = "timeout", "cpu time limit"
-    elif rc == MEMORY_EXIT or (rc != 0 and "MemoryError" in err[-2000:]):
-        st, reason = "memory", "memory limit"
-    elif rc == SETUP_EXIT:
-        st, reason = "error", "sandbox setup failed"
-    elif rc < 0:
+        return "timeout", killed_for
+    if killed_for:
+        return "killed", killed_for
+    if rc == CPU_EXIT or rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and cpu >= cpu_limit):
+        return "timeout", "cpu time limit"
+    if rc == MEMORY_EXIT or (rc != 0 and "MemoryError" in err[-2000:]):
+        return "memory", "memory limit"
+    if rc == SETUP_EXIT:
+        return "error", "sandbox setup failed"
+    if rc < 0:
         try:
             name = signal.Signals(-rc).name
         except ValueError:
             name = str(-rc)
-        st, reason = "killed", f"signal {name}"
-    elif rc == 0:
-        st, reason = "ok", ""
-    else:
-        st, reason = "error", f"exit status {rc}"
-    return SandboxResult(
-        status=st,
-        stdout=out,
-        stderr=err,
-        returncode=rc,
-        seconds=seconds,
-        cpu_seconds=cpu,
-        reason=reason,
-        truncated=pipes.truncated,
-        isolation=isolation,
-    )
+        return "killed", f"signal {name}"
+    if rc == 0:
+        return "ok", ""
+    return "error", f"exit status {rc}"
 
 
 def run_python(

@@ -43,7 +43,7 @@ class WriterSchema:
     name: str
     fingerprint: bytes  # 8 bytes, little-endian CRC-64-AVRO
     expanded: dict[str, Any]  # self-contained: every named type defined inline
-    parsed: Any  # fastavro parsed form
+    parsed: Any  # fastavro parsed form, with the hints that spare fastavro parsing it per call
 
 
 def _named_refs(node: Any, out: set[str]) -> None:
@@ -112,8 +112,8 @@ def expand(schema: dict[str, Any], named: dict[str, dict[str, Any]]) -> dict[str
 
 
 def make_writer_schema(expanded: dict[str, Any]) -> WriterSchema:
-    parsed = parse_schema(expanded, _write_hint=False, _force=True)
-    canonical = to_parsing_canonical_form(parsed)
+    canonical = to_parsing_canonical_form(parse_schema(expanded, _write_hint=False, _force=True))
+    parsed = parse_schema(expanded, _force=True)
     # fastavro returns the CRC-64-AVRO bytes little-endian, as the single-object header wants
     fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
     return WriterSchema(_full_name(expanded), fp, expanded, parsed)

@@ -1,17 +1,30 @@
 """Run definitions: ``topology/*.yaml`` validated into typed config.
 
 A topology names a run (every topic is prefixed with it), the topics with their
-partitions and configs, and the processors between them. Errors name the file and the
-offending key, e.g. ``topology/x.yaml: processors.echo.max_batch: Input should be ...``.
+partitions and configs, the processors between them, the policies (each with its one
+``max_staleness``, its trainer's hyperparameters, its warm start and evaluator), the RaaS
+pools with their typed workflow and engine options, the feeder and the evaluator; no argv
+list or JSON string. Errors name the file and the offending key, e.g.
+``topology/x.yaml: processors.echo.max_batch: Input should be ...``; an old-format key
+fails with what to write instead (``astraflow.topology_migrate``). Reference:
+docs/topology.md.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from astraflow.kafka.config import KafkaConfig
 from astraflow.records import (
@@ -25,6 +38,8 @@ from astraflow.records import (
     TrajectoryGroup,
     WeightManifest,
 )
+from astraflow.topology_migrate import old_format_errors
+from astraflow.topology_options import ENGINE_OPTIONS, WORKFLOW_OPTIONS, check_reward
 
 
 class TopologyError(ValueError):
@@ -143,8 +158,93 @@ class DatasetSpec(_Strict):
     messages_field: str | None = None
 
 
+DEFAULT_MAX_STALENESS = 4  # versions; the one default of a policy's max_staleness
+
+# "1,2" or [1, 2]: levels of the synthetic arithmetic tasks, as the components' --levels
+Levels = Annotated[str, BeforeValidator(
+    lambda v: ",".join(str(x) for x in v) if isinstance(v, list) else v),
+    Field(pattern=r"^[0-9]+(,[0-9]+)*$")]
+
+
+class TrainerSpec(_Strict):
+    """``trainer run`` hyperparameters of one policy; None: the trainer's own default."""
+
+    lr: float = Field(default=1e-5, gt=0)
+    anchor_interval: int = Field(default=10, ge=1, description="full checkpoint every N")
+    state_interval: int | None = Field(default=None, ge=1, description="default 10")
+    state_max_lag: int | None = Field(default=None, ge=0)
+    keep_optimizer: int | None = Field(default=None, ge=1, description="default 3")
+    keep_versions: int | None = Field(default=None, ge=0, description="default 20")
+    seed: int | None = Field(default=None, description="default 0")
+    weight_decay: float | None = Field(default=None, ge=0, description="default 0")
+    adam_beta1: float | None = Field(default=None, ge=0, lt=1, description="default 0.9")
+    adam_beta2: float | None = Field(default=None, ge=0, lt=1, description="default 0.999")
+    adam_eps: float | None = Field(default=None, gt=0, description="default 1e-8")
+    max_grad_norm: float | None = Field(default=None, gt=0, description="default 1.0")
+    clip_low: float | None = Field(default=None, ge=0, description="default 0.2")
+    clip_high: float | None = Field(default=None, ge=0, description="default 0.28")
+    tis_cap: float | None = Field(default=None, gt=0, description="default 2.0")
+    std_normalize: bool = True
+    micro_batch_size: int | None = Field(default=None, ge=1, description="default 8")
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
+    autocast: Literal["none", "bf16"] | None = None
+    gradient_checkpointing: bool = False
+    share_prompt: bool = True
+    forward_on: Literal["published", "master"] | None = None
+    dtype: Literal["fp32", "bf16", "fp16"] | None = Field(default=None, description="fp32")
+    publish_dtype: Literal["same", "bf16", "fp16"] | None = Field(
+        default=None, description="default bf16")
+    device: str | None = Field(default=None, description="default cpu")
+    threads: int | None = Field(default=None, ge=1)
+    deterministic: bool = False
+    max_steps: int | None = Field(default=None, ge=1)
+    blob_store: str | None = None
+    state_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _micro_batch(self) -> TrainerSpec:
+        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
+            raise ValueError("give micro_batch_size or micro_batch_tokens, not both")
+        return self
+
+
+class WarmStartSpec(_Strict):
+    """How ``astraflow up`` writes a tiny model (``model init``, or ``model init-role``
+    for a verifier/selector); unset: the command's default. A change rewrites the model."""
+
+    steps: int = Field(default=0, ge=0)
+    # the teacher forgets carries/borrows with this probability (--carry-slip)
+    slip: float = Field(default=0.0, ge=0.0, le=1.0)
+    until: float | None = Field(default=None, gt=0, le=1, description="solver only")
+    seed: int | None = None
+    levels: Levels | None = None
+    lr: float | None = Field(default=None, gt=0)
+    batch_size: int | None = Field(default=None, ge=1)
+    train_size: int | None = Field(default=None, ge=1)
+    eval_size: int | None = Field(default=None, ge=1)
+    size: str | None = None
+    retry_share: float | None = Field(default=None, ge=0, le=1, description="solver only")
+    retry_slip: float | None = Field(default=None, ge=0, le=1, description="solver only")
+    label_noise: float | None = Field(default=None, ge=0, le=1, description="verifier/selector")
+    blind: bool = Field(default=False, description="verifier only")
+
+
+class PolicyEvalSpec(_Strict):
+    """This policy's evaluator, where it differs from the topology's ``eval:``."""
+
+    every_versions: int | None = Field(default=None, ge=1)
+    size: int | None = Field(default=None, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    levels: Levels | None = None
+    blind: bool = Field(default=False, description="a blind verifier (warm_start.blind)")
+
+
+SOLVER_ONLY = ("until", "retry_share", "retry_slip")
+ROLE_ONLY = ("label_noise",)
+
+
 class PolicySpec(_Strict):
-    """One trained policy: its model and its trainer's settings."""
+    """One trained policy: its model, its trainer, its warm start and its evaluator."""
 
     model: str  # local path of a Hugging Face model directory
     init_tiny: bool = True  # `astraflow up` writes the tiny default model there if missing
@@ -156,25 +256,36 @@ class PolicySpec(_Strict):
     # sampling temperature of the rollouts (workflows that set none) and of the trainer's
     # log-probabilities, so behaviour and trained log-probs are of the same distribution
     temperature: float = Field(default=1.0, gt=0)
-    warm_start_steps: int = Field(default=0, ge=0)
-    # the warm-start teacher forgets carries/borrows with this probability (model init
-    # --carry-slip); the tiny default model is rewritten when steps or slip change
-    warm_start_slip: float = Field(default=0.0, ge=0.0, le=1.0)
-    init_args: list[str] = Field(default_factory=list)  # extra `model init(-role)` flags
-    lr: float = Field(default=1e-5, gt=0)
-    anchor_interval: int = Field(default=10, ge=1)
-    trainer_args: list[str] = Field(default_factory=list)  # extra `trainer run` flags
-    # extra `eval run` flags of this policy's evaluator, after the topology's `eval.args`
-    # (a later flag wins: `[--every, "20"]` evaluates this policy less often)
-    eval_args: list[str] = Field(default_factory=list)
+    # versions a token may lag behind the trained one: the staleness filter, the batcher,
+    # the trainer and admission's trainer bound all read it from here
+    max_staleness: int = Field(default=DEFAULT_MAX_STALENESS, ge=0)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    warm_start: WarmStartSpec = Field(default_factory=WarmStartSpec)
+    eval: PolicyEvalSpec = Field(default_factory=PolicyEvalSpec)
     # CPU niceness of this policy's trainer and evaluator under `astraflow up` (0-19): on
     # a shared machine a helper policy (a verifier) can train on the cycles the main
     # policy leaves idle instead of taking its share
     nice: int = Field(default=0, ge=0, le=19)
     # the policy's role in a multi-policy workflow (astraflow.roles): a verifier/selector
-    # tiny model is warm-started on that format (`model init-role`, with warm_start_steps
-    # and warm_start_slip) and evaluated on verdict/pick accuracy; solver: answers
+    # tiny model is warm-started on that format (`model init-role`) and evaluated on
+    # verdict/pick accuracy; solver: answers
     role: str = Field(default="solver", pattern=r"^(solver|verifier|selector)$")
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> PolicySpec:
+        ws = self.warm_start
+        if self.role == "solver":
+            wrong = [f for f in ROLE_ONLY if getattr(ws, f) is not None]
+            wrong += ["blind"] if ws.blind else []
+        else:
+            wrong = [f for f in SOLVER_ONLY if getattr(ws, f) is not None]
+            wrong += ["blind"] if ws.blind and self.role != "verifier" else []
+        if wrong:
+            raise ValueError(f"warm_start.{wrong[0]}: not taken by a {self.role}'s model "
+                             f"(`model {'init' if self.role == 'solver' else 'init-role'}`)")
+        if self.eval.blind and self.role != "verifier":
+            raise ValueError("eval.blind: only a verifier is evaluated blind")
+        return self
 
 
 class PoolSpec(_Strict):
@@ -182,27 +293,92 @@ class PoolSpec(_Strict):
 
     nodes: int = Field(default=1, ge=0)
     n_samples: int = Field(default=8, ge=1)
-    engine: str = Field(default="torch", pattern=r"^(torch|vllm|openai)$")
+    engine: Literal["torch", "vllm", "openai"] = "torch"
+    # typed per engine (astraflow.topology_options.ENGINE_OPTIONS)
     engine_options: dict[str, Any] = Field(default_factory=dict)
     tasks_per_transaction: int = Field(default=1, ge=1)
-    # workflow name -> its options (sampling, reward, ...), e.g. single_turn: {reward: ...}
-    workflows: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    raas_args: list[str] = Field(default_factory=list)  # extra `raas run` flags
+    # workflow name -> its typed options (astraflow.topology_options.WORKFLOW_OPTIONS),
+    # e.g. single_turn: {max_new_tokens: 8, reward: exact_match}
+    workflows: dict[str, Any] = Field(default_factory=dict)
+    device: str | None = None  # torch engine device (default cpu)
+    prefix_cache_mib: float | None = Field(default=None, ge=0)
+    session_timeout_ms: int | None = Field(default=None, ge=1)
+    follow_weights: bool = True  # false: keep the initial weights
+
+    @field_validator("workflows", mode="before")
+    @classmethod
+    def _workflows(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for name, options in v.items():
+            model = WORKFLOW_OPTIONS.get(name)
+            if model is None:
+                raise ValueError(f".{name}: unknown workflow (known: {sorted(WORKFLOW_OPTIONS)})")
+            out[name] = _typed(model, options, f".{name}")
+        return out
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> PoolSpec:
+        _typed(ENGINE_OPTIONS[self.engine], self.engine_options, ".engine_options")
+        return self
+
+    def engine_settings(self) -> Any:
+        """The engine options, typed for this pool's engine."""
+        return ENGINE_OPTIONS[self.engine](**self.engine_options)
+
+
+def _typed(model: type[BaseModel], options: Any, where: str) -> BaseModel:
+    """``model(**options)``; ValueError ``.where.key: message`` (joined to the field's key
+    by ``_format_errors``)."""
+    if isinstance(options, BaseModel):
+        return options
+    if not isinstance(options, dict):
+        raise ValueError(f"{where}: expected a mapping of options")
+    try:
+        return model(**options)
+    except ValidationError as e:
+        raise ValueError(_format_errors(e, prefix=where)) from None
 
 
 class FeederSpec(_Strict):
+    """``feeder run``: what tasks go to tasks.source; unset: the feeder's default."""
+
     dataset: DatasetSpec | None = None  # default: synthetic arithmetic
     rate: float | None = Field(default=None, gt=0)  # tasks per second
-    args: list[str] = Field(default_factory=list)  # `feeder run` flags, e.g. [--levels, "1,2"]
+    epochs: int | None = Field(default=None, ge=0, description="default 1; 0: forever")
+    levels: Levels | None = None
+    seed: int | None = None
+    count: int | None = Field(default=None, ge=1)
+    size: int | None = Field(default=None, ge=0)
+    split: Literal["train", "eval"] | None = None
+    task_family: Literal["arithmetic", "code"] | None = None
+    workflow: str | None = None  # default single_turn (code: code_tests)
+    policies: list[str] | None = None  # the policies the workflow uses, in order
+    from_start: bool = False
+
+    @field_validator("workflow")
+    @classmethod
+    def _workflow(cls, v: str | None) -> str | None:
+        if v is not None and v not in WORKFLOW_OPTIONS:
+            raise ValueError(f"unknown workflow {v!r} (known: {sorted(WORKFLOW_OPTIONS)})")
+        return v
 
 
 class EvalSpec(_Strict):
+    """The evaluator of every policy (``eval run``); a policy's ``eval:`` overrides."""
+
     every_versions: int = Field(default=5, ge=1)
     dataset: DatasetSpec | None = None  # held-out file; default: synthetic arithmetic
     reward: str | dict[str, Any] | None = None  # astraflow.tasks.rewards spec (numeric)
     size: int = Field(default=200, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
-    args: list[str] = Field(default_factory=list)  # extra `eval run` flags
+    levels: Levels | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: Any) -> Any:
+        return check_reward(v)
 
 
 class Topology(_Strict):
@@ -225,6 +401,12 @@ class Topology(_Strict):
     def _check(self) -> Topology:
         for name, spec in IMPLICIT_TOPICS.items():
             self.topics.setdefault(name, TopicSpec(**spec))
+        self._check_topics()
+        self._check_processors()
+        self._resolve_staleness()
+        return self
+
+    def _check_topics(self) -> None:
         for name, spec in self.topics.items():
             if spec.schema_name is not None:
                 if spec.schema_name not in SCHEMA_BY_NAME:
@@ -237,6 +419,8 @@ class Topology(_Strict):
                     f"topics.{name}: no record type is known for this topic name; "
                     f"set `schema:` to one of {sorted(SCHEMA_BY_NAME)}"
                 )
+
+    def _check_processors(self) -> None:
         from astraflow.dataflow import PROCESSOR_KINDS
 
         for pname, p in self.processors.items():
@@ -257,7 +441,31 @@ class Topology(_Strict):
                 options_model(**p.options)
             except ValidationError as e:
                 raise ValueError(_format_errors(e, prefix=f"processors.{pname}.options")) from None
-        return self
+
+    def _resolve_staleness(self) -> None:
+        """Give each staleness filter and batcher its policies' ``max_staleness`` (an
+        explicit option is left only where the topology declares none of its policies:
+        old-format checks reject the others)."""
+        for pname, p in self.processors.items():
+            if p.kind == "staleness_filter":
+                named = p.options.get("policies") or ["actor"]
+            elif p.kind == "batcher":
+                named = [p.options.get("policy", "actor")]
+            else:
+                continue
+            bounds = {n: self.policies[n].max_staleness for n in named if n in self.policies}
+            if len(set(bounds.values())) > 1:
+                raise ValueError(
+                    f"processors.{pname}: its policies have different max_staleness "
+                    f"({', '.join(f'{n} {b}' for n, b in bounds.items())}); one staleness "
+                    "filter applies one bound: give them the same max_staleness")
+            if bounds:
+                p.options["max_staleness"] = next(iter(bounds.values()))
+
+    def max_staleness(self, policy: str) -> int:
+        """The ``max_staleness`` of ``policy`` (the one default for undeclared ones)."""
+        spec = self.policies.get(policy)
+        return spec.max_staleness if spec is not None else DEFAULT_MAX_STALENESS
 
     def topic(self, name: str) -> ResolvedTopic:
         if name not in self.topics:
@@ -307,6 +515,9 @@ def _format_errors(e: ValidationError, prefix: str = "") -> str:
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
+        if msg.startswith(".") and loc:  # a nested model's error: ".key.sub: message"
+            parts.append(f"{loc}{msg}")
+            continue
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
@@ -315,6 +526,10 @@ def parse_topology(data: Any, source: str = "<memory>") -> Topology:
     """Validate a parsed YAML mapping; raises TopologyError naming source and key."""
     if not isinstance(data, dict):
         raise TopologyError(f"{source}: expected a mapping at the top level")
+    old = old_format_errors(data)
+    if old:
+        raise TopologyError(f"{source}: old topology format (docs/topology.md, "
+                            "\"Migrating\"):\n  " + "\n  ".join(old))
     try:
         topo = Topology(**data)
     except ValidationError as e:

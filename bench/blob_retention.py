@@ -53,8 +53,7 @@ def main() -> int:
             topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
             topo["kafka"] = {"bootstrap_servers": bootstrap}
             topo["policies"]["actor"]["model"] = str(work / "model")
-            topo["policies"]["actor"]["trainer_args"] += ["--keep-versions",
-                                                         str(args.keep_versions)]
+            topo["policies"]["actor"]["trainer"]["keep_versions"] = args.keep_versions
             path = work / "default.yaml"
             path.write_text(yaml.safe_dump(topo))
             env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap}

@@ -95,10 +95,10 @@ def build_variant(base: dict[str, Any], variant: str, *, model: str, state_dir: 
     for policy, spec in doc["policies"].items():
         spec["model"] = model
         spec["init_tiny"] = False
-        spec["trainer_args"] = [*spec.get("trainer_args", []), "--seed", str(seed),
-                                "--state-dir", f"{state_dir}/{policy}"]
+        spec["trainer"] = {**spec.get("trainer", {}), "seed": seed,
+                           "state_dir": f"{state_dir}/{policy}"}
     if doc.get("feeder") is not None:
-        doc["feeder"]["args"] = [*doc["feeder"].get("args", []), "--seed", str(seed)]
+        doc["feeder"]["seed"] = seed
     procs = doc.setdefault("processors", {})
     if variant == "dynamic_sampling":
         _insert_before(doc, "trajectories.raw", "dynamic-sampling",
@@ -131,9 +131,10 @@ def build_variant(base: dict[str, Any], variant: str, *, model: str, state_dir: 
 
 
 def warm_start_of(base: dict[str, Any]) -> tuple[int, float]:
-    """(warm_start_steps, warm_start_slip) of the base topology's first policy."""
+    """(warm_start.steps, warm_start.slip) of the base topology's first policy."""
     spec = next(iter(base.get("policies", {}).values()), {})
-    return int(spec.get("warm_start_steps", 0)), float(spec.get("warm_start_slip", 0.0))
+    ws = spec.get("warm_start") or {}
+    return int(ws.get("steps", 0)), float(ws.get("slip", 0.0))
 
 
 def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
@@ -154,9 +155,9 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     steps = d_steps if steps is None else steps
     slip = d_slip if slip is None else slip
     path = runs_dir / RUN_PREFIX / f"model-ws{steps}-slip{slip:g}"
-    # the base policy's recipe (init_args included), only its steps/slip overridable
-    policy = PolicySpec(**{**spec, "model": str(path), "warm_start_steps": steps,
-                           "warm_start_slip": slip})
+    # the base policy's recipe (all of warm_start), only its steps/slip overridable
+    policy = PolicySpec(**{**spec, "model": str(path), "warm_start": {
+        **(spec.get("warm_start") or {}), "steps": steps, "slip": slip}})
     if (path / "config.json").is_file() and (path / "astraflow_init.json").is_file() \
             and not _tiny_model_outdated(policy):
         print(f"[bench] shared model: {path} (cached)", flush=True)
@@ -280,18 +281,20 @@ def collect(topo, budget: int) -> dict[str, Any]:
 
 def eval_version(topo, model_dir: Path, manifests: list, version: int | None) -> float:
     """Held-out accuracy of ``version`` (None: the model itself), scored with the settings
-    of the topology's evaluator (``eval.args``) as ``astraflow eval run`` scores it."""
+    of the topology's evaluator (``eval:``) as ``astraflow eval run`` scores it."""
     import torch
 
     from astraflow.cli import build_parser
-    from astraflow.model import evaluate, load_policy
+    from astraflow.launcher import _eval_args
+    from astraflow.models.evaluation import evaluate
+    from astraflow.models.loading import load_policy
     from astraflow.tasks.arithmetic import eval_problems
     from astraflow.weights import WeightFollower
 
     policy = next(iter(topo.policies))
-    extra = topo.eval.args if topo.eval is not None else []
-    ev = build_parser().parse_args(["eval", "run", "--topology", "-", "--model", str(model_dir),
-                                    "--policy", policy, *extra])
+    command = (_eval_args(topo, "-", policy) if topo.eval is not None
+               else ["eval", "run", "--topology", "-", "--policy", policy])
+    ev = build_parser().parse_args([*command, "--model", str(model_dir)])
     torch.set_num_threads(1)
     model, tokenizer = load_policy(model_dir)
     if version is not None:
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-selection", default="max_variance",
                     choices=["uniform", "recent", "high_reward", "max_variance"])
     ap.add_argument("--warm-start-steps", type=int, default=None,
-                    help="override the base policy's warm_start_steps for the shared model")
+                    help="override the base policy's warm_start.steps for the shared model")
     ap.add_argument("--carry-slip", type=float, default=None,
                     help="override the base policy's warm_start_slip for the shared model")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "data_algorithms.json"),

@@ -194,7 +194,7 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from astraflow.chat import ChatFormat
-    from astraflow.model import load_policy
+    from astraflow.models.loading import load_policy
     from astraflow.tasks.datasets import load_dataset_file
     from astraflow.tasks.rewards import make_reward
 
@@ -215,7 +215,7 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
                         if p["kind"] == "batcher")
     n = trained_group_size(doc)
     return {"model": model, "tokenizer": tokenizer, "rows": rows, "reward_fn": reward_fn,
-            "lr": float(policy["lr"]), "n": n, "batch": n * int(batch_groups),
+            "lr": float(policy["trainer"]["lr"]), "n": n, "batch": n * int(batch_groups),
             "max_new_tokens": int(wf.get("max_new_tokens", 64)),
             "temperature": float(wf.get("temperature", 1.0)), "policy": name}
 
@@ -296,7 +296,8 @@ def make_scorer(doc: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from astraflow.chat import ChatFormat
-    from astraflow.model import evaluate, load_policy
+    from astraflow.models.evaluation import evaluate
+    from astraflow.models.loading import load_policy
     from astraflow.tasks.datasets import load_dataset_file
     from astraflow.tasks.rewards import make_reward
 

@@ -71,31 +71,24 @@ def alone_topology(together: dict[str, Any], solver: str = "solver") -> dict[str
         procs[name] = {**proc, "outputs": outs, **({"options": opts} if opts else {})}
     topo["processors"] = procs
     for pool in topo["pools"].values():
-        pool["raas_args"] = [_single_turn_options(a) for a in pool.get("raas_args", [])]
-    feeder, args = [], iter(topo["feeder"]["args"])
-    for a in args:
-        if a == "--workflow":
-            feeder += [a, "single_turn"]
-            next(args)
-        elif a == "--policy":
-            policy = next(args)
-            feeder += [a, policy] if policy == solver else []
-        else:
-            feeder.append(a)
-    topo["feeder"]["args"] = feeder
+        pool["workflows"] = {("single_turn" if name == "solve_verify" else name):
+                             (_single_turn_options(opts) if name == "solve_verify" else opts)
+                             for name, opts in (pool.get("workflows") or {}).items()}
+    feeder = topo["feeder"]
+    if feeder.get("workflow"):
+        feeder["workflow"] = "single_turn"
+    if feeder.get("policies"):
+        feeder["policies"] = [p for p in feeder["policies"] if p == solver]
     return topo
 
 
 SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed")
 
 
-def _single_turn_options(arg: str) -> str:
-    """``solve_verify={...}`` (a ``--workflow-options`` value) -> ``single_turn={...}`` with
-    the solver's sampling options only; any other argument as it is."""
-    if not arg.startswith("solve_verify="):
-        return arg
-    opts = json.loads(arg.split("=", 1)[1])
-    return "single_turn=" + json.dumps({k: v for k, v in opts.items() if k in SAMPLING_OPTIONS})
+def _single_turn_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The ``single_turn`` options of a ``solve_verify`` pool: the solver's sampling
+    options only."""
+    return {k: v for k, v in opts.items() if k in SAMPLING_OPTIONS}
 
 
 def run_up(topology: str, duration: float, runs_dir: Path, log: Path) -> dict[str, Any]:

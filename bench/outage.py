@@ -80,7 +80,7 @@ def run_one(length_s: float, model: Path, work: Path, settle_s: float) -> dict:
     topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
     run = topo["run"] = f"outage-{int(length_s)}-{os.getpid()}"
     topo["kafka"] = {"bootstrap_servers": bootstrap}
-    topo["policies"]["actor"].update(model=str(model), warm_start_steps=100, init_args=[])
+    topo["policies"]["actor"].update(model=str(model), warm_start={"steps": 100})
     path = work / "topology.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap}

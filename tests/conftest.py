@@ -3,6 +3,11 @@
 Broker, in order: ``ASTRAFLOW_BOOTSTRAP`` if set; else a testcontainers Kafka when a
 Docker engine answers; else the embedded Apache Kafka, started once per session in a
 temporary state directory and removed afterwards.
+
+Markers: every test whose fixtures (directly or through another fixture) include
+``kafka_bootstrap`` is marked ``kafka`` here, at collection, so ``pytest -m "not kafka"``
+never starts a broker (tests/test_markers.py checks it). ``slow``, ``chaos`` and ``vllm``
+are written on the tests. Tests wait with ``wait_for`` (a condition), never a bare sleep.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import yaml
@@ -27,6 +33,18 @@ from astraflow.kafka.topics import apply_topics
 from astraflow.topology import Topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+BROKER_FIXTURE = "kafka_bootstrap"  # every fixture that reaches the broker goes through it
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``kafka`` every test that needs the broker: its fixture closure holds
+    ``kafka_bootstrap`` (``kafka_config``, ``new_topic``, ``make_topology``,
+    ``astraflow_cli`` all depend on it)."""
+    for item in items:
+        if BROKER_FIXTURE in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kafka)
 
 
 def _docker_answers() -> bool:
@@ -143,13 +161,18 @@ def astraflow_cli(kafka_bootstrap: str) -> Callable[..., subprocess.Popen]:
             p.wait(10)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, step: float = 0.2) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, step: float = 0.2) -> T:
+    """Poll ``predicate`` every ``step`` seconds until it returns something true, and return
+    that; fail naming ``what`` after ``timeout`` seconds. The one way tests wait: on a
+    condition, never a bare sleep (an exception from ``predicate`` fails at once)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(step)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @contextlib.contextmanager
@@ -174,8 +197,8 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     import torch
 
-    from astraflow.model import ModelError
     from astraflow.model_import import INSTALL_SMOLLM2, import_gguf, smollm2_gguf
+    from astraflow.models.errors import ModelError
 
     try:
         gguf = smollm2_gguf()

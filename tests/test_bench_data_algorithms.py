@@ -39,8 +39,8 @@ def test_every_variant_is_a_valid_topology_with_its_own_run_and_fixed_model(name
     assert topo.run == f"bench-da-{name.replace('_', '-')}"
     (policy,) = topo.policies.values()
     assert policy.model == "/m" and policy.init_tiny is False
-    assert policy.trainer_args[-4:] == ["--seed", "7", "--state-dir", "/s/actor"]
-    assert topo.feeder.args[-2:] == ["--seed", "7"]
+    assert (policy.trainer.seed, policy.trainer.state_dir) == (7, "/s/actor")
+    assert topo.feeder.seed == 7
     # the base document is left alone
     assert BASE["run"] != topo.run and "init_tiny" not in BASE["policies"]["actor"]
 
@@ -79,7 +79,7 @@ def test_replay_turns_on_replay_in_the_batcher():
     _, topo = _variant("replay", replay_ratio=0.5)
     opts = topo.processors["batcher"].options
     assert opts["replay_ratio"] == 0.5 and opts["replay_seed"] == 7
-    assert opts["max_staleness"] == BASE["processors"]["batcher"]["options"]["max_staleness"]
+    assert opts["max_staleness"] == BASE["policies"]["actor"]["max_staleness"]
 
 
 def test_unknown_variant_is_an_error():

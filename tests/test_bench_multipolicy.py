@@ -27,7 +27,7 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     # the same model recipe, trainer and pool: only the model's place differs
     a, t = alone.policies["solver"], together.policies["solver"]
     assert _model_init_command(a)[3:] == _model_init_command(t)[3:]
-    assert (a.lr, a.trainer_args, a.anchor_interval) == (t.lr, t.trainer_args, t.anchor_interval)
+    assert (a.trainer, a.max_staleness) == (t.trainer, t.max_staleness)
     assert a.model != t.model
     assert not [n for n in alone.topics if "verifier" in n]
     assert set(alone.processors) == {"forward-tasks", "staleness", "router", "batcher-solver"}
@@ -36,17 +36,16 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     procs = plan_processes(alone, "alone.yaml")
     assert not [n for n in procs if "verifier" in n]
     raas = procs["raas-local-0"]
-    k = TOGETHER["pools"]["local"]["raas_args"]
-    assert raas[raas.index("--tasks-per-transaction") + 1] == k[k.index(
-        "--tasks-per-transaction") + 1]
+    k = TOGETHER["pools"]["local"]["tasks_per_transaction"]
+    assert raas[raas.index("--tasks-per-transaction") + 1] == str(k)
     assert any(x.startswith("single_turn=") for x in raas)
     # the solver's sampling options only: nothing of the verifier's
     opts = json.loads(next(x for x in raas if x.startswith("single_turn=")).split("=", 1)[1])
-    assert opts == {"max_new_tokens": 8}
+    assert opts == {"temperature": 1.0, "max_new_tokens": 8}  # the policy's temperature
     assert not any("solve_verify" in x for x in raas)
-    feeder = alone.feeder.args
-    assert feeder[feeder.index("--workflow") + 1] == "single_turn"
-    assert feeder.count("--policy") == 1 and feeder[feeder.index("--rate") + 1] == "60"
+    feeder = alone.feeder
+    assert feeder.workflow == "single_turn"
+    assert feeder.policies == ["solver"] and feeder.rate == 60
     assert TOGETHER["policies"]["verifier"]  # the input is not modified
 
 

@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from astraflow.broker import BrokerError, EmbeddedBroker, _pid_alive, kept_port
 
-pytestmark = pytest.mark.kafka
+from .conftest import wait_for
 
 
 def _produce(bootstrap: str, topic: str, value: bytes) -> None:
@@ -43,6 +43,8 @@ def _values(bootstrap: str, topic: str) -> list[bytes]:
     return out
 
 
+@pytest.mark.kafka  # starts its own embedded broker (not the session's)
+@pytest.mark.slow
 def test_broker_keeps_port_and_data_across_stop_and_crash(tmp_path):
     broker = EmbeddedBroker(tmp_path / "state")
     try:
@@ -61,9 +63,7 @@ def test_broker_keeps_port_and_data_across_stop_and_crash(tmp_path):
 
         pid = int(json.loads(broker.info_file.read_text())["pid"])
         os.kill(pid, signal.SIGKILL)  # a crash: no clean shutdown
-        deadline = time.time() + 30
-        while _pid_alive(pid) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: not _pid_alive(pid), 30, f"the killed broker (pid {pid}) to exit")
         assert broker.status().running is False
         st = broker.start(log=lambda *_: None)
         assert st.bootstrap == bootstrap

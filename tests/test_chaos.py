@@ -69,10 +69,10 @@ class Run:
         topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
         self.run = topo["run"] = random_name("chaos")
         topo["kafka"] = {"bootstrap_servers": self.bootstrap}
-        topo["policies"]["actor"].update(model=str(model), warm_start_steps=100,
-                                         warm_start_slip=0.7, init_args=[])
-        topo["feeder"]["args"] = ["--epochs", "0", "--rate", "20", "--levels", "1"]
-        topo["eval"] = {"every_versions": 5, "args": ["--size", "20", "--levels", "1"]}
+        topo["policies"]["actor"].update(model=str(model),
+                                         warm_start={"steps": 100, "slip": 0.7})
+        topo["feeder"] = {"epochs": 0, "rate": 20, "levels": "1"}
+        topo["eval"] = {"every_versions": 5, "size": 20, "levels": "1"}
         self.path = tmp_path / "chaos.yaml"
         self.path.write_text(yaml.safe_dump(topo))
         self.runs = tmp_path / "runs"

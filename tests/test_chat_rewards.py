@@ -10,7 +10,8 @@ import pytest
 
 from astraflow.chat import ChatFormat, PromptError, payload_messages
 from astraflow.launcher import plan_processes
-from astraflow.model import build_tokenizer, evaluate
+from astraflow.models.evaluation import evaluate
+from astraflow.models.tiny import build_tokenizer
 from astraflow.raas.workflows import make_workflow
 from astraflow.tasks import make_task
 from astraflow.tasks.datasets import DatasetError, load_dataset_file
@@ -181,7 +182,8 @@ def test_evaluate_uses_the_chat_format_and_the_reward(tiny_model):
 
 @pytest.fixture
 def tiny_model(tmp_path):
-    from astraflow.model import init_model, load_policy
+    from astraflow.models.loading import load_policy
+    from astraflow.models.tiny import init_model
 
     init_model(tmp_path / "m")
     return load_policy(tmp_path / "m")

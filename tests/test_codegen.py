@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from astraflow.raas.codegen import CodeTests, parse_tests, solver_expression
 from astraflow.raas.workflows import WORKFLOWS, TaskError, make_workflow
+from astraflow.raas.workflows.code_tests import CodeTests, parse_tests, solver_expression
 from astraflow.records import Task
 from astraflow.sandbox import check_cases
 from astraflow.tasks.code import (
@@ -72,7 +72,7 @@ def check_invariants(s, prompt: str) -> None:
 
 # --- tasks --------------------------------------------------------------------------------
 def test_code_tasks_are_seeded_split_and_fit_the_tiny_model():
-    from astraflow.model import CHARSET, MAX_POSITIONS
+    from astraflow.models.tiny import CHARSET, MAX_POSITIONS
 
     a = code_problems("1,2,3,4", "train", 200, seed=3)
     assert a == code_problems("1,2,3,4", "train", 200, seed=3)

@@ -30,10 +30,10 @@ def test_up_trains_publishes_evaluates_and_bounds_staleness(kafka_bootstrap, kaf
     # Level 1 only, so that a short warm start learns the format: the teacher forgets the
     # carry 70 % of the time (7+5=2), and RL has to learn to carry within the run.
     topo["policies"]["actor"].update(
-        model=str(tmp_path / "model"), warm_start_steps=800, warm_start_slip=0.7,
-        init_args=["--levels", "1", "--warm-start-until", "0.9"])
-    topo["feeder"]["args"] = ["--epochs", "0", "--rate", "60", "--levels", "1"]
-    topo["eval"] = {"every_versions": 2, "args": ["--size", "50", "--levels", "1"]}
+        model=str(tmp_path / "model"),
+        warm_start={"steps": 800, "slip": 0.7, "levels": "1", "until": 0.9})
+    topo["feeder"] = {"epochs": 0, "rate": 60, "levels": "1"}
+    topo["eval"] = {"every_versions": 2, "size": 50, "levels": "1"}
     path = tmp_path / "e2e.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}
@@ -74,18 +74,21 @@ def test_up_trains_publishes_evaluates_and_bounds_staleness(kafka_bootstrap, kaf
             for s in g.sequences:
                 assert max(known) - s.min_version <= MAX_STALENESS, (b.batch_id, s.versions)
 
-    # the reward rises: rollouts of the last quarter of the run beat the first eighth's
+    # The mechanism of learning, not how much (that is a bench: held-out accuracy at a
+    # version budget against the starting model, `python bench/data_algorithms.py
+    # --variants baseline`, and over time, `python bench/learning.py --topology
+    # topology/default.yaml`): the trainer's updates moved the weights, the RaaS node rolled
+    # out with the versions it published, and the evaluator scored versions after the first.
+    assert any(m.num_changed > 0 for m in deltas), "no published version changed a weight"
     groups = sorted((r.record for r in read_all(kafka_config, f"{run}.trajectories.raw",
                                                 expect=TrajectoryGroup)),
                     key=lambda g: g.created_at_ms)
     assert len(groups) >= 40, len(groups)
-    first = _mean_reward(groups[: len(groups) // 8])
-    last = _mean_reward(groups[-(len(groups) // 4):])
-    print(f"rollout reward: first eighth {first:.3f}, last quarter {last:.3f} "
-          f"({len(groups)} groups)")
-    assert last >= first + 0.1, (first, last)
-
-
-def _mean_reward(groups) -> float:
-    rewards = [r for g in groups for r in g.rewards]
-    return sum(rewards) / len(rewards)
+    assert all(0.0 <= r <= 1.0 for g in groups for r in g.rewards)
+    rolled_with = {s.max_version for g in groups for s in g.sequences}
+    assert max(rolled_with) >= 1, f"rollouts only ever used versions {rolled_with}"
+    evaluated = {e["version"]: e["accuracy"] for e in summary["eval"]["actor"]}
+    assert max(evaluated) >= 2, evaluated  # (it starts on the newest version published)
+    assert all(0.0 <= a <= 1.0 for a in evaluated.values()), evaluated
+    print(f"rolled out with {len(rolled_with)} versions up to {max(rolled_with)}; held-out "
+          f"accuracy by version {evaluated} ({len(groups)} groups)")

@@ -1,5 +1,9 @@
 """`astraflow up` on two policies (issue 6): solver and verifier, trained together end to
-end, every component a separate process; both rollout rewards rise within the run."""
+end, every component a separate process. The test checks the mechanism (each trainer moves
+its own policy's weights, the RaaS node rolls out both with the versions published); how
+much both learn is measured by ``python bench/multipolicy.py``: the solver's held-out
+accuracy over time against the solver trained alone, and the verifier's verdict accuracy at
+version 0, at the end and at its best."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import yaml
 
 from astraflow.kafka.clients import read_all
 from astraflow.launcher import _model_init_command
-from astraflow.model import INIT_RECIPE
+from astraflow.models.recipe import INIT_RECIPE
 from astraflow.records import Batch, TrajectoryGroup, WeightManifest
 from astraflow.topology import parse_topology
 
@@ -23,19 +27,10 @@ from .conftest import random_name
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("solver", "verifier")
-# Per policy, the rollout reward of the last quarter of the run must beat the first
-# eighth's by this much. Measured on 2 cores shared with another job (four runs of this
-# test, 44-50 versions): solver +0.337, +0.330, +0.296, +0.356; verifier +0.130, +0.118,
-# +0.080, +0.114
-# (earlier fixed-length runs, 13-80 versions: verifier +0.065 to +0.181). A verifier that
-# did not learn would fall instead: as the solver learns to carry, more candidates are
-# right answers, where the warm-started verifier is weakest.
-MIN_RISE = {"solver": 0.1, "verifier": 0.03}
 
 
 @pytest.mark.slow
-def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, kafka_config,
-                                                             tmp_path):
+def test_up_trains_solver_and_verifier_together(kafka_bootstrap, kafka_config, tmp_path):
     t0 = time.time()
     topo = yaml.safe_load((REPO / "topology" / "solver-verifier.yaml").read_text())
     run = random_name("e2e-sv")
@@ -44,35 +39,32 @@ def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, ka
     # Level 1 only (one-digit sums), as in test_e2e: the solver's teacher forgets the carry
     # 70 % of the time, so RL has carries to teach it.
     topo["policies"]["solver"].update(
-        model=str(tmp_path / "solver"), warm_start_steps=800, warm_start_slip=0.7,
-        init_args=["--levels", "1", "--warm-start-until", "0.9"])
+        model=str(tmp_path / "solver"),
+        warm_start={"steps": 800, "slip": 0.7, "levels": "1", "until": 0.9})
     # 175 steps: the smallest warm start that judges clearly better than chance but not
     # perfectly. Sampled verdicts (temperature 1) on all 100 level-1 problems, right answer
     # / forgotten carry / near miss: 150 steps 51/63/51 %, 175 steps 72/96/68 %, 200 steps
     # 78/91/54 %, 300 steps 87/99/84 %, 600 steps 96/97/96 %.
     # The verifier's teacher judges right (no slip), its trainer as measured above.
     topo["policies"]["verifier"].update(
-        model=str(tmp_path / "verifier"), warm_start_steps=175, warm_start_slip=0.0,
-        lr=0.0001, init_args=["--levels", "1"])
+        model=str(tmp_path / "verifier"), warm_start={"steps": 175, "slip": 0.0, "levels": "1"},
+        trainer={"lr": 0.0001, "anchor_interval": 10})
     # measured on the verifier that is shown the candidate (not `blind`), judging all 8
     # answers, at normal CPU priority, batches of 8
-    topo["policies"]["verifier"].update(eval_args=[], nice=0)
-    topo["pools"]["local"]["raas_args"] = [
-        "--tasks-per-transaction", "8", "--workflow-options", 'solve_verify={"max_new_tokens": 8}']
+    topo["policies"]["verifier"].update(eval={}, nice=0)
+    topo["pools"]["local"].update(tasks_per_transaction=8,
+                                  workflows={"solve_verify": {"max_new_tokens": 8}})
     topo["processors"]["batcher-verifier"]["options"]["batch_size"] = 8
     # and at max staleness 8 (the shipped run allows 16)
-    topo["processors"]["staleness"]["options"]["max_staleness"] = 8
     for policy in POLICIES:
-        topo["processors"][f"batcher-{policy}"]["options"]["max_staleness"] = 8
-        topo["policies"][policy]["trainer_args"] = ["--max-staleness", "8"]
+        topo["policies"][policy]["max_staleness"] = 8
     # measured without class_balance: the verifier's batcher reads the router's output
     topo["processors"].pop("balance-verifier", None)
     topo["topics"].pop("samples.verifier.balanced", None)
     topo["processors"]["batcher-verifier"]["inputs"] = ["samples.verifier"]
-    topo["feeder"]["args"] = ["--epochs", "0", "--rate", "60", "--levels", "1",
-                              "--workflow", "solve_verify", "--policy", "solver",
-                              "--policy", "verifier"]
-    topo["eval"] = {"every_versions": 5, "args": ["--size", "50", "--levels", "1"]}
+    topo["feeder"] = {"epochs": 0, "rate": 60, "levels": "1", "workflow": "solve_verify",
+                      "policies": ["solver", "verifier"]}
+    topo["eval"] = {"every_versions": 5, "size": 50, "levels": "1"}
     path = tmp_path / "e2e-sv.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "OMP_NUM_THREADS": "1"}
@@ -131,25 +123,20 @@ def test_up_trains_solver_and_verifier_and_both_rewards_rise(kafka_bootstrap, ka
         assert batches and {b.policy for b in batches} == {policy}
         assert {s.policy for b in batches for g in b.groups for s in g.sequences} == {policy}
 
-    # both rewards rise: per policy, the rollouts of the last quarter of the run beat the
-    # first eighth's
-    groups = sorted((r.record for r in read_all(kafka_config, f"{run}.trajectories.raw",
-                                                expect=TrajectoryGroup)),
-                    key=lambda g: g.created_at_ms)
+    # per policy: its trainer's updates moved its weights, and the RaaS node rolled out its
+    # sequences with the versions that trainer published (how much each learns:
+    # bench/multipolicy.py, see the module docstring)
+    groups = [r.record for r in read_all(kafka_config, f"{run}.trajectories.raw",
+                                         expect=TrajectoryGroup)]
     assert len(groups) >= 40, len(groups)
-    first, last = groups[: len(groups) // 8], groups[-(len(groups) // 4):]
-    rises = {}
     for policy in POLICIES:
-        a, b = _mean_reward(first, policy), _mean_reward(last, policy)
-        rises[policy] = b - a
-        print(f"{policy} rollout reward: first eighth {a:.3f}, last quarter {b:.3f}, "
-              f"rise {b - a:+.3f} ({len(groups)} groups, v{summary['versions'][policy]})")
+        deltas = [r.record for r in read_all(kafka_config, f"{run}.weights.{policy}",
+                                             expect=WeightManifest) if r.record.kind == "delta"]
+        assert any(m.num_changed > 0 for m in deltas), f"{policy}: no version changed a weight"
+        mine = [s for g in groups for s in g.sequences if s.policy == policy]
+        assert mine and all(0.0 <= s.reward <= 1.0 for s in mine), policy
+        rolled_with = {s.max_version for s in mine}
+        assert max(rolled_with) >= 1, f"{policy} rolled out only with versions {rolled_with}"
+        print(f"{policy}: {len(mine)} sequences, rolled out with versions up to "
+              f"{max(rolled_with)}")
     print(f"test took {time.time() - t0:.0f}s")
-    for policy in POLICIES:
-        assert rises[policy] >= MIN_RISE[policy], (policy, rises)
-
-
-def _mean_reward(groups, policy: str) -> float:
-    rewards = [s.reward for g in groups for s in g.sequences if s.policy == policy]
-    assert rewards, f"no {policy} sequences"
-    return sum(rewards) / len(rewards)

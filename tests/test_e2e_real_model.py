@@ -29,14 +29,14 @@ def _small_smollm2_run(run: str, model: Path, bootstrap: str, state: Path) -> di
     topo.pop("eval")
     policy = topo["policies"]["actor"]
     policy.update(model=str(model), import_from=None)
-    policy["trainer_args"] = [*policy["trainer_args"], "--state-dir", str(state)]
+    policy["trainer"]["state_dir"] = str(state)
     pool = topo["pools"]["local"]
     pool.update(n_samples=4, tasks_per_transaction=1)
     pool["workflows"]["single_turn"].update(
         max_new_tokens=4, reward={"name": "format", "pattern": "(?s).*[0-9].*"})
     topo["processors"]["batcher"]["options"]["batch_size"] = 1
     topo["feeder"] = {"dataset": {"path": str(REPO / "data" / "addition.train.jsonl")},
-                      "rate": 2, "args": ["--epochs", "0"]}
+                      "rate": 2, "epochs": 0}
     return topo
 
 

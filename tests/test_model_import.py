@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.model import ModelError, load_policy
 from astraflow.model_import import IMPORT_RECORD, INSTALL_SMOLLM2, import_gguf, smollm2_gguf
+from astraflow.models.errors import ModelError
+from astraflow.models.loading import load_policy
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (
@@ -272,7 +273,7 @@ def test_load_policy_missing_directory(tmp_path):
 
 
 def test_load_policy_without_tokenizer(tmp_path):
-    from astraflow.model import init_model
+    from astraflow.models.tiny import init_model
 
     path = init_model(tmp_path / "m")
     for f in path.iterdir():

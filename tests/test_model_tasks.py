@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
@@ -27,6 +26,8 @@ from astraflow.tasks import (
 )
 from astraflow.tasks.datasets import DatasetError
 
+from .conftest import wait_for
+
 
 @pytest.fixture(scope="module")
 def torch_threads():
@@ -40,7 +41,7 @@ def torch_threads():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, torch_threads):
-    from astraflow.model import init_model
+    from astraflow.models.tiny import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny-model"), seed=3)
 
@@ -50,7 +51,8 @@ def test_init_and_reload_round_trip(tiny_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from astraflow.model import init_model, load_policy
+    from astraflow.models.loading import load_policy
+    from astraflow.models.tiny import init_model
 
     model, tok = load_policy(tiny_dir)
     assert model.config.tie_word_embeddings
@@ -73,7 +75,7 @@ def test_init_and_reload_round_trip(tiny_dir):
 
 
 def test_tokenizer_round_trip_on_task_text(tiny_dir):
-    from astraflow.model import load_policy
+    from astraflow.models.loading import load_policy
 
     _, tok = load_policy(tiny_dir)
     texts = [p.prompt + p.answer for p in train_problems((1, 2, 3, 4), n=50)]
@@ -88,7 +90,8 @@ def test_tokenizer_round_trip_on_task_text(tiny_dir):
 
 
 def test_load_policy_errors(tmp_path):
-    from astraflow.model import ModelError, load_policy
+    from astraflow.models.errors import ModelError
+    from astraflow.models.loading import load_policy
 
     with pytest.raises(ModelError, match="no such model directory"):
         load_policy(tmp_path / "missing")
@@ -97,7 +100,9 @@ def test_load_policy_errors(tmp_path):
 
 
 def test_warm_start_lowers_loss_and_evaluate_runs(tiny_dir):
-    from astraflow.model import evaluate, load_policy, warm_start
+    from astraflow.models.evaluation import evaluate
+    from astraflow.models.loading import load_policy
+    from astraflow.models.warm_start import warm_start
 
     model, tok = load_policy(tiny_dir)
     train = train_problems((1,), n=500, unique=False)
@@ -113,7 +118,7 @@ def test_warm_start_lowers_loss_and_evaluate_runs(tiny_dir):
 def test_model_cli_registers():
     import argparse
 
-    from astraflow import model
+    from astraflow.models import cli as model
 
     parser = argparse.ArgumentParser()
     model.register(parser.add_subparsers(dest="command", required=True))
@@ -269,12 +274,12 @@ def test_feeder_count_rate_and_pause_without_kafka():
 
 def _read_until(config, topic: str, n: int, timeout: float = 30.0) -> list:
     """Read the topic until it holds ``n`` records (a fresh broker can be slow to serve)."""
-    deadline = time.time() + timeout
-    while True:
+
+    def enough() -> list | None:
         got = read_all(config, topic, expect=Task, idle_s=2.0, timeout_s=timeout)
-        if len(got) >= n or time.time() > deadline:
-            return got
-        time.sleep(0.5)
+        return got if len(got) >= n else None
+
+    return wait_for(enough, timeout, f"{n} tasks on {topic}", step=0.5)
 
 
 @pytest.mark.kafka
@@ -372,13 +377,14 @@ def test_with_carry_slips_changes_only_carry_problems_at_the_rate():
         with_carry_slips(problems, 1.5)
 
 
+@pytest.mark.slow  # two `astraflow model init` processes
 def test_interrupted_model_init_leaves_no_model_and_a_finished_one_has_its_recipe(tmp_path):
     """Ctrl-C during the warm start: no directory the next run could take for a model."""
     import signal
     import subprocess
     import sys
 
-    from astraflow.model import INIT_RECIPE
+    from astraflow.models.recipe import INIT_RECIPE
 
     out = tmp_path / "model"
     cmd = [sys.executable, "-u", "-m", "astraflow.cli", "model", "init", str(out),

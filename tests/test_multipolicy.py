@@ -17,20 +17,19 @@ import pytest
 
 from astraflow.dataflow import Incoming
 from astraflow.dataflow.router import PolicyRouter, RouterOptions, split_by_policy
-from astraflow.raas.verify import SolveSelect, SolveVerify
 from astraflow.raas.workflows import WORKFLOWS, TaskError, make_workflow
+from astraflow.raas.workflows.solve_select import SolveSelect
+from astraflow.raas.workflows.solve_verify import SolveVerify
 from astraflow.records import Batch, ComponentStatus, Task, TrajectoryGroup
-from astraflow.roles import (
+from astraflow.roles.formats import (
     parse_pick,
     parse_verdict,
-    retry_examples,
     retry_prompt,
-    role_eval_examples,
     select_prompt,
-    selector_examples,
-    verifier_examples,
     verify_prompt,
 )
+from astraflow.roles.scoring import role_eval_examples
+from astraflow.roles.teacher import retry_examples, selector_examples, verifier_examples
 
 from .conftest import REPO, running, wait_for
 from .fakes import ScriptedEngine
@@ -151,8 +150,8 @@ def test_verifier_judges_only_the_first_answers_it_is_asked_to():
 
 
 def test_blind_verifier_examples_train_own_answer_and_verdict_only():
-    from astraflow.model import encode_segments
-    from astraflow.roles import blind_verdict_context, own_answer
+    from astraflow.models.examples import encode_segments
+    from astraflow.roles.formats import blind_verdict_context, own_answer
     from astraflow.tasks.arithmetic import train_problems
 
     problems = train_problems((1, 2), n=300)
@@ -315,7 +314,7 @@ def test_solve_select_rewards_ties_and_metrics():
 
 # --- role formats and warm-start examples ---------------------------------------------------
 def test_role_formats_fit_the_tiny_model():
-    from astraflow.model import CHARSET, MAX_POSITIONS
+    from astraflow.models.tiny import CHARSET, MAX_POSITIONS
 
     for text in (verify_prompt("37+45=", "82"), retry_prompt("37+45=", "82"),
                  select_prompt("37+45=", "82", "83")):
@@ -404,14 +403,15 @@ def test_role_eval_examples_are_held_out_and_balanced():
 def test_init_role_cli_writes_a_role_model(tmp_path):
     from astraflow.cli import build_parser, main
     from astraflow.launcher import _model_init_command, _tiny_model_outdated
-    from astraflow.model import INIT_RECIPE, init_recipe, load_policy
-    from astraflow.roles import OLD_ROLE_RECIPE, evaluate_role
+    from astraflow.models.loading import load_policy
+    from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
+    from astraflow.roles.scoring import evaluate_role
     from astraflow.topology import PolicySpec
 
     d = tmp_path / "verifier"
-    spec = PolicySpec(model=str(d), role="verifier", warm_start_steps=3, warm_start_slip=0.5,
-                      init_args=["--train-size", "200", "--eval-size", "10", "--batch-size",
-                                 "8", "--levels", "1"])
+    spec = PolicySpec(model=str(d), role="verifier", warm_start={
+        "steps": 3, "slip": 0.5, "train_size": 200, "eval_size": 10, "batch_size": 8,
+        "levels": "1"})
     # recipes an earlier model left: neither describes the new one
     d.mkdir()
     (d / INIT_RECIPE).write_text(json.dumps({"model_command": "init"}))
@@ -429,8 +429,8 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
     assert _tiny_model_outdated(spec) == ""
     assert "role verifier -> selector" in _tiny_model_outdated(
         spec.model_copy(update={"role": "selector"}))
-    assert "warm_start_steps 3 -> 4" in _tiny_model_outdated(
-        spec.model_copy(update={"warm_start_steps": 4}))
+    assert "warm_start_steps 3 -> 4" in _tiny_model_outdated(spec.model_copy(update={
+        "warm_start": spec.warm_start.model_copy(update={"steps": 4})}))
     model, tok = load_policy(d)
     acc = evaluate_role(model, tok, "verifier", role_eval_examples("verifier", (1,), 6))
     assert 0.0 <= acc <= 1.0
@@ -441,20 +441,21 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
 def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
     from astraflow.cli import main
     from astraflow.launcher import _model_init_command, _tiny_model_outdated
-    from astraflow.model import INIT_RECIPE, load_policy
-    from astraflow.roles import blind_verdicts, evaluate_role
+    from astraflow.models.loading import load_policy
+    from astraflow.models.recipe import INIT_RECIPE
+    from astraflow.roles.scoring import blind_verdicts, evaluate_role
     from astraflow.topology import PolicySpec
 
     d = tmp_path / "blind"
-    spec = PolicySpec(model=str(d), role="verifier", warm_start_steps=3,
-                      init_args=["--blind", "--train-size", "200", "--eval-size", "10",
-                                 "--batch-size", "8", "--levels", "1"])
+    spec = PolicySpec(model=str(d), role="verifier", warm_start={
+        "steps": 3, "blind": True, "train_size": 200, "eval_size": 10, "batch_size": 8,
+        "levels": "1"})
     assert main(_model_init_command(spec)) == 0
     assert json.loads((d / INIT_RECIPE).read_text())["blind"] is True
     assert _tiny_model_outdated(spec) == ""
     # the seen-format recipe is another model
     assert "blind True -> False" in _tiny_model_outdated(spec.model_copy(update={
-        "init_args": [a for a in spec.init_args if a != "--blind"]}))
+        "warm_start": spec.warm_start.model_copy(update={"blind": False})}))
     model, tok = load_policy(d)
     examples = role_eval_examples("verifier", (1,), 6)
     out = blind_verdicts(model, tok, examples)
@@ -526,7 +527,7 @@ def test_launcher_plans_one_trainer_and_evaluator_per_policy():
     assert feeder[feeder.index("--workflow") + 1] == "solve_verify"
 
 
-def test_policy_eval_args_and_niceness_reach_its_processes():
+def test_policy_eval_settings_and_niceness_reach_its_processes():
     import pydantic
 
     from astraflow.launcher import plan_processes, process_niceness
@@ -534,11 +535,13 @@ def test_policy_eval_args_and_niceness_reach_its_processes():
 
     topo = load_topology(REPO / "topology/solver-verifier.yaml")
     spec = topo.policies["verifier"]
-    spec.eval_args, spec.nice = ["--blind", "--every", "20"], 10
+    spec.eval, spec.nice = type(spec.eval)(blind=True, every_versions=20), 10
     procs = plan_processes(topo, "t.yaml")
     ev = procs["eval-verifier"]
-    # the policy's flags come after the topology's, so its --every wins
-    assert ev[-3:] == ["--blind", "--every", "20"] and "--blind" not in procs["eval-solver"]
+    # the policy's own every_versions wins over the topology's
+    assert ev[ev.index("--every") + 1] == "20" and ev[-1] == "--blind"
+    assert "--blind" not in procs["eval-solver"]
+    assert procs["eval-solver"][procs["eval-solver"].index("--every") + 1] == "5"
     assert process_niceness(topo) == {"trainer-verifier": 10, "eval-verifier": 10}
     with pytest.raises(pydantic.ValidationError, match="nice"):
         type(spec)(model="m", nice=20)
@@ -692,6 +695,6 @@ def test_node_follows_each_policy_weights_independently(kafka_config, make_topol
 
 def test_readme_documents_multi_policy_runs():
     text = (REPO / "README.md").read_text()
-    assert "## Multi-policy runs" in text and "docs/multi-policy.md" in text
+    assert "docs/multi-policy.md" in text
     assert "solve_verify" in (REPO / "docs" / "multi-policy.md").read_text()
     assert Path(REPO / "topology/solver-verifier.yaml").is_file()

@@ -15,7 +15,8 @@ import torch
 
 from astraflow.raas.calc import CalcError, calculate, evaluate
 from astraflow.raas.engine import Generation, SamplingParams, TorchEngine
-from astraflow.raas.workflows import Latency, TaskError, make_workflow
+from astraflow.raas.workflows import TaskError, make_workflow
+from astraflow.raas.workflows.latency import Latency
 from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
 
 from .conftest import REPO, running, wait_for
@@ -355,7 +356,13 @@ def test_node_exactly_once_across_sigkill_mid_rollout(
             60,
             "node b to complete the redelivered task",
         )
-        time.sleep(1.5)  # let it commit
+        # its transaction committed: the group is readable (read_committed) on the output
+        wait_for(
+            lambda: "t1" in {r.record.task_id for r in read_all(
+                kafka_config, out, idle_s=0.5, expect=TrajectoryGroup)},
+            60,
+            "node b to commit the group of task t1",
+        )
         b.send_signal(signal.SIGTERM)
         assert b.wait(30) == 0, log_b.read_text()[-2000:]
         assert "leaving group" in log_b.read_text()

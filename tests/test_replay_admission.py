@@ -13,7 +13,6 @@ from astraflow.dataflow.admission import (
     AdmissionPolicy,
     Observation,
     pool_bounds,
-    tasks_per_transaction,
     trainer_bounds,
 )
 from astraflow.dataflow.batcher import Batcher, BatcherOptions, ReplayBuffer
@@ -189,12 +188,10 @@ def test_bounds_are_derived_from_pools_and_staleness():
             "admit": {"kind": "admission", "inputs": ["tasks.source"], "outputs": ["tasks"]},
             "batch": {"kind": "batcher", "inputs": ["samples.actor"],
                       "outputs": ["batches.actor"],
-                      "options": {"policy": "actor", "max_staleness": 3}}},
-        "policies": {"actor": {"model": "m"}},
-        "pools": {"a": {"nodes": 3}, "b": {"nodes": 2, "raas_args": [
-            "--tasks-per-transaction", "4"]}},
+                      "options": {"policy": "actor"}}},
+        "policies": {"actor": {"model": "m", "max_staleness": 3}},
+        "pools": {"a": {"nodes": 3}, "b": {"nodes": 2, "tasks_per_transaction": 4}},
     })
-    assert tasks_per_transaction(["--tasks-per-transaction=3"]) == 3
     assert pool_bounds(topo, AdmissionOptions()) == {"a": 6, "b": 16}
     assert pool_bounds(topo, AdmissionOptions(queue_factor=1.5, pools=["a"])) == {"a": 5}
     assert pool_bounds(topo, AdmissionOptions(pool_capacity=4)) == {"a": 8, "b": 8}

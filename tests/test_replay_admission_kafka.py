@@ -113,6 +113,7 @@ class FakePool:
         self.consumer.close()
 
 
+@pytest.mark.slow  # about 30 s: the pool stalls, works, stalls again
 def test_admission_bounds_tasks_in_flight_while_the_pool_is_stalled(kafka_config,
                                                                     make_topology):
     topo, _ = make_topology(
@@ -141,17 +142,17 @@ def test_admission_bounds_tasks_in_flight_while_the_pool_is_stalled(kafka_config
         assert n <= bound, f"{n} tasks in flight for the pool, bound {bound}"
         return n
 
-    def watch(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            in_flight()
-            time.sleep(0.05)
+    def watch(fed: int) -> None:
+        """Check the bound at every step while the feeder produces ``fed`` more tasks."""
+        target = feeder.sent + fed
+        wait_for(lambda: in_flight() >= 0 and feeder.sent >= target, 30,
+                 f"the feeder to produce {fed} more tasks", step=0.05)
 
     try:
         # A. the pool takes nothing: admission fills it up to the bound and holds the rest
         wait_for(lambda: in_flight() == bound, 30, "the pool to be filled up to its bound",
                  step=0.05)
-        watch(4.0)
+        watch(40)
         assert in_flight() == bound
         status = rt.status()
         assert status.state == "holding", status
@@ -173,22 +174,20 @@ def test_admission_bounds_tasks_in_flight_while_the_pool_is_stalled(kafka_config
             wait_for(lambda n=before: follower.drain(0.02) > n, 10, "a task admitted",
                      step=0.0)
             reactions.append(time.monotonic() - t0)
-            watch(0.3)
+            watch(3)
         print(f"admission reaction after a pool commit: median "
               f"{statistics.median(reactions):.2f}s, max {max(reactions):.2f}s")
         assert max(reactions) < 2.0, reactions
 
         # C. the pool works (0.1 s per task): tasks flow, never beyond the bound
         done_before = pool.done
-        end = time.monotonic() + 5.0
-        while time.monotonic() < end:
-            pool.step(rollout_s=0.1, timeout=0.1)
-            in_flight()
-        assert pool.done - done_before >= 20, "feeding did not resume"
+        wait_for(lambda: (pool.step(rollout_s=0.1, timeout=0.1) or True) and in_flight() >= 0
+                 and pool.done - done_before >= 20, 30, "feeding to resume: 20 tasks rolled out",
+                 step=0.0)
         assert rt.status().state in ("holding", "admitting")
 
         # D. stalled again: the bound holds while the feeder goes on
-        watch(3.0)
+        watch(30)
         assert in_flight() == bound and rt.status().state == "holding"
         assert max(seen_in_flight) == bound
 
@@ -237,7 +236,15 @@ def test_admission_holds_while_the_trainer_is_behind(kafka_config, make_topology
             producer.produce(topo.full_name("tasks.source"), task(i), key=f"p{i}")
         producer.flush()
         wait_for(lambda: rt.status().metrics.get("admission/held") == 5, 20, "tasks held")
-        time.sleep(1.5)
+        reads = [rt.processor.last]  # each lag read is a new observation
+
+        def two_more_reads_holding_all_five() -> bool:
+            assert len(rt.processor.held) == 5, "a task was admitted with the trainer behind"
+            if rt.processor.last is not reads[-1]:
+                reads.append(rt.processor.last)
+            return len(reads) > 2
+
+        wait_for(two_more_reads_holding_all_five, 10, "two more lag reads", step=0.05)
         st = rt.status()
         assert st.state == "holding" and st.metrics["admission/trainer_lag"] == 3
         assert st.metrics["admission/bound_trainer"] == 1
@@ -351,10 +358,16 @@ def test_admission_runs_standalone_from_the_cli(kafka_config, make_topology, ast
     tasks = topo.full_name("tasks")
     wait_for(lambda: len(read_all(kafka_config, tasks, idle_s=0.3)) == 10, 60,
              "ten tasks admitted (the pool bound)")
-    time.sleep(2.0)
+
+    def two_holding_statuses() -> list | None:  # published 1 s apart, each after a lag read
+        statuses = [r.record for r in read_all(kafka_config, topo.full_name("status"),
+                                               expect=ComponentStatus, idle_s=0.3)]
+        holding = [s for s in statuses if s.component_id == "admit/c" and s.state == "holding"
+                   and s.metrics.get("admission/held") == 5]
+        return statuses if len(holding) >= 2 else None
+
+    statuses = wait_for(two_holding_statuses, 30, "two statuses of admit/c holding five tasks")
     assert len(read_all(kafka_config, tasks, idle_s=0.3)) == 10  # the pool took none
-    statuses = [r.record for r in read_all(kafka_config, topo.full_name("status"),
-                                           expect=ComponentStatus)]
     last = statuses[-1]
     assert last.component_id == "admit/c" and last.state == "holding"
     assert last.metrics["admission/pool_lag"] == 10 and last.metrics["admission/held"] == 5
@@ -398,19 +411,22 @@ def test_admission_in_front_of_a_real_raas_node(kafka_config, kafka_bootstrap, m
                       'single_turn={"max_new_tokens": 4, "env_latency": 0.3}')
     out = topo.full_name("trajectories.raw")
     peak = 0
+
+    def all_rolled_out_within_the_bound() -> bool:
+        nonlocal peak
+        follower.drain()  # admitted so far; the commits read after can only be newer
+        committed = {r.partition: (r.committed or 0)
+                     for r in lags.lag(f"{topo.run}.raas.local", [tasks])}
+        in_flight = follower.past(committed)
+        peak = max(peak, in_flight)
+        assert in_flight <= 2, f"{in_flight} tasks in flight, bound 2"
+        if len(read_all(kafka_config, out, idle_s=0.1)) == n:
+            return True
+        assert node.poll() is None, log.read_text()[-2000:]
+        return False
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            follower.drain()  # admitted so far; the commits read after can only be newer
-            committed = {r.partition: (r.committed or 0)
-                         for r in lags.lag(f"{topo.run}.raas.local", [tasks])}
-            in_flight = follower.past(committed)
-            peak = max(peak, in_flight)
-            assert in_flight <= 2, f"{in_flight} tasks in flight, bound 2"
-            if len(read_all(kafka_config, out, idle_s=0.1)) == n:
-                break
-            assert node.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.1)
+        wait_for(all_rolled_out_within_the_bound, 120, f"all {n} tasks rolled out", step=0.1)
         groups = [r.record for r in read_all(kafka_config, out, idle_s=0.3)]
         assert sorted(g.task_id for g in groups) == sorted(f"t{i}" for i in range(n))
         assert peak == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -148,9 +147,16 @@ def test_pause_and_resume(kafka_config, make_topology):
         wait_for(lambda: len(committed_ids(kafka_config, dst)) == 4, 60, "records to flow")
         rt.runtime.pause("tasks.source")
         wait_for(lambda: rt.runtime.paused_topics == {"tasks.source": None}, 10, "pause")
-        time.sleep(1.0)  # a consume() already in flight may finish; then nothing more
+        c = rt.runtime.counters
+        # one whole empty round after the pause: nothing was in flight when records came
+        waited = c.waiting_s
+        wait_for(lambda: c.waiting_s > waited, 10, "an empty consume round while paused")
+        consumed = c.consumed
         produce_tasks(kafka_config, src, range(4, 14))
-        time.sleep(3.0)
+        # the loop goes on polling (3 s of empty rounds) with ten records there to fetch
+        waited = c.waiting_s
+        wait_for(lambda: c.waiting_s >= waited + 3.0, 30, "3 s of empty rounds while paused")
+        assert c.consumed == consumed
         assert len(committed_ids(kafka_config, dst)) == 4
         assert total_lag(lag(kafka_config, topo.group_of("fwd"), [src])) == 10
         assert rt.runtime.status().state == "paused"

@@ -22,6 +22,8 @@ from astraflow.sandbox import (
     run_python,
 )
 
+from .conftest import wait_for
+
 HAVE_NAMESPACES = bool(namespace_prefix(*interpreter_and_user()))
 
 
@@ -79,10 +81,7 @@ def test_whole_process_group_is_killed():
     assert r.status == "timeout", r
     assert time.monotonic() - t0 < 5
     child = int(r.stdout.split()[0])
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive(child):
-        time.sleep(0.05)
-    assert not _alive(child)
+    wait_for(lambda: not _alive(child), 5, f"the forked child {child} to be killed", step=0.05)
 
 
 @pytest.mark.skipif(not HAVE_NAMESPACES, reason="unshare does not work unprivileged here")
@@ -105,10 +104,7 @@ def test_pid_namespace_kills_a_child_that_left_the_process_group():
     assert r.status == "timeout", r
     assert time.monotonic() - t0 < 5  # an escaped child holding the pipes does not block
     child = int(r.stdout.split()[0])
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive(child):
-        time.sleep(0.05)
-    assert not _alive(child)
+    wait_for(lambda: not _alive(child), 5, f"the forked child {child} to be killed", step=0.05)
 
 
 def _alive(pid: int) -> bool:

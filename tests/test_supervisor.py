@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 from astraflow.supervisor import GaveUp, RestartPolicy, RunLocked, Supervisor, run_lock
+
+from .conftest import wait_for
 
 
 def test_restart_policy_backs_off_and_gives_up_on_a_component_that_keeps_failing():
@@ -30,18 +31,12 @@ def _python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def _until(cond, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_supervisor_restarts_a_crashed_process_and_leaves_a_finished_one(tmp_path):
-    marker = tmp_path / "crashed-once"
-    # dies with code 3 the first time, runs on the second
+    marker, second = tmp_path / "crashed-once", tmp_path / "running-again"
+    # dies with code 3 the first time, runs on the second (and says so in ``second``)
     flaky = _python(f"import os, sys, time, pathlib\np = pathlib.Path({str(marker)!r})\n"
-                    "if not p.exists():\n    p.touch(); sys.exit(3)\ntime.sleep(60)")
+                    "if not p.exists():\n    p.touch(); sys.exit(3)\n"
+                    f"pathlib.Path({str(second)!r}).touch()\ntime.sleep(60)")
     plan = {"flaky": flaky, "done": _python("pass"), "steady": _python("import time; "
                                                                        "time.sleep(60)")}
     logs: list[str] = []
@@ -49,10 +44,12 @@ def test_supervisor_restarts_a_crashed_process_and_leaves_a_finished_one(tmp_pat
                      RestartPolicy(backoff_s=0.1), log=logs.append)
     sup.start_all()
     try:
-        _until(lambda: (sup.check() or True) and sup.restarts["flaky"] == 1
-               and "done" in sup.finished)
+        wait_for(lambda: (sup.check() or True) and sup.restarts["flaky"] == 1
+                 and "done" in sup.finished, 30, "flaky restarted once and done finished",
+                 step=0.05)
         first = sup.procs["flaky"].pid
-        time.sleep(0.5)
+        # the restarted one got past the point where it crashed: it must now be left running
+        wait_for(second.exists, 30, "the restarted flaky to run past its crash", step=0.05)
         sup.check()
         assert sup.procs["flaky"].poll() is None and sup.procs["flaky"].pid == first
         assert sup.restart_summary() == "flaky x1"
@@ -68,11 +65,8 @@ def test_supervisor_gives_up_on_a_process_that_always_fails():
                      lambda name, cmd: subprocess.Popen(cmd),
                      RestartPolicy(max_restarts=2, backoff_s=0.05), log=lambda m: None)
     sup.start_all()
-    with pytest.raises(GaveUp, match="broken failed 3 times"):
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            sup.check()
-            time.sleep(0.02)
+    with pytest.raises(GaveUp, match="broken failed 3 times"):  # check() raises it
+        wait_for(lambda: sup.check() and False, 30, "the supervisor to give up", step=0.02)
     assert sup.restarts["broken"] == 2
 
 

@@ -14,7 +14,11 @@ from astraflow.topology import TopologyError, load_topology, parse_topology, sch
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "topology").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED = sorted([*(REPO / "topology").glob("*.yaml"), *(REPO / "bench" / "topologies").glob(
+    "*.yaml")])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_topologies_are_valid(path):
     topo = load_topology(path)
     assert topo.topic("dlq").full_name == f"{topo.run}.dlq"
@@ -127,3 +131,231 @@ def test_missing_java_or_maven_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("KAFKA_HOME", str(tmp_path / "nokafka"))
     with pytest.raises(BrokerError, match="no libs/ folder"):
         ensure_jars()
+
+
+# --- the typed topology: policies, pools, workflows, engines -------------------------
+
+def typed(**extra):
+    """A small new-format topology with one policy, one pool, a feeder and an evaluator."""
+    data = base(policies={"actor": {"model": "m"}}, pools={"local": {}}, feeder={}, eval={})
+    data["topics"].update({"trajectories.raw": {}, "trajectories": {}, "samples.actor": {},
+                           "batches.actor": {}, "weights.actor": {}})
+    data["processors"].update({
+        "staleness": {"kind": "staleness_filter", "inputs": ["trajectories.raw"],
+                      "outputs": ["trajectories"]},
+        "batcher": {"kind": "batcher", "inputs": ["samples.actor"],
+                    "outputs": ["batches.actor"]}})
+    for key, value in extra.items():
+        data[key] = value if not isinstance(value, dict) or key not in data else {
+            **data[key], **value}
+    return data
+
+
+def test_max_staleness_has_one_default_and_reaches_the_processors():
+    from astraflow.topology import DEFAULT_MAX_STALENESS
+
+    topo = parse_topology(typed())
+    assert DEFAULT_MAX_STALENESS == 4 and topo.policies["actor"].max_staleness == 4
+    assert topo.processors["staleness"].options["max_staleness"] == 4
+    assert topo.processors["batcher"].options["max_staleness"] == 4
+    topo = parse_topology(typed(policies={"actor": {"model": "m", "max_staleness": 1}}))
+    assert topo.processors["batcher"].options["max_staleness"] == 1
+    assert topo.max_staleness("actor") == 1 and topo.max_staleness("other") == 4
+    # a topology without the policy (one processor deployed alone) may still set it
+    alone = base(topics={"trajectories.raw": {}, "trajectories": {}}, processors={
+        "s": {"kind": "staleness_filter", "inputs": ["trajectories.raw"],
+              "outputs": ["trajectories"], "options": {"max_staleness": 1}}})
+    assert parse_topology(alone).processors["s"].options["max_staleness"] == 1
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"pools": {"local": {"workflows": {"nope": {}}}}}, "pools.local.workflows.nope"),
+        ({"pools": {"local": {"workflows": {"single_turn": {"max_new_tokens": 0}}}}},
+         "pools.local.workflows.single_turn.max_new_tokens"),
+        ({"pools": {"local": {"workflows": {"single_turn": {"max_new_token": 8}}}}},
+         "pools.local.workflows.single_turn.max_new_token"),
+        ({"pools": {"local": {"workflows": {"single_turn": {"reward": "nope"}}}}},
+         "pools.local.workflows.single_turn.reward"),
+        ({"pools": {"local": {"workflows": {"solve_select": {"ties": "coin"}}}}},
+         "pools.local.workflows.solve_select.ties"),
+        ({"pools": {"local": {"workflows": {"code_tests": {"sandbox": {"cpu": 1}}}}}},
+         "pools.local.workflows.code_tests.sandbox.cpu"),
+        ({"pools": {"local": {"engine_options": {"cpus": 1}}}},
+         "pools.local.engine_options.cpus"),
+        ({"pools": {"local": {"engine": "openai"}}}, "pools.local.engine_options.base_url"),
+        ({"pools": {"local": {"engine": "vllm", "engine_options": {"kv_cache_gib": "x"}}}},
+         "pools.local.engine_options.kv_cache_gib"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"lr": 0}}}},
+         "policies.actor.trainer.lr"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"autocast": "fp8"}}}},
+         "policies.actor.trainer.autocast"),
+        ({"policies": {"actor": {"model": "m", "trainer": {
+            "micro_batch_size": 2, "micro_batch_tokens": 9}}}}, "policies.actor.trainer"),
+        ({"policies": {"actor": {"model": "m", "warm_start": {"blind": True}}}},
+         "policies.actor: warm_start.blind"),
+        ({"policies": {"actor": {"model": "m", "role": "verifier",
+                                 "warm_start": {"until": 0.9}}}},
+         "policies.actor: warm_start.until"),
+        ({"policies": {"actor": {"model": "m", "warm_start": {"levels": "one"}}}},
+         "policies.actor.warm_start.levels"),
+        ({"policies": {"actor": {"model": "m", "max_staleness": -1}}},
+         "policies.actor.max_staleness"),
+        ({"feeder": {"workflow": "nope"}}, "feeder.workflow"),
+        ({"feeder": {"epochs": -1}}, "feeder.epochs"),
+        ({"eval": {"reward": {"name": "nope"}}}, "eval.reward"),
+    ],
+)
+def test_typed_fields_are_checked_with_file_and_key(tmp_path, change, key):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(typed(**change)))
+    with pytest.raises(TopologyError) as e:
+        load_topology(path)
+    assert str(e.value).startswith(f"{path}:") and key in str(e.value), str(e.value)
+
+
+def test_typed_workflow_and_engine_options_keep_only_what_the_file_sets():
+    topo = parse_topology(typed(pools={"local": {
+        "engine": "vllm", "engine_options": {"cpus": "0-3"},
+        "workflows": {"tool_calc": {"max_turns": 2, "tool_latency": {"dist": "pareto"}}}}}))
+    pool = topo.pools["local"]
+    assert pool.workflows["tool_calc"].given() == {"max_turns": 2,
+                                                   "tool_latency": {"dist": "pareto"}}
+    assert pool.engine_settings().given() == {"cpus": "0-3"}
+
+
+def test_every_shipped_workflow_has_typed_options_the_workflow_takes():
+    import inspect
+
+    from astraflow.raas.workflows import load_builtin_workflows
+    from astraflow.topology_options import WORKFLOW_OPTIONS, SamplingOptions
+
+    workflows = load_builtin_workflows()
+    assert set(workflows) == set(WORKFLOW_OPTIONS)
+    for name, cls in workflows.items():
+        params = inspect.signature(cls.__init__).parameters
+        takes_sampling = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for option in WORKFLOW_OPTIONS[name].model_fields:
+            assert option in params or (takes_sampling and option in
+                                        SamplingOptions.model_fields), (name, option)
+
+
+def test_typed_engine_options_are_the_engines_own():
+    import dataclasses
+
+    from astraflow.raas.cli import TORCH_OPTIONS
+    from astraflow.raas.openai_engine import OpenAIOptions
+    from astraflow.raas.vllm_engine import VLLMOptions
+    from astraflow.topology_options import ENGINE_OPTIONS
+
+    assert set(ENGINE_OPTIONS["torch"].model_fields) == set(TORCH_OPTIONS)
+    for kind, own in (("vllm", VLLMOptions), ("openai", OpenAIOptions)):
+        assert set(ENGINE_OPTIONS[kind].model_fields) == {f.name for f in
+                                                          dataclasses.fields(own)}, kind
+
+
+# --- old-format files: each key fails with what to write instead ---------------------
+
+OLD_POLICY = {"model": "m", "lr": 0.0001, "anchor_interval": 10, "warm_start_steps": 700,
+              "warm_start_slip": 0.7, "trainer_args": ["--max-staleness", "4",
+                                                       "--state-interval", "50"],
+              "init_args": ["--warm-start-until", "0.9", "--seed", "1"],
+              "eval_args": ["--every", "20"]}
+
+
+def test_an_old_format_file_names_each_key_and_what_to_write(tmp_path):
+    import yaml
+
+    data = typed(policies={"actor": OLD_POLICY},
+                 pools={"local": {"raas_args": [
+                     "--tasks-per-transaction", "4",
+                     "--workflow-options", 'single_turn={"max_new_tokens": 8}']}},
+                 feeder={"args": ["--epochs", "0", "--rate", "60", "--levels", "1,2"]},
+                 eval={"args": ["--size", "50"]})
+    data["processors"]["batcher"]["options"] = {"max_staleness": 4}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(TopologyError) as e:
+        load_topology(path)
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith(f"{path}: old topology format") and "docs/topology.md" in lines[0]
+    expected = [
+        "policies.actor.lr: moved; write policies.actor.trainer: {lr: 0.0001}",
+        "policies.actor.anchor_interval: moved; write policies.actor.trainer: "
+        "{anchor_interval: 10}",
+        "policies.actor.warm_start_steps: moved; write policies.actor.warm_start: {steps: 700}",
+        "policies.actor.warm_start_slip: moved; write policies.actor.warm_start: {slip: 0.7}",
+        "policies.actor.trainer_args: no longer accepted; write policies.actor.max_staleness: 4"
+        " and policies.actor.trainer: {state_interval: 50}",
+        "policies.actor.init_args: no longer accepted; write policies.actor.warm_start: "
+        "{seed: 1, until: 0.9}",
+        "policies.actor.eval_args: no longer accepted; write policies.actor.eval: "
+        "{every_versions: 20}",
+        "pools.local.raas_args: no longer accepted; write pools.local.tasks_per_transaction: 4"
+        " and pools.local.workflows: {single_turn: {max_new_tokens: 8}}",
+        "feeder.args: no longer accepted; write feeder.rate: 60.0 and feeder.epochs: 0 and "
+        "feeder.levels: 1,2",
+        "eval.args: no longer accepted; write eval.size: 50",
+    ]
+    assert [line.strip() for line in lines[1:-1]] == expected
+    assert lines[-1].strip().startswith(
+        "processors.batcher.options.max_staleness: no longer accepted where the policy is "
+        "declared; write policies.actor.max_staleness: 4")
+
+
+def test_an_argv_list_that_does_not_parse_still_says_where_to_write():
+    with pytest.raises(TopologyError, match=r"policies.actor.trainer_args: no longer accepted "
+                                            r"\(argv lists are gone\); write the typed fields "
+                                            r"of policies.actor.trainer"):
+        parse_topology(typed(policies={"actor": {"model": "m", "trainer_args": ["--bogus"]}}))
+
+
+# --- astraflow topology explain / validate ---------------------------------------------
+
+def test_explain_prints_topics_in_flow_order_with_writers_and_readers():
+    from astraflow.topology_cli import explain
+
+    text = explain(load_topology(REPO / "topology" / "solver-verifier.yaml"))
+    lines = text.splitlines()
+    topics = [line.split()[0] for line in lines[3:] if line.startswith("  ") and "->" in line
+              and "partition" in line]
+    assert topics[:4] == ["tasks.source", "tasks", "trajectories.raw", "trajectories"]
+    assert topics.index("samples.verifier") < topics.index("samples.verifier.balanced") < \
+        topics.index("batches.verifier") < topics.index("weights.verifier")
+    assert topics[-3:] == ["status", "dlq", "scaling"]
+    row = next(line for line in lines if line.startswith("  weights.verifier "))
+    assert "1 partition " in row and "WeightManifest" in row
+    assert "trainer verifier -> pool local (follows), eval verifier (follows)" in row
+    row = next(line for line in lines if line.startswith("  tasks.source "))
+    assert "3 partitions" in row and "Task " in row and "feeder -> forward-tasks" in row
+    assert any(line.startswith("  trainer solver: batches.solver -> weights.solver") and
+               "max_staleness 16" in line for line in lines)
+
+
+def test_topology_commands_explain_and_validate(capsys, tmp_path):
+    import yaml
+
+    from astraflow.cli import main
+
+    assert main(["topology", "explain", str(REPO / "topology" / "default.yaml")]) == 0
+    assert "trajectories.raw" in capsys.readouterr().out
+    assert main(["topology", "validate", "-t", str(REPO / "topology" / "default.yaml")]) == 0
+    assert "valid" in capsys.readouterr().out and True
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(typed(policies={"actor": OLD_POLICY})))
+    assert main(["topology", "validate", str(old)]) == 2
+    assert "policies.actor.trainer_args: no longer accepted" in capsys.readouterr().err
+
+
+def test_feeder_task_families_are_the_feeders():
+    import typing
+
+    from astraflow.feeder import TASK_FAMILIES
+    from astraflow.topology import FeederSpec
+
+    annotation = FeederSpec.model_fields["task_family"].annotation
+    (literal,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    assert set(typing.get_args(literal)) == set(TASK_FAMILIES)

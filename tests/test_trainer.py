@@ -480,6 +480,37 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
     assert _optimizer_states_equal(other.optimizer.state_dict(), bf16.optimizer.state_dict())
 
 
+def test_a_registered_loss_is_picked_by_name(tiny_model):
+    from astraflow.trainer.loss import LOSSES, LossOutput, get_loss, register_loss
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    assert get_loss("clipped_tis") is policy_loss
+    with pytest.raises(ValueError, match="clipped_tis"):
+        get_loss("nope")
+    with pytest.raises(ValueError, match="--loss"):
+        TrainerConfig(loss="nope").validate()
+    calls = []
+
+    @register_loss("test_reinforce")
+    def reinforce(logprobs_new, logprobs_behaviour, advantages, loss_mask, *, num_tokens=None,
+                  **hyper):
+        calls.append(sorted(hyper))
+        mask = loss_mask.to(logprobs_new.dtype)
+        adv = torch.broadcast_to(advantages.to(logprobs_new.dtype), logprobs_new.shape)
+        loss = -(logprobs_new * adv * mask).sum() / max(float(num_tokens or mask.sum()), 1.0)
+        return LossOutput(loss=loss, tokens=int(mask.sum()), sums={"pg_tokens": float(mask.sum())})
+
+    try:
+        torch.set_num_threads(1)
+        tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, loss="test_reinforce"), policy="actor")
+        m = tr.train_step(make_batch(2))
+        assert calls and calls[0] == ["clip_high", "clip_low", "tis_cap"]
+        assert m["trainer/grad_norm"] > 0 and m["trainer/pg_tokens"] == 1.0
+        assert m["trainer/clip_frac"] == 0.0  # the default loss's figures stay reported
+    finally:
+        del LOSSES["test_reinforce"]
+
+
 def test_config_errors_name_the_flag(tiny_model):
     from astraflow.trainer.service import ServiceOptions
     from astraflow.trainer.trainer import TrainerConfig

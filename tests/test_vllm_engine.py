@@ -39,7 +39,7 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     dimension 32: vLLM's CPU attention has no kernel for 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from astraflow.model import build_tokenizer, save_tokenizer
+    from astraflow.models.tiny import build_tokenizer, save_tokenizer
 
     tok = build_tokenizer()
     cfg = LlamaConfig(
@@ -89,7 +89,7 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int], temperature: float)
 
 # --- bad input, before vLLM starts (runs everywhere) ---------------------------------------
 def test_unknown_option_and_missing_directory_fail_at_start(tmp_path):
-    from astraflow.model import ModelError
+    from astraflow.models.errors import ModelError
     from astraflow.raas.vllm_engine import VLLMOptions, cpu_list, load_vllm_engine
 
     with pytest.raises(ValueError, match="unknown vllm engine option 'max_len'"):

@@ -61,7 +61,7 @@ class AdmissionOptions(BaseModel):
         default=None, description="trainers to watch (default: the topology's policies)")
     pool_capacity: int | None = Field(
         default=None, ge=1, description="tasks one pool rolls out at once (default: nodes x "
-                                        "--tasks-per-transaction from pools:)")
+                                        "tasks_per_transaction from pools:)")
     queue_factor: float = Field(default=2.0, gt=0, description="pool bound = factor x capacity")
     max_pool_lag: int | None = Field(default=None, ge=1, description="pool bound, overrides")
     max_staleness: int | None = Field(
@@ -147,17 +147,6 @@ class AdmissionPolicy:
         return out
 
 
-def tasks_per_transaction(raas_args: list[str], default: int = 1) -> int:
-    """The ``--tasks-per-transaction K`` of a pool's ``raas_args`` (how many tasks a node
-    works on at once), or ``default``."""
-    for i, a in enumerate(raas_args):
-        if a == "--tasks-per-transaction" and i + 1 < len(raas_args):
-            return int(raas_args[i + 1])
-        if a.startswith("--tasks-per-transaction="):
-            return int(a.split("=", 1)[1])
-    return default
-
-
 def pool_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
     """Pool -> most tasks in flight: ``max_pool_lag``, else ceil(queue_factor x capacity)."""
     pools = options.pools or list(topology.pools) or ["default"]
@@ -169,13 +158,16 @@ def pool_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
         capacity = options.pool_capacity
         if capacity is None:
             spec = topology.pools.get(pool)
-            capacity = max(1, spec.nodes * tasks_per_transaction(spec.raas_args)) if spec else 1
+            capacity = max(1, spec.nodes * spec.tasks_per_transaction) if spec else 1
         out[pool] = max(1, math.ceil(options.queue_factor * capacity))
     return out
 
 
 def max_staleness_of(topology: Any, policy: str) -> int | None:
-    """The ``max_staleness`` the topology's batcher (or staleness filter) uses for ``policy``."""
+    """The ``max_staleness`` of ``policy``: its own where the topology declares it, else
+    what the topology's batcher (or staleness filter) uses for it."""
+    if policy in getattr(topology, "policies", {}):
+        return topology.policies[policy].max_staleness
     found = None
     for spec in topology.processors.values():
         opts = spec.options

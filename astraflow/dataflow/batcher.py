@@ -16,18 +16,18 @@ import logging
 import math
 import random
 import statistics
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
 from astraflow.dataflow.staleness import staleness
 from astraflow.dataflow.versions import LatestVersions, VersionSource
+from astraflow.kafka.table import TopicReader
 from astraflow.records import Batch, OffsetRange, TrajectoryGroup, now_ms
 
 log = logging.getLogger("astraflow.batcher")
@@ -269,38 +269,17 @@ class Batcher(Processor):
 
 def _read_tail(config, codec, topic: str, max_offsets: int, timeout_s: float) -> list[Batch]:
     """The committed batches among the last ``max_offsets`` offsets of each partition."""
-    consumer = Consumer(config.consumer_conf(
-        "astraflow-replay-rebuild",
-        **{"enable.auto.commit": False, "enable.partition.eof": True,
-           "client.id": "replay-rebuild"}))
     try:
-        md = consumer.list_topics(topic, timeout=10).topics.get(topic)
-        if md is None or md.error is not None:
+        reader: TopicReader[Batch] = TopicReader(config, topic, Batch, codec=codec,
+                                                 start=-max_offsets, client_id="replay-rebuild")
+    except KafkaException as e:
+        err = e.args[0] if e.args else None
+        if isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
             return []
-        parts, ends = [], {}
-        for p in md.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                parts.append(TopicPartition(topic, p, max(low, high - max_offsets)))
-                ends[p] = high
-        if not parts:
-            return []
-        consumer.assign(parts)
-        out: list[Batch] = []
-        done: set[int] = set()
-        deadline = time.monotonic() + timeout_s
-        while len(done) < len(parts) and time.monotonic() < deadline:
-            for m in consumer.consume(100, 0.5):
-                if m.error():
-                    if m.error().code() == KafkaError._PARTITION_EOF:
-                        done.add(m.partition())
-                        continue
-                    raise KafkaException(m.error())
-                out.append(codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
-                                        expect=Batch))
-                if m.offset() + 1 >= ends[m.partition()]:
-                    done.add(m.partition())
-        out.sort(key=lambda b: b.created_at_ms)
-        return out
+        raise
+    try:
+        out = [e.value for e in reader.catch_up(timeout_s) if e.value is not None]
     finally:
-        consumer.close()
+        reader.close()
+    out.sort(key=lambda b: b.created_at_ms)
+    return out

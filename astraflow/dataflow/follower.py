@@ -8,18 +8,12 @@ their state survives a restart), then drain what arrives as they go.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
-
-from astraflow.codec import RecordDecodeError
 from astraflow.dataflow.base import Processor, ProcessorContext
+from astraflow.kafka.table import Entry, TopicReader
 from astraflow.records import Record, TrajectoryGroup
-
-log = logging.getLogger("astraflow.follower")
 
 
 @dataclass
@@ -40,7 +34,8 @@ class ObservationSource(Protocol):
 
 
 class TopicFollower:
-    """Reads every partition of ``topic`` from the beginning, without committing anything.
+    """Reads every partition of ``topic`` from the beginning, without committing anything
+    (a ``TopicReader``).
 
     ``catch_up`` reads up to the end the topic had when it was called (the last stable
     offset, as readers are ``read_committed``); ``poll`` drains what has arrived since,
@@ -49,62 +44,29 @@ class TopicFollower:
     """
 
     def __init__(self, config, codec, topic: str, expect: type[Record] | None = None,
-                 group: str = "astraflow-follower"):
-        self.codec = codec
+                 client_id: str | None = None):
         self.topic = topic
-        self.expect = expect
-        self.consumer = Consumer(config.consumer_conf(group, **{
-            "enable.auto.commit": False, "enable.partition.eof": True,
-            "client.id": f"follower-{topic}"}))
-        md = self.consumer.list_topics(timeout=10).topics
-        if topic not in md or md[topic].error is not None:
-            self.consumer.close()
-            raise KafkaException(f"topic {topic} to follow does not exist")
-        self.partitions = sorted(md[topic].partitions)
-        self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING)
-                              for p in self.partitions])
+        self.reader: TopicReader[Record] = TopicReader(
+            config, topic, expect, codec=codec, client_id=client_id or f"follower-{topic}")
 
     def catch_up(self, timeout_s: float = 120.0) -> list[Observed]:
         """Everything up to the current end of every partition (blocks until there)."""
-        out: list[Observed] = []
-        at_end: set[int] = set()
-        deadline = time.monotonic() + timeout_s
-        while len(at_end) < len(self.partitions):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"catching up on {self.topic} took over {timeout_s:.0f}s")
-            out += self._consume(0.2, at_end)
+        out = _observed(self.reader.catch_up(timeout_s))
+        if not self.reader.caught_up():
+            raise TimeoutError(f"catching up on {self.topic} took over {timeout_s:.0f}s")
         return out
 
     def poll(self) -> list[Observed]:
         """What has arrived since the last call; never blocks."""
-        out: list[Observed] = []
-        while True:
-            got = self._consume(0.0, set())
-            if not got:
-                return out
-            out += got
-
-    def _consume(self, timeout: float, at_end: set[int]) -> list[Observed]:
-        out = []
-        for m in self.consumer.consume(500, timeout):
-            err = m.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    at_end.add(m.partition())
-                    continue
-                raise KafkaException(err)
-            try:
-                rec = self.codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
-                                        expect=self.expect)
-            except RecordDecodeError as e:
-                log.warning("follower of %s: skipping undecodable record: %s", self.topic, e)
-                continue
-            out.append(Observed(m.partition(), m.offset(), rec))
-        return out
+        return _observed(self.reader.poll(0.0))
 
     def close(self) -> None:
         """Close the consumer."""
-        self.consumer.close()
+        self.reader.close()
+
+
+def _observed(entries: list[Entry[Record]]) -> list[Observed]:
+    return [Observed(e.partition, e.offset, e.value) for e in entries if e.value is not None]
 
 
 class StaticObservations:
@@ -145,7 +107,7 @@ class ObservingProcessor(Processor):
             topic = context.topology.full_name(self.options.observe_topic)
             follower = TopicFollower(context.config, context.codec, topic,
                                      expect=TrajectoryGroup,
-                                     group=f"astraflow-follower.{context.component_id}")
+                                     client_id=f"follower.{context.component_id}")
             for obs in follower.catch_up():
                 self.observe(obs)
             self.observations = follower

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
-
+from astraflow.kafka.table import TopicTable
 from astraflow.records import WeightManifest
 
 
@@ -17,51 +16,44 @@ class VersionSource(Protocol):
     def latest(self, policy: str) -> int | None: ...
 
 
+def newer(old: WeightManifest, new: WeightManifest) -> WeightManifest:
+    """The manifest of the higher version (the old one on a tie)."""
+    return new if new.version > old.version else old
+
+
 class LatestVersions:
     """Follows every partition of the given ``weights.<policy>`` topics without a group.
 
     Every copy of a processor reads the whole weights topics (they are small: manifests
-    only), like a global table; ``refresh`` drains what has arrived without blocking.
+    only): one ``TopicTable`` per policy, keyed by the policy and keeping the manifest of
+    the highest version; ``refresh`` takes in what has arrived without blocking.
     """
 
     def __init__(self, config, codec, topics: dict[str, str]):
-        self.codec = codec
-        self._topic_policy = {topic: policy for policy, topic in topics.items()}
-        self._latest: dict[str, int] = {}
-        self.consumer = Consumer(config.consumer_conf(
-            "astraflow-versions", **{"enable.auto.commit": False, "client.id": "versions"}))
-        md = self.consumer.list_topics(timeout=10).topics
-        parts = []
-        for topic in topics.values():
-            if topic not in md:
-                raise KafkaException(f"weights topic {topic} does not exist")
-            parts += [TopicPartition(topic, p, OFFSET_BEGINNING) for p in md[topic].partitions]
-        self.consumer.assign(parts)
+        self.tables: dict[str, TopicTable[str, WeightManifest]] = {}
+        try:
+            for policy, topic in topics.items():
+                self.tables[policy] = TopicTable.open(
+                    config, topic, WeightManifest, codec=codec, reduce=newer,
+                    key=lambda _e, p=policy: p, client_id="versions")
+        except BaseException:
+            self.close()
+            raise
 
-    def refresh(self, timeout: float = 0.0) -> list[WeightManifest]:
-        """Drain what has arrived; returns the manifests read by this call."""
-        fresh: list[WeightManifest] = []
-        while True:
-            msgs = self.consumer.consume(500, timeout)
-            if not msgs:
-                return fresh
-            for m in msgs:
-                if m.error():
-                    if m.error().code() != KafkaError._PARTITION_EOF:
-                        raise KafkaException(m.error())
-                    continue
-                manifest = self.codec.decode(m.value(), m.topic(), m.partition(), m.offset(),
-                                             expect=WeightManifest)
-                fresh.append(manifest)
-                policy = self._topic_policy[m.topic()]
-                self._latest[policy] = max(self._latest.get(policy, -1), manifest.version)
-            timeout = 0.0
+    def refresh(self, timeout: float = 0.0) -> int:
+        """Take in what has arrived; how many policies got a newer version."""
+        return sum(t.poll(timeout) for t in self.tables.values())
 
     def latest(self, policy: str) -> int | None:
-        return self._latest.get(policy)
+        """The highest version published for ``policy`` (None: none yet)."""
+        table = self.tables.get(policy)
+        manifest = table.get(policy) if table is not None else None
+        return manifest.version if manifest is not None else None
 
     def close(self) -> None:
-        self.consumer.close()
+        """Close the readers."""
+        for t in self.tables.values():
+            t.close()
 
 
 class StaticVersions:

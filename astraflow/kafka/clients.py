@@ -13,6 +13,7 @@ from confluent_kafka.admin import AdminClient
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.table import TopicReader
 from astraflow.records import DeadLetter, Record
 
 R = TypeVar("R", bound=Record)
@@ -219,43 +220,17 @@ def read_all(
     codec: Codec | None = None,
     isolation: str = "read_committed",
 ) -> list[Received[R]]:
-    """Read a whole topic from the beginning without a consumer group (assign + EOF)."""
-    from confluent_kafka import TopicPartition
-
-    admin = make_admin(config)
-    md = admin.list_topics(topic, timeout=10).topics[topic]
-    if md.error is not None:
-        raise KafkaException(md.error)
-    conf = config.consumer_conf(
-        "astraflow-reader", **{"enable.partition.eof": True, "isolation.level": isolation}
-    )
-    consumer = Consumer(conf)
-    codec = codec or make_codec_for(config)
-    parts = [TopicPartition(topic, p, 0) for p in md.partitions]
-    consumer.assign(parts)
-    eof: set[int] = set()
-    out: list[Received[R]] = []
-    deadline = time.time() + timeout_s
-    last = time.time()
+    """Read a whole topic from the beginning without a consumer group, up to its end (or
+    until ``timeout_s``, or ``idle_s`` without a message); undecodable records raise."""
+    reader: TopicReader[R] = TopicReader(
+        config, topic, expect, codec=codec or make_codec_for(config), isolation=isolation,
+        strict=True, client_id="read-all")
     try:
-        while len(eof) < len(parts) and time.time() < deadline and time.time() - last < idle_s:
-            for msg in consumer.consume(1000, 0.2):
-                last = time.time()
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        eof.add(msg.partition())
-                        continue
-                    raise KafkaException(msg.error())
-                eof.discard(msg.partition())
-                rec = codec.decode(msg.value(), topic, msg.partition(), msg.offset(), expect)
-                out.append(
-                    Received(
-                        topic, msg.partition(), msg.offset(), msg.key(), rec, msg.timestamp()[1]
-                    )
-                )
+        entries = reader.catch_up(timeout_s, idle_s=idle_s)
     finally:
-        consumer.close()
-    return out
+        reader.close()
+    return [Received(e.topic, e.partition, e.offset, e.key, e.value, e.timestamp_ms)
+            for e in entries if e.value is not None]
 
 
 __all__ = [

@@ -6,6 +6,12 @@ group, pause/resume, the ``Checkpoint`` (the records of one transaction and the 
 offsets committed with them, ``send_offsets_to_transaction``), the status record, a
 graceful stop, and surviving broker outages.
 
+Records become one transaction per poll, or (``LoopSpec.commit_interval_s``, processors) a
+transaction stays open over several polls and commits when it is full, old enough, or a poll
+finds nothing more; its records go to the broker as they are made, and the next ones are
+made while the broker completes the commit (``_commit_in_flight``, settled before anything
+else touches the transaction, the group or the offsets).
+
 A transaction that fails is aborted. A work that can start over (processors, RaaS nodes)
 drops what it holds and rewinds to the group's committed offsets; a work whose state has
 moved on and cannot be undone (the trainer, ``keeps_position``) sends the same checkpoint
@@ -54,6 +60,16 @@ _TRANSIENT = {
     KafkaError.NOT_LEADER_FOR_PARTITION,
 }
 
+# the transactional producer's defaults (the config's producer_options win): a transaction
+# that begins while the broker still completes the previous one gets CONCURRENT_TRANSACTIONS
+# from AddOffsetsToTxn; librdkafka retries after retry.backoff.ms, 100 ms by default, which
+# back-to-back transactions would pay every time. Repeated failures still back off
+# exponentially up to retry.backoff.max.ms.
+_TXN_PRODUCER = __import__("json").loads(__import__("os").environ.get("XTXN", "{\"retry.backoff.ms\": 5}"))
+# records handed to the work at a time while a transaction stays open: each such round's
+# outputs go to the broker while the next round is made (commit_interval_s)
+_CHUNK = 500
+
 
 class BrokerUnreachable(AstraflowError):
     """Kafka did not answer for longer than the outage limit."""
@@ -90,8 +106,15 @@ class LoopSpec:
     outputs: list[str]
     dlq: str
     status_topic: str
-    max_batch: int = 1
+    max_batch: int = 1  # inputs per transaction, at most
     poll_timeout_s: float = 0.5
+    # None: each poll waits up to poll_timeout_s for max_batch records, and each poll's
+    # records make one transaction. A number (in seconds): a poll returns as soon as records
+    # arrive, and the transaction stays open across polls (its records sent to the broker
+    # meanwhile) until it holds max_batch inputs, its first input is this old, or a poll
+    # finds nothing more: low latency at light load, the commit's cost shared at high load.
+    # Unless keeps_position, the next records are made while the broker completes a commit.
+    commit_interval_s: float | None = None
     status_interval_s: float = 5.0
     consumer_options: dict[str, object] = field(default_factory=dict)
     producer_options: dict[str, object] = field(default_factory=dict)
@@ -110,6 +133,7 @@ class Checkpoint:
         self.dlq = dlq
         self.max_bytes = max_bytes
         self.records: list[tuple[str, bytes, bytes | str | None, int | None]] = []
+        self.sent = 0  # records[:sent] are in the open transaction
         self.outputs = 0
         self.dead = 0
         self.after_commit: list[Callable[[], None]] = []
@@ -138,6 +162,8 @@ class Checkpoint:
     def rollback(self, mark: tuple[int, int, int]) -> None:
         """Drop what was added since ``mark()``."""
         n, self.outputs, self.dead = mark
+        if n < self.sent:
+            raise ValueError("cannot roll back records already sent in the transaction")
         del self.records[n:]
 
     def dead_letter(self, letter: DeadLetter) -> None:
@@ -150,6 +176,16 @@ class Checkpoint:
 
     def __bool__(self) -> bool:
         return bool(self.records)
+
+
+@dataclass
+class _InFlight:
+    """A commit running on a helper thread: its checkpoint, offsets and outcome."""
+
+    cp: Checkpoint
+    tps: list[TopicPartition]
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
 
 
 class Work(Protocol):
@@ -257,6 +293,13 @@ class TransactionalLoop:
         self.consumer: Consumer | None = None
         self._tainted = False  # the producer saw the broker go away
         self._stuck = False  # a call on the producer never returned
+        self._open = False  # a transaction is begun on the producer (commit_interval_s)
+        self._revoked = False  # partitions were revoked during this round's poll
+        self._inflight: _InFlight | None = None  # a commit the loop does not wait for
+        self._stage = "producing"  # how far the last transaction got
+        # a work that starts over after an abort may have its next records made while the
+        # broker completes a commit (a work that keeps its position waits for each one)
+        self._pipelined = spec.commit_interval_s is not None and not spec.keeps_position
         self._abandoned: list[RecordProducer] = []
 
     # --- control, callable from any thread -------------------------------------------
@@ -305,25 +348,53 @@ class TransactionalLoop:
 
     def _rounds(self) -> None:
         last_status = 0.0
+        cp, first, inputs = self.checkpoint(), None, 0  # open checkpoint, its first input
         while not self._stop.is_set():
             self._apply_pauses()
             t0 = time.monotonic()
-            msgs = self._consume()
+            self._revoked = False
+            if self._committed_meanwhile() is False:  # aborted: the inputs come again
+                cp, first, inputs = self.checkpoint(), None, 0
+            msgs = self._consume(self.spec.max_batch - inputs, wait=first is None)
             t1 = time.monotonic()
-            cp = self.checkpoint()
-            if not self._handle(msgs, cp):
+            if self._revoked and first is not None:
+                # the open checkpoint holds outputs of inputs whose partitions went to
+                # another member: none of it may commit
+                self._drop_open()
+                cp, first, inputs = self.checkpoint(), None, 0
                 continue
-            status_due = time.monotonic() - last_status >= self.spec.status_interval_s
+            if not self._handle(msgs, cp):
+                cp, first, inputs = self.checkpoint(), None, 0
+                continue
+            now = time.monotonic()
             if msgs:
-                self.counters.busy_s += time.monotonic() - t1
+                self.counters.busy_s += now - t1
+                first = t1 if first is None else first
+                inputs += len(msgs)
             else:
                 self.counters.waiting_s += t1 - t0
-            if not msgs and not cp and not status_due:
+            status_due = now - last_status >= self.spec.status_interval_s
+            if not status_due and not self._commit_due(cp, bool(msgs), first, inputs, now):
+                if cp:
+                    self._send_early(cp)
                 continue
-            self.commit(cp, status=status_due)
+            if self._pipelined and not status_due:
+                self._commit_in_flight(cp)
+            else:
+                self.commit(cp, status=status_due)
+            cp, first, inputs = self.checkpoint(), None, 0
             if status_due:
                 last_status = time.monotonic()
-        self.commit(self.checkpoint(), status=True)  # a last status: the final state
+        self.commit(cp, status=True)  # what is open, and a last status: the final state
+
+    def _commit_due(self, cp: Checkpoint, got: bool, first: float | None, inputs: int,
+                    now: float) -> bool:
+        """Whether to commit the open checkpoint now (see ``LoopSpec.commit_interval_s``)."""
+        interval = self.spec.commit_interval_s
+        if first is None:  # no input: commit what timers made, if anything
+            return bool(cp)
+        return (interval is None or not got or inputs >= self.spec.max_batch
+                or now - first >= interval)
 
     def _handle(self, msgs: list[Message], cp: Checkpoint) -> bool:
         """``work.handle``; False when a side read of a work that can start over hit a
@@ -336,15 +407,35 @@ class TransactionalLoop:
             if self.spec.keeps_position or not transient(err):
                 raise
             self.outage.failed(f"handling records: {err.str()}")
+            self._settle()
+            if self._open:  # its records go with the round: the next producer fences it
+                self._open, self._tainted = False, True
             self._rewind()
             return False
 
-    def _consume(self) -> list[Message]:
+    def _consume(self, limit: int, wait: bool) -> list[Message]:
+        """Up to ``limit`` records: waiting for them up to the poll timeout when ``wait``,
+        else only those already fetched."""
         # serve the producer's events too: its error_cb is how an idle producer learns that
         # the broker went away (and must be replaced before its next transaction)
-        self.producer.producer.poll(0)
+        if self._inflight is None:  # else the commit's own flush serves them
+            self.producer.producer.poll(0)
+        s = self.spec
+        if s.commit_interval_s is None:
+            got = self.consumer.consume(s.max_batch, s.poll_timeout_s)
+        elif not wait:
+            got = self.consumer.consume(min(limit, _CHUNK), 0)
+        else:
+            got = self.consumer.consume(min(limit, _CHUNK), 0) if self._inflight else []
+            if not got:
+                self._settle()  # nothing to make meanwhile: take the commit's outcome now
+                # consume(n, t) waits for all n: take the first record as soon as it comes
+                got = self.consumer.consume(1, s.poll_timeout_s)
+                if got and limit > 1:
+                    got += self.consumer.consume(min(limit, _CHUNK) - 1, 0)
         out = []
-        for m in self.consumer.consume(self.spec.max_batch, self.spec.poll_timeout_s):
+        positions = self.positions
+        for m in got:
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
@@ -353,9 +444,9 @@ class TransactionalLoop:
                     raise KafkaException(err)
                 self._on_client_error(err)
                 continue
-            self.positions[(m.topic(), m.partition())] = m.offset() + 1
-            self.counters.consumed += 1
+            positions[(m.topic(), m.partition())] = m.offset() + 1
             out.append(m)
+        self.counters.consumed += len(out)
         return out
 
     def _on_client_error(self, err: KafkaError) -> None:
@@ -369,13 +460,11 @@ class TransactionalLoop:
     def commit(self, cp: Checkpoint, status: bool = False, offsets: bool = True) -> None:
         """Commit ``cp`` (plus a status record, plus the consumed offsets) in one
         transaction; after an abort, rewind (or, ``keeps_position``, send it again)."""
+        if not self._settle():  # the commit in flight was aborted: cp's inputs come again
+            cp = self.checkpoint()
         while True:
             if self._transaction(cp, status, offsets):
-                self.counters.transactions += 1
-                self.counters.produced += cp.outputs
-                self.counters.dead_lettered += cp.dead
-                for done in cp.after_commit:
-                    done()
+                self._committed(cp)
                 return
             self.counters.aborted += 1
             if not self.spec.keeps_position:
@@ -383,40 +472,159 @@ class TransactionalLoop:
                 return
             self._serve_group()  # e.g. "unknown member": rejoin before sending it again
 
+    def _committed(self, cp: Checkpoint) -> None:
+        self.counters.transactions += 1
+        self.counters.produced += cp.outputs
+        self.counters.dead_lettered += cp.dead
+        for done in cp.after_commit:
+            done()
+
     def _transaction(self, cp: Checkpoint, status: bool, offsets: bool) -> bool:
         """One try; False when it was aborted."""
         if self._tainted:
             # a producer that lost the broker can hang in send_offsets_to_transaction on a
             # stale coordinator (librdkafka #5456, #5511): start from a fresh one
             self._replace_producer("Kafka went away since the last transaction")
-        p = self.producer.producer
         tps = self._offsets() if offsets and self.consumer is not None else []
-        stage = "producing"
+        self._stage = "producing"
         try:
-            p.begin_transaction()
-            for topic, value, key, partition in cp.records:
-                self.producer.produce_raw(topic, value, key, partition)
+            self._send(cp)
             if status:
                 st = self.work.status()
                 self.producer.produce(self.spec.status_topic, st, st.component_id)
-            if tps:
-                stage = "sending offsets"
-                meta = self.consumer.consumer_group_metadata()
-                self._bounded(lambda: p.send_offsets_to_transaction(
-                    tps, meta, self._call_timeout_s))
-            if self.before_commit is not None:
-                self.before_commit(cp)
-            stage = "committing"
-            self._retrying("committing", lambda: self._bounded(
-                lambda: p.commit_transaction(self._call_timeout_s)))
+            self._finish(cp, tps)
         except KafkaException as e:
-            return self._failed(e, stage, tps)
+            self._open = False
+            return self._failed(e, self._stage, tps)
         except BaseException:
+            self._open = False
             self._abort_quietly()
             raise
+        self._open = False
         self.producer.errors.clear()
         self.outage.ok()
         return True
+
+    def _finish(self, cp: Checkpoint, tps: list[TopicPartition]) -> None:
+        """Send the offsets and commit: the part of a transaction that waits on the broker
+        (on a helper thread for a commit in flight)."""
+        p = self.producer.producer
+        if tps:
+            self._stage = "sending offsets"
+            meta = self.consumer.consumer_group_metadata()
+            self._bounded(lambda: p.send_offsets_to_transaction(
+                tps, meta, self._call_timeout_s))
+        if self.before_commit is not None:
+            self.before_commit(cp)
+        self._stage = "committing"
+        self._retrying("committing", lambda: self._bounded(
+            lambda: p.commit_transaction(self._call_timeout_s)))
+
+    def _commit_in_flight(self, cp: Checkpoint) -> None:
+        """Commit ``cp`` while the loop goes on: its records are sent here, the offsets and
+        the commit wait on a helper thread, and ``_settle`` (before anything else touches
+        the transaction) takes the outcome. Meanwhile the next records are made but not
+        sent: a producer has one transaction at a time."""
+        if not self._settle():
+            return  # the previous one was aborted: cp's inputs come again
+        if self._tainted:
+            self._replace_producer("Kafka went away since the last transaction")
+        tps = self._offsets()
+        self._stage = "producing"
+        try:
+            self._send(cp)
+        except KafkaException as e:
+            self._open = False
+            if not self._failed(e, self._stage, tps):
+                self.counters.aborted += 1
+                self._rewind()
+            return
+        flight = _InFlight(cp, tps)
+        flight.thread = threading.Thread(target=self._finish_in_flight, args=(flight,),
+                                         daemon=True, name="kafka-commit")
+        self._inflight = flight
+        flight.thread.start()
+
+    def _finish_in_flight(self, flight: _InFlight) -> None:
+        try:
+            self._finish(flight.cp, flight.tps)
+        except BaseException as e:  # noqa: BLE001 - taken by _settle on the loop's thread
+            flight.error = e
+
+    def _committed_meanwhile(self) -> bool | None:
+        """``_settle`` if the commit in flight is done (None while it is not)."""
+        flight = self._inflight
+        if flight is None or flight.thread.is_alive():
+            return None
+        return self._settle()
+
+    def _settle(self) -> bool:
+        """Wait for the commit in flight, if any, and take its outcome; False when it was
+        aborted (the loop then rewound: what was consumed since comes again)."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return True
+        flight.thread.join()
+        self._open = False
+        e = flight.error
+        if e is None:
+            self.producer.errors.clear()
+            self.outage.ok()
+            self._committed(flight.cp)
+            return True
+        if not isinstance(e, KafkaException):
+            self._abort_quietly()
+            raise e
+        if self._failed(e, self._stage, flight.tps):
+            self._committed(flight.cp)
+            return True
+        self.counters.aborted += 1
+        self._rewind()
+        return False
+
+    def _send(self, cp: Checkpoint) -> None:
+        """Begin a transaction unless one is open, and hand the producer the records of
+        ``cp`` it does not hold yet (a new transaction gets them all)."""
+        if not self._open:
+            self.producer.producer.begin_transaction()
+            self._open = True
+            cp.sent = 0
+        # no delivery callback per record: the commit fails if a record does
+        produce, records = self.producer.producer.produce, cp.records
+        for i in range(cp.sent, len(records)):
+            topic, value, key, partition = records[i]
+            try:
+                produce(topic, value, key, -1 if partition is None else partition)
+            except BufferError:  # the local queue is full: this one waits for room
+                self.producer.produce_raw(topic, value, key, partition)
+            cp.sent = i + 1
+
+    def _send_early(self, cp: Checkpoint) -> None:
+        """``_send`` while the transaction stays open, so that the broker takes its records
+        while the next ones are made; a failure is left for the commit to meet again."""
+        if self._tainted or self._inflight is not None:
+            return  # the commit replaces the producer first / one transaction at a time
+        try:
+            self._send(cp)
+        except KafkaException as e:
+            log.debug("%s: sending ahead of the commit failed: %s", self.spec.component_id, e)
+
+    def _drop_open(self) -> None:
+        """Abort the open transaction (what was sent of it) and go back to the committed
+        offsets of every partition: the round's records and held state are dropped."""
+        log.info("%s: dropping the open transaction after a rebalance",
+                 self.spec.component_id)
+        self._settle()
+        if self._open:
+            self._open = False
+            try:
+                self._bounded(lambda: self.producer.producer.abort_transaction(
+                    self._call_timeout_s))
+            except KafkaException as e:
+                log.warning("%s: abort failed (%s); a new producer fences the transaction",
+                            self.spec.component_id, e)
+                self._tainted = True
+        self._rewind()
 
     def _failed(self, e: KafkaException, stage: str, tps: list[TopicPartition]) -> bool:
         """After a failed transaction: True if it committed after all, False once it is
@@ -505,6 +713,7 @@ class TransactionalLoop:
         log.warning("%s: starting a new producer (%s)", self.spec.component_id, why)
         old, self.producer = self.producer, None
         stuck, self._stuck = self._stuck, False
+        self._open = False
         self.producer = self._new_producer()
         if old is not None and not stuck:  # a stuck one would block here too
             old.producer.purge()  # its records belong to the aborted transaction
@@ -527,6 +736,7 @@ class TransactionalLoop:
 
     def _rewind(self) -> None:
         """After an abort: drop held state and go back to the committed offsets."""
+        self._settle()  # those offsets must be final: no commit in flight
         assigned = self.consumer.assignment()
         self.work.on_revoke([(tp.topic, tp.partition) for tp in assigned])
         self.positions.clear()
@@ -555,10 +765,11 @@ class TransactionalLoop:
                     raise _Stopping() from e
 
     def _new_producer(self) -> RecordProducer:
+        tuned = {k: v for k, v in _TXN_PRODUCER.items() if k not in self.config.producer_options}
         producer = RecordProducer(
             self.config, self.codec, transactional_id=self.spec.transactional_id, init=False,
             error_cb=self._on_client_error,
-            **{"transaction.timeout.ms": self.config.transaction_timeout_ms,
+            **{**tuned, "transaction.timeout.ms": self.config.transaction_timeout_ms,
                **self.spec.producer_options})
         self._retrying("initialising transactions",
                        lambda: producer.producer.init_transactions(self._call_timeout_s))
@@ -591,6 +802,9 @@ class TransactionalLoop:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assignment_changed = True
+        self._revoked = True
+        if self._inflight is not None:  # its offsets commit before the partitions move on
+            self._inflight.thread.join()
         log.info("%s: revoked %s", self.spec.component_id,
                  ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
         if self.spec.keeps_position:

@@ -34,6 +34,11 @@ from astraflow.validate import check_record
 
 log = logging.getLogger("astraflow.runtime")
 
+# how long a processor's transaction stays open while records keep arriving (the loop
+# commits sooner when a poll finds nothing more, or at max_batch inputs): Kafka Streams'
+# commit.interval.ms under exactly-once
+COMMIT_INTERVAL_S = 0.1
+
 
 def loop_spec(topology: Topology, component_id: str, group: str, transactional_id: str,
               inputs: list[str], outputs: list[str], **extra) -> LoopSpec:
@@ -91,10 +96,12 @@ class ProcessorRuntime:
         self._inputs = {topology.full_name(t): t for t in self.spec.inputs}
         self._expect = {full: topology.topic(t).schema_type for full, t in self._inputs.items()}
         self._out_types = {t: topology.topic(t).schema_type for t in self.spec.outputs}
+        self._out_full = {t: topology.full_name(t) for t in self.spec.outputs}
         self.loop = TransactionalLoop(
             loop_spec(topology, self.component_id, self.group, self.transactional_id,
                       self.spec.inputs, self.spec.outputs, max_batch=self.spec.max_batch,
                       poll_timeout_s=self.spec.poll_timeout_s,
+                      commit_interval_s=COMMIT_INTERVAL_S,
                       consumer_options={"session.timeout.ms": session_timeout_ms}),
             self, self.config, self.codec)
         self.running = self.loop.running
@@ -165,7 +172,7 @@ class ProcessorRuntime:
         if not isinstance(o.record, expected):
             raise TypeError(f"{self.name} produced a {type(o.record).__name__} to {o.topic}, "
                             f"which carries {expected.__name__}")
-        cp.add(self.topology.full_name(o.topic), o.record, o.key, o.partition, raw=raw)
+        cp.add(self._out_full[o.topic], o.record, o.key, o.partition, raw=raw)
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
         full = self.topology.full_name

@@ -11,6 +11,8 @@ import logging
 import sys
 from typing import Any
 
+from astraflow.cliargs import Option, add_command, add_group, add_run_options, add_table
+
 
 def _kv(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
@@ -110,8 +112,8 @@ def load_engine(args: argparse.Namespace, policy: str, path: str) -> Any:
 
 def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, stop_on_signals
-    from astraflow.model import ModelError
     from astraflow.model_share import ensure_model
+    from astraflow.models.errors import ModelError
     from astraflow.raas.node import NodeOptions, RaaSNode
     from astraflow.raas.vllm_engine import VLLMNotInstalled
     from astraflow.topology import load_topology
@@ -169,79 +171,70 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``raas`` command group to ``subparsers`` (from ``add_subparsers``)."""
-    p = subparsers.add_parser("raas", help="rollout-as-a-service nodes")
-    rsub = p.add_subparsers(dest="raas_command", required=True, metavar="ACTION")
-    run = rsub.add_parser(
-        "run",
-        help="run one RaaS node: consume tasks, produce trajectory groups until SIGTERM",
-    )
-    run.add_argument("--topology", "-t", required=True, metavar="FILE")
-    run.add_argument("--bootstrap", help="bootstrap servers (ASTRAFLOW_BOOTSTRAP overrides)")
-    run.add_argument(
-        "--policy-model",
-        required=True,
-        action="append",
-        type=_kv,
-        metavar="POLICY=PATH",
-        help="a local transformers model directory per policy (repeatable)",
-    )
-    run.add_argument(
-        "--chat",
-        action="append",
-        type=_chat_option,
-        metavar="POLICY=JSON",
+_EXAMPLES = [
+    "astraflow raas run -t topology/default.yaml --pool local --policy-model "
+    "actor=runs/default/model",
+    "astraflow raas run -t topology/smollm2.yaml --pool local --instance gpu-0 "
+    "--policy-model actor=models/smollm2 --engine vllm",
+    "astraflow raas run -t topology/solver-verifier.yaml --pool local "
+    "--policy-model solver=DIR1 --policy-model verifier=DIR2",
+]
+
+_NODE: list[Option] = [
+    (("--policy-model", "--model"), dict(
+        required=True, action="append", type=_kv, metavar="POLICY=PATH",
+        help="a local transformers model directory per policy (repeatable)")),
+    (("--chat",), dict(
+        action="append", type=_chat_option, metavar="POLICY=JSON",
         help='prompt format of a policy (astraflow.chat), e.g. actor=\'{"template": "auto", '
-        '"system_prompt": "Answer with the number only."}\' (repeatable)',
-    )
-    run.add_argument("--pool", default="default", help="pool name; group <run>.raas.<pool>")
-    run.add_argument(
-        "--instance",
-        help="instance id, unique per running node (default: $ASTRAFLOW_INSTANCE or host name)",
-    )
-    run.add_argument("--n-samples", type=int, default=4, metavar="N", help="samples per task")
-    run.add_argument("--tasks-per-transaction", type=int, default=1, metavar="K")
-    run.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="torch",
+        '"system_prompt": "Answer with the number only."}\' (repeatable)')),
+    (("--pool",), dict(default="default", help="pool name; group <run>.raas.<pool>")),
+    (("--instance",), dict(help="instance id, unique per running node (default: "
+                           "$ASTRAFLOW_INSTANCE or host name)")),
+    (("--n-samples",), dict(type=int, default=4, metavar="N", help="samples per task")),
+    (("--tasks-per-transaction",), dict(type=int, default=1, metavar="K")),
+    (("--session-timeout-ms",), dict(type=int, default=10_000)),
+    (("--no-follow-weights",), dict(action="store_true", help="keep the initial weights; do "
+                                    "not follow weights.<policy>")),
+    (("--workflow-options",), dict(
+        action="append", type=_workflow_option, metavar="NAME=JSON",
+        help='options of one workflow, e.g. tool_calc=\'{"max_turns": 3, "tool_latency": '
+        '{"dist": "pareto", "scale_s": 0.05, "alpha": 1.2}}\' (repeatable)')),
+]
+
+_ENGINE: list[Option] = [
+    (("--engine",), dict(
+        choices=ENGINES, default="torch",
         help="rollout engine of the node's policies: torch (in-tree), vllm (vLLM in this "
-        "process; needs `bash scripts/vllm-env`), openai (an OpenAI-compatible server)",
-    )
-    run.add_argument(
-        "--engine-options",
-        type=_engine_options,
-        metavar="JSON",
+        "process; needs `bash scripts/vllm-env`), openai (an OpenAI-compatible server)")),
+    (("--engine-options",), dict(
+        type=_engine_options, metavar="JSON",
         help='engine options as a JSON object, e.g. \'{"max_model_len": 1024, "cpus": 2}\' '
         "(vllm) or '{\"base_url\": \"http://127.0.0.1:8000/v1\"}' (openai); an unknown key "
-        "fails at start",
-    )
-    run.add_argument("--device", default="cpu")
-    run.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
-    run.add_argument(
-        "--prefix-cache-mib",
-        type=float,
-        default=256.0,
-        metavar="MIB",
+        "fails at start")),
+    (("--device",), dict(default="cpu", help="torch device (torch engine)")),
+    (("--dtype",), dict(default=None, help="model dtype (default: as saved)")),
+    (("--prefix-cache-mib",), dict(
+        type=float, default=256.0, metavar="MIB",
         help="keys/values of earlier generations kept per policy for prompts that continue "
-        "them (multi-turn workflows); 0 turns it off",
+        "them (multi-turn workflows); 0 turns it off")),
+]
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``raas`` command group to ``subparsers`` (from ``add_subparsers``)."""
+    verbs = add_group(subparsers, "raas", help="rollout-as-a-service nodes",
+                      dest="raas_command", examples=_EXAMPLES[:1])
+    run = add_command(
+        verbs, "run",
+        help="run one RaaS node: consume tasks, produce trajectory groups until SIGTERM",
+        description="Join the pool's consumer group on <run>.tasks, run each task's workflow "
+        "against the node's policy engines, and produce its trajectory group to "
+        "<run>.trajectories.raw; follow weights.<policy> to keep each policy current.",
+        examples=_EXAMPLES,
     )
-    run.add_argument("--session-timeout-ms", type=int, default=10_000)
-    run.add_argument(
-        "--no-follow-weights",
-        action="store_true",
-        help="keep the initial weights; do not follow weights.<policy>",
-    )
-    run.add_argument(
-        "--workflow-options",
-        action="append",
-        type=_workflow_option,
-        metavar="NAME=JSON",
-        help='options of one workflow, e.g. tool_calc=\'{"max_turns": 3, "tool_latency": '
-        '{"dist": "pareto", "scale_s": 0.05, "alpha": 1.2}}\' (repeatable)',
-    )
+    add_run_options(run)
+    add_table(run, None, _NODE)
+    add_table(run, "engine", _ENGINE)
     run.set_defaults(func=cmd_raas_run)
-    return p
-
-
+    return subparsers.choices["raas"]

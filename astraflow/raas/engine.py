@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from astraflow.chat import ChatFormat
-from astraflow.model import takes_logits_to_keep
+from astraflow.models.loading import takes_logits_to_keep
 from astraflow.raas.prefix_cache import PrefixCache
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -198,50 +198,18 @@ class TorchEngine:
         Each prompt is prefilled once; its KV cache and last logits are then repeated for
         its n samples (the prefill of n identical rows would cost n times as much)."""
         dev = self.device
-        ids, mask, positions, cache = self._prefill_inputs(prompts)
         gen = torch.Generator(device=dev)
         if params.seed is not None:
             gen.manual_seed(params.seed)
         else:
             gen.seed()
-        stop_ids = set(params.stop_token_ids)
-        window = max((len(s) for s in params.stop), default=0) + 8
         b = len(gens)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
-
-        # only the last column's logits are sampled from: the others cost a vocabulary-wide
-        # projection per prompt token for nothing
-        keep = {"logits_to_keep": 1} if self._keep_logits else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, **keep)
-        cache = out.past_key_values
-        prompt_mask = mask  # one row per prompt
-        logits = out.logits[:, -1, :].float()
-        last_pos = positions[:, -1]
-        if params.n > 1:
-            cache.batch_repeat_interleave(params.n)
-            logits = logits.repeat_interleave(params.n, dim=0)
-            last_pos = last_pos.repeat_interleave(params.n, dim=0)
-            mask = mask.repeat_interleave(params.n, dim=0)
+        cache, logits, last_pos, mask, prompt_mask = self._prefill(prompts, params.n)
         for step in range(params.max_new_tokens):
             tok, lp = _pick(logits, params.temperature, params.top_p, gen)
-            tok_l, lp_l, done_l = tok.tolist(), lp.tolist(), done.tolist()
-            newly_done = []
-            for i in range(b):
-                if done_l[i]:
-                    continue
-                g = gens[i]
-                g.token_ids.append(tok_l[i])
-                g.logprobs.append(lp_l[i])
-                g.versions.append(version)
-                if tok_l[i] in stop_ids:
-                    g.finish_reason = "stop"
-                    newly_done.append(i)
-                elif params.stop:
-                    tail = self.decode(g.token_ids[-window:])
-                    if any(s in tail for s in params.stop):
-                        g.finish_reason = "stop"
-                        newly_done.append(i)
+            newly_done = self._append(gens, tok.tolist(), lp.tolist(), done.tolist(), params,
+                                      version)
             if newly_done:
                 done[newly_done] = True
             if bool(done.all()) or step == params.max_new_tokens - 1:
@@ -263,6 +231,49 @@ class TorchEngine:
                 g.finish_reason = "length"
         if self.prefix_cache is not None:
             self._keep_prefixes(cache, prompt_mask, gens, params.n)
+
+    def _prefill(self, prompts: list[list[int]], n: int):
+        """Run the prompts through the model once: ``(cache, last logits, last positions,
+        attention mask)`` repeated for ``n`` samples each, and the one-row-per-prompt mask."""
+        ids, mask, positions, cache = self._prefill_inputs(prompts)
+        # only the last column's logits are sampled from: the others cost a vocabulary-wide
+        # projection per prompt token for nothing
+        keep = {"logits_to_keep": 1} if self._keep_logits else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, **keep)
+        cache = out.past_key_values
+        prompt_mask = mask
+        logits = out.logits[:, -1, :].float()
+        last_pos = positions[:, -1]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            last_pos = last_pos.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+        return cache, logits, last_pos, mask, prompt_mask
+
+    def _append(self, gens: list[Generation], tokens: list[int], logprobs: list[float],
+                done: list[bool], params: SamplingParams, version: int) -> list[int]:
+        """Append one sampled token to each unfinished generation; the indices of those
+        that it ends (a stop token, or a stop string in the decoded tail)."""
+        stop_ids = set(params.stop_token_ids)
+        window = max((len(s) for s in params.stop), default=0) + 8
+        newly_done = []
+        for i, g in enumerate(gens):
+            if done[i]:
+                continue
+            g.token_ids.append(tokens[i])
+            g.logprobs.append(logprobs[i])
+            g.versions.append(version)
+            if tokens[i] in stop_ids:
+                g.finish_reason = "stop"
+                newly_done.append(i)
+            elif params.stop:
+                tail = self.decode(g.token_ids[-window:])
+                if any(s in tail for s in params.stop):
+                    g.finish_reason = "stop"
+                    newly_done.append(i)
+        return newly_done
 
     def _prefill_inputs(
         self, prompts: list[list[int]]
@@ -345,7 +356,7 @@ def load_torch_engine(
     0 turns the prefix cache off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from astraflow.model import check_model_dir
+    from astraflow.models.loading import check_model_dir
 
     check_model_dir(path)
     kwargs: dict[str, Any] = {"local_files_only": True}

@@ -35,7 +35,7 @@ def load_tokenizer(path: str | Path) -> Any:
     path when the directory, its config or its tokenizer is missing."""
     from transformers import AutoTokenizer
 
-    from astraflow.model import ModelError
+    from astraflow.models.errors import ModelError
 
     p = Path(path)
     if not p.is_dir():

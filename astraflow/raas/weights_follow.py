@@ -1,7 +1,7 @@
 """Keeping an engine at the newest published weights of its policy.
 
-``WeightWatcher`` reads ``<run>.weights.<policy>`` with its own plain consumer (no group:
-partition 0 assigned from the beginning, ``read_committed``), feeds every manifest to a
+``WeightWatcher`` reads ``<run>.weights.<policy>`` as a ``TopicTable`` (no group: every
+partition from the beginning, ``read_committed``), feeds every new manifest to a
 ``WeightFollower``, and on ``refresh()`` — called between generations — brings the
 engine to the newest version if one is newer than what it holds. The check polls with
 timeout 0, so it costs next to nothing when nothing changed, and it never waits for a
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
-from astraflow.codec import Codec, RecordDecodeError
+from astraflow.codec import Codec
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.table import TopicTable
 from astraflow.raas.engine import Engine
 from astraflow.records import WeightManifest
 
@@ -30,6 +30,9 @@ log = logging.getLogger("astraflow.raas.weights")
 
 
 class WeightWatcher:
+    """Follows ``weights.<policy>`` (a ``TopicTable`` of its manifests, keyed by manifest
+    identity) and brings ``engine`` to the newest version on ``refresh``."""
+
     def __init__(
         self,
         config: KafkaConfig,
@@ -39,63 +42,34 @@ class WeightWatcher:
         stores: tuple[Any, ...] = (),
     ):
         from astraflow.weights import WeightFollower
+        from astraflow.weights.history import manifest_key
 
         self.topic = topic
         self.engine = engine
         self.codec = codec
         self.follower = WeightFollower(policy=engine.policy, stores=stores, kafka_config=config)
-        conf = config.consumer_conf(
-            f"astraflow-raas-weights-{uuid.uuid4().hex[:8]}",
-            **{"isolation.level": "read_committed", "enable.partition.eof": False},
-        )
-        self.consumer = Consumer(conf)
-        self.consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        self.manifests: TopicTable[Any, WeightManifest] = TopicTable.open(
+            config, topic, WeightManifest, codec=codec, key=lambda e: manifest_key(e.value)
+            if e.value is not None else None, client_id=f"raas-weights-{engine.policy}")
+        self.manifests.on_change(self._observe)
         self._failed_target: int | None = None
         self.updates = 0
         self.manifests_seen = 0
         self.last_update_s = 0.0
 
+    def _observe(self, _key: Any, _old: WeightManifest | None, new: WeightManifest | None) -> None:
+        if new is not None:
+            self.follower.observe(new)
+            self.manifests_seen += 1
+            self._failed_target = None  # new manifests: a failed target may be reachable
+
     def poll(self, timeout: float = 0.0) -> int:
-        """Read manifests that arrived; returns how many."""
-        got = 0
-        while True:
-            msgs = self.consumer.consume(500, timeout)
-            if not msgs:
-                return got
-            for m in msgs:
-                err = m.error()
-                if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        log.warning("%s: consumer error: %s", self.topic, err)
-                    continue
-                try:
-                    rec = self.codec.decode(
-                        m.value(), m.topic(), m.partition(), m.offset(), expect=WeightManifest
-                    )
-                except RecordDecodeError as e:
-                    log.warning("%s: skipping undecodable manifest: %s", self.topic, e)
-                    continue
-                self.follower.observe(rec)
-                got += 1
-                self.manifests_seen += 1
-            if got:
-                self._failed_target = None  # new manifests: a failed target may be reachable
-            timeout = 0.0
+        """Read manifests that arrived; returns how many were new."""
+        return self.manifests.poll(timeout)
 
     def catch_up(self, timeout_s: float = 10.0) -> None:
         """Read what the topic holds now (bounded by ``timeout_s``), then refresh."""
-        tp = TopicPartition(self.topic, 0)
-        try:
-            _, high = self.consumer.get_watermark_offsets(tp, timeout=min(timeout_s, 5.0))
-        except Exception as e:  # noqa: BLE001 - a missing topic must not stop the node
-            log.warning("%s: cannot read watermarks: %s", self.topic, e)
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.poll(0.2)
-            pos = self.consumer.position([tp])[0].offset
-            if pos >= high or high == 0:
-                break
+        self.manifests.catch_up(timeout_s)
         self.refresh(poll=False)
 
     def refresh(self, poll: bool = True) -> bool:
@@ -136,7 +110,7 @@ class WeightWatcher:
         return True
 
     def close(self) -> None:
-        self.consumer.close()
+        self.manifests.close()
         self.follower.close()
 
 

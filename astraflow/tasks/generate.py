@@ -89,21 +89,26 @@ def write_jsonl(rows: list[dict[str, Any]], out: str | Path) -> Path:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``data`` command group (``data generate``)."""
-    p = subparsers.add_parser("data", help="task datasets: generate the bench datasets")
-    dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    g = dsub.add_parser(
-        "generate", help="write a generated dataset as JSONL",
-        description="Example: astraflow data generate addition data/addition.eval.jsonl "
-        "--split eval",
-    )
-    g.add_argument("kind", choices=sorted(GENERATORS))
-    g.add_argument("out", metavar="FILE.jsonl")
+    from astraflow.cliargs import add_command, add_group
+
+    examples = ["astraflow data generate addition data/addition.eval.jsonl --split eval",
+                "astraflow data generate multistep data/multistep.train.jsonl --count 5000"]
+    verbs = add_group(subparsers, "data", help="task datasets: generate the bench datasets",
+                      dest="data_command", examples=examples[:1])
+    g = add_command(
+        verbs, "generate", help="write a generated dataset as JSONL",
+        description="Write the rows of a generated task set ({prompt, answer, level, "
+        "source} per line) to FILE.jsonl, ready for `feeder run --dataset` and `eval run "
+        "--dataset`.",
+        examples=examples)
+    g.add_argument("kind", choices=sorted(GENERATORS), help="which task set")
+    g.add_argument("out", metavar="FILE.jsonl", help="where to write it")
     g.add_argument("--split", default="train", choices=SPLITS)
     g.add_argument("--count", type=int, default=0, help="rows (0: all for addition, "
                    "2000 for multistep)")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
-    return p
+    return subparsers.choices["data"]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

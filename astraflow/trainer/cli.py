@@ -11,13 +11,122 @@ import logging
 import sys
 from typing import Any
 
+from astraflow.cliargs import Option, add_command, add_group, add_run_options, add_table
+
+_EXAMPLES = [
+    "astraflow trainer run -t topology/default.yaml --policy actor --model runs/default/model",
+    "astraflow trainer run -t topology/smollm2.yaml --policy actor --model models/smollm2 "
+    "--device cuda --autocast bf16 --lr 1e-6",
+    "astraflow trainer run -t topology/default.yaml --run trial2 --policy actor "
+    "--model runs/default/model --max-steps 50",
+]
+
+_WHAT: list[Option] = [
+    (("--policy",), dict(required=True, help="policy name (topics batches./weights.NAME)")),
+    (("--model",), dict(required=True, metavar="PATH",
+                        help="local Hugging Face causal-LM directory (initial weights, config)")),
+    (("--instance",), dict(help="instance id (transactional id <group>.<instance>); default "
+                           "$ASTRAFLOW_INSTANCE or 0")),
+    (("--max-steps",), dict(type=int, help="stop cleanly after N steps")),
+    (("-v", "--verbose"), dict(action="store_true", help="debug logging")),
+]
+
+_OPTIMIZER: list[Option] = [
+    (("--lr",), dict(type=float, default=1e-6, help="learning rate (default 1e-6)")),
+    (("--weight-decay",), dict(type=float, default=0.0)),
+    (("--adam-beta1",), dict(type=float, default=0.9)),
+    (("--adam-beta2",), dict(type=float, default=0.999)),
+    (("--adam-eps",), dict(type=float, default=1e-8)),
+    (("--max-grad-norm",), dict(type=float, default=1.0)),
+]
+
+_LOSS: list[Option] = [
+    (("--loss",), dict(default="clipped_tis", metavar="NAME", help="policy loss, by its name in "
+                       "astraflow.trainer.loss.LOSSES (default clipped_tis)")),
+    (("--clip-low",), dict(type=float, default=0.2, help="PPO ratio clip below 1 (default 0.2)")),
+    (("--clip-high",), dict(type=float, default=0.28,
+                            help="PPO ratio clip above 1 (default 0.28)")),
+    (("--tis-cap",), dict(type=float, default=2.0, help="truncation of the importance weight "
+                          "against the behaviour policy")),
+    (("--max-staleness",), dict(type=int, default=None, metavar="K", help="drop groups whose "
+                                "oldest token is > K versions behind the trained version")),
+    (("--no-std-normalize",), dict(action="store_true",
+                                   help="group advantages r - mean only (no division by the std)")),
+    (("--temperature",), dict(type=float, default=1.0, metavar="T", help="the rollouts' "
+                              "sampling temperature: log-probs are log_softmax(logits / T), as "
+                              "the engines record them (0, greedy: 1)")),
+]
+
+_COMPUTE: list[Option] = [
+    (("--device",), dict(default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")),
+    (("--dtype",), dict(default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="dtype the model trains in (the master weights)")),
+    (("--autocast",), dict(default="none", choices=["none", "bf16"], help="bf16: "
+                           "forward/backward under torch.autocast(bfloat16) with fp32 master "
+                           "weights, optimizer and loss (recommended for real models; default "
+                           "none)")),
+    (("--forward-on",), dict(default="published", choices=["published", "master"], help="weights "
+                             "forward/backward run on when the published ones are rounded "
+                             "(--publish-dtype): 'published' (default; the rollouts' own policy, "
+                             "the optimizer steps an fp32 master copy) or 'master'")),
+    (("--micro-batch-size",), dict(type=int, default=None, metavar="N", help="sequences per "
+                                   "forward/backward, gradients accumulated to one step per "
+                                   "batch (default 8)")),
+    (("--micro-batch-tokens",), dict(type=int, default=None, metavar="N", help="instead of "
+                                     "--micro-batch-size: at most N padded tokens per "
+                                     "forward/backward (sequences sorted by length; a longer "
+                                     "sequence goes alone)")),
+    (("--gradient-checkpointing",), dict(action="store_true", help="recompute each layer's "
+                                         "activations in the backward pass (less memory, about "
+                                         "one more forward of time)")),
+    (("--no-share-prompt",), dict(action="store_true", help="run each sequence's prompt through "
+                                  "the model itself (default: the sequences of a group share "
+                                  "one pass over their prompt; always off with gradient "
+                                  "checkpointing)")),
+    (("--threads",), dict(type=int, help="torch.set_num_threads")),
+    (("--seed",), dict(type=int, default=0)),
+    (("--deterministic",), dict(action="store_true",
+                                help="torch.use_deterministic_algorithms(True)")),
+]
+
+_PUBLISHING: list[Option] = [
+    (("--publish-dtype",), dict(default="bf16", choices=["same", "bf16", "fp16"], help="dtype "
+                                "of the published weights: each version publishes the master "
+                                "weights rounded to it, so deltas between versions are sparse, "
+                                "and saves the master weights next to its optimizer state for "
+                                "an exact resume; same: publish them as trained (default bf16)")),
+    (("--blob-store",), dict(metavar="URI", help="file:///dir or kafka://<topic> (default: "
+                             "kafka://<run>.weights.blobs when the topology has that topic, else "
+                             "file://<state dir>/blobs)")),
+    (("--anchor-interval",), dict(type=int, default=10,
+                                  help="full checkpoint every N versions (deltas in between)")),
+    (("--keep-versions",), dict(type=int, default=20, metavar="N", help="remove the weight "
+                                "blobs of versions older than the newest full checkpoint at or "
+                                "below the newest version - N (a Kafka store deletes the records "
+                                "before them); 0 keeps every blob (default 20)")),
+]
+
+_STATE: list[Option] = [
+    (("--state-dir",), dict(metavar="DIR",
+                            help="default ~/.local/state/astraflow/trainer/<run>.<policy>")),
+    (("--state-interval",), dict(type=int, default=10, metavar="N", help="write the trainer "
+                                 "state (optimizer, fp32 master weights) every N versions, in "
+                                 "the background; a restart recomputes the versions after the "
+                                 "newest one (default 10)")),
+    (("--state-max-lag",), dict(type=int, default=None, metavar="K", help="record a state "
+                                "write at the latest K versions after it, waiting for it then "
+                                "(default: the state interval)")),
+    (("--keep-optimizer",), dict(type=int, default=3, metavar="K", help="keep the newest K "
+                                 "written trainer states (optimizer and master weights)")),
+]
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``trainer`` command group to ``subparsers`` (from ``add_subparsers``)."""
-    p = subparsers.add_parser("trainer", help="train one policy from batches.<policy>")
-    tsub = p.add_subparsers(dest="trainer_command", required=True, metavar="ACTION")
-    r = tsub.add_parser(
-        "run",
+    verbs = add_group(subparsers, "trainer", help="train one policy from batches.<policy>",
+                      dest="trainer_command", examples=_EXAMPLES[:1])
+    r = add_command(
+        verbs, "run",
         help="consume batches.<policy>, publish weights.<policy> (until SIGTERM)",
         description=(
             "Consume batches.<policy> (group <run>.trainer.<policy>), take one PPO/GRPO "
@@ -25,169 +134,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "offsets in one Kafka transaction. Restarting resumes exactly (weights, "
             "optimizer state, data position)."
         ),
+        examples=_EXAMPLES,
     )
-    r.add_argument("--topology", "-t", required=True, metavar="FILE", help="topology YAML")
-    r.add_argument("--bootstrap", help="bootstrap servers (ASTRAFLOW_BOOTSTRAP wins)")
-    r.add_argument("--policy", required=True, help="policy name (topics batches./weights.NAME)")
-    r.add_argument(
-        "--model",
-        required=True,
-        metavar="PATH",
-        help="local Hugging Face causal-LM directory (initial weights, config)",
-    )
-    r.add_argument(
-        "--blob-store",
-        metavar="URI",
-        help="file:///dir or kafka://<topic> (default: kafka://<run>.weights.blobs when the "
-        "topology has that topic, else file://<state dir>/blobs)",
-    )
-    r.add_argument(
-        "--state-dir", metavar="DIR", help="default ~/.local/state/astraflow/trainer/<run>.<policy>"
-    )
-    r.add_argument(
-        "--instance",
-        help="instance id (transactional id <group>.<instance>); default $ASTRAFLOW_INSTANCE or 0",
-    )
-    r.add_argument("--lr", type=float, default=1e-6)
-    r.add_argument("--weight-decay", type=float, default=0.0)
-    r.add_argument("--adam-beta1", type=float, default=0.9)
-    r.add_argument("--adam-beta2", type=float, default=0.999)
-    r.add_argument("--adam-eps", type=float, default=1e-8)
-    r.add_argument("--max-grad-norm", type=float, default=1.0)
-    r.add_argument("--clip-low", type=float, default=0.2)
-    r.add_argument("--clip-high", type=float, default=0.28)
-    r.add_argument(
-        "--tis-cap",
-        type=float,
-        default=2.0,
-        help="truncation of the importance weight against the behaviour policy",
-    )
-    r.add_argument(
-        "--max-staleness",
-        type=int,
-        default=None,
-        metavar="K",
-        help="drop groups whose oldest token is > K versions behind the trained version",
-    )
-    r.add_argument(
-        "--no-std-normalize",
-        action="store_true",
-        help="group advantages r - mean only (no division by the std)",
-    )
-    r.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="sequences per forward/backward, gradients accumulated to one step per batch "
-        "(default 8)",
-    )
-    r.add_argument(
-        "--micro-batch-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="instead of --micro-batch-size: at most N padded tokens per forward/backward "
-        "(sequences sorted by length; a longer sequence goes alone)",
-    )
-    r.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        metavar="T",
-        help="the rollouts' sampling temperature: log-probs are log_softmax(logits / T), "
-        "as the engines record them (0, greedy: 1)",
-    )
-    r.add_argument(
-        "--autocast",
-        default="none",
-        choices=["none", "bf16"],
-        help="bf16: forward/backward under torch.autocast(bfloat16) with fp32 master weights, "
-        "optimizer and loss (recommended for real models; default none)",
-    )
-    r.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute each layer's activations in the backward pass (less memory, "
-        "about one more forward of time)",
-    )
-    r.add_argument(
-        "--no-share-prompt",
-        action="store_true",
-        help="run each sequence's prompt through the model itself (default: the sequences "
-        "of a group share one pass over their prompt; always off with gradient checkpointing)",
-    )
-    r.add_argument(
-        "--forward-on",
-        default="published",
-        choices=["published", "master"],
-        help="weights forward/backward run on when the published ones are rounded "
-        "(--publish-dtype): 'published' (default; the rollouts' own policy, the optimizer "
-        "steps an fp32 master copy) or 'master'",
-    )
-    r.add_argument(
-        "--dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="dtype the model trains in (the master weights)",
-    )
-    r.add_argument(
-        "--publish-dtype",
-        default="bf16",
-        choices=["same", "bf16", "fp16"],
-        help="dtype of the published weights: each version publishes the master weights "
-        "rounded to it, so deltas between versions are sparse, and saves the master "
-        "weights next to its optimizer state for an exact resume; same: publish them as "
-        "trained (default bf16)",
-    )
-    r.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    r.add_argument(
-        "--anchor-interval",
-        type=int,
-        default=10,
-        help="full checkpoint every N versions (deltas in between)",
-    )
-    r.add_argument(
-        "--state-interval",
-        type=int,
-        default=10,
-        metavar="N",
-        help="write the trainer state (optimizer, fp32 master weights) every N versions, in "
-        "the background; a restart recomputes the versions after the newest one (default 10)",
-    )
-    r.add_argument(
-        "--state-max-lag",
-        type=int,
-        default=None,
-        metavar="K",
-        help="record a state write at the latest K versions after it, waiting for it then "
-        "(default: the state interval)",
-    )
-    r.add_argument(
-        "--keep-optimizer",
-        type=int,
-        default=3,
-        metavar="K",
-        help="keep the newest K written trainer states (optimizer and master weights)",
-    )
-    r.add_argument(
-        "--keep-versions",
-        type=int,
-        default=20,
-        metavar="N",
-        help="remove the weight blobs of versions older than the newest full checkpoint at "
-        "or below the newest version - N (a Kafka store deletes the records before them); "
-        "0 keeps every blob (default 20)",
-    )
-    r.add_argument("--threads", type=int, help="torch.set_num_threads")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument(
-        "--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)"
-    )
-    r.add_argument("--max-steps", type=int, help="stop cleanly after N steps")
-    r.add_argument("-v", "--verbose", action="store_true")
+    add_run_options(r)
+    add_table(r, None, _WHAT)
+    add_table(r, "optimizer", _OPTIMIZER)
+    add_table(r, "loss", _LOSS)
+    add_table(r, "compute", _COMPUTE)
+    add_table(r, "publishing weights", _PUBLISHING)
+    add_table(r, "trainer state (exact resume)", _STATE)
     r.set_defaults(func=handler)
-    return p
+    return subparsers.choices["trainer"]
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -202,7 +159,8 @@ def handler(args: argparse.Namespace) -> int:
             level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-    from astraflow.model import ModelError, check_model_dir
+    from astraflow.models.errors import ModelError
+    from astraflow.models.loading import check_model_dir
 
     topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
     try:
@@ -211,7 +169,7 @@ def handler(args: argparse.Namespace) -> int:
         _write_missing_model(topo, args.policy, args.model)
         check_model_dir(args.model, tokenizer=False)  # before any Kafka client starts
     except (ValueError, ModelError) as e:  # TopologyError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
+        print(f"astraflow: {e}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -274,6 +232,7 @@ def _options(args: argparse.Namespace) -> Any:
             adam_eps=args.adam_eps,
             weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm,
+            loss=args.loss,
             clip_low=args.clip_low,
             clip_high=args.clip_high,
             tis_cap=args.tis_cap,

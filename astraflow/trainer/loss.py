@@ -1,4 +1,5 @@
-"""Policy-gradient maths of the trainer: group advantages and the clipped, truncated loss.
+"""Policy-gradient maths of the trainer: group advantages, the clipped, truncated loss, and
+the registry of losses the trainer picks from by name (``register_loss``, ``get_loss``).
 
 Pure torch, no Kafka, no model: everything here is unit-tested on hand-computed numbers.
 
@@ -45,8 +46,9 @@ gradient).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -101,6 +103,44 @@ SUM_KEYS = (
 )
 
 
+class PolicyLoss(Protocol):
+    """A policy loss the trainer can be told to use by name (``TrainerConfig.loss``).
+
+    Per-token tensors of one (micro-)batch in; the loss divided by ``num_tokens`` (the loss
+    tokens of the whole batch) and its metric ``sums`` out (the trainer reports each sum
+    divided by the trained tokens as ``trainer/<key>``, and ``ratio_max`` as is). The
+    keyword arguments are the trainer's hyperparameters (``clip_low``, ``clip_high``,
+    ``tis_cap``); a loss ignores those it has no use for.
+    """
+
+    def __call__(self, logprobs_new: torch.Tensor, logprobs_behaviour: torch.Tensor,
+                 advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+                 num_tokens: int | float | None = None, **hyper: float) -> LossOutput: ...
+
+
+LOSSES: dict[str, PolicyLoss] = {}
+DEFAULT_LOSS = "clipped_tis"
+
+
+def register_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: make a loss function selectable as ``name`` (the one place a loss plugs in)."""
+
+    def wrap(fn: PolicyLoss) -> PolicyLoss:
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_loss(name: str) -> PolicyLoss:
+    """The loss registered as ``name``; ``ValueError`` naming the known ones."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r} (known: {sorted(LOSSES)})") from None
+
+
+@register_loss(DEFAULT_LOSS)
 def policy_loss(
     logprobs_new: torch.Tensor,
     logprobs_behaviour: torch.Tensor,
@@ -160,4 +200,5 @@ def policy_loss(
     )
 
 
-__all__ = ["LossOutput", "SUM_KEYS", "group_advantages", "policy_loss"]
+__all__ = ["DEFAULT_LOSS", "LOSSES", "LossOutput", "PolicyLoss", "SUM_KEYS", "get_loss",
+           "group_advantages", "policy_loss", "register_loss"]

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from astraflow.model import check_model_dir, takes_logits_to_keep
+from astraflow.models.loading import check_model_dir, takes_logits_to_keep
 from astraflow.records import Batch, Sequence
-from astraflow.trainer.loss import SUM_KEYS, group_advantages, policy_loss
+from astraflow.trainer.loss import DEFAULT_LOSS, LOSSES, SUM_KEYS, get_loss, group_advantages
 from astraflow.trainer.state import StateSnapshot
 
 log = logging.getLogger("astraflow.trainer")
@@ -75,6 +75,8 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # the policy loss, by its name in astraflow.trainer.loss.LOSSES
+    loss: str = DEFAULT_LOSS
     clip_low: float = 0.2
     clip_high: float = 0.28
     tis_cap: float = 2.0
@@ -113,6 +115,7 @@ class TrainerConfig:
         """Raise ``ValueError`` naming the field (and its CLI flag) of a bad setting."""
         checks = [
             ("lr", "--lr", self.lr > 0, "must be > 0"),
+            ("loss", "--loss", self.loss in LOSSES, f"must be one of {sorted(LOSSES)}"),
             ("micro_batch_size", "--micro-batch-size", self.micro_batch_size >= 1,
              "must be at least 1"),
             ("micro_batch_tokens", "--micro-batch-tokens",
@@ -423,7 +426,7 @@ class Trainer:
                 new = self.shared_prompt_logprobs(ids, attn, prompt_len)
             else:
                 new = self.token_logprobs(ids, attn, start=int(cols[0]) - 1)
-            out = policy_loss(
+            out = get_loss(c.loss)(
                 new,
                 behaviour.to(self.device),
                 adv.to(self.device),
@@ -437,9 +440,10 @@ class Trainer:
             acc["loss"] += float(out.loss.detach())
             acc["micro_batches"] += 1
             acc["padded_tokens"] += ids.numel()
-            for k in SUM_KEYS:
-                acc["sums"][k] += out.sums[k]
-            acc["ratio_max"] = max(acc["ratio_max"], out.sums["ratio_max"])
+            for k, v in out.sums.items():
+                if k != "ratio_max":
+                    acc["sums"][k] = acc["sums"].get(k, 0.0) + v
+            acc["ratio_max"] = max(acc["ratio_max"], out.sums.get("ratio_max", 0.0))
         return acc
 
     def _optimizer_step(self, total_tokens: int) -> float:
@@ -513,8 +517,8 @@ class Trainer:
             "trainer/stale_dropped_groups": float(stale_dropped),
         }
         denom = max(live_tokens, 1)  # the ratio and clipping figures: of trained tokens
-        for k in SUM_KEYS:
-            metrics[f"trainer/{k}"] = acc["sums"][k] / denom
+        for k, total in acc["sums"].items():
+            metrics[f"trainer/{k}"] = total / denom
         metrics.update(_staleness_metrics(rows, current_version))
         return metrics
 

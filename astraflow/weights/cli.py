@@ -27,15 +27,29 @@ _MANIFESTS_HELP = (
     "by astraflow.weights.save_manifest). Repeatable; blobs referenced by any of them are kept"
 )
 
+_GC_EXAMPLES = [
+    "astraflow weights gc --store file:///var/astraflow/blobs --manifests "
+    "kafka://default.weights.actor --keep-last 20 --dry-run",
+    "astraflow weights gc --store kafka://default.weights.blobs --manifests "
+    "kafka://default.weights.actor --kafka-truncate",
+]
+_INSPECT_EXAMPLES = ["astraflow weights inspect blobs/actor.v00000012.delta.0a1b2c3d4e5f --tensors",
+                     "astraflow weights inspect blobs/actor.v00000010.full.5f4e3d2c1b0a "
+                     "--sha256 HEX"]
+_PLAN_EXAMPLES = ["astraflow weights plan --manifests kafka://default.weights.actor --held 40",
+                  "astraflow weights plan --manifests manifests/ --held 3 --target 9"]
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``weights`` command group to ``subparsers`` (from ``add_subparsers``)."""
-    p = subparsers.add_parser("weights", help="weight blobs: inspect, plan, garbage-collect")
-    wsub = p.add_subparsers(dest="weights_command", required=True, metavar="ACTION")
+    from astraflow.cliargs import add_command, add_group
 
-    gc = wsub.add_parser(
-        "gc",
+    wsub = add_group(subparsers, "weights", help="weight blobs: inspect, plan, garbage-collect",
+                     dest="weights_command", examples=[_GC_EXAMPLES[0], _INSPECT_EXAMPLES[0]])
+    gc = add_command(
+        wsub, "gc",
         help="delete blobs no retained manifest references",
+        examples=_GC_EXAMPLES,
         description=(
             "Delete blobs of STORE that no retained manifest references. A file:// store "
             "deletes them; a kafka:// store cannot delete single records, so they are only "
@@ -44,6 +58,33 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "manifest may not be published yet."
         ),
     )
+    _add_gc_options(gc)
+
+    ins = add_command(wsub, "inspect", help="header and per-tensor summary of a blob file",
+                      examples=_INSPECT_EXAMPLES)
+    ins.add_argument("blob", metavar="BLOB_FILE", help="a blob file of a file:// store")
+    ins.add_argument("--tensors", action="store_true", help="one line per tensor")
+    ins.add_argument("--json", action="store_true", help="print as JSON")
+    ins.add_argument(
+        "--sha256", metavar="HEX",
+        help="the digest its manifest records (BlobRef.sha256): exit 1 if the file differs",
+    )
+    ins.set_defaults(func=run)
+
+    pl = add_command(wsub, "plan", help="the cheapest fetch plan from a held version",
+                     examples=_PLAN_EXAMPLES)
+    pl.add_argument(
+        "--manifests", required=True, action="append", metavar="SRC", help=_MANIFESTS_HELP
+    )
+    pl.add_argument("--held", type=int, default=None, help="version held (default: none)")
+    pl.add_argument("--target", type=int, default=None, help="target (default: newest)")
+    pl.add_argument("--policy", help="only manifests of this policy")
+    pl.add_argument("--bootstrap", help="Kafka bootstrap servers (default ASTRAFLOW_BOOTSTRAP)")
+    pl.set_defaults(func=run)
+    return subparsers.choices["weights"]
+
+
+def _add_gc_options(gc: argparse.ArgumentParser) -> None:
     gc.add_argument("--store", required=True, metavar="URI", help="file:///dir or kafka://topic")
     gc.add_argument(
         "--manifests", required=True, action="append", metavar="SRC", help=_MANIFESTS_HELP
@@ -71,27 +112,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     gc.add_argument("--bootstrap", help="Kafka bootstrap servers (default ASTRAFLOW_BOOTSTRAP)")
     gc.add_argument("--json", action="store_true", help="print the result as JSON")
     gc.set_defaults(func=run)
-
-    ins = wsub.add_parser("inspect", help="header and per-tensor summary of a blob file")
-    ins.add_argument("blob", metavar="BLOB_FILE")
-    ins.add_argument("--tensors", action="store_true", help="one line per tensor")
-    ins.add_argument("--json", action="store_true", help="print as JSON")
-    ins.add_argument(
-        "--sha256", metavar="HEX",
-        help="the digest its manifest records (BlobRef.sha256): exit 1 if the file differs",
-    )
-    ins.set_defaults(func=run)
-
-    pl = wsub.add_parser("plan", help="the cheapest fetch plan from a held version")
-    pl.add_argument(
-        "--manifests", required=True, action="append", metavar="SRC", help=_MANIFESTS_HELP
-    )
-    pl.add_argument("--held", type=int, default=None, help="version held (default: none)")
-    pl.add_argument("--target", type=int, default=None, help="target (default: newest)")
-    pl.add_argument("--policy", help="only manifests of this policy")
-    pl.add_argument("--bootstrap", help="Kafka bootstrap servers (default ASTRAFLOW_BOOTSTRAP)")
-    pl.set_defaults(func=run)
-    return p
 
 
 def _kafka_config(args: argparse.Namespace) -> Any:

@@ -914,6 +914,27 @@ def _apply_delta(
     r: _Reader, h: _Header, state: StateDict, inplace: bool, threads: int
 ) -> dict[str, torch.Tensor]:
     _check_state(h, state, "apply_delta")
+    flats, ops = _decoded_segments(r, h, state, threads)
+    # Every segment decoded and checked: now write.
+    targets, copies = _write_targets(h, state, flats, inplace)
+
+    def write(item):
+        s, (pos, v) = item
+        dst = targets[s.tensor][s.start : s.end]
+        if pos is None:
+            dst[:] = v
+        else:
+            dst[pos] = v
+
+    for _ in _pipeline(ops, write, threads):
+        pass
+    return _applied_state(h, state, copies, inplace)
+
+
+def _decoded_segments(r: _Reader, h: _Header, state: StateDict, threads: int
+                      ) -> tuple[dict[int, torch.Tensor], list[tuple[_Seg, Any]]]:
+    """Decode and check every segment of the delta against ``state``: the flat CPU view
+    (or copy) of each changed tensor, by index, and the segments' write operations."""
     flats: dict[int, torch.Tensor] = {}
     bits: dict[int, np.ndarray] = {}
 
@@ -932,9 +953,13 @@ def _apply_delta(
         return s, _decode_segment(s, b[s.start : s.end], b.itemsize, None)
 
     ops = [(s, op) for s, op in _pipeline(jobs(), fn, threads) if op is not None]
+    return flats, ops
 
-    # Every segment decoded and checked: now write.
-    out: dict[str, torch.Tensor] = {}
+
+def _write_targets(h: _Header, state: StateDict, flats: dict[int, torch.Tensor],
+                   inplace: bool) -> tuple[dict[int, np.ndarray], dict[int, torch.Tensor]]:
+    """Where each changed tensor's new bits are written (by index), and the private copies
+    among them (those that must be put back into a tensor afterwards)."""
     targets: dict[int, np.ndarray] = {}
     copies: dict[int, torch.Tensor] = {}
     for i, spec in enumerate(h.tensors):
@@ -949,17 +974,14 @@ def _apply_delta(
             target = flats[i].clone() if shares else flats[i]
             copies[i] = target
         targets[i] = _bits(target)
+    return targets, copies
 
-    def write(item):
-        s, (pos, v) = item
-        dst = targets[s.tensor][s.start : s.end]
-        if pos is None:
-            dst[:] = v
-        else:
-            dst[pos] = v
 
-    for _ in _pipeline(ops, write, threads):
-        pass
+def _applied_state(h: _Header, state: StateDict, copies: dict[int, torch.Tensor],
+                   inplace: bool) -> dict[str, torch.Tensor]:
+    """The new state: the written copies put in place (or returned), the rest as they are
+    (``inplace``) or cloned."""
+    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for i, spec in enumerate(h.tensors):
             t = state[spec.name]

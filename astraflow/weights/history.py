@@ -81,7 +81,31 @@ def plan_update(
     """
     if held_version is not None and held_version == target_version:
         return []
-    best: dict[int, tuple[int, int, WeightManifest | None, int | None]] = {}
+    best = _cheapest_routes(held_version, target_version, manifests, exclude)
+    if target_version not in best:
+        held = "nothing" if held_version is None else f"version {held_version}"
+        raise NoPlanError(f"no usable manifests lead from {held} to version {target_version}")
+    plan: list[WeightManifest] = []
+    v: int | None = target_version
+    while v is not None:
+        _, _, m, prev = best[v]
+        if m is None:
+            break
+        plan.append(m)
+        v = prev
+    plan.reverse()
+    return plan
+
+
+# version -> (bytes, manifests, the last manifest applied, the version it starts from)
+_Route = tuple[int, int, WeightManifest | None, int | None]
+
+
+def _cheapest_routes(held_version: int | None, target_version: int,
+                     manifests: Iterable[WeightManifest],
+                     exclude: Collection[ManifestKey]) -> dict[int, _Route]:
+    """The cheapest way to reach each version up to ``target_version`` (``plan_update``)."""
+    best: dict[int, _Route] = {}
     deltas: dict[int, list[WeightManifest]] = {}
     for m in manifests:
         if m.version > target_version or manifest_key(m) in exclude:
@@ -112,19 +136,7 @@ def plan_update(
             if cur is None or cand[:2] < cur[:2]:
                 best[d.version] = cand
                 heapq.heappush(heap, d.version)
-    if target_version not in best:
-        held = "nothing" if held_version is None else f"version {held_version}"
-        raise NoPlanError(f"no usable manifests lead from {held} to version {target_version}")
-    plan: list[WeightManifest] = []
-    v: int | None = target_version
-    while v is not None:
-        _, _, m, prev = best[v]
-        if m is None:
-            break
-        plan.append(m)
-        v = prev
-    plan.reverse()
-    return plan
+    return best
 
 
 def plan_bytes(plan: Sequence[WeightManifest]) -> int:
@@ -224,26 +236,10 @@ class WeightPublisher:
             trainer_step=trainer_step,
             consumed_offsets=list(consumed_offsets),
             codec=CODEC_NAME,
+            meta={**{str(k): str(x) for k, x in (meta or {}).items()},
+                  "anchor_interval": str(self.anchor_interval)},
         )
-        extra = {str(k): str(x) for k, x in (meta or {}).items()}
-        extra["anchor_interval"] = str(self.anchor_interval)
         opts = dict(threads=self.threads, level=self.level, segment_elems=self.segment_elems)
-
-        def write(kind: str, pieces: Any, stats: EncodeStats, base: int | None):
-            ref = self.store.put(new_blob_id(self.policy, v, kind), pieces)  # fills stats
-            n, changed = stats.num_params, stats.num_changed
-            return WeightManifest(
-                base_version=base,
-                kind=kind,
-                blobs=[ref],
-                num_params=n,
-                num_changed=changed,
-                sparsity=1.0 - changed / n if n else 1.0,
-                encoded_bytes=ref.bytes,
-                meta={**extra, "encode_s": f"{stats.seconds:.3f}"},
-                **common,  # type: ignore[arg-type]
-            )
-
         out: list[WeightManifest] = []
         anchor = self.is_anchor(v)
         changed: int | None = None
@@ -252,7 +248,7 @@ class WeightPublisher:
             ds = EncodeStats("delta")
             blob_meta = {"policy": self.policy, "version": str(v), "base_version": str(base)}
             pieces = iter_encode_delta(self._prev, state, meta=blob_meta, stats=ds, **opts)
-            out.append(write("delta", pieces, ds, base))
+            out.append(self._write("delta", pieces, ds, base, common))
             changed = ds.num_changed
         if anchor:
             fs = EncodeStats("full")
@@ -260,7 +256,7 @@ class WeightPublisher:
             pieces = iter_encode_full(
                 state, compress=self.compress_full, meta=blob_meta, stats=fs, **opts
             )
-            m = write("full", pieces, fs, None)
+            m = self._write("full", pieces, fs, None, common)
             # changed elements against the previous version when known, else all of them
             m.num_changed = m.num_params if changed is None else changed
             m.sparsity = 1.0 - m.num_changed / m.num_params if m.num_params else 1.0
@@ -268,6 +264,22 @@ class WeightPublisher:
         self._remember(state)
         self.version = v
         return out
+
+    def _write(self, kind: str, pieces: Any, stats: EncodeStats, base: int | None,
+               common: dict[str, Any]) -> WeightManifest:
+        """Store one encoded blob of ``kind``; its manifest (``common`` fields included)."""
+        ref = self.store.put(new_blob_id(self.policy, common["version"], kind), pieces)
+        n, changed = stats.num_params, stats.num_changed  # filled in while it was stored
+        return WeightManifest(
+            base_version=base,
+            kind=kind,
+            blobs=[ref],
+            num_params=n,
+            num_changed=changed,
+            sparsity=1.0 - changed / n if n else 1.0,
+            encoded_bytes=ref.bytes,
+            **{**common, "meta": {**common["meta"], "encode_s": f"{stats.seconds:.3f}"}},
+        )
 
 
 # --------------------------------------------------------------------------- following

@@ -42,6 +42,7 @@ from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.clients import flush_waiting
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import kafka_error
+from astraflow.kafka.table import TopicReader
 from astraflow.records import BlobChunk, BlobRef, WeightManifest
 from astraflow.weights.errors import CorruptBlobError, MissingBlobError, WeightsError
 from astraflow.weights.store import (
@@ -184,45 +185,9 @@ class KafkaBlobStore:
             spool.seek(0)
             sha = h.hexdigest()
             count = max(1, -(-total // self.chunk_bytes))
-            first: list[tuple[int, int]] = []
-            errors: list[KafkaError] = []
-            key = blob_id.encode()
-
-            def on_delivery(err: KafkaError | None, msg: Any, index: int) -> None:
-                if err is not None:
-                    errors.append(err)
-                elif index == 0:
-                    first.append((msg.partition(), msg.offset()))
-
-            with self._lock:
-                producer = self._get_producer()
-                for index in range(count):
-                    chunk = BlobChunk(
-                        blob_id, index, count, spool.read(self.chunk_bytes), total, sha
-                    )
-                    value = self.codec.encode(chunk, self.topic)
-                    while True:
-                        try:
-                            producer.produce(
-                                self.topic,
-                                value=value,
-                                key=key,
-                                on_delivery=lambda e, m, i=index: on_delivery(e, m, i),
-                            )
-                            break
-                        except BufferError:
-                            producer.poll(0.1)
-                    producer.poll(0)
-                remaining = flush_waiting(producer, self._wait_s(), f"chunks of blob {blob_id}")
+            first, errors, remaining = self._produce_chunks(blob_id, spool, count, total, sha)
         if errors:
-            err = errors[0]
-            hint = ""
-            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                hint = (
-                    f" (topic {self.topic} needs max.message.bytes >= {self._max_message()}; "
-                    "see create_blob_topic, or use a smaller chunk_bytes)"
-                )
-            raise WeightsError(f"writing blob {blob_id} to {self.topic} failed: {err}{hint}")
+            self._raise_write_error(blob_id, errors[0])
         if remaining or not first:
             raise WeightsError(f"writing blob {blob_id}: not acknowledged in {self._wait_s():.0f}s")
         partition, offset = first[0]
@@ -232,6 +197,49 @@ class KafkaBlobStore:
             )
         uri = f"{self.uri}/{blob_id}?partition={partition}&offset={offset}"
         return BlobRef(uri=uri, bytes=total, sha256=sha)
+
+    def _produce_chunks(self, blob_id: str, spool: Any, count: int, total: int, sha: str
+                        ) -> tuple[list[tuple[int, int]], list[KafkaError], int]:
+        """Produce ``count`` chunks read from ``spool`` and wait for them: ``(partition and
+        offset of the first chunk once acked, delivery errors, messages still unacked)``."""
+        first: list[tuple[int, int]] = []
+        errors: list[KafkaError] = []
+        key = blob_id.encode()
+
+        def on_delivery(err: KafkaError | None, msg: Any, index: int) -> None:
+            if err is not None:
+                errors.append(err)
+            elif index == 0:
+                first.append((msg.partition(), msg.offset()))
+
+        with self._lock:
+            producer = self._get_producer()
+            for index in range(count):
+                chunk = BlobChunk(blob_id, index, count, spool.read(self.chunk_bytes), total, sha)
+                value = self.codec.encode(chunk, self.topic)
+                while True:
+                    try:
+                        producer.produce(
+                            self.topic,
+                            value=value,
+                            key=key,
+                            on_delivery=lambda e, m, i=index: on_delivery(e, m, i),
+                        )
+                        break
+                    except BufferError:
+                        producer.poll(0.1)
+                producer.poll(0)
+            remaining = flush_waiting(producer, self._wait_s(), f"chunks of blob {blob_id}")
+        return first, errors, remaining
+
+    def _raise_write_error(self, blob_id: str, err: KafkaError) -> None:
+        hint = ""
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            hint = (
+                f" (topic {self.topic} needs max.message.bytes >= {self._max_message()}; "
+                "see create_blob_topic, or use a smaller chunk_bytes)"
+            )
+        raise WeightsError(f"writing blob {blob_id} to {self.topic} failed: {err}{hint}")
 
     def _wait_s(self) -> float:
         return max(self.timeout_s, self.config.outage_limit_s)
@@ -487,41 +495,16 @@ def read_manifests(
     Raises on a record that does not decode: a caller deciding what to keep (the garbage
     collector) must not act on a partial view.
     """
-    codec = codec or make_codec(config.schema_registry_url, config.schema_registry_options)
-    consumer = Consumer(
-        config.consumer_conf(
-            f"astraflow-manifest-reader-{uuid.uuid4().hex[:8]}", **{"enable.partition.eof": True}
-        )
-    )
-    out: list[WeightManifest] = []
     try:
-        md = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
-        if md is None or md.error is not None:
-            raise WeightsError(f"manifest topic {topic} not found: {md.error if md else ''}")
-        deadline = time.time() + timeout_s
-        for p in sorted(md.partitions):
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
-            if lo >= hi:
-                continue
-            consumer.assign([TopicPartition(topic, p, lo)])
-            while True:
-                msg = consumer.poll(0.5)
-                if msg is None:
-                    if time.time() > deadline:
-                        raise WeightsError(f"timed out reading manifests from {topic}")
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        break
-                    raise WeightsError(f"reading {topic}: {msg.error()}")
-                rec = codec.decode(
-                    msg.value(), msg.topic(), msg.partition(), msg.offset(), expect=WeightManifest
-                )
-                assert isinstance(rec, WeightManifest)
-                out.append(rec)
-                if msg.offset() >= hi - 1:
-                    break
-            consumer.unassign()
+        reader: TopicReader[WeightManifest] = TopicReader(
+            config, topic, WeightManifest, codec=codec, strict=True,
+            client_id="manifest-reader", metadata_timeout_s=timeout_s)
+    except KafkaException as e:
+        raise WeightsError(f"manifest topic {topic} not found: {e}") from e
+    try:
+        entries = reader.catch_up(timeout_s)
+        if not reader.caught_up():
+            raise WeightsError(f"timed out reading manifests from {topic}")
     finally:
-        consumer.close()
-    return out
+        reader.close()
+    return [e.value for e in entries if e.value is not None]

@@ -65,18 +65,16 @@ import statistics
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from astraflow.raas.engine import Engine, Generation
-from astraflow.raas.workflows import (
-    TaskError,
-    _sampling,
-    parse_payload,
-    register_workflow,
-    role_sequence,
-)
+from astraflow.raas.workflows.base import TaskError
+from astraflow.raas.workflows.inputs import encode_prompt, parse_payload, sampling_params
+from astraflow.raas.workflows.registry import register_workflow
+from astraflow.raas.workflows.sequences import role_sequence
 from astraflow.records import Sequence, Task
-from astraflow.sandbox import CaseResult, normalise, run_function
+from astraflow.sandbox import CaseResult, FunctionRun, normalise, run_function
 from astraflow.tasks.code import generator_prompt, reference_source, solver_prompt
 
 ROLE_SOLVER = "solver"
@@ -167,6 +165,69 @@ def _flag(x: bool) -> str:
 
 def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
+
+
+
+
+def _distinct_inputs(hidden: list[Test], suites: list[list[Test] | None]
+                     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """``(every distinct input, the generated ones)`` by key: hidden ones first."""
+    inputs: dict[str, list[Any]] = {}
+    for args, _ in hidden:
+        inputs.setdefault(_key(args), args)
+    gen_inputs: dict[str, list[Any]] = {}
+    for suite in suites:
+        for args, _ in suite or ():
+            gen_inputs.setdefault(_key(args), args)
+    inputs.update(gen_inputs)
+    return inputs, gen_inputs
+
+
+@dataclass
+class _Judged:
+    """The sandbox's verdicts on one task's solver attempts and generated test suites."""
+
+    hidden: int  # hidden tests
+    sandbox_s: float
+    sandbox_runs: int
+    outputs: list[dict[str, CaseResult | None]] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)  # hidden tests passed, per attempt
+    catchable: list[int] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)
+    catches: list[set[int]] = field(default_factory=list)
+    caught_any: set[int] = field(default_factory=set)
+
+    def judge_attempts(self, exprs: list[str], runs: dict[str, FunctionRun],
+                       order: list[str], hidden: list[Test]) -> None:
+        for e in exprs:
+            if e in runs:
+                self.outputs.append(dict(zip(order, runs[e].cases)))
+                self.statuses.append(runs[e].result.status)
+            else:
+                self.outputs.append({})
+                self.statuses.append("empty")
+            self.passed.append(
+                sum(_passes(self.outputs[-1].get(_key(a)), normalise(x)) for a, x in hidden)
+            )
+        failing = [i for i, p in enumerate(self.passed) if p < len(hidden)]
+        # only failing attempts that returned something can be told apart by tests: an
+        # empty or non-compiling attempt fails any test, catching it earns nothing
+        self.catchable = [i for i in failing
+                          if any(c is not None and c.ok for c in self.outputs[i].values())]
+
+    def judge_suites(self, suites: list[list[Test] | None],
+                     ref_out: dict[str, CaseResult]) -> None:
+        for suite in suites:
+            ok = bool(suite) and all(_passes(ref_out.get(_key(a)), x) for a, x in suite or ())
+            self.valid.append(ok)
+            self.catches.append({
+                i
+                for i in self.catchable
+                if ok and any(not _passes(self.outputs[i].get(_key(a)), x)
+                              for a, x in suite or ())
+            })
+        self.caught_any = set().union(*self.catches) if self.catches else set()
 
 
 # --- the workflow ------------------------------------------------------------------------
@@ -276,43 +337,42 @@ class CodeTests:
         """Solver and generator samples for ``task``, judged in the sandbox (module doc)."""
         payload, func, params, reference, hidden = self._task_spec(task)
         s_policy, solver, g_policy, generator = self.engines_for(engines)
-        self_play = solver is generator
-        n_s = self.n_solver or n
-        n_g = n if self.n_generator is None else self.n_generator
         spec = str(payload["spec"])
-
-        s_ids = self._encode(
+        s_ids = encode_prompt(
             solver, str(payload.get("solver_prompt") or solver_prompt(spec, params, func))
         )
-        s_gens = solver.generate([s_ids], _sampling(self.sampling, solver, n_s, stop=("\n",)))[0]
+        s_gens = solver.generate(
+            [s_ids], sampling_params(self.sampling, solver, self.n_solver or n, stop=("\n",))
+        )[0]
+        n_g = n if self.n_generator is None else self.n_generator
         g_ids: list[int] = []
         g_gens: list[Generation] = []
         if n_g > 0:
-            g_ids = self._encode(
+            g_ids = encode_prompt(
                 generator,
                 str(payload.get("generator_prompt") or generator_prompt(spec, params, func)),
             )
             g_gens = generator.generate(
-                [g_ids], _sampling(self.generator_sampling, generator, n_g, stop=("\n",))
+                [g_ids], sampling_params(self.generator_sampling, generator, n_g, stop=("\n",))
             )[0]
-
         exprs = [solver_expression(solver.decode(g.token_ids)) for g in s_gens]
         suites = [
             parse_tests(generator.decode(g.token_ids), func, len(params), self.max_tests)
             for g in g_gens
         ]
+        judged = self._judge(func, params, reference, hidden, exprs, suites)
+        self_play = _flag(solver is generator)
+        return [
+            *self._solver_sequences(s_policy, s_ids, s_gens, judged, exprs, self_play),
+            *self._generator_sequences(g_policy, g_ids, g_gens, judged, suites, self_play),
+        ]
 
-        # every distinct input: hidden ones first, then the generated ones
-        inputs: dict[str, list[Any]] = {}
-        for args, _ in hidden:
-            inputs.setdefault(_key(args), args)
-        gen_inputs: dict[str, list[Any]] = {}
-        for suite in suites:
-            for args, _ in suite or ():
-                gen_inputs.setdefault(_key(args), args)
-        inputs.update(gen_inputs)
+    def _judge(self, func: str, params: list[str], reference: str, hidden: list[Test],
+               exprs: list[str], suites: list[list[Test] | None]) -> _Judged:
+        """Every attempt on the hidden and generated inputs, the reference on the
+        generated ones, in the sandbox; what passed, failed and was caught."""
+        inputs, gen_inputs = _distinct_inputs(hidden, suites)
         order = list(inputs)
-
         t0 = time.perf_counter()
         distinct = [e for e in dict.fromkeys(exprs) if e]
         with ThreadPoolExecutor(self.sandbox_workers) as pool:
@@ -335,98 +395,73 @@ class CodeTests:
             }
             ref_out = dict(zip(gen_inputs, ref_job.result().cases)) if ref_job else {}
             runs = {e: j.result() for e, j in jobs.items()}
-        sandbox_s = time.perf_counter() - t0
-        n_runs = len(runs) + (1 if ref_job else 0)
+        judged = _Judged(hidden=len(hidden), sandbox_s=time.perf_counter() - t0,
+                         sandbox_runs=len(runs) + (1 if ref_job else 0))
+        judged.judge_attempts(exprs, runs, order, hidden)
+        judged.judge_suites(suites, ref_out)
+        return judged
 
-        # solver attempts
-        outputs: list[dict[str, CaseResult | None]] = []
-        statuses: list[str] = []
-        passed: list[int] = []
-        for e in exprs:
-            if e in runs:
-                outputs.append(dict(zip(order, runs[e].cases)))
-                statuses.append(runs[e].result.status)
-            else:
-                outputs.append({})
-                statuses.append("empty")
-            passed.append(sum(_passes(outputs[-1].get(_key(a)), normalise(x)) for a, x in hidden))
-        failing = [i for i, p in enumerate(passed) if p < len(hidden)]
-        # only failing attempts that returned something can be told apart by tests: an
-        # empty or non-compiling attempt fails any test, catching it earns nothing
-        catchable = [i for i in failing if any(c is not None and c.ok for c in outputs[i].values())]
-
-        # generated test suites
-        valid: list[bool] = []
-        catches: list[set[int]] = []
-        for suite in suites:
-            ok = bool(suite) and all(_passes(ref_out.get(_key(a)), x) for a, x in suite or ())
-            valid.append(ok)
-            caught = {
-                i
-                for i in catchable
-                if ok and any(not _passes(outputs[i].get(_key(a)), x) for a, x in suite or ())
-            }
-            catches.append(caught)
-        caught_any = set().union(*catches) if catches else set()
-
-        out: list[Sequence] = []
-        for i, g in enumerate(s_gens):
-            frac = passed[i] / len(hidden)
-            reward = frac if self.solver_reward == "fraction" else float(passed[i] == len(hidden))
+    def _solver_sequences(self, policy: str, ids: list[int], gens: list[Generation],
+                          judged: _Judged, exprs: list[str], self_play: str) -> list[Sequence]:
+        out = []
+        n_tests = judged.hidden
+        for i, g in enumerate(gens):
+            passed = judged.passed[i]
+            frac = passed / n_tests
+            reward = frac if self.solver_reward == "fraction" else float(passed == n_tests)
             out.append(
                 role_sequence(
-                    s_policy,
+                    policy,
                     ROLE_SOLVER,
-                    s_ids,
+                    ids,
                     g,
                     i,
                     reward,
                     expr=exprs[i][:200],
-                    passed=str(passed[i]),
-                    tests=str(len(hidden)),
-                    all_passed=_flag(passed[i] == len(hidden)),
-                    status=statuses[i],
-                    catchable=_flag(i in catchable),
-                    caught=_flag(i in caught_any),
-                    sandbox_s=f"{sandbox_s:.4f}" if i == 0 else "0",
-                    sandbox_runs=str(n_runs) if i == 0 else "0",
-                    self_play=_flag(self_play),
+                    passed=str(passed),
+                    tests=str(n_tests),
+                    all_passed=_flag(passed == n_tests),
+                    status=judged.statuses[i],
+                    catchable=_flag(i in judged.catchable),
+                    caught=_flag(i in judged.caught_any),
+                    sandbox_s=f"{judged.sandbox_s:.4f}" if i == 0 else "0",
+                    sandbox_runs=str(judged.sandbox_runs) if i == 0 else "0",
+                    self_play=self_play,
                 )
             )
-        for j, g in enumerate(g_gens):
+        return out
+
+    def _generator_sequences(self, policy: str, ids: list[int], gens: list[Generation],
+                             judged: _Judged, suites: list[list[Test] | None],
+                             self_play: str) -> list[Sequence]:
+        out = []
+        for j, g in enumerate(gens):
             suite = suites[j]
-            disc = bool(catches[j])
-            if not valid[j]:
+            disc = bool(judged.catches[j])
+            if not judged.valid[j]:
                 reward = 0.0
             elif disc:
                 reward = 1.0
             else:
-                reward = self.no_failures_reward if not catchable else 0.0
+                reward = self.no_failures_reward if not judged.catchable else 0.0
             out.append(
                 role_sequence(
-                    g_policy,
+                    policy,
                     ROLE_GENERATOR,
-                    g_ids,
+                    ids,
                     g,
                     j,
                     reward,
                     parsed=_flag(suite is not None),
                     n_tests=str(len(suite or ())),
-                    valid=_flag(valid[j]),
+                    valid=_flag(judged.valid[j]),
                     discriminating=_flag(disc),
-                    caught=str(len(catches[j])),
-                    catchable_attempts=str(len(catchable)),
-                    self_play=_flag(self_play),
+                    caught=str(len(judged.catches[j])),
+                    catchable_attempts=str(len(judged.catchable)),
+                    self_play=self_play,
                 )
             )
         return out
-
-    @staticmethod
-    def _encode(engine: Engine, text: str) -> list[int]:
-        ids = engine.encode(text)
-        if not ids:
-            raise TaskError(f"prompt {text!r} encodes to no tokens")
-        return ids
 
     @staticmethod
     def group_metrics(seqs: list[Sequence]) -> dict[str, float]:

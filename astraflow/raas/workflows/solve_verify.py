@@ -1,0 +1,241 @@
+"""``solve_verify`` (n samples per prompt):
+
+1. the solver answers the prompt n times (``37+45=`` -> ``82``), role ``solver``;
+2. the verifier judges each answer once (``37+45=82?`` -> ``82y``: its own answer, then
+   ``y``/``n``; a bare ``y``/``n`` is read as well), role ``verifier``: n verdicts per
+   prompt;
+   With ``blind: true`` the verifier answers the problem before it sees a candidate: n
+   own answers per prompt (``37+45=`` -> ``82|``), then each is shown one candidate
+   (``73?``, not trained on) -> ``n``; one sequence ``37+45=82|73?n`` per verdict, ``meta``
+   ``own`` and ``own_matches``. An own answer not ended by ``|`` gets no verdict
+   (unparseable). The verifier model must be warm-started on this format (``model
+   init-role --blind``).
+3. each answer the verifier rejects (an explicit ``n``) is retried once by the solver with
+   the rejection in its prompt (``37+45=82?n 37+45=`` -> ``83``), role ``solver_retry``.
+   An approved or unparseable verdict ends the attempt. ``retry: false`` turns retries off.
+
+Rewards: each solver sequence (first try or retry) is scored by the correctness of its own
+answer (``checker``, default ``astraflow.tasks.check_answer``); a verdict scores 1 when it
+matches the truth of the first answer it judged (``y`` for a right answer, ``n`` for a
+wrong one) and 0 when it is wrong or unparseable. The final answer of an attempt is the
+retry's when there was one, else the first.
+
+Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS node):
+``verify/approval_rate``, ``verify/retry_rate``, ``verify/verifier_accuracy``,
+``verify/solver_first_accuracy``, ``verify/solver_final_accuracy``,
+``verify/unparseable_rate`` (approval and unparseable rates per verdict, retry rate per
+answer).
+
+Options: those of ``astraflow.raas.workflows.two_policy``, and ``retry``, ``blind`` and
+``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
+retried; default all n -- the answers are independent samples, so the first m are a
+random subset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from astraflow.raas.engine import Engine
+from astraflow.raas.workflows.base import Checker
+from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
+from astraflow.raas.workflows.registry import register_workflow
+from astraflow.raas.workflows.sequences import (
+    SequenceBuilder,
+    prepare_each,
+    role_sequence,
+    unbatched,
+)
+from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
+from astraflow.records import Sequence, Task
+from astraflow.roles.formats import (
+    APPROVE,
+    OWN_END,
+    REJECT,
+    candidate_answer,
+    own_answer,
+    parse_verdict,
+    retry_prompt,
+    verify_prompt,
+)
+
+ROLE_RETRY = "solver_retry"
+ROLE_VERIFIER = "verifier"
+
+
+@register_workflow("solve_verify")
+class SolveVerify(TwoPolicyWorkflow):
+    """Solver answers, verifier approves or rejects, one retry on rejection (module doc)."""
+
+    name = "solve_verify"
+    judge_role = ROLE_VERIFIER
+
+    def __init__(
+        self,
+        solver_policy: str = "solver",
+        verifier_policy: str = "verifier",
+        retry: bool = True,
+        checker: Checker | None = None,
+        verifier_sampling: Mapping[str, Any] | None = None,
+        max_answer_chars: int = 12,
+        blind: bool = False,
+        verdicts_per_prompt: int | None = None,
+        **sampling: Any,
+    ):
+        super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
+                         max_answer_chars, sampling)
+        if verdicts_per_prompt is not None and verdicts_per_prompt < 1:
+            raise ValueError("verdicts_per_prompt must be at least 1")
+        self.retry = bool(retry)
+        self.blind = bool(blind)
+        self.verdicts_per_prompt = verdicts_per_prompt
+
+    @property
+    def verifier_policy(self) -> str:
+        return self.judge_policy
+
+    def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
+        return unbatched(self.run_batch([task], engines, n))
+
+    def run_batch(
+        self, tasks: list[Task], engines: dict[str, Engine], n: int
+    ) -> list[list[Sequence] | Exception]:
+        """The three phases (first tries, verdicts, retries), each one ``generate`` call
+        over all ``tasks``."""
+        def prepare(task: Task):
+            prompt, answer, solver, verifier, checker = self._start(task, engines)
+            return prompt, answer, encode_prompt(solver, prompt), (solver, verifier, checker)
+
+        results, ready = prepare_each(tasks, prepare)
+        if not ready:
+            return results
+        solver, verifier, checker = ready[0][1][3]  # the same for every task
+        live = [(i, prompt, answer, p_ids) for i, (prompt, answer, p_ids, _) in ready]
+        firsts = solver.generate([p for *_, p in live], sampling_params(self.sampling, solver, n))
+        cands, right = [], []
+        for (_, _, answer, _), gens in zip(live, firsts):
+            texts = [solver.decode(g.token_ids) for g in gens]
+            cands.append([candidate_answer(t, self.max_answer_chars) for t in texts])
+            right.append([checker(t, answer) > 0.5 for t in texts])
+
+        m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
+        judged = (self._judge_blind if self.blind else self._judge_seen)(
+            verifier, [prompt for _, prompt, _, _ in live], [c[:m] for c in cands],
+            [r[:m] for r in right], m)
+
+        rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT]
+                    if self.retry else [] for seqs in judged]
+        r_ids = [[encode_prompt(solver, retry_prompt(prompt, cands[k][j], REJECT)) for j in rej]
+                 for k, ((_, prompt, _, _), rej) in enumerate(zip(live, rejected))]
+        r_all = [x for ids in r_ids for x in ids]
+        r_flat = solver.generate(r_all, sampling_params(self.sampling, solver, 1)) if r_all else []
+
+        at = 0
+        for k, (i, _, answer, p_ids) in enumerate(live):
+            out: list[Sequence] = []
+            for j, g in enumerate(firsts[k]):
+                ok = right[k][j]
+                out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j,
+                                         float(ok), attempt="1", answer=cands[k][j],
+                                         correct=flag(ok)))
+            out += judged[k]
+            for j, ids in zip(rejected[k], r_ids[k]):
+                g = r_flat[at][0]
+                at += 1
+                text = solver.decode(g.token_ids)
+                ok = checker(text, answer) > 0.5
+                out.append(role_sequence(self.solver_policy, ROLE_RETRY, ids, g, j, float(ok),
+                                         attempt="2",
+                                         answer=candidate_answer(text, self.max_answer_chars),
+                                         rejected=cands[k][j], correct=flag(ok)))
+            results[i] = out
+        return results
+
+    def _verdict(self, b: SequenceBuilder, v: bool | None, truth: bool, cand: str,
+                 **meta: str) -> Sequence:
+        """The verdict ``v`` (None: unparseable) of ``b``'s sequence, scored against the
+        truth of the answer it judged."""
+        b.meta.update(verdict="?" if v is None else (APPROVE if v else REJECT),
+                      truth=flag(truth), answer=cand, **meta)
+        s = b.build(float(v is not None and v == truth))
+        s.role = ROLE_VERIFIER
+        return s
+
+    def _judge_seen(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
+                    right: list[list[bool]], n: int) -> list[list[Sequence]]:
+        """One turn per candidate: ``37+45=82?`` -> ``82y``."""
+        v_ids = [[encode_prompt(verifier, verify_prompt(prompt, c)) for c in cs]
+                 for prompt, cs in zip(prompts, cands)]
+        v_flat = verifier.generate([x for ids in v_ids for x in ids],
+                                   sampling_params(self.judge_sampling, verifier, 1))
+        out = []
+        for k, ids_k in enumerate(v_ids):
+            row = []
+            for j, ids in enumerate(ids_k):
+                g = v_flat[k * n + j][0]
+                b = SequenceBuilder(self.verifier_policy, ids, j)
+                b.add_generated(g)
+                row.append(self._verdict(b, parse_verdict(verifier.decode(g.token_ids)),
+                                         right[k][j], cands[k][j]))
+            out.append(row)
+        return out
+
+    def _judge_blind(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
+                     right: list[list[bool]], n: int) -> list[list[Sequence]]:
+        """Two turns: the verifier answers the problem n times (``37+45=`` -> ``82|``), then
+        each own answer is shown one candidate (``73?``, not trained) -> ``n``."""
+        p_ids = [encode_prompt(verifier, prompt) for prompt in prompts]
+        owns = verifier.generate(p_ids, sampling_params(self.judge_sampling, verifier, n,
+                                                  stop=(OWN_END,)))
+        builders, asked, ask_ids = [], [], []
+        for k, gens in enumerate(owns):
+            row = []
+            for j, g in enumerate(gens):
+                b = SequenceBuilder(self.verifier_policy, p_ids[k], j)
+                b.add_generated(g)
+                own = own_answer(verifier.decode(g.token_ids))
+                if own is not None:
+                    b.add_external(encode_prompt(verifier, f"{cands[k][j]}?"))
+                    asked.append((k, j))
+                    ask_ids.append(list(b.token_ids))
+                row.append((b, own))
+            builders.append(row)
+        # the verdict is the turn's first token: nothing after it is read or worth a step
+        answers = (verifier.generate(ask_ids, sampling_params({**self.judge_sampling,
+                                                         "max_new_tokens": 1}, verifier, 1))
+                   if ask_ids else [])
+        verdict_gen = dict(zip(asked, (gs[0] for gs in answers)))
+        out = []
+        for k, row in enumerate(builders):
+            judged = []
+            for j, (b, own) in enumerate(row):
+                g = verdict_gen.get((k, j))
+                v = None
+                if g is not None:
+                    b.add_generated(g)
+                    v = parse_verdict(verifier.decode(g.token_ids))
+                judged.append(self._verdict(b, v, right[k][j], cands[k][j],
+                                            own="" if own is None else own,
+                                            own_matches=flag(own == cands[k][j])))
+            out.append(judged)
+        return out
+
+    @staticmethod
+    def group_metrics(seqs: list[Sequence]) -> dict[str, float]:
+        firsts = {s.sample_index: s for s in seqs if s.role == ROLE_SOLVER}
+        verdicts = [s for s in seqs if s.role == ROLE_VERIFIER]
+        retries = {s.sample_index: s for s in seqs if s.role == ROLE_RETRY}
+        n, n_v = max(len(firsts), 1), max(len(verdicts), 1)
+        final = [(retries.get(j) or s).meta.get("correct") == "1" for j, s in firsts.items()]
+        return {
+            "verify/approval_rate": sum(s.meta.get("verdict") == "y" for s in verdicts) / n_v,
+            "verify/retry_rate": len(retries) / n,
+            "verify/verifier_accuracy": mean([s.reward for s in verdicts]),
+            "verify/solver_first_accuracy": mean([s.reward for s in firsts.values()]),
+            "verify/solver_final_accuracy": mean([float(x) for x in final]),
+            "verify/unparseable_rate": sum(s.meta.get("verdict") == "?" for s in verdicts) / n_v,
+        }
+
+
+__all__ = ["ROLE_RETRY", "ROLE_SOLVER", "ROLE_VERIFIER", "SolveVerify"]

@@ -1,0 +1,79 @@
+"""The common part of the two-policy math workflows (``solve_verify``, ``solve_select``).
+
+Both take the arithmetic payload of ``single_turn`` (``{"prompt": "37+45=", "answer":
+"82"}``) and call two engines, one per policy, picked by the option names (the task's
+``policies`` list is informational); the prompt formats are those of ``astraflow.roles``.
+Every returned ``Sequence`` carries its ``policy`` (the router sends it to
+``samples.<policy>``) and its ``role``; ``meta`` records what the role saw and said.
+
+GRPO groups. The trainer of a policy computes group advantages over that policy's
+sequences of one ``TrajectoryGroup``. The verifier's n verdicts of a prompt thus form one
+group (its baseline is its accuracy on this problem), and so do the selector's picks. The
+solver's group holds its n first tries *and* its retries: a retry's advantage is measured
+against how well the solver does on this very problem, so a single retry (that fixes or
+repeats a mistake) still carries signal. A run that wants strict per-role groups (first
+tries apart from retries, or one policy playing both solver and verifier) sets the
+router's ``split_roles: true``: each (policy, role) becomes its own group.
+
+Options (both workflows): ``solver_policy`` (default ``solver``), ``verifier_policy``
+(``verifier``) or ``selector_policy`` (``selector``), the sampling options of
+``single_turn`` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) for the solver,
+``verifier_sampling`` / ``selector_sampling`` (overrides for the judge; default
+``{"max_new_tokens": 8}``, per turn), ``checker``, ``max_answer_chars`` (12: how much of an
+answer the judge is shown).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from astraflow.raas.engine import Engine
+from astraflow.raas.workflows.base import Checker
+from astraflow.raas.workflows.inputs import parse_payload, policy_engine
+from astraflow.raas.workflows.scoring import default_checker
+from astraflow.records import Task
+
+ROLE_SOLVER = "solver"
+JUDGE_SAMPLING = {"max_new_tokens": 8}  # own answer, verdict (pick), end of sequence
+
+
+def flag(x: bool) -> str:
+    """``"1"`` or ``"0"``: a boolean as a ``Sequence.meta`` value."""
+    return "1" if x else "0"
+
+
+def mean(xs: list[float]) -> float:
+    """The mean of ``xs``, 0.0 when empty."""
+    return statistics.fmean(xs) if xs else 0.0
+
+
+class TwoPolicyWorkflow:
+    """The common part of a solver and a judge (verifier or selector) on arithmetic tasks:
+    their engines by policy name, the checker, and the judge's sampling options."""
+
+    judge_role = ""
+
+    def __init__(self, solver_policy: str, judge_policy: str, checker: Checker | None,
+                 judge_sampling: Mapping[str, Any] | None, max_answer_chars: int,
+                 sampling: dict[str, Any]):
+        if max_answer_chars < 1:
+            raise ValueError("max_answer_chars must be at least 1")
+        self.solver_policy = solver_policy
+        self.judge_policy = judge_policy
+        self.checker = checker
+        self.max_answer_chars = max_answer_chars
+        self.sampling = sampling
+        self.judge_sampling = {**sampling, **JUDGE_SAMPLING, **dict(judge_sampling or {})}
+
+    def _start(self, task: Task, engines: Mapping[str, Engine]):
+        """``(prompt, answer, solver engine, judge engine, checker)`` of ``task``."""
+        payload = parse_payload(task, ("prompt", "answer"))
+        solver = policy_engine(engines, self.solver_policy, "solver")
+        judge = policy_engine(engines, self.judge_policy, self.judge_role)
+        return str(payload["prompt"]), str(payload["answer"]), solver, judge, (
+            self.checker or default_checker())
+
+
+__all__ = ["JUDGE_SAMPLING", "ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]
