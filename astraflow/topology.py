@@ -184,6 +184,9 @@ class TrainerSpec(_Strict):
     clip_low: float | None = Field(default=None, ge=0, description="default 0.2")
     clip_high: float | None = Field(default=None, ge=0, description="default 0.28")
     tis_cap: float | None = Field(default=None, gt=0, description="default 2.0")
+    # a name in astraflow.trainer.loss.LOSSES, checked when the trainer starts (the
+    # registry imports torch, which loading a topology does not)
+    loss: str | None = Field(default=None, description="default clipped_tis")
     std_normalize: bool = True
     micro_batch_size: int | None = Field(default=None, ge=1, description="default 8")
     micro_batch_tokens: int | None = Field(default=None, ge=1)

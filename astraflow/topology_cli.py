@@ -14,8 +14,12 @@ from typing import Any
 
 from astraflow.topology import Topology
 
-# topics every component writes; shown apart from the data flow
-SIDE_TOPICS = ("status", "dlq", "scaling")
+# topics beside the data flow: who writes and who reads them
+SIDE_TOPICS = {
+    "status": ("every component", "astraflow up, operators"),
+    "dlq": ("every component", "operators"),
+    "scaling": ("an autoscaler (none ships yet)", "operators"),
+}
 
 
 @dataclass
@@ -101,7 +105,7 @@ def explain(topo: Topology) -> str:
         t = topo.topic(name)
         writers = [c.name for c in comps if name in c.outputs]
         if name in SIDE_TOPICS:
-            writers, readers = ["every component"], ["astraflow up, operators"]
+            writers, readers = [SIDE_TOPICS[name][0]], [SIDE_TOPICS[name][1]]
         else:
             readers = _readers(name, comps)
         parts = "partition" if t.partitions == 1 else "partitions"

@@ -1,20 +1,25 @@
 """One transactional processor against raw consume+produce, and the codec against fastavro.
 
 Prints, from one run on one broker:
-- per-hop latency p50/p99 at light load (one record every ``--interval-ms``): from the
-  source producer to a ``read_committed`` reader of the hop's output, through a raw
-  forwarder (consume + produce, no transactions, no decoding) and through a passthrough
-  processor (decode + check + one transaction per commit interval);
+- Avro encode and decode records/s of AstraFlow's codec (record objects in and out, the
+  single-object header written and checked) and of plain fastavro (dicts in and out; the
+  body after the header) on the same records and messages, in rounds taken in turn; the
+  ratio is the median of the rounds' ratios;
 - throughput at saturation: ``--records`` records of ~``--record-bytes`` B queued first, then
-  drained by each, from the first record consumed to the last one delivered (committed);
-- Avro encode and decode records/s of AstraFlow's codec and of plain fastavro on the same
-  records (rounds taken in turn, the ratio the median over rounds).
+  drained, from the first record consumed to the last one delivered (committed), by a raw
+  forwarder (plain consume + decode + produce, auto-committed offsets, no transactions) and
+  by a passthrough processor (decode + check, exactly once) at ``--max-batch`` (the
+  topology default) and at ``--big-batch`` inputs per transaction, ``--rounds`` times in
+  turn (throughput first: it also warms the broker's JVM up);
+- per-hop latency p50/p99 at light load: both hops side by side, one record to each every
+  ``--interval-ms``, from the source producer to a ``read_committed`` reader of the output.
 
 Runs against ASTRAFLOW_BOOTSTRAP if set, else the running embedded broker, else a
-temporary embedded broker it starts and removes. Usage:
+temporary embedded broker it starts and removes; a few minutes at most. Usage:
 
     python bench/processor_throughput.py [--records 100000] [--record-bytes 1024]
-        [--partitions 3] [--max-batch 1000] [--light 200] [--interval-ms 20]
+        [--partitions 3] [--max-batch 1000] [--big-batch 20000] [--rounds 3]
+        [--light 200] [--interval-ms 20] [--codec-rounds 7]
 """
 
 from __future__ import annotations
@@ -195,14 +200,16 @@ def latency(config: KafkaConfig, hops: dict[str, tuple[str, str]], args, pad: st
     producer = Producer(config.producer_conf())
     sinks = {name: Sink(config, dst) for name, (_, dst) in hops.items()}
     sent: dict[str, dict[bytes, float]] = {name: {} for name in hops}
+    tag = uuid.uuid4().hex[:8]  # keys of this call only
     try:
         for name, (src, _) in hops.items():
-            producer.produce(src, codec.encode(task(-1, pad)), b"warm-up")
+            warm = f"{tag}-warm-up".encode()
+            producer.produce(src, codec.encode(task(-1, pad)), warm)
             producer.flush()
-            sinks[name].wait(lambda s=sinks[name]: b"warm-up" in s.arrived, 120, "warm-up")
+            sinks[name].wait(lambda s=sinks[name], w=warm: w in s.arrived, 120, "warm-up")
         for i in range(args.light):
             for name, (src, _) in hops.items():
-                key, value = f"k{i}".encode(), codec.encode(task(i, pad))
+                key, value = f"{tag}-{i}".encode(), codec.encode(task(i, pad))
                 sent[name][key] = time.perf_counter()
                 producer.produce(src, value, key)
                 producer.flush()
@@ -297,7 +304,6 @@ def codec_rows(label: str, records: list, k: int) -> list[tuple[str, float, floa
     schema = parse_schema(ws.expanded)  # what a plain fastavro user does
     dicts = [r.to_dict() for r in records]
     messages = [codec.encode(r) for r in records]
-    bodies = [m[HEADER:] for m in messages]
     cls = type(records[0])
 
     def enc_ours() -> None:
@@ -314,9 +320,9 @@ def codec_rows(label: str, records: list, k: int) -> list[tuple[str, float, floa
         for m in messages:
             codec.decode(m, expect=cls)
 
-    def dec_plain() -> None:
-        for b in bodies:
-            schemaless_reader(io.BytesIO(b), schema, None)
+    def dec_plain() -> None:  # the same messages: the body after the 10-byte header
+        for m in messages:
+            schemaless_reader(io.BytesIO(m[HEADER:]), schema, None)
 
     n = len(records)
     return [(f"encode {label}", *rounds(enc_ours, enc_plain, n, k)),
@@ -365,15 +371,7 @@ def run(bootstrap: str, args: argparse.Namespace) -> None:
           f"{len(SingleObjectCodec().encode(task(0, pad)))} B on the wire; latency: "
           f"{args.light} records per hop, one per {args.interval_ms:g} ms; throughput: "
           f"{args.records} records, {args.rounds} rounds")
-    raw = RawForwarder(config, f"{topo.run}.raw-lat", full("lat.raw.in"), full("lat.raw.out"),
-                       args.max_batch)
-    proc = start_processor(topo, config, "lat")
-    try:
-        lat = latency(config, {"raw": (full("lat.raw.in"), full("lat.raw.out")),
-                               "processor": (full("lat.in"), full("lat.out"))}, args, pad)
-    finally:
-        raw.stop()
-        stop_processor(proc)
+    # throughput first: it warms the broker's JVM up, which a cold one's latency would show
     produce_rate = preload(config, full("tp.in"), args.records, pad)
     rates: dict[str, list[float]] = {"raw": [], "bytes": [], "tp": [], "big": []}
     for r in range(args.rounds):  # in turn, so that noise on a shared machine hits each
@@ -383,6 +381,15 @@ def run(bootstrap: str, args: argparse.Namespace) -> None:
                 args.records, args.max_batch, decode=kind == "raw"))
         for kind in ("tp", "big"):
             rates[kind].append(processor_throughput(topo, config, f"{kind}{r}", args.records))
+    raw = RawForwarder(config, f"{topo.run}.raw-lat", full("lat.raw.in"), full("lat.raw.out"),
+                       args.max_batch)
+    proc = start_processor(topo, config, "lat")
+    try:
+        lat = latency(config, {"raw": (full("lat.raw.in"), full("lat.raw.out")),
+                               "processor": (full("lat.in"), full("lat.out"))}, args, pad)
+    finally:
+        raw.stop()
+        stop_processor(proc)
     report(lat, rates, produce_rate, args)
 
 

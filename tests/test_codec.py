@@ -186,3 +186,21 @@ def test_schema_registry_wire_format(rec):
 def test_sequence_versions_derived():
     seq = sample_records()[1].sequences[0]
     assert (seq.min_version, seq.max_version) == (3, 4)
+
+
+def test_record_conversions_are_worked_out_once_per_class():
+    """``from_dict`` fills defaults and builds nested records from dicts; ``to_dict`` gives
+    fresh dicts; ``avro_value`` and ``from_avro`` (the codec's path) skip the copies."""
+    group = sample_records()[1]
+    as_dict = group.to_dict()
+    assert isinstance(as_dict["sequences"][0], dict) and as_dict is not group.__dict__
+    assert TrajectoryGroup.from_dict(as_dict) == group
+    task = Task.from_dict({"task_id": "t", "prompt_id": "p", "workflow": "w", "payload": "{}",
+                           "source": "s"})
+    assert task.policies == [] and task.attempt == 0
+    assert task.avro_value() is task.__dict__  # no nested records: read as it is
+    nested = group.avro_value()
+    assert nested["sequences"][0] == group.sequences[0].__dict__
+    rebuilt = TrajectoryGroup.from_avro(dict(nested, sequences=[dict(s) for s in
+                                                                nested["sequences"]]))
+    assert rebuilt == group and isinstance(rebuilt.sequences[0], Sequence)

@@ -233,7 +233,8 @@ def test_every_typed_trainer_field_reaches_its_trainer_flag():
                   clip_low=0.1, clip_high=0.3, tis_cap=3.0, micro_batch_tokens=512,
                   autocast="bf16", gradient_checkpointing=True, forward_on="master",
                   dtype="bf16", publish_dtype="same", device="cuda", threads=2,
-                  deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s")
+                  deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s",
+                  loss="clipped_tis")
     assert set(values) | {"std_normalize", "share_prompt", "micro_batch_size"} == set(
         TrainerSpec.model_fields)
     data = _solver_verifier_data()

@@ -195,3 +195,154 @@ def test_a_transactional_call_that_never_returns_is_given_up_and_its_producer_ab
     assert not loop._stuck
     release.set()
     assert loop._bounded(lambda: 7) == 7
+
+
+class ScriptedMessage:
+    def __init__(self, topic: str, partition: int, offset: int) -> None:
+        self._where = (topic, partition, offset)
+
+    def error(self):
+        return None
+
+    def topic(self) -> str:
+        return self._where[0]
+
+    def partition(self) -> int:
+        return self._where[1]
+
+    def offset(self) -> int:
+        return self._where[2]
+
+
+class ScriptedConsumer:
+    """Hands out scripted polls (a list of messages, or a callable making one), then stops
+    the loop; records seeks."""
+
+    def __init__(self, loop, script: list) -> None:
+        from confluent_kafka import TopicPartition
+
+        self.loop, self.script, self.seeks = loop, list(script), []
+        self.parts = [TopicPartition("in", 0), TopicPartition("in", 1)]
+
+    def consume(self, n: int, timeout: float):
+        if not self.script:
+            self.loop.stop()
+            return []
+        step = self.script.pop(0)
+        return step() if callable(step) else step
+
+    def assignment(self):
+        return list(self.parts)
+
+    def pause(self, tps) -> None: ...
+
+    def resume(self, tps) -> None: ...
+
+    def committed(self, tps, timeout: float):
+        return list(tps)  # offset -1001: nothing committed yet
+
+    def seek(self, tp) -> None:
+        self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+    def consumer_group_metadata(self) -> object:
+        return object()
+
+
+class TxnProducer(StubProducer):
+    """Records the transactional calls, and which records each commit carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[bytes] = []
+        self.committed: list[list[bytes]] = []
+
+    def begin_transaction(self) -> None:
+        self.calls.append("begin")
+
+    def produce(self, topic, value=None, key=None, partition=-1, *args) -> None:
+        if not isinstance(value, (bytes, type(None))):  # RecordProducer.produce: a record
+            value = b"status"
+        self.open.append(value)
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+    def send_offsets_to_transaction(self, tps, meta, timeout: float) -> None:
+        self.calls.append("offsets")
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        self.committed.append(self.open)
+        self.open = []
+
+    def abort_transaction(self, timeout: float) -> None:
+        super().abort_transaction(timeout)
+        self.open = []
+
+
+def test_a_rebalance_drops_the_open_transaction_and_rewinds(monkeypatch):
+    """An open transaction spans polls (commit_interval_s): when partitions are revoked in
+    one of them, none of what it holds may commit, and every partition goes back to its
+    committed offset."""
+    from astraflow.kafka.config import KafkaConfig
+    from astraflow.kafka.loop import LoopSpec, RuntimeCounters, TransactionalLoop
+    from astraflow.records import ComponentStatus
+
+    class Forward:
+        counters = RuntimeCounters()
+        revoked: list = []
+
+        def handle(self, msgs, cp) -> None:
+            for m in msgs:
+                cp.add("out", None, raw=f"{m.partition()}@{m.offset()}".encode())
+
+        def held_offsets(self) -> dict:
+            return {}
+
+        def on_revoke(self, partitions) -> None:
+            self.revoked.append(partitions)
+
+        def status(self) -> ComponentStatus:
+            return ComponentStatus(component_id="c/0", kind="processor", host="h")
+
+    spec = LoopSpec(component_id="c/0", group="g", transactional_id="g.0", inputs=["in"],
+                    outputs=["out"], dlq="dlq", status_topic="status", max_batch=100,
+                    commit_interval_s=60.0)
+    work = Forward()
+    loop = TransactionalLoop(spec, work, KafkaConfig(bootstrap_servers="x:1"), make_codec())
+    loop.producer = TxnProducer()
+
+    def revoke_then_more():
+        loop._on_revoke(loop.consumer, [loop.consumer.parts[0]])
+        return [ScriptedMessage("in", 1, 7)]
+
+    # the first poll finds nothing: its round commits the first status; then 0@5 is
+    # handled and sent, and the next poll revokes partition 0
+    loop.consumer = ScriptedConsumer(loop, [[], [ScriptedMessage("in", 0, 5)], [],
+                                            revoke_then_more, [ScriptedMessage("in", 1, 3)],
+                                            []])
+    loop._rounds()
+    p = loop.producer
+    # 0@5 was sent in an open transaction, which the revocation aborted; 1@7 came in the
+    # same poll and went with it; after the rewind 1@3 commits on its own (then the status)
+    assert p.calls[:5] == ["begin", "commit", "begin", "abort", "begin"]
+    assert p.committed[1] == [b"1@3"] and b"0@5" not in sum(p.committed, [])
+    assert ("in", 0, -2) in loop.consumer.seeks and ("in", 1, -2) in loop.consumer.seeks
+    assert loop.counters.produced == 1 and loop.positions == {("in", 1): 4}
+
+
+def test_when_an_open_transaction_commits(monkeypatch):
+    """commit_interval_s: at once when a poll finds nothing more (light load), at max_batch
+    inputs, or once its first input is commit_interval_s old; None: every round."""
+    loop, _ = _loop(monkeypatch)
+    loop.spec.max_batch, loop.spec.commit_interval_s = 100, 0.1
+    cp = loop.checkpoint()
+    assert not loop._commit_due(cp, False, None, 0, 5.0)  # nothing at all
+    cp.add("out", None, raw=b"x")
+    assert loop._commit_due(cp, False, None, 0, 5.0)  # a timer's output, no input
+    assert not loop._commit_due(cp, True, 5.0, 10, 5.05)  # records keep coming
+    assert loop._commit_due(cp, False, 5.0, 10, 5.05)  # the poll found nothing more
+    assert loop._commit_due(cp, True, 5.0, 100, 5.05)  # full
+    assert loop._commit_due(cp, True, 5.0, 10, 5.2)  # old enough
+    loop.spec.commit_interval_s = None
+    assert loop._commit_due(cp, True, 5.0, 1, 5.0)

@@ -213,3 +213,46 @@ def test_an_output_over_its_topics_max_message_bytes_is_dead_lettered(kafka_conf
         assert rt.thread.is_alive()
     finally:
         rt.stop()
+
+
+@pytest.mark.slow
+def test_exactly_once_while_instances_join_and_leave_mid_stream(kafka_config, make_topology):
+    """Transactions stay open across polls and commit while the next records are made: a
+    rebalance in the middle drops what is open and waits for the commit in flight, so that
+    each input is committed once with its output however the partitions move."""
+    topo, _ = passthrough_topology(make_topology, partitions=4, max_batch=2000)
+    src, dst = topo.full_name("tasks.source"), topo.full_name("tasks")
+    group = topo.group_of("fwd")
+    done = threading.Event()
+    sent = []
+
+    def produce() -> None:  # small flushed chunks: records keep coming during rebalances
+        producer = RecordProducer(kafka_config)
+        while not done.is_set():
+            for i in range(len(sent), len(sent) + 50):
+                producer.produce(src, task(i), key=f"p{i}")
+                sent.append(i)
+            producer.flush()
+
+    feeder = threading.Thread(target=produce, daemon=True)
+    a = RuntimeThread(ProcessorRuntime(topo, "fwd", instance="a", config=kafka_config))
+    feeder.start()
+    b = None
+    try:
+        wait_for(lambda: a.runtime.counters.transactions >= 5, 60, "a's first transactions")
+        b = RuntimeThread(ProcessorRuntime(topo, "fwd", instance="b", config=kafka_config))
+        wait_for(lambda: b.runtime.counters.produced > 0, 60, "b taking partitions over")
+        a.stop()
+        moved = b.runtime.counters.consumed
+        wait_for(lambda: b.runtime.counters.consumed > moved + 1000, 60, "b after a left")
+        done.set()
+        feeder.join(30)
+        wait_for(lambda: total_lag(lag(kafka_config, group, [src])) == 0, 90, "lag 0")
+    finally:
+        done.set()
+        if b is not None:
+            b.stop()
+        if a.thread.is_alive():
+            a.stop()
+    ids = committed_ids(kafka_config, dst)
+    assert Counter(ids) == Counter(f"t{i}" for i in sent)

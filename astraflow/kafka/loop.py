@@ -25,6 +25,7 @@ commit: the open transaction is aborted by the broker or by the next instance.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -62,10 +63,11 @@ _TRANSIENT = {
 
 # the transactional producer's defaults (the config's producer_options win): a transaction
 # that begins while the broker still completes the previous one gets CONCURRENT_TRANSACTIONS
-# from AddOffsetsToTxn; librdkafka retries after retry.backoff.ms, 100 ms by default, which
-# back-to-back transactions would pay every time. Repeated failures still back off
-# exponentially up to retry.backoff.max.ms.
-_TXN_PRODUCER = __import__("json").loads(__import__("os").environ.get("XTXN", "{\"retry.backoff.ms\": 5}"))
+# from AddPartitionsToTxn/AddOffsetsToTxn, retried after retry.backoff.ms (100 ms by
+# default, doubling up to retry.backoff.max.ms): back-to-back transactions would pay it
+# every time. Retries of requests only: reconnecting to a broker that is away keeps its own
+# backoff.
+_TXN_PRODUCER = {"retry.backoff.ms": 1, "retry.backoff.max.ms": 20}
 # records handed to the work at a time while a transaction stays open: each such round's
 # outputs go to the broker while the next round is made (commit_interval_s)
 _CHUNK = 500
@@ -184,8 +186,38 @@ class _InFlight:
 
     cp: Checkpoint
     tps: list[TopicPartition]
-    thread: threading.Thread | None = None
+    meta: object | None  # the consumer's group metadata, taken on the loop's thread
+    done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+
+
+class _Worker:
+    """One long-lived thread that runs the calls handed to it, in turn: a transaction's
+    calls leave the loop's thread without a thread started per call."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name=name).start()
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, box, done = item
+            try:
+                box["value"] = call()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = e
+            done.set()
+
+    def submit(self, call: Callable[[], object]) -> tuple[threading.Event, dict[str, object]]:
+        """Run ``call`` after those before it; set the event once it returned or raised."""
+        box: dict[str, object] = {}
+        done = threading.Event()
+        self._calls.put((call, box, done))
+        return done, box
+
+    def close(self) -> None:
+        """End the thread once it is done with what it was handed."""
+        self._calls.put(None)
 
 
 class Work(Protocol):
@@ -296,6 +328,8 @@ class TransactionalLoop:
         self._open = False  # a transaction is begun on the producer (commit_interval_s)
         self._revoked = False  # partitions were revoked during this round's poll
         self._inflight: _InFlight | None = None  # a commit the loop does not wait for
+        self._caller: _Worker | None = None  # runs _bounded's calls
+        self._committer: _Worker | None = None  # runs the commits in flight
         self._stage = "producing"  # how far the last transaction got
         # a work that starts over after an abort may have its next records made while the
         # broker completes a commit (a work that keeps its position waits for each one)
@@ -344,6 +378,10 @@ class TransactionalLoop:
             log.info("%s: leaving group %s", s.component_id, s.group)
             if self.consumer is not None:
                 self.consumer.close()
+            for worker in (self._caller, self._committer):
+                if worker is not None:
+                    worker.close()
+            self._caller = self._committer = None
             self.work.close()
 
     def _rounds(self) -> None:
@@ -357,9 +395,10 @@ class TransactionalLoop:
                 cp, first, inputs = self.checkpoint(), None, 0
             msgs = self._consume(self.spec.max_batch - inputs, wait=first is None)
             t1 = time.monotonic()
-            if self._revoked and first is not None:
-                # the open checkpoint holds outputs of inputs whose partitions went to
-                # another member: none of it may commit
+            if self._revoked and self._pipelined and (first is not None or msgs):
+                # the open checkpoint, or records polled before the revocation in this
+                # round, may be of partitions that went to another member: none of it may
+                # commit, and every partition goes back to its committed offset
                 self._drop_open()
                 cp, first, inputs = self.checkpoint(), None, 0
                 continue
@@ -492,7 +531,7 @@ class TransactionalLoop:
             if status:
                 st = self.work.status()
                 self.producer.produce(self.spec.status_topic, st, st.component_id)
-            self._finish(cp, tps)
+            self._finish(cp, tps, self._group_metadata(tps))
         except KafkaException as e:
             self._open = False
             return self._failed(e, self._stage, tps)
@@ -505,13 +544,17 @@ class TransactionalLoop:
         self.outage.ok()
         return True
 
-    def _finish(self, cp: Checkpoint, tps: list[TopicPartition]) -> None:
+    def _group_metadata(self, tps: list[TopicPartition]) -> object | None:
+        """On the loop's thread only: elsewhere it would wait for a rebalance callback that
+        may itself wait for the commit in flight."""
+        return self.consumer.consumer_group_metadata() if tps else None
+
+    def _finish(self, cp: Checkpoint, tps: list[TopicPartition], meta: object | None) -> None:
         """Send the offsets and commit: the part of a transaction that waits on the broker
         (on a helper thread for a commit in flight)."""
         p = self.producer.producer
         if tps:
             self._stage = "sending offsets"
-            meta = self.consumer.consumer_group_metadata()
             self._bounded(lambda: p.send_offsets_to_transaction(
                 tps, meta, self._call_timeout_s))
         if self.before_commit is not None:
@@ -539,22 +582,24 @@ class TransactionalLoop:
                 self.counters.aborted += 1
                 self._rewind()
             return
-        flight = _InFlight(cp, tps)
-        flight.thread = threading.Thread(target=self._finish_in_flight, args=(flight,),
-                                         daemon=True, name="kafka-commit")
+        flight = _InFlight(cp, tps, self._group_metadata(tps))
+        if self._committer is None:
+            self._committer = _Worker("kafka-commit")
         self._inflight = flight
-        flight.thread.start()
+        self._committer.submit(lambda: self._finish_in_flight(flight))
 
     def _finish_in_flight(self, flight: _InFlight) -> None:
         try:
-            self._finish(flight.cp, flight.tps)
+            self._finish(flight.cp, flight.tps, flight.meta)
         except BaseException as e:  # noqa: BLE001 - taken by _settle on the loop's thread
             flight.error = e
+        finally:
+            flight.done.set()
 
     def _committed_meanwhile(self) -> bool | None:
         """``_settle`` if the commit in flight is done (None while it is not)."""
         flight = self._inflight
-        if flight is None or flight.thread.is_alive():
+        if flight is None or not flight.done.is_set():
             return None
         return self._settle()
 
@@ -564,7 +609,7 @@ class TransactionalLoop:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return True
-        flight.thread.join()
+        flight.done.wait()  # _finish's calls are _bounded: it ends
         self._open = False
         e = flight.error
         if e is None:
@@ -590,14 +635,16 @@ class TransactionalLoop:
             self._open = True
             cp.sent = 0
         # no delivery callback per record: the commit fails if a record does
-        produce, records = self.producer.producer.produce, cp.records
-        for i in range(cp.sent, len(records)):
-            topic, value, key, partition = records[i]
-            try:
-                produce(topic, value, key, -1 if partition is None else partition)
-            except BufferError:  # the local queue is full: this one waits for room
-                self.producer.produce_raw(topic, value, key, partition)
-            cp.sent = i + 1
+        produce, records, sent = self.producer.producer.produce, cp.records, cp.sent
+        try:
+            for topic, value, key, partition in itertools.islice(records, sent, None):
+                try:
+                    produce(topic, value, key, -1 if partition is None else partition)
+                except BufferError:  # the local queue is full: this one waits for room
+                    self.producer.produce_raw(topic, value, key, partition)
+                sent += 1
+        finally:
+            cp.sent = sent
 
     def _send_early(self, cp: Checkpoint) -> None:
         """``_send`` while the transaction stays open, so that the broker takes its records
@@ -612,7 +659,7 @@ class TransactionalLoop:
     def _drop_open(self) -> None:
         """Abort the open transaction (what was sent of it) and go back to the committed
         offsets of every partition: the round's records and held state are dropped."""
-        log.info("%s: dropping the open transaction after a rebalance",
+        log.info("%s: dropping what is uncommitted after a rebalance",
                  self.spec.component_id)
         self._settle()
         if self._open:
@@ -659,19 +706,13 @@ class TransactionalLoop:
         transactional calls can block past their timeout when the broker goes away in the
         middle of one (librdkafka #5456, #5511). A call given up on leaves its producer
         stuck: it is abandoned, not closed, and replaced."""
-        box: dict[str, object] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = call()
-            except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
-                box["error"] = e
-
-        t = threading.Thread(target=run, daemon=True, name="kafka-call")
-        t.start()
-        t.join(self._call_timeout_s * 3)
-        if t.is_alive():
+        if self._caller is None:
+            self._caller = _Worker("kafka-call")
+        done, box = self._caller.submit(call)
+        if not done.wait(self._call_timeout_s * 3):
             self._stuck = True
+            self._caller.close()  # it ends if the call ever returns; the next call gets a new one
+            self._caller = None
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
                                             "no answer from the transactional call"))
         if "error" in box:
@@ -804,7 +845,7 @@ class TransactionalLoop:
         self._assignment_changed = True
         self._revoked = True
         if self._inflight is not None:  # its offsets commit before the partitions move on
-            self._inflight.thread.join()
+            self._inflight.done.wait()
         log.info("%s: revoked %s", self.spec.component_id,
                  ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
         if self.spec.keeps_position:

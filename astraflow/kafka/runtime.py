@@ -144,9 +144,9 @@ class ProcessorRuntime:
                     component_id=self.component_id, error=f"RecordTooLarge: {e}", raw=b""))
 
     def _process(self, m: Message, cp: Checkpoint) -> None:
-        topic, part, off = m.topic(), m.partition(), m.offset()
+        topic, part, off, value = m.topic(), m.partition(), m.offset(), m.value()
         try:
-            record = self.codec.decode(m.value(), topic, part, off, expect=self._expect[topic])
+            record = self.codec.decode(value, topic, part, off, self._expect[topic])
             check_record(record)
             incoming = Incoming(self._inputs[topic], part, off, m.key(), record, m.timestamp()[1])
             produced = list(self.processor.process(incoming))
@@ -154,7 +154,7 @@ class ProcessorRuntime:
             try:
                 for o in produced:
                     # records forwarded unchanged go out as the bytes they arrived in
-                    self._add(cp, o, m.value() if o.record is record else None)
+                    self._add(cp, o, value if o.record is record else None)
             except RecordTooLarge:
                 cp.rollback(mark)  # none of this input's outputs; the input goes to dlq
                 raise
