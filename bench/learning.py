@@ -50,7 +50,8 @@ RUN = "bench-learning"
 
 def bench_topology(src: Path, runs_dir: Path) -> tuple[Path, dict[str, Any]]:
     """The topology AstraFlow runs in the bench: ``src`` with run id ``bench-learning``,
-    absolute paths, and no online evaluator (its settings are kept for scoring)."""
+    absolute paths, no online evaluator (its settings are kept for scoring), and every
+    version's weights kept (the checkpoints are scored after the run, from version 0 on)."""
     doc = yaml.safe_load(src.read_text())
     run_dir = runs_dir / RUN
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,7 @@ def bench_topology(src: Path, runs_dir: Path) -> tuple[Path, dict[str, Any]]:
     out["run"] = RUN
     for spec in out.get("policies", {}).values():
         spec["model"] = str((REPO / spec["model"]).resolve())
+        spec.setdefault("trainer", {})["keep_versions"] = 0
     for part in ("feeder", "eval"):
         ds = (out.get(part) or {}).get("dataset")
         if ds:
