@@ -24,6 +24,18 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _nested_as(out: dict[str, Any], plan: Any,
+               convert: Callable[[Record], dict[str, Any]]) -> dict[str, Any]:
+    """``out`` with its nested records (single or in lists) replaced by ``convert`` of them."""
+    for name, many, _ in plan.nested:
+        v = out[name]
+        if many and isinstance(v, list):
+            out[name] = [convert(x) if isinstance(x, Record) else x for x in v]
+        elif isinstance(v, Record):
+            out[name] = convert(v)
+    return out
+
+
 class Record:
     """Base of every record dataclass: Avro name and dict conversion."""
 
@@ -32,14 +44,7 @@ class Record:
     def to_dict(self) -> dict[str, Any]:
         """Field values as the Avro writer takes them (shallow: lists are not copied)."""
         plan = _plan(type(self))
-        out = dict(zip(plan.names, plan.values(self)))
-        for name, many, _ in plan.nested:
-            v = out[name]
-            if many and isinstance(v, list):
-                out[name] = [x.to_dict() if isinstance(x, Record) else x for x in v]
-            elif isinstance(v, Record):
-                out[name] = v.to_dict()
-        return out
+        return _nested_as(dict(zip(plan.names, plan.values(self))), plan, Record.to_dict)
 
     def avro_value(self) -> dict[str, Any]:
         """What the Avro writer takes, without copying where it can: the instance's own
@@ -47,14 +52,7 @@ class Record:
         plan = _plan(type(self))
         if not plan.nested:
             return self.__dict__
-        out = self.__dict__.copy()
-        for name, many, _ in plan.nested:
-            v = out[name]
-            if many and isinstance(v, list):
-                out[name] = [x.avro_value() if isinstance(x, Record) else x for x in v]
-            elif isinstance(v, Record):
-                out[name] = v.avro_value()
-        return out
+        return _nested_as(self.__dict__.copy(), plan, Record.avro_value)
 
     @classmethod
     def from_dict(cls: type[R], data: dict[str, Any]) -> R:
