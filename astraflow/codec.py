@@ -19,12 +19,14 @@ import json
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from fastavro import schemaless_reader, schemaless_writer
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
 from astraflow.records import RECORD_TYPES, Record, avro_builder, is_flat
 from astraflow.schemas import SchemaSet
 
 MAGIC = b"\xc3\x01"
+_new = object.__new__
+_BytesIO = io.BytesIO
 HEADER_LEN = 10
 
 
@@ -75,12 +77,59 @@ def _check_expected(name: str, expect, where: tuple[str, int, int]) -> type[Reco
     return cls
 
 
+def _public_reader(fo: io.BytesIO, writer: Any, named: Any, reader: Any, options: Any) -> Any:
+    return schemaless_reader(fo, writer, reader)
+
+
+_READ_OPTIONS = {"return_record_name": False, "return_record_name_override": False,
+                 "handle_unicode_errors": "strict", "return_named_type": False,
+                 "return_named_type_override": False}
+
+
+def _body_reader(writer: Any, reader: Any | None) -> tuple[Callable[..., Any], tuple]:
+    """How to read one body of ``writer`` (as ``reader``, if given) from a file:
+    ``fn(fo, *args)``.
+
+    ``fastavro.schemaless_reader`` re-checks its schemas and builds its options on every
+    call, about a tenth of the time a small record takes; the compiled reader underneath
+    takes them once here. Where that reader is missing or reads differently (another
+    fastavro), the public function does the work."""
+    public = (_public_reader, (writer, None, reader, None))
+    try:
+        from fastavro._read import _read_data  # the compiled reader behind schemaless_reader
+    except ImportError:
+        return public
+    named: dict[str, dict] = {"writer": {}, "reader": {}}
+    w = parse_schema(writer, named["writer"])
+    r = parse_schema(reader, named["reader"]) if reader is not None else None
+    compiled = (_read_data, (w, named, r, _READ_OPTIONS))
+    return compiled if _same_reading(compiled, public, writer) else public
+
+
+def _same_reading(a: tuple[Callable[..., Any], tuple], b: tuple[Callable[..., Any], tuple],
+                  writer: Any) -> bool:
+    """Whether two readers agree on a made-up record of ``writer``."""
+    from fastavro.utils import generate_one
+
+    try:
+        buf = io.BytesIO()
+        schemaless_writer(buf, writer, generate_one(writer))
+        data = buf.getvalue()
+        return a[0](io.BytesIO(data), *a[1]) == b[0](io.BytesIO(data), *b[1])
+    except Exception:  # noqa: BLE001 - any failure: the public reader it is
+        return False
+
+
 class _Decoder(NamedTuple):
     """How to decode the body of one writer schema."""
 
-    writer: Any  # parsed writer schema
-    reader: Any | None  # parsed reader schema; None when the writer's is the current one
-    build: Callable[[dict[str, Any]], Record]  # the record of the reader's dict
+    read: Callable[..., Any]  # read(fo, *args): one body, as the current schema, to a dict
+    a1: Any
+    a2: Any
+    a3: Any
+    a4: Any
+    # the record of the reader's dict; None: the dict becomes a flat record's own state
+    build: Callable[[dict[str, Any]], Record] | None
     cls: type[Record]
     name: str
 
@@ -120,15 +169,16 @@ class SingleObjectCodec:
         expect: type[Record] | None = None,
     ) -> Record:
         try:
-            writer, reader, build, cls, name = self._decoders[data[:HEADER_LEN]]
+            read, a1, a2, a3, a4, build, cls, name = self._decoders[data[:10]]
         except (KeyError, TypeError):  # a header not seen yet, or no value at all
-            writer, reader, build, cls, name = self._decoder(data, (topic, partition, offset))
+            read, a1, a2, a3, a4, build, cls, name = self._decoder(data, (topic, partition,
+                                                                         offset))
         if expect is not None and cls is not expect:
             _check_expected(name, expect, (topic, partition, offset))
-        buf = io.BytesIO(data)
-        buf.seek(HEADER_LEN)
+        buf = _BytesIO(data)
+        buf.seek(10)  # HEADER_LEN
         try:
-            value = schemaless_reader(buf, writer, reader)
+            value = read(buf, a1, a2, a3, a4)
         except (EOFError, StopIteration, IndexError) as e:
             raise TruncatedRecordError(f"body ends early: {type(e).__name__} {e}", topic,
                                        partition, offset) from e
@@ -139,6 +189,10 @@ class SingleObjectCodec:
             raise SchemaMismatchError(
                 f"{len(data) - buf.tell()} trailing bytes after the {name} body", topic,
                 partition, offset)
+        if build is None:
+            obj = _new(cls)
+            obj.__dict__ = value
+            return obj
         return build(value)
 
     def _decoder(self, data: bytes | None, where: tuple[str, int, int]) -> _Decoder:
@@ -163,9 +217,10 @@ class SingleObjectCodec:
         reader = self.schemas.reader(writer.name)
         fields = tuple(f["name"] for f in reader.expanded["fields"])
         exact = set(fields) == {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        build = avro_builder(cls) if exact else cls.from_dict
+        build = (None if is_flat(cls) else avro_builder(cls)) if exact else cls.from_dict
         same = reader.fingerprint == fp
-        dec = _Decoder(writer.parsed, None if same else reader.parsed, build, cls, writer.name)
+        read, args = _body_reader(writer.parsed, None if same else reader.parsed)
+        dec = _Decoder(read, *args, build, cls, writer.name)
         self._decoders[data[:HEADER_LEN]] = dec
         return dec
 

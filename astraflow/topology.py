@@ -129,7 +129,9 @@ class ProcessorSpec(_Strict):
     inputs: list[str] = Field(min_length=1)
     outputs: list[str] = Field(default_factory=list)
     group: str | None = None  # consumer group; default "<run>.<name>"
-    max_batch: int = Field(default=1000, ge=1)  # records per transaction
+    # records per transaction, at most; by default the commit interval (100 ms, as Kafka
+    # Streams' commit.interval.ms under exactly-once) or an idle poll ends one first
+    max_batch: int = Field(default=100_000, ge=1)
     poll_timeout_s: float = Field(default=0.5, gt=0)
     options: dict[str, Any] = Field(default_factory=dict)
 

@@ -75,6 +75,12 @@ _CHECKS = {Batch: batch_problem, TrajectoryGroup: group_problem, Task: task_prob
            Sequence: sequence_problem}
 
 
+def problem_finder(cls: type[Record]):
+    """The function that says what is wrong with a ``cls`` record (or None), or None when
+    records of ``cls`` are not checked beyond their schema."""
+    return _CHECKS.get(cls)
+
+
 def check_record(record: Record) -> None:
     """Raise ``InvalidRecord`` naming what is wrong with ``record`` (types it knows)."""
     check = _CHECKS.get(type(record))
@@ -83,5 +89,5 @@ def check_record(record: Record) -> None:
         raise InvalidRecord(f"{type(record).__name__}: {why}")
 
 
-__all__ = ["batch_problem", "check_record", "group_problem", "sequence_problem",
+__all__ = ["batch_problem", "check_record", "problem_finder", "group_problem", "sequence_problem",
            "task_problem"]

@@ -9,8 +9,9 @@ Prints, from one run on one broker:
   drained, from the first record consumed to the last one delivered (committed), by a raw
   forwarder (plain consume + decode + produce, auto-committed offsets, no transactions) and
   by a passthrough processor (decode + check, exactly once) at ``--max-batch`` (the
-  topology default) and at ``--big-batch`` inputs per transaction, ``--rounds`` times in
-  turn (throughput first: it also warms the broker's JVM up);
+  topology default: the 100 ms commit interval governs) and at ``--small-batch`` inputs per
+  transaction, ``--rounds`` times in turn (throughput first: it also warms the broker's JVM
+  up);
 - per-hop latency p50/p99 at light load: both hops side by side, one record to each every
   ``--interval-ms``, from the source producer to a ``read_committed`` reader of the output.
 
@@ -18,7 +19,7 @@ Runs against ASTRAFLOW_BOOTSTRAP if set, else the running embedded broker, else 
 temporary embedded broker it starts and removes; a few minutes at most. Usage:
 
     python bench/processor_throughput.py [--records 100000] [--record-bytes 1024]
-        [--partitions 3] [--max-batch 1000] [--big-batch 20000] [--rounds 3]
+        [--partitions 3] [--max-batch 100000] [--small-batch 1000] [--rounds 3]
         [--light 200] [--interval-ms 20] [--codec-rounds 7]
 """
 
@@ -46,7 +47,7 @@ from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.runtime import ProcessorRuntime
 from astraflow.kafka.topics import apply_topics
 from astraflow.records import Task, TrajectoryGroup
-from astraflow.topology import Topology, parse_topology
+from astraflow.topology import ProcessorSpec, Topology, parse_topology
 
 HEADER = 10  # single-object encoding: magic and fingerprint before the Avro body
 
@@ -66,9 +67,11 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=100_000, help="records for throughput")
     ap.add_argument("--record-bytes", type=int, default=1024, help="size of a record")
     ap.add_argument("--partitions", type=int, default=3)
-    ap.add_argument("--max-batch", type=int, default=1000, help="inputs per transaction")
-    ap.add_argument("--big-batch", type=int, default=20_000,
-                    help="a second max_batch, at which the commit interval governs")
+    default_batch = ProcessorSpec.model_fields["max_batch"].default
+    ap.add_argument("--max-batch", type=int, default=default_batch,
+                    help="inputs per transaction, at most (default: the topology's)")
+    ap.add_argument("--small-batch", type=int, default=1000,
+                    help="a second max_batch, at which each commit's cost shows")
     ap.add_argument("--rounds", type=int, default=3, help="throughput rounds")
     ap.add_argument("--light", type=int, default=200, help="records for latency")
     ap.add_argument("--interval-ms", type=float, default=20.0, help="light load: one per")
@@ -343,13 +346,13 @@ def codec_table(args) -> None:
 # --- the run --------------------------------------------------------------------------------
 def bench_topology(bootstrap: str, args) -> Topology:
     """Topics for each hop; processors ``lat`` (light load) and, per throughput round,
-    ``tp<r>`` (``--max-batch``) and ``big<r>`` (``--big-batch``), each its own group."""
+    ``tp<r>`` (``--max-batch``) and ``small<r>`` (``--small-batch``), each its own group."""
     parts = {"partitions": args.partitions, "schema": "Task"}
     fwd = {"kind": "passthrough", "poll_timeout_s": 0.5}
     processors = {"lat": {**fwd, "inputs": ["lat.in"], "outputs": ["lat.out"],
                           "max_batch": args.max_batch}}
     for r in range(args.rounds):
-        for name, batch in (("tp", args.max_batch), ("big", args.big_batch)):
+        for name, batch in (("tp", args.max_batch), ("small", args.small_batch)):
             processors[f"{name}{r}"] = {**fwd, "inputs": ["tp.in"], "outputs": ["tp.out"],
                                         "max_batch": batch}
     return parse_topology({
@@ -373,13 +376,13 @@ def run(bootstrap: str, args: argparse.Namespace) -> None:
           f"{args.records} records, {args.rounds} rounds")
     # throughput first: it warms the broker's JVM up, which a cold one's latency would show
     produce_rate = preload(config, full("tp.in"), args.records, pad)
-    rates: dict[str, list[float]] = {"raw": [], "bytes": [], "tp": [], "big": []}
+    rates: dict[str, list[float]] = {"raw": [], "bytes": [], "tp": [], "small": []}
     for r in range(args.rounds):  # in turn, so that noise on a shared machine hits each
         for kind in ("raw", "bytes"):
             rates[kind].append(raw_throughput(
                 config, f"{topo.run}.{kind}{r}", full("tp.in"), full("tp.raw.out"),
                 args.records, args.max_batch, decode=kind == "raw"))
-        for kind in ("tp", "big"):
+        for kind in ("tp", "small"):
             rates[kind].append(processor_throughput(topo, config, f"{kind}{r}", args.records))
     raw = RawForwarder(config, f"{topo.run}.raw-lat", full("lat.raw.in"), full("lat.raw.out"),
                        args.max_batch)
@@ -422,7 +425,7 @@ def report(lat: dict[str, list[float]], rates: dict[str, list[float]], produce_r
         raw, proc = pct(lat["raw"], q), pct(lat["processor"], q)
         print(f"{label:44} {raw:9.1f} {proc:10.1f} {proc / raw:6.2f}")
     med = {k: statistics.median(v) for k, v in rates.items()}
-    for kind, batch in (("tp", args.max_batch), ("big", args.big_batch)):
+    for kind, batch in (("tp", args.max_batch), ("small", args.small_batch)):
         ratios = [p / r for p, r in zip(rates[kind], rates["raw"])]
         print(f"{f'throughput (records/s), max_batch {batch}':44} {med['raw']:9.0f} "
               f"{med[kind]:10.0f} {statistics.median(ratios):6.2f}")

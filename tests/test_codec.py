@@ -204,3 +204,29 @@ def test_record_conversions_are_worked_out_once_per_class():
     rebuilt = TrajectoryGroup.from_avro(dict(nested, sequences=[dict(s) for s in
                                                                 nested["sequences"]]))
     assert rebuilt == group and isinstance(rebuilt.sequences[0], Sequence)
+
+
+def test_decoder_uses_fastavros_compiled_reader_and_falls_back_to_the_public_one(monkeypatch):
+    """The codec reads bodies with the compiled reader behind ``schemaless_reader`` (its
+    per-call schema checks skipped); where that reader is missing or reads differently,
+    the public function does the work and records decode the same."""
+    import fastavro._read
+
+    from astraflow import codec as codec_mod
+
+    task = Task(task_id="t", prompt_id="p", workflow="w", payload="x" * 100, source="s",
+                created_at_ms=1)
+    fast = SingleObjectCodec()
+    msg = fast.encode(task)
+    assert fast.decode(msg) == task
+    assert fast._decoders[msg[:10]].read is fastavro._read._read_data
+
+    monkeypatch.setattr(fastavro._read, "_read_data", lambda fo, *a: {"other": 1})
+    slow = SingleObjectCodec()
+    assert slow.decode(msg) == task
+    assert slow._decoders[msg[:10]].read is codec_mod._public_reader
+
+    monkeypatch.delattr(fastavro._read, "_read_data")
+    gone = SingleObjectCodec()
+    assert gone.decode(msg) == task
+    assert gone._decoders[msg[:10]].read is codec_mod._public_reader

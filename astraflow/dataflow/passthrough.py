@@ -13,4 +13,5 @@ class Passthrough(Processor):
     kind = "passthrough"
 
     def process(self, msg: Incoming) -> Iterable[Outgoing]:
-        return [Outgoing(topic, msg.record, key=msg.key) for topic in self.outputs]
+        record, key = msg.record, msg.key
+        return [Outgoing(topic, record, key) for topic in self.outputs]

@@ -158,15 +158,18 @@ class Checkpoint:
         else:
             self.outputs += 1
 
-    def mark(self) -> tuple[int, int, int]:
-        return len(self.records), self.outputs, self.dead
+    def mark(self) -> int:
+        """Where ``rollback`` goes back to: the number of records added so far."""
+        return len(self.records)
 
-    def rollback(self, mark: tuple[int, int, int]) -> None:
+    def rollback(self, mark: int) -> None:
         """Drop what was added since ``mark()``."""
-        n, self.outputs, self.dead = mark
-        if n < self.sent:
+        if mark < self.sent:
             raise ValueError("cannot roll back records already sent in the transaction")
-        del self.records[n:]
+        dead = sum(1 for r in self.records[mark:] if r[0] == self.dlq)
+        self.dead -= dead
+        self.outputs -= len(self.records) - mark - dead
+        del self.records[mark:]
 
     def dead_letter(self, letter: DeadLetter) -> None:
         try:
