@@ -163,9 +163,9 @@ def cmd_groups_lag(args: argparse.Namespace) -> int:
                 "processor)"
             )
         pairs.append((args.group, topics))
-    elif topo:
-        for name, spec in topo.processors.items():
-            pairs.append((topo.group_of(name), [topo.full_name(t) for t in spec.inputs]))
+    elif topo:  # every group: processors, RaaS pools, trainers
+        for _, group, inputs in topo.consumer_groups():
+            pairs.append((group, [topo.full_name(t) for t in inputs]))
     else:
         raise AstraflowError("groups lag: give --topology FILE, or --group G --topic T")
     reader = LagReader(kafka_config(args))
@@ -292,7 +292,7 @@ def _add_topics(sub: Any) -> None:
     p.set_defaults(func=cmd_topics_describe)
 
 
-_LAG_EXAMPLES = ["astraflow groups lag -t topology/default.yaml   # every processor's group",
+_LAG_EXAMPLES = ["astraflow groups lag -t topology/default.yaml   # every group of the run",
                  "astraflow groups lag --group default.batcher --topic default.samples.actor"]
 
 
@@ -349,7 +349,11 @@ _EXTENSIONS = (
     "astraflow.evaluator",
     "astraflow.tasks.generate",
     "astraflow.launcher",
+    "astraflow.runs_cli",  # run list|delete: adds to the `run` group, so after launcher
+    "astraflow.plots",  # run plot, and the `plot` shortcut
     "astraflow.topology_cli",
+    "astraflow.status_view",
+    "astraflow.replay_cli",
 )
 
 

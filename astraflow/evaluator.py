@@ -49,6 +49,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--model", required=True, metavar="PATH", help="the policy's base model dir")
     r.add_argument("--every", type=int, default=5, metavar="N", help="evaluate versions k*N")
     r.add_argument("--once", action="store_true", help="evaluate the latest version and exit")
+    r.add_argument("--history", metavar="OUT.json",
+                   help="evaluate every --every-th version already published, write the "
+                   "accuracy-versus-version curve to OUT.json (and OUT.png) and exit; nothing "
+                   "is published (`astraflow replay eval`)")
     r.add_argument("--levels", default="1,2", help="synthetic arithmetic levels (no --dataset)")
     r.add_argument("--dataset", metavar="FILE", help="held-out .jsonl/.parquet file (default: "
                    "the synthetic arithmetic eval split)")
@@ -143,11 +147,69 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
             model, tokenizer, tasks, max_new_tokens=args.max_new_tokens, chat=args.chat,
             reward=reward))
 
+    if args.history:
+        curve = _history(args, topo, config, model, score)
+        write_curve(args.history, topo.run, args.policy, args.every, curve)
+        print(f"{len(curve)} versions evaluated: {args.history}")
+        return 0
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     _follow(args, topo, config, stop, model, score, len(tasks))
     return 0
+
+
+def _history(args, topo, config, model, score) -> list[tuple[int, float]]:
+    """Accuracy of every ``--every``-th published version, oldest first (versions whose
+    blobs were pruned are skipped, said in the log)."""
+    from astraflow.weights import WeightFollower
+    from astraflow.weights.kafka_store import read_manifests
+
+    topic = topo.full_name(f"weights.{args.policy}")
+    manifests = [m for m in read_manifests(config, topic) if m.policy == args.policy]
+    versions = sorted({m.version for m in manifests if m.version % args.every == 0})
+    follower = WeightFollower(policy=args.policy, kafka_config=config)
+    follower.observe(manifests)
+    curve: list[tuple[int, float]] = []
+    t0 = time.time()
+    try:
+        for i, v in enumerate(versions):
+            result = _reach(follower, v, args.policy)
+            if result is None or result.version != v:
+                continue
+            model.load_state_dict(follower.state)
+            curve.append((v, score()))
+            print(f"eval {args.policy} v{v} accuracy {curve[-1][1]:.4f} ({i + 1}/"
+                  f"{len(versions)}, {time.time() - t0:.0f}s)", flush=True)
+    finally:
+        follower.close()
+    return curve
+
+
+def write_curve(path: str, run: str, policy: str, every: int,
+                curve: list[tuple[int, float]]) -> None:
+    """The accuracy-versus-version curve as JSON at ``path`` and a PNG beside it."""
+    from pathlib import Path
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"run": run, "policy": policy, "every": every, "curve": [
+        {"version": v, "accuracy": a} for v, a in curve]}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([v for v, _ in curve], [a for _, a in curve], "o-", label=f"{policy} held-out")
+    ax.set_xlabel("weight version")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"run {run}: every {every}th version")
+    fig.savefig(out.with_suffix(".png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:

@@ -61,7 +61,8 @@ def _add_up(subparsers: Any, shortcut: bool) -> None:
     p.add_argument("--duration", type=float, default=600.0, help="seconds to run (0: forever)")
     p.add_argument("--versions", type=int, default=0, help="stop after this many versions")
     p.add_argument("--fresh", action="store_true",
-                   help="delete this run's topics first (start from version 0)")
+                   help="start from version 0: under the next free name RUN-N if RUN already "
+                   "has topics (they stay; `astraflow run delete RUN` removes them)")
     p.add_argument("--keep-broker", action="store_true",
                    help="leave the embedded broker running when the run ends (default: stop "
                    "it if this `up` started it)")
@@ -99,7 +100,7 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
                                      *_feeder_args(topo.feeder))
     if topo.eval is not None:
         for policy in topo.policies:
-            procs[f"eval-{policy}"] = _astraflow(*_eval_args(topo, path, policy))
+            procs[f"eval-{policy}"] = _astraflow(*eval_args(topo, path, policy))
     return procs
 
 
@@ -189,7 +190,7 @@ def _feeder_args(feeder: FeederSpec) -> list[str]:
     return args + (["--from-start"] if feeder.from_start else [])
 
 
-def _eval_args(topo: Topology, path: str, policy: str) -> list[str]:
+def eval_args(topo: Topology, path: str, policy: str) -> list[str]:
     spec, ev = topo.policies[policy], topo.eval
     assert ev is not None
     own = spec.eval
@@ -312,9 +313,14 @@ class Progress:
             parts.append(f"rollout reward {r:.3f}")
         parts.append(f"tasks lag {lag}" if lag is not None else "Kafka not answering")
         parts.append(f"stale drops {self.stale_dropped:.0f}")
-        self.series.append({"t": t, **{f"version/{p}": float(v) for p, v in self.versions.items()},
-                            **{f"reward/{p}": tm.get("trainer/reward_mean", float("nan"))
-                               for p, tm in self.trainer.items()}})
+        self.series.append({
+            "t": t, **{f"version/{p}": float(v) for p, v in self.versions.items()},
+            **{f"reward/{p}": tm["trainer/reward_mean"]
+               for p, tm in self.trainer.items() if "trainer/reward_mean" in tm},
+            **{f"staleness_mean/{p}": tm["trainer/staleness_mean"]
+               for p, tm in self.trainer.items() if "trainer/staleness_mean" in tm},
+            "stale_dropped": self.stale_dropped,
+            **({"lag/tasks": float(lag)} if lag is not None else {})})
         return " | ".join(parts)
 
 
@@ -359,7 +365,9 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
         print(f"astraflow up: {e}", file=sys.stderr)
         return 2
     if fresh:
-        _delete_run_topics(admin, topo)
+        topo = fresh_run(topo, config, Path(args.runs_dir))
+        run_dir = Path(args.runs_dir) / topo.run
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for c in apply_topics(admin, topo.resolved_topics()):
         if c.action != "unchanged":
             print(f"topic {c.action}: {c.topic}")
@@ -371,6 +379,10 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
         pids.write_text(json.dumps(sup.pids()))
         print(f"started {len(sup.procs)} processes ({', '.join(sup.procs)}); logs in "
               f"{run_dir / 'logs'}")
+        ports = metrics_ports(topo)
+        if ports:
+            print("Prometheus metrics: " + ", ".join(
+                f"{name} :{port}/metrics" for name, port in ports.items()))
         code = _watch(args, topo, config, sup, progress, pids)
     finally:
         sup.stop_all()
@@ -378,10 +390,36 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
         if broker is not None:
             broker.stop()
             print("stopped the embedded broker (--keep-broker keeps it)")
-    summary = _write_summary(run_dir, topo, progress)
-    summary["restarts"] = {n: k for n, k in sup.restarts.items() if k}
-    print(json.dumps(summary, indent=2))
+    summary = _write_summary(run_dir, topo, progress,
+                             {n: k for n, k in sup.restarts.items() if k})
+    print(closing_lines(summary, run_dir))
     return code
+
+
+def closing_lines(summary: dict[str, Any], run_dir: Path) -> str:
+    """What ``up`` prints when it ends: the run in a few lines, and where the rest is."""
+    lines = [f"run {summary['run']}: {summary['seconds']:.0f}s"]
+    for policy, p in summary["policies"].items():
+        acc = p.get("eval_accuracy")
+        lines.append(f"  {policy}: version {p.get('version')}, train reward "
+                     f"{_fmt(p.get('train_reward'))}, held-out accuracy {_fmt(acc)}"
+                     + (f" at v{p.get('eval_version')}" if acc is not None else ""))
+    lines.append(f"  stale groups dropped: {summary['staleness_dropped']:.0f}; restarts: "
+                 f"{summary['restarts'] or 'none'}")
+    lines.append(f"summary: {run_dir / 'summary.json'}"
+                 + (f"; plot: {summary['plot']}" if summary.get("plot") else ""))
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def metrics_ports(topo: Topology) -> dict[str, int]:
+    """Process name -> the port of its Prometheus metrics (``metrics_port`` and up)."""
+    if topo.metrics_port is None:
+        return {}
+    return {name: topo.metrics_port + i for i, name in enumerate(plan_processes(topo, ""))}
 
 
 def _spawner(topo: Topology, config, run_dir: Path):
@@ -389,13 +427,15 @@ def _spawner(topo: Topology, config, run_dir: Path):
     # one intra-op thread per process: several processes share the cores, and torch's
     # default (all cores each) makes them thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
-           "PYTHONUNBUFFERED": "1"}
+           "ASTRAFLOW_RUN": topo.run, "PYTHONUNBUFFERED": "1"}
     niceness = process_niceness(topo)
+    ports = metrics_ports(topo)
 
     def spawn(name: str, cmd: list[str]) -> subprocess.Popen:
         nice = niceness.get(name, 0)
+        own = {**env, "ASTRAFLOW_METRICS_PORT": str(ports[name])} if name in ports else env
         with open(run_dir / "logs" / f"{name}.log", "ab") as log:
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
                                     start_new_session=True,
                                     preexec_fn=(lambda k=nice: os.nice(k)) if nice else None)
 
@@ -413,7 +453,7 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
 
     status = _status_table(config, topo.full_name("status"), progress)
     lags = LagReader(config)
-    pool_groups = [f"{topo.run}.raas.{p}" for p in topo.pools]
+    pool_groups = [topo.raas_group(p) for p in topo.pools]
     stop = {"flag": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -553,14 +593,23 @@ def _tiny_model_outdated(spec) -> str:
     return "the topology changed how it is made (" + ", ".join(diff) + ")" if diff else ""
 
 
-def _delete_run_topics(admin, topo: Topology) -> None:
-    existing = admin.list_topics(timeout=10).topics
-    names = [t.full_name for t in topo.resolved_topics() if t.full_name in existing]
-    if names:
-        for fut in admin.delete_topics(names, operation_timeout=30).values():
-            fut.result()
-        print(f"deleted the {len(names)} topics of run {topo.run}")
-        time.sleep(2.0)  # deletions settle before the topics are created again
+def fresh_run(topo: Topology, config, runs_dir: Path) -> Topology:
+    """``topo`` as a run that starts from version 0: under its own name if the cluster has
+    no run of that name, else under the next free ``<run>-N`` (the older run's topics stay
+    for replay; only ``astraflow run delete`` removes a run). The new name is recorded in
+    ``RUNS_DIR/<run>/latest-run`` for ``astraflow down``."""
+    from astraflow.cli import with_overrides
+    from astraflow.runs import Runs, next_run_id
+
+    base = topo.run
+    new = next_run_id(base, Runs(config).names())
+    if new == base:
+        return topo
+    print(f"run {base} already has topics: this fresh run is {new} (run {base} stays, for "
+          f"replay; `astraflow run delete {base}` removes it)")
+    (runs_dir / base).mkdir(parents=True, exist_ok=True)
+    (runs_dir / base / "latest-run").write_text(new + "\n")
+    return with_overrides(topo, new, None)
 
 
 def _status_table(config, topic: str, progress: Progress):
@@ -575,7 +624,8 @@ def _status_table(config, topic: str, progress: Progress):
     return table
 
 
-def _write_summary(run_dir: Path, topo: Topology, progress: Progress) -> dict[str, Any]:
+def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
+                   restarts: dict[str, int]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "run": topo.run,
         "seconds": round(time.time() - progress.started, 1),
@@ -586,38 +636,23 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress) -> dict[st
         "staleness_dropped": progress.stale_dropped,
         "policies": progress.policy_summary(topo.policies),
         "workflow_metrics": progress.workflow_metrics(),
+        "restarts": restarts,
     }
+    summary["series"] = progress.series
+    from astraflow.plots import write_plots
+
+    summary["plots"] = [str(p) for p in write_plots(summary, run_dir)]
+    summary["plot"] = summary["plots"][0] if summary["plots"] else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for policy in progress.trainer:
-            pts = [(s["t"], s.get(f"reward/{policy}")) for s in progress.series
-                   if s.get(f"reward/{policy}") is not None]
-            if pts:
-                ax.plot(*zip(*pts), label=f"{policy} train reward")
-        for policy, pts in progress.eval.items():
-            if pts:
-                ax.plot([t for t, _, _ in pts], [a for _, _, a in pts], "o-",
-                        label=f"{policy} held-out accuracy")
-        ax.set_xlabel("seconds")
-        ax.set_ylim(0, 1)
-        ax.legend()
-        ax.set_title(f"AstraFlow run {topo.run}")
-        fig.savefig(run_dir / "summary.png", dpi=100, bbox_inches="tight")
-        summary["plot"] = str(run_dir / "summary.png")
-    except ImportError:
-        summary["plot"] = None
     return summary
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     topo: Topology = args.loaded_topology
     pids_file = _pids_file(topo, args.runs_dir)
+    latest = Path(args.runs_dir) / topo.run / "latest-run"
+    if not pids_file.exists() and latest.exists():  # `up --fresh` started a new run name
+        pids_file = Path(args.runs_dir) / latest.read_text().strip() / "pids.json"
     if not pids_file.exists():
         print(f"nothing to stop for run {topo.run} ({pids_file} not found)")
         return 0

@@ -4,17 +4,27 @@ namespace (``eval/accuracy``, ``trainer/loss``, ``rollout/reward_mean``).
 * ``StatusSink``: a ``ComponentStatus`` record on the run's status topic, which
   ``astraflow up`` and the dashboards read.
 * ``JsonlSink``: one JSON line per step in a local file (benches, offline analysis).
+
+And ``PrometheusExporter``: a component's counters, gauges and staleness histogram at
+``http://HOST:PORT/metrics``, started by the transactional loop when
+``ASTRAFLOW_METRICS_PORT`` is set (``astraflow up`` sets it per process from the topology's
+``metrics_port``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import socket
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from astraflow.errors import AstraflowError
 from astraflow.records import ComponentStatus
 
 
@@ -57,4 +67,141 @@ class JsonlSink:
             f.write(json.dumps(line, sort_keys=True) + "\n")
 
 
-__all__ = ["JsonlSink", "MetricSink", "StatusSink"]
+log = logging.getLogger("astraflow.metrics")
+
+METRICS_PORT_ENV = "ASTRAFLOW_METRICS_PORT"
+# staleness in weight versions: how old a group's oldest token is when it is judged
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+def prometheus_name(metric: str) -> str:
+    """``trainer/loss`` -> ``astraflow_trainer_loss`` (Prometheus allows [a-zA-Z0-9_:])."""
+    return "astraflow_" + re.sub(r"[^a-zA-Z0-9_]", "_", metric).strip("_")
+
+
+class PrometheusExporter:
+    """Serves one component's figures for Prometheus to scrape.
+
+    Counters are read live from ``counters`` (a ``RuntimeCounters``); the weight versions,
+    the component's own metrics (``trainer/loss`` becomes ``astraflow_trainer_loss``) and
+    the lag per input partition are those of the last ``update`` (each status the loop
+    writes). ``observe_staleness`` feeds the staleness histogram."""
+
+    def __init__(self, component_id: str, kind: str, counters: Any, port: int,
+                 addr: str = "0.0.0.0"):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.component_id, self.kind, self.counters = component_id, kind, counters
+        self._lock = threading.Lock()
+        self._versions: dict[str, int] = {}
+        self._metrics: dict[str, float] = {}
+        self._lag: dict[tuple[str, int], int] = {}
+        self._buckets = [0] * (len(STALENESS_BUCKETS) + 1)
+        self._stale_sum = 0.0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self.server, self._thread = start_http_server(port, addr, registry=self.registry)
+        self.port = self.server.server_port
+        _EXPORTERS.append(self)
+        log.info("%s: Prometheus metrics on http://%s:%d/metrics", component_id, addr,
+                 self.port)
+
+    def update(self, status: ComponentStatus, lag: Mapping[tuple[str, int], int]) -> None:
+        with self._lock:
+            self.kind = status.kind
+            self._versions = dict(status.weight_versions)
+            self._metrics = dict(status.metrics)
+            self._lag = dict(lag)
+
+    def observe_staleness(self, value: float) -> None:
+        i = next((k for k, b in enumerate(STALENESS_BUCKETS) if value <= b),
+                 len(STALENESS_BUCKETS))
+        with self._lock:
+            self._buckets[i] += 1
+            self._stale_sum += value
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        labels = ["component", "kind"]
+        me = [self.component_id, self.kind]
+        c = self.counters
+        for name, doc, value in (
+                ("records_in", "records consumed", c.consumed),
+                ("records_out", "records produced (committed)", c.produced),
+                ("dead_lettered", "records sent to the dead-letter topic", c.dead_lettered),
+                ("transactions", "transactions committed", c.transactions),
+                ("aborted", "transactions aborted", c.aborted),
+                ("waiting_seconds", "seconds spent waiting for input", c.waiting_s),
+                ("busy_seconds", "seconds spent working on input", c.busy_s)):
+            fam = CounterMetricFamily(f"astraflow_{name}", doc, labels=labels)
+            fam.add_metric(me, float(value))
+            yield fam
+        with self._lock:
+            versions, metrics, lag = self._versions, self._metrics, self._lag
+            buckets, total = list(self._buckets), self._stale_sum
+        fam = GaugeMetricFamily("astraflow_weight_version", "newest weight version in use",
+                                labels=[*labels, "policy"])
+        for policy, v in versions.items():
+            fam.add_metric([*me, policy], float(v))
+        yield fam
+        fam = GaugeMetricFamily("astraflow_consumer_lag", "records behind the end of an "
+                                "input partition", labels=[*labels, "topic", "partition"])
+        for (topic, part), n in sorted(lag.items()):
+            fam.add_metric([*me, topic, str(part)], float(n))
+        yield fam
+        acc, cumulative = 0, []
+        for bound, n in zip([*map(str, STALENESS_BUCKETS), "+Inf"], buckets):
+            acc += n
+            cumulative.append((bound, float(acc)))
+        fam = HistogramMetricFamily("astraflow_staleness", "staleness of the groups judged, "
+                                    "in weight versions", labels=labels)
+        fam.add_metric(me, cumulative, sum_value=total)
+        yield fam
+        for key, value in sorted(metrics.items()):
+            fam = GaugeMetricFamily(prometheus_name(key), f"the component's {key}",
+                                    labels=labels)
+            fam.add_metric(me, float(value))
+            yield fam
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        if self in _EXPORTERS:
+            _EXPORTERS.remove(self)
+
+
+_EXPORTERS: list[PrometheusExporter] = []
+
+
+def observe_staleness(value: float) -> None:
+    """Count one staleness in this process's Prometheus histogram (if one is served)."""
+    for e in _EXPORTERS:
+        e.observe_staleness(value)
+
+
+def exporter_from_env(component_id: str, kind: str, counters: Any,
+                      env: Callable[[str], str | None] = os.environ.get
+                      ) -> PrometheusExporter | None:
+    """A ``PrometheusExporter`` on ``$ASTRAFLOW_METRICS_PORT`` (0: any free port), or None
+    when it is not set."""
+    raw = env(METRICS_PORT_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        raise AstraflowError(f"{METRICS_PORT_ENV}={raw!r}: must be a port number") from None
+    try:
+        return PrometheusExporter(component_id, kind, counters, port)
+    except OSError as e:
+        raise AstraflowError(f"{METRICS_PORT_ENV}={port}: cannot serve metrics there: {e}"
+                             ) from None
+
+
+__all__ = ["JsonlSink", "MetricSink", "PrometheusExporter", "StatusSink",
+           "exporter_from_env", "observe_staleness", "prometheus_name"]

@@ -68,17 +68,19 @@ def files_ref(m: WeightManifest) -> BlobRef | None:
 
 
 def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str | Path,
-                wait_s: float = 600.0) -> Path:
+                wait_s: float = 600.0, version: int | None = None) -> Path:
     """Build the model directory ``dest`` from ``weights_topic``: the newest model files and
-    the weights of the newest reachable version. Waits up to ``wait_s`` for a trainer to
-    publish its first version."""
+    the weights of the newest reachable version (or of ``version`` and the newest files up
+    to it). Waits up to ``wait_s`` for a trainer to publish its first version."""
     from astraflow.weights.history import WeightFollower
 
     manifests = _published_manifests(config, weights_topic, policy, wait_s)
     follower = WeightFollower(policy=policy, kafka_config=config, inplace=False)
     follower.observe(manifests)
-    res = follower.update_reachable()
-    with_files = sorted((m for m in manifests if files_ref(m)), key=lambda m: -m.version)
+    res = follower.update_reachable() if version is None else follower.update(version)
+    with_files = sorted((m for m in manifests if files_ref(m)
+                         and (version is None or m.version <= version)),
+                        key=lambda m: -m.version)
     for m in with_files:
         try:
             with follower.resolver.open(files_ref(m)) as f:  # checks size and sha256

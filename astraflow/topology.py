@@ -392,6 +392,9 @@ class Topology(_Strict):
     run: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     status_interval_s: float = Field(default=5.0, gt=0)
+    # `astraflow up` serves each process's Prometheus metrics on the next port from this one
+    # (in the order `topology explain` lists them); None: none served
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
     topic_defaults: TopicDefaults = Field(default_factory=TopicDefaults)
     topics: dict[str, TopicSpec] = Field(default_factory=dict)
     processors: dict[str, ProcessorSpec] = Field(default_factory=dict)
@@ -509,6 +512,23 @@ class Topology(_Strict):
     def group_of(self, processor: str) -> str:
         spec = self.processors[processor]
         return spec.group or f"{self.run}.{processor}"
+
+    def raas_group(self, pool: str) -> str:
+        """The consumer group of a RaaS pool's nodes (they share its ``tasks``)."""
+        return f"{self.run}.raas.{pool}"
+
+    def trainer_group(self, policy: str) -> str:
+        return f"{self.run}.trainer.{policy}"
+
+    def consumer_groups(self) -> list[tuple[str, str, list[str]]]:
+        """Every consumer group the topology's components run in, as ``(component, group,
+        input topics)`` (logical topic names): processors, RaaS pools and trainers."""
+        out = [(f"processor {name}", self.group_of(name), list(spec.inputs))
+               for name, spec in self.processors.items()]
+        out += [(f"pool {pool}", self.raas_group(pool), ["tasks"]) for pool in self.pools]
+        out += [(f"trainer {policy}", self.trainer_group(policy), [f"batches.{policy}"])
+                for policy in self.policies]
+        return out
 
 
 def _format_errors(e: ValidationError, prefix: str = "") -> str:

@@ -176,8 +176,11 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
 
 def run_up(topology_file: Path, args: argparse.Namespace, label: str) -> tuple[int, float]:
     """``astraflow up`` on one variant, its output streamed with a ``[label]`` prefix."""
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(topology_file), "--fresh",
-           "--keep-broker", "--versions", str(args.versions), "--duration", str(args.duration),
+    from astraflow.runs import start_over
+
+    start_over(yaml.safe_load(topology_file.read_text())["run"])
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(topology_file), "--keep-broker",
+           "--versions", str(args.versions), "--duration", str(args.duration),
            "--runs-dir", str(args.runs_dir)]
     print(f"[bench] {label}: {' '.join(cmd[2:])}", flush=True)
     t0 = time.time()

@@ -87,10 +87,12 @@ def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """``astraflow up`` for ``--duration`` s; the newest version at each checkpoint."""
     from astraflow.kafka.clients import read_all
     from astraflow.records import WeightManifest
+    from astraflow.runs import start_over
     from astraflow.topology import load_topology
 
     topo = load_topology(path)
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--fresh", "--keep-broker",
+    start_over(topo.run)
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--keep-broker",
            "--duration", str(args.duration), "--runs-dir", str(args.runs_dir)]
     t0 = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

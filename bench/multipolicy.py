@@ -92,9 +92,12 @@ def _single_turn_options(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_up(topology: str, duration: float, runs_dir: Path, log: Path) -> dict[str, Any]:
-    """``astraflow up TOPOLOGY --fresh --duration D``; its summary.json."""
+    """``astraflow up TOPOLOGY --duration D`` from version 0; its summary.json."""
     run = yaml.safe_load((REPO / topology).read_text())["run"]
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", topology, "--fresh", "--keep-broker",
+    from astraflow.runs import start_over
+
+    start_over(run)
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", topology, "--keep-broker",
            "--duration", str(duration), "--runs-dir", str(runs_dir)]
     print(f"$ {' '.join(cmd[2:])}  (log {log})", flush=True)
     t0 = time.time()

@@ -47,6 +47,7 @@ from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.runtime import ProcessorRuntime
 from astraflow.kafka.topics import apply_topics
 from astraflow.records import Task, TrajectoryGroup
+from astraflow.runs import Runs
 from astraflow.topology import ProcessorSpec, Topology, parse_topology
 
 HEADER = 10  # single-object encoding: magic and fingerprint before the Avro body
@@ -368,9 +369,16 @@ def run(bootstrap: str, args: argparse.Namespace) -> None:
     config = KafkaConfig(bootstrap_servers=bootstrap, client_id="astraflow-bench")
     topo = bench_topology(bootstrap, args)
     apply_topics(make_admin(config), topo.resolved_topics())
+    try:
+        measure(config, topo, args)
+    finally:  # a shared broker keeps no bench topics
+        Runs(config).delete(topo.run)
+
+
+def measure(config: KafkaConfig, topo: Topology, args: argparse.Namespace) -> None:
     full = topo.full_name
     pad = padding(SingleObjectCodec(), args.record_bytes)
-    print(f"\nbroker {bootstrap}; {args.partitions} partitions; records of "
+    print(f"\nbroker {config.bootstrap_servers}; {args.partitions} partitions; records of "
           f"{len(SingleObjectCodec().encode(task(0, pad)))} B on the wire; latency: "
           f"{args.light} records per hop, one per {args.interval_ms:g} ms; throughput: "
           f"{args.records} records, {args.rounds} rounds")

@@ -92,3 +92,17 @@ def test_up_trains_publishes_evaluates_and_bounds_staleness(kafka_bootstrap, kaf
     assert all(0.0 <= a <= 1.0 for a in evaluated.values()), evaluated
     print(f"rolled out with {len(rolled_with)} versions up to {max(rolled_with)}; held-out "
           f"accuracy by version {evaluated} ({len(groups)} groups)")
+
+    # replay eval: the same held-out accuracy, version for version, from the retained
+    # weight stream alone (versions whose blobs the trainer pruned are skipped)
+    from astraflow.cli import main
+
+    curve_file = tmp_path / "curve.json"
+    assert main(["replay", "eval", "-t", str(path), "--bootstrap", kafka_bootstrap,
+                 "--every", "2", "--out", str(curve_file)]) == 0
+    curve = {c["version"]: c["accuracy"] for c in json.loads(curve_file.read_text())["curve"]}
+    assert curve and all(v % 2 == 0 for v in curve), curve
+    common = set(curve) & set(evaluated)
+    assert common, (curve, evaluated)
+    assert all(curve[v] == evaluated[v] for v in common), (curve, evaluated)
+    assert curve_file.with_suffix(".png").stat().st_size > 0

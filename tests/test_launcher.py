@@ -290,3 +290,34 @@ def test_pool_engine_options_pass_on_only_what_the_file_sets():
     data["pools"]["local"].update(engine="vllm", engine_options={"cpus": 1, "kv_cache_gib": 1})
     raas = _flags(launcher.plan_processes(parse_topology(data), "t")["raas-local-0"])
     assert raas.engine == "vllm" and raas.engine_options == {"cpus": 1, "kv_cache_gib": 1}
+
+
+def test_up_ends_with_a_few_lines_and_where_the_summary_is(tmp_path):
+    from astraflow.launcher import closing_lines
+
+    summary = {"run": "r-2", "seconds": 61.2, "staleness_dropped": 3.0, "restarts": {},
+               "policies": {"actor": {"version": 12, "train_reward": 0.5, "eval_accuracy": 0.25,
+                                      "eval_version": 10}},
+               "plot": str(tmp_path / "summary.png")}
+    text = closing_lines(summary, tmp_path)
+    assert len(text.splitlines()) == 4
+    assert "actor: version 12, train reward 0.500, held-out accuracy 0.250 at v10" in text
+    assert str(tmp_path / "summary.json") in text and "restarts: none" in text
+
+
+def test_a_runs_plots_are_drawn_from_its_summary(tmp_path):
+    import json
+
+    from astraflow.cli import main
+
+    series = [{"t": 5.0 * i, "version/actor": float(i), "reward/actor": 0.1 * i,
+               "staleness_mean/actor": 1.5, "stale_dropped": float(i), "lag/tasks": 30.0 - i}
+              for i in range(6)]
+    summary = {"run": "r", "versions": {"actor": 5}, "series": series,
+               "eval": {"actor": [{"t": 10.0, "version": 2, "accuracy": 0.3}]}}
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "summary.json").write_text(json.dumps(summary))
+    assert main(["run", "plot", "r", "--runs-dir", str(tmp_path)]) == 0
+    for name in ("summary.png", "plots/versions.png", "plots/staleness.png", "plots/lag.png"):
+        assert (tmp_path / "r" / name).stat().st_size > 1000
+    assert main(["plot", "missing", "--runs-dir", str(tmp_path)]) == 2

@@ -37,3 +37,48 @@ def test_status_sink_publishes_a_component_status():
     assert topic == "run.status" and key == "eval-actor/h" and producer.flushed == 1
     assert isinstance(status, ComponentStatus) and status.kind == "evaluator"
     assert status.weight_versions == {"actor": 7} and status.metrics == {"eval/accuracy": 0.25}
+
+
+def scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_prometheus_exporter_serves_counters_versions_lag_staleness_and_metrics():
+    from astraflow.kafka.loop import RuntimeCounters
+    from astraflow.metrics import PrometheusExporter, observe_staleness
+
+    counters = RuntimeCounters(consumed=12, produced=10, dead_lettered=2, busy_s=1.5)
+    exporter = PrometheusExporter("stale/a", "component", counters, port=0, addr="127.0.0.1")
+    try:
+        exporter.update(ComponentStatus(component_id="stale/a", kind="processor", host="h",
+                                        weight_versions={"actor": 5},
+                                        metrics={"staleness/dropped": 3.0}),
+                        {("run.trajectories", 0): 4, ("run.trajectories", 1): 0})
+        for v in (0, 1, 1, 7):
+            observe_staleness(v)
+        text = scrape(exporter.port)
+    finally:
+        exporter.close()
+    me = 'component="stale/a",kind="processor"'
+    assert f"astraflow_records_in_total{{{me}}} 12.0" in text
+    assert f"astraflow_dead_lettered_total{{{me}}} 2.0" in text
+    assert f'astraflow_weight_version{{{me},policy="actor"}} 5.0' in text
+    assert f'astraflow_consumer_lag{{{me},partition="0",topic="run.trajectories"}} 4.0' in text
+    assert f'astraflow_staleness_bucket{{{me},le="1"}} 3.0' in text  # 0, 1, 1
+    assert f'astraflow_staleness_bucket{{{me},le="+Inf"}} 4.0' in text
+    assert f"astraflow_staleness_dropped{{{me}}} 3.0" in text
+    observe_staleness(2)  # a closed exporter is no longer fed (nor failing)
+
+
+def test_metrics_port_comes_from_the_environment_and_a_bad_one_is_named():
+    import pytest
+
+    from astraflow.errors import AstraflowError
+    from astraflow.metrics import METRICS_PORT_ENV, exporter_from_env
+
+    assert exporter_from_env("c", "k", None, env={}.get) is None
+    with pytest.raises(AstraflowError, match=f"{METRICS_PORT_ENV}='nine'"):
+        exporter_from_env("c", "k", None, env={METRICS_PORT_ENV: "nine"}.get)

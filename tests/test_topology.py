@@ -359,3 +359,14 @@ def test_feeder_task_families_are_the_feeders():
     annotation = FeederSpec.model_fields["task_family"].annotation
     (literal,) = [a for a in typing.get_args(annotation) if a is not type(None)]
     assert set(typing.get_args(literal)) == set(TASK_FAMILIES)
+
+
+def test_consumer_groups_cover_processors_raas_pools_and_trainers():
+    from astraflow.topology import load_topology
+
+    topo = load_topology("topology/default.yaml")
+    groups = {component: (group, inputs) for component, group, inputs in topo.consumer_groups()}
+    assert groups["pool local"] == ("default.raas.local", ["tasks"])
+    assert groups["trainer actor"] == ("default.trainer.actor", ["batches.actor"])
+    assert groups["processor batcher"] == (topo.group_of("batcher"), ["samples.actor"])
+    assert len(groups) == len(topo.processors) + len(topo.pools) + len(topo.policies)

@@ -107,3 +107,8 @@ class Processor:
     def state(self) -> str | None:
         """A word for ``ComponentStatus.state`` (e.g. "holding"); None keeps the runtime's."""
         return None
+
+    def weight_versions(self) -> dict[str, int]:
+        """Policy -> the newest weight version this processor judges by (reported on
+        ``status`` and as ``astraflow_weight_version``); none by default."""
+        return {}

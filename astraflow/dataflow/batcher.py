@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
 from astraflow.dataflow.staleness import staleness
-from astraflow.dataflow.versions import LatestVersions, VersionSource
+from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
 from astraflow.kafka.table import TopicReader
 from astraflow.records import Batch, OffsetRange, TrajectoryGroup, now_ms
 
@@ -170,6 +170,9 @@ class Batcher(Processor):
     def replay_quota(self) -> int:
         """Most replayed groups one batch may hold: ``floor(replay_ratio * batch_size)``."""
         return math.floor(self.options.replay_ratio * self.options.batch_size + 1e-9)
+
+    def weight_versions(self) -> dict[str, int]:
+        return known_versions(self.versions, [self.options.policy])
 
     def open(self, context: ProcessorContext) -> None:
         if self.versions is None and self.options.max_staleness is not None:

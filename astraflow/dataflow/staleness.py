@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
-from astraflow.dataflow.versions import LatestVersions, VersionSource
+from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
+from astraflow.metrics import observe_staleness
 from astraflow.records import TrajectoryGroup
 
 
@@ -58,12 +59,16 @@ class StalenessFilter(Processor):
     def process(self, msg: Incoming) -> Iterable[Outgoing]:
         self.versions.refresh()
         lag = staleness(msg.record, self.versions)
+        observe_staleness(lag)
         self.max_seen = max(self.max_seen, lag)
         if lag > self.options.max_staleness:
             self.dropped += 1
             return []
         self.passed += 1
         return [Outgoing(t, msg.record, key=msg.key) for t in self.outputs]
+
+    def weight_versions(self) -> dict[str, int]:
+        return known_versions(self.versions, self.options.policies)
 
     def metrics(self) -> dict[str, float]:
         return {"staleness/passed": float(self.passed), "staleness/dropped": float(self.dropped),

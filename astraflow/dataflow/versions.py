@@ -67,3 +67,15 @@ class StaticVersions:
 
     def latest(self, policy: str) -> int | None:
         return self.versions.get(policy)
+
+
+def known_versions(source: VersionSource | None, policies: list[str]) -> dict[str, int]:
+    """Policy -> newest version ``source`` knows, for those it knows one of."""
+    if source is None:
+        return {}
+    out = {}
+    for p in policies:
+        v = source.latest(p)
+        if v is not None:
+            out[p] = v
+    return out

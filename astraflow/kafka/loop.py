@@ -41,6 +41,7 @@ from astraflow.errors import AstraflowError
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
+from astraflow.metrics import PrometheusExporter, exporter_from_env
 from astraflow.records import ComponentStatus, DeadLetter, Record, now_ms
 
 log = logging.getLogger("astraflow.loop")
@@ -338,6 +339,7 @@ class TransactionalLoop:
         # broker completes a commit (a work that keeps its position waits for each one)
         self._pipelined = spec.commit_interval_s is not None and not spec.keeps_position
         self._abandoned: list[RecordProducer] = []
+        self.exporter: PrometheusExporter | None = None  # $ASTRAFLOW_METRICS_PORT
 
     # --- control, callable from any thread -------------------------------------------
     def stop(self) -> None:
@@ -363,6 +365,7 @@ class TransactionalLoop:
         s = self.spec
         self._check_topics()
         self.producer = self._new_producer()
+        self.exporter = exporter_from_env(s.component_id, "component", self.counters)
         try:
             self.work.start(self)
             self.consumer = Consumer(self.config.consumer_conf(
@@ -385,6 +388,8 @@ class TransactionalLoop:
                 if worker is not None:
                     worker.close()
             self._caller = self._committer = None
+            if self.exporter is not None:
+                self.exporter.close()
             self.work.close()
 
     def _rounds(self) -> None:
@@ -534,6 +539,8 @@ class TransactionalLoop:
             if status:
                 st = self.work.status()
                 self.producer.produce(self.spec.status_topic, st, st.component_id)
+                if self.exporter is not None:
+                    self.exporter.update(st, self.lag())
             self._finish(cp, tps, self._group_metadata(tps))
         except KafkaException as e:
             self._open = False
@@ -769,6 +776,22 @@ class TransactionalLoop:
             self.producer.producer.abort_transaction(self._call_timeout_s)
         except KafkaException as e:
             log.debug("%s: abort after an error failed too: %s", self.spec.component_id, e)
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Records behind the end of each assigned input partition, from the consumer's
+        own view (the high watermarks of its last fetches): no call to the broker."""
+        if self.consumer is None:
+            return {}
+        out = {}
+        try:
+            positions = self.consumer.position(self.consumer.assignment())
+        except KafkaException:  # not known right now: no figure rather than a failed commit
+            return {}
+        for tp in positions:
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            if high >= 0 and tp.offset >= 0:
+                out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
+        return out
 
     def _offsets(self) -> list[TopicPartition]:
         held = self.work.held_offsets()

@@ -226,6 +226,7 @@ class ProcessorRuntime:
             waiting_s=c.waiting_s,
             busy_s=c.busy_s,
             started_at_ms=c.started_at_ms,
+            weight_versions=self.processor.weight_versions(),
             metrics=metrics,
         )
 

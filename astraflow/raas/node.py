@@ -83,7 +83,7 @@ class RaaSNode:
         )
         self.pool = self.options.pool
         self.component_id = f"raas.{self.pool}/{self.instance}"
-        self.group = f"{topology.run}.raas.{self.pool}"
+        self.group = topology.raas_group(self.pool)
         self.transactional_id = f"{self.group}.{self.instance}"
         self.codec = make_codec_for(self.config)
         self.counters = NodeCounters()

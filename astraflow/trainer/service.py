@@ -159,7 +159,7 @@ class TrainerService:
         self.policy = options.policy
         self.config = (config or topology.kafka).effective()
         self.instance = options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or "0"
-        self.group = f"{topology.run}.trainer.{self.policy}"
+        self.group = topology.trainer_group(self.policy)
         self.transactional_id = f"{self.group}.{self.instance}"
         self.component_id = f"trainer.{self.policy}/{self.instance}"
         self.batches_topic = topology.full_name(f"batches.{self.policy}")

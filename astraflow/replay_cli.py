@@ -1,0 +1,271 @@
+"""``astraflow replay train|export``: work from a run's retained topics (``astraflow.replay``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_TRAIN_EXAMPLES = [
+    "astraflow replay train -t topology/default.yaml                 # all of run default",
+    "astraflow replay train -t topology/default.yaml --to-version 50 --into ablation",
+    "astraflow replay train -t topology/default.yaml -- --lr 5e-5 --loss gspo",
+]
+_EVAL_EXAMPLES = [
+    "astraflow replay eval -t topology/default.yaml --every 10 --out runs/default/curve.json",
+]
+_EXPORT_EXAMPLES = [
+    "astraflow replay export -t topology/default.yaml batches.actor --out batches.jsonl",
+    "astraflow replay export -t topology/default.yaml trajectories.raw --since "
+    "2026-11-24T15:00 --format parquet --out raw.parquet",
+]
+
+
+def register(subparsers: Any) -> None:
+    from astraflow.cliargs import add_command, add_group, add_run_options
+
+    verbs = add_group(subparsers, "replay", help="work from a run's retained topics: train, eval, "
+                      "export", dest="replay_command",
+                      examples=[_TRAIN_EXAMPLES[0], _EXPORT_EXAMPLES[0]])
+    p = add_command(verbs, "train", help="train again on a run's recorded batches",
+                    examples=_TRAIN_EXAMPLES,
+                    description="Copy the batches of run RUN (--run, else the topology's) "
+                    "into a new run (--into) and train a trainer on them from RUN's version 0, "
+                    "with the topology's trainer settings and any trainer flags given after "
+                    "--. Prints the sha256 of both runs' weights at the last version they have "
+                    "in common: equal when nothing was changed. Running it again continues an "
+                    "interrupted copy.")
+    add_run_options(p)
+    p.add_argument("--policy", help="the policy to train (default: the topology's only one)")
+    p.add_argument("--into", metavar="NEW_RUN", help="the new run (default RUN-replay, then "
+                   "RUN-replay-2, ...)")
+    p.add_argument("--model", help="the model version 0 was (default: fetched from RUN's "
+                   "weight stream)")
+    p.add_argument("--runs-dir", default="runs", help="where the trainer's log goes")
+    _range_options(p, versions=True)
+    p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
+                   help="after --: `astraflow trainer run` flags that override the topology's")
+    p.set_defaults(func=cmd_replay_train)
+    v = add_command(verbs, "eval", help="accuracy of every k-th published version",
+                    examples=_EVAL_EXAMPLES,
+                    description="Evaluate every --every-th version RUN published (rebuilt "
+                    "bit-exactly from its weight stream) on the topology's held-out set, "
+                    "without rollouts; write the accuracy-versus-version curve to --out "
+                    "(JSON, and a PNG beside it).")
+    add_run_options(v)
+    v.add_argument("--policy", help="the policy (default: the topology's only one)")
+    v.add_argument("--every", type=int, help="every k-th version (default: the topology's "
+                   "eval every_versions)")
+    v.add_argument("--out", help="the curve's file (default RUNS_DIR/RUN/replay-eval.json)")
+    v.add_argument("--runs-dir", default="runs")
+    v.set_defaults(func=cmd_replay_eval)
+    e = add_command(verbs, "export", help="a topic's records to JSON lines or Parquet",
+                    examples=_EXPORT_EXAMPLES)
+    add_run_options(e)
+    e.add_argument("topic", metavar="TOPIC", help="logical topic name, e.g. batches.actor")
+    e.add_argument("--out", required=True, help="the file to write")
+    e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    _range_options(e, versions=False)
+    e.set_defaults(func=cmd_replay_export)
+
+
+def _range_options(p: argparse.ArgumentParser, versions: bool) -> None:
+    p.add_argument("--offsets", metavar="FROM:TO", help="offsets FROM up to, not including, "
+                   "TO in every partition (either may be left out)")
+    p.add_argument("--since", metavar="TIME", help="records at or after TIME (ISO, or ms)")
+    p.add_argument("--until", metavar="TIME", help="records before TIME (ISO, or ms)")
+    if versions:
+        p.add_argument("--to-version", type=int, metavar="N",
+                       help="the batches RUN trained into versions up to N")
+
+
+def _range(config, topic: str, args: argparse.Namespace, manifests=None):
+    from astraflow.replay import Offsets, clamp_range, parse_offsets, parse_time, version_ends
+
+    offsets = Offsets(config)
+    bounds = parse_offsets(args.offsets) if args.offsets else (None, None)
+    since = offsets.at_time(topic, parse_time(args.since) if args.since else None)
+    until = offsets.at_time(topic, parse_time(args.until) if args.until else None)
+    ends = None
+    if getattr(args, "to_version", None) is not None:
+        ends = version_ends(manifests or [], topic, args.to_version)
+    return clamp_range(offsets.watermarks(topic), bounds, (since, until), ends)
+
+
+def cmd_replay_eval(args: argparse.Namespace) -> int:
+    from astraflow.cli import build_parser, load_run_topology
+    from astraflow.evaluator import cmd_eval_run
+    from astraflow.launcher import eval_args
+    from astraflow.replay import ReplayError
+
+    topo = args.loaded_topology
+    policy = _policy(topo, args.policy)
+    if topo.eval is None:
+        raise ReplayError(f"{topo.source} has no eval: section (the held-out set to score)")
+    out = args.out or str(Path(args.runs_dir) / topo.run / "replay-eval.json")
+    argv = [*eval_args(topo, args.topology, policy), "--history", out, "--run", topo.run]
+    if args.every:
+        argv += ["--every", str(args.every)]
+    if getattr(args, "bootstrap", None):
+        argv += ["--bootstrap", args.bootstrap]
+    ns = build_parser().parse_args(argv)
+    ns.loaded_topology = load_run_topology(ns)
+    return cmd_eval_run(ns)
+
+
+def cmd_replay_export(args: argparse.Namespace) -> int:
+    from astraflow.cli import kafka_config
+    from astraflow.replay import Offsets, export_topic
+
+    topo, config = args.loaded_topology, kafka_config(args)
+    topic = topo.full_name(args.topic)
+    Offsets(config).partitions(topic)  # a clear error when it does not exist
+    n = export_topic(config, topic, _range(config, topic, args), Path(args.out), args.format)
+    print(f"wrote {n} records of {topic} to {args.out}")
+    return 0
+
+
+def cmd_replay_train(args: argparse.Namespace) -> int:
+    from astraflow.cli import kafka_config, with_overrides
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.topics import apply_topics
+    from astraflow.replay import ReplayError, copy_range, print_progress
+    from astraflow.runs import Runs, next_run_id
+    from astraflow.weights.kafka_store import read_manifests
+
+    topo, config = args.loaded_topology, kafka_config(args)
+    policy = _policy(topo, args.policy)
+    src_batches, src_weights = (topo.full_name(f"batches.{policy}"),
+                                topo.full_name(f"weights.{policy}"))
+    manifests = [m for m in read_manifests(config, src_weights) if m.policy == policy]
+    if not manifests:
+        raise ReplayError(f"run {topo.run} published no weights on {src_weights}")
+    into = args.into or next_run_id(f"{topo.run}-replay", Runs(config).names())
+    new = with_overrides(topo, into)
+    apply_topics(make_admin(config), new.resolved_topics())
+    rng = _range(config, src_batches, args, manifests)
+    dst = new.full_name(f"batches.{policy}")
+    print(f"replay train: offsets {_fmt_range(rng)} of {src_batches} into run {into}")
+    copied = copy_range(config, src_batches, dst, rng, print_progress("copy"))
+    if not copied:
+        raise ReplayError(f"nothing to train: the range of {src_batches} is empty")
+    model = args.model or _start_model(topo, policy, config, src_weights,
+                                       Path(args.runs_dir) / into / "model-v0")
+    versions = _train(new, args, policy, model, config, dst)
+    _compare(config, policy, (topo.run, src_weights, manifests),
+             (into, new.full_name(f"weights.{policy}")), versions)
+    return 0
+
+
+def _policy(topo, policy: str | None) -> str:
+    from astraflow.replay import ReplayError
+
+    if policy is None:
+        if len(topo.policies) != 1:
+            raise ReplayError(f"--policy: the topology has {sorted(topo.policies)}")
+        return next(iter(topo.policies))
+    if policy not in topo.policies:
+        raise ReplayError(f"--policy {policy}: not one of {sorted(topo.policies)}")
+    return policy
+
+
+def _fmt_range(rng) -> str:
+    return ", ".join(f"[{p}] {rng.start[p]}..{rng.end[p]}" for p in sorted(rng.start))
+
+
+def _start_model(topo, policy: str, config, weights_topic: str, dest: Path) -> str:
+    """The model the source run's trainer started from: the topology's model directory
+    when it is there (its fp32 weights, as the trainer loaded them; version 0 is checked
+    against the source's after training), else version 0 rebuilt from the weight stream
+    (bf16 when the run published bf16: the replay then starts from the rounded weights)."""
+    spec_model = Path(topo.policies[policy].model)
+    if (spec_model / "config.json").is_file():
+        return str(spec_model)
+    print(f"no model at {spec_model}: starting from version 0 of {weights_topic}")
+    return str(_version0_model(config, weights_topic, policy, dest))
+
+
+def _version0_model(config, weights_topic: str, policy: str, dest: Path) -> Path:
+    from astraflow.model_share import fetch_model
+    from astraflow.replay import ReplayError
+
+    if (dest / "config.json").is_file():
+        return dest
+    try:
+        return fetch_model(config, weights_topic, policy, dest, wait_s=30, version=0)
+    except Exception as e:  # noqa: BLE001 - pruned blobs, a missing topic: say what to do
+        raise ReplayError(f"cannot rebuild version 0 from {weights_topic} ({e}); give the "
+                          "model it was trained from with --model DIR") from None
+
+
+def _train(new, args: argparse.Namespace, policy: str, model: str, config, dst: str) -> int:
+    """Run ``astraflow trainer run`` on the new run until it has committed every copied
+    batch; the newest version it published."""
+    from astraflow.launcher import trainer_args
+    from astraflow.replay import run_trainer
+    from astraflow.weights.kafka_store import read_manifests
+
+    flags = trainer_args(new, args.topology, policy)
+    flags[flags.index("--model") + 1] = model
+    extra = [f for f in (args.trainer_flags or []) if f != "--"]
+    run_dir = Path(args.runs_dir) / new.run
+    cmd = [sys.executable, "-m", "astraflow.cli", *flags, "--run", new.run,
+           "--state-dir", str(run_dir / f"trainer-state-{policy}"), *extra]
+    # one intra-op thread, as `astraflow up` runs its trainers: the same float sums
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers}
+    log_path = run_dir / "logs" / f"replay-trainer-{policy}.log"
+    proc = run_trainer(cmd, env, log_path)
+    print(f"trainer started (log {log_path})")
+    try:
+        _wait_trained(config, new.trainer_group(policy), dst, proc, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    weights = new.full_name(f"weights.{policy}")
+    return max((m.version for m in read_manifests(config, weights)), default=0)
+
+
+def _wait_trained(config, group: str, dst: str, proc, log_path: Path) -> None:
+    from astraflow.kafka.lag import LagReader
+    from astraflow.replay import ReplayError
+
+    reader, last = LagReader(config), 0.0
+    try:
+        while True:
+            rows = reader.lag(group, [dst])
+            done = sum(r.committed or 0 for r in rows)
+            total = sum(r.end_offset for r in rows)
+            if rows and done >= total:
+                return
+            if proc.poll() is not None:
+                raise ReplayError(f"the trainer exited with {proc.returncode} after "
+                                  f"{done}/{total} offsets; see {log_path}")
+            if time.monotonic() - last >= 5:
+                print(f"train: {done}/{total} batch offsets committed", flush=True)
+                last = time.monotonic()
+            time.sleep(1.0)
+    finally:
+        reader.close()
+
+
+def _compare(config, policy: str, source: tuple, replay: tuple, replay_latest: int) -> None:
+    from astraflow.replay import digest_at
+
+    src_run, src_weights, manifests = source
+    new_run, new_weights = replay
+    common = min(max(m.version for m in manifests), replay_latest)
+    for v in sorted({0, common}):
+        try:
+            a = digest_at(config, src_weights, policy, v)
+            b = digest_at(config, new_weights, policy, v)
+        except Exception as e:  # noqa: BLE001 - e.g. a version whose blobs were pruned
+            print(f"cannot compare the weights at version {v}: {e}")
+            continue
+        print(f"version {v}: sha256 {a} (run {src_run})\n"
+              f"version {v}: sha256 {b} (run {new_run})\n"
+              + ("the same weights, bit for bit" if a == b else "the weights differ"))

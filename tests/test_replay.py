@@ -1,0 +1,124 @@
+"""Replay from retained topics: the range logic, and ``replay train`` reproducing a run's
+weights bit for bit (and ``replay export``) on a real broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from astraflow.cli import main
+from astraflow.kafka.clients import RecordProducer
+from astraflow.records import PartitionOffset
+from astraflow.replay import (
+    ReplayError,
+    clamp_range,
+    digest_at,
+    parse_offsets,
+    parse_time,
+    version_ends,
+)
+from astraflow.weights.kafka_store import read_manifests
+
+from .conftest import REPO, wait_for
+from .test_trainer import make_batch, tiny_model  # noqa: F401 - tiny_model is a fixture
+
+
+# --- plain logic ----------------------------------------------------------------------------
+def test_a_range_is_what_every_bound_allows_within_the_retained_offsets():
+    marks = {0: (10, 100), 1: (0, 40)}
+    assert clamp_range(marks, (None, None), (None, None)).records == 90 + 40
+    r = clamp_range(marks, (20, 50), (None, None))
+    assert (r.start, r.end) == ({0: 20, 1: 20}, {0: 50, 1: 40})
+    r = clamp_range(marks, (None, None), ({0: 30, 1: 5}, {0: 60, 1: 40}))
+    assert (r.start, r.end) == ({0: 30, 1: 5}, {0: 60, 1: 40})
+    r = clamp_range(marks, (None, None), (None, None), end_by_version={0: 55})
+    assert (r.end, r.records) == ({0: 55, 1: 0}, 45)  # partition 1 trained nothing
+
+
+def test_range_flags_are_parsed_or_refused_clearly():
+    assert parse_offsets("100:500") == (100, 500)
+    assert parse_offsets(":7") == (None, 7) and parse_offsets("3:") == (3, None)
+    with pytest.raises(ReplayError, match="FROM:TO"):
+        parse_offsets("100")
+    assert parse_time("1795500000000") == 1795500000000
+    assert parse_time("2026-11-24T15:00:00") == parse_time("2026-11-24T15:00:00+00:00")
+    with pytest.raises(ReplayError, match="ISO time"):
+        parse_time("yesterday")
+
+
+def test_the_batches_of_a_version_end_after_the_last_offset_it_consumed():
+    class M:
+        def __init__(self, version, offset):
+            self.version = version
+            self.consumed_offsets = [PartitionOffset(topic="r.batches.actor", partition=0,
+                                                     offset=offset)]
+
+    ms = [M(0, 0), M(1, 3), M(2, 5), M(3, 9)]
+    assert version_ends(ms, "r.batches.actor", 2) == {0: 5}
+    with pytest.raises(ReplayError, match="no version up to 2"):
+        version_ends(ms, "other.batches.actor", 2)
+
+
+# --- on the broker ----------------------------------------------------------------------------
+def _train_source(kafka_config, kafka_bootstrap, path, topo, tiny_model, tmp_path, n):  # noqa: F811
+    """The run to replay: ``n`` batches trained by ``astraflow trainer run`` into versions
+    1..n (as `up` runs it: the topology's trainer flags, one intra-op thread)."""
+    from astraflow.launcher import trainer_args
+
+    producer = RecordProducer(kafka_config)
+    for i in range(n):
+        producer.produce(topo.full_name("batches.actor"), make_batch(i), key="actor")
+    producer.flush()
+    cmd = [sys.executable, "-m", "astraflow.cli", *trainer_args(topo, str(path), "actor"),
+           "--state-dir", str(tmp_path / "source-state")]
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "OMP_NUM_THREADS": "1"}
+    weights = topo.full_name("weights.actor")
+    with open(tmp_path / "source.log", "ab") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_for(lambda: max((m.version for m in read_manifests(kafka_config, weights)),
+                             default=-1) >= n, 180, f"the source run at version {n}", step=1.0)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_replay_train_reproduces_the_weights_bit_for_bit(
+        kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, capsys):  # noqa: F811
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1},
+                "weights.blobs": {"partitions": 1}},
+        policies={"actor": {"model": tiny_model,
+                            "trainer": {"lr": 1e-4, "anchor_interval": 2}}})
+    _train_source(kafka_config, kafka_bootstrap, path, topo, tiny_model, tmp_path, n=4)
+    common = ["-t", str(path), "--bootstrap", kafka_bootstrap, "--runs-dir", str(tmp_path)]
+
+    assert main(["replay", "train", *common, "--into", f"{topo.run}-all"]) == 0
+    out = capsys.readouterr().out
+    assert "version 4: sha256" in out, out
+    assert out.count("the same weights, bit for bit") == 2, out  # versions 0 and 4
+    want = digest_at(kafka_config, topo.full_name("weights.actor"), "actor", 4)
+    assert digest_at(kafka_config, f"{topo.run}-all.weights.actor", "actor", 4) == want
+
+    # the batches of versions 1..2 only, and a changed learning rate: other weights at v2
+    assert main(["replay", "train", *common, "--to-version", "2", "--into",
+                 f"{topo.run}-lr", "--", "--lr", "3e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "version 2: sha256" in out and "the weights differ" in out, out
+    versions = {m.version for m in read_manifests(kafka_config, f"{topo.run}-lr.weights.actor")}
+    assert versions == {0, 1, 2}
+
+    # export: the recorded batches as JSON lines
+    out_file = tmp_path / "batches.jsonl"
+    assert main(["replay", "export", *common[:4], "batches.actor", "--offsets", "1:3",
+                 "--out", str(out_file)]) == 0
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r["batch_id"] for r in rows] == ["batch-1", "batch-2"]
+    assert [r["_offset"] for r in rows] == [1, 2]
