@@ -165,3 +165,25 @@ class SchemaSet:
             return self.current[full]
         except KeyError:
             raise SchemaError(f"no schema named {full!r} in {self.folder}") from None
+
+
+def history_file(ws: WriterSchema) -> str:
+    """The name a writer schema has under ``schemas/history/``."""
+    return f"{ws.name.rsplit('.', 1)[-1]}.{ws.fingerprint.hex()}.avsc"
+
+
+def snapshot_history(folder: Path | str | None = None) -> list[Path]:
+    """Copy every current schema, expanded (nested records inlined: the exact writer
+    schema), to ``folder/history`` unless that version is there already; the files
+    written. Run it whenever a schema changes, before the change ships:
+    ``python3 -c 'from astraflow.schemas import snapshot_history; snapshot_history()'``."""
+    schemas = SchemaSet(folder)
+    history = schemas.folder / "history"
+    history.mkdir(exist_ok=True)
+    written = []
+    for ws in schemas.current.values():
+        path = history / history_file(ws)
+        if not path.exists():
+            path.write_text(json.dumps(ws.expanded, indent=2) + "\n")
+            written.append(path)
+    return written

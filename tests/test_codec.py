@@ -122,7 +122,7 @@ def test_record_written_with_previous_schema_decodes(tmp_path: Path):
     new = json.loads(json.dumps(old))
     new["fields"].append({"name": "priority", "type": "int", "default": 7})
     (folder / "Task.avsc").write_text(json.dumps(new))
-    (folder / "history").mkdir()
+    (folder / "history").mkdir(exist_ok=True)
     (folder / "history" / "Task.v1.avsc").write_text(json.dumps(old))
 
     writer_side = SingleObjectCodec(SchemaSet(REPO / "schemas"))  # a producer on v1
@@ -140,7 +140,8 @@ def test_record_written_with_previous_schema_decodes(tmp_path: Path):
     assert value["priority"] == 7 and value["task_id"] == "t1"
     assert SingleObjectCodec(reader_schemas).decode(data, "t", 0, 0) == task
     # and without the history file the same bytes are refused, not misread
-    (folder / "history" / "Task.v1.avsc").unlink()
+    for old_task in (folder / "history").glob("Task.*.avsc"):
+        old_task.unlink()
     with pytest.raises(UnknownSchemaError):
         SingleObjectCodec(SchemaSet(folder)).decode(data, "t", 0, 0)
 
@@ -152,7 +153,7 @@ def test_current_records_decode_after_field_added_to_nested_type(tmp_path: Path)
     seq = json.loads((folder / "Sequence.avsc").read_text())
     seq["fields"].append({"name": "turn", "type": "int", "default": 0})
     (folder / "Sequence.avsc").write_text(json.dumps(seq))
-    (folder / "history").mkdir()
+    (folder / "history").mkdir(exist_ok=True)
     old_set = SchemaSet(REPO / "schemas")
     (folder / "history" / "Batch.v1.avsc").write_text(
         json.dumps(old_set.reader("Batch").expanded))
@@ -230,3 +231,66 @@ def test_decoder_uses_fastavros_compiled_reader_and_falls_back_to_the_public_one
     gone = SingleObjectCodec()
     assert gone.decode(msg) == task
     assert gone._decoders[msg[:10]].read is codec_mod._public_reader
+
+
+def test_every_current_schema_is_kept_in_the_history():
+    """Every shipped writer schema stays decodable: the current version of each schema is
+    under schemas/history/ (a changed schema fails here until its new version is added with
+    ``snapshot_history()``; the old one is already there)."""
+    from astraflow.schemas import history_file
+
+    schemas = SchemaSet()
+    history = schemas.folder / "history"
+    missing = [history_file(ws) for ws in schemas.current.values()
+               if not (history / history_file(ws)).is_file()]
+    assert not missing, (f"add {missing} to {history}: python3 -c 'from astraflow.schemas "
+                         "import snapshot_history; snapshot_history()'")
+
+
+def test_records_written_with_every_shipped_schema_decode_with_todays_code():
+    """A record written with each version under schemas/history/ (fields filled by fastavro's
+    generator, seeded) decodes with today's codec; every field both versions have keeps
+    its value, and fields added since take their defaults."""
+    import io
+    import random
+
+    from fastavro import schemaless_writer
+    from fastavro.utils import generate_one
+
+    from astraflow.codec import MAGIC
+    from astraflow.schemas import make_writer_schema
+
+    codec = SingleObjectCodec()
+    history = sorted((codec.schemas.folder / "history").glob("*.avsc"))
+    assert history
+    random.seed(0)
+    for path in history:
+        ws = make_writer_schema(json.loads(path.read_text()))
+        written = generate_one(ws.parsed)
+        buf = io.BytesIO()
+        schemaless_writer(buf, ws.parsed, written)
+        record = codec.decode(MAGIC + ws.fingerprint + buf.getvalue(), "history", 0, 0)
+        assert type(record).avro_name == ws.name, path.name
+        decoded = record.to_dict()
+        for name in written:
+            assert _same(decoded[name], written[name]), (path.name, name)
+
+
+def _same(a, b) -> bool:
+    """Equal, floats to float32 precision (an Avro ``float`` keeps 24 bits)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-6) or (a != a and b != b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() >= b.keys() and all(_same(a[k], b[k]) for k in b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_record_of_an_unknown_schema_is_refused_naming_its_fingerprint():
+    data = MAGIC_HEADER_OF_NOBODY + b"\x02a"
+    with pytest.raises(UnknownSchemaError, match="unknown schema fingerprint 0102030405060708"):
+        SingleObjectCodec().decode(data, "t", 3, 9)
+
+
+MAGIC_HEADER_OF_NOBODY = b"\xc3\x01\x01\x02\x03\x04\x05\x06\x07\x08"
