@@ -451,7 +451,9 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     from astraflow.kafka.lag import LagReader, total_lag
     from astraflow.supervisor import GaveUp
 
-    status = _status_table(config, topo.full_name("status"), progress)
+    series = StatusSeries(Path(args.runs_dir) / topo.run / "tensorboard", topo.run,
+                          time.time())
+    status = _status_table(config, topo.full_name("status"), progress, series)
     lags = LagReader(config)
     pool_groups = [topo.raas_group(p) for p in topo.pools]
     stop = {"flag": False}
@@ -612,15 +614,53 @@ def fresh_run(topo: Topology, config, runs_dir: Path) -> Topology:
     return with_overrides(topo, new, None)
 
 
-def _status_table(config, topic: str, progress: Progress):
+class StatusSeries:
+    """Every component's status figures as scalar series: one TensorBoard run per
+    component under ``log_dir`` (``tensorboard --logdir runs/<run>/tensorboard``), and to
+    W&B when ``$WANDB_PROJECT`` is set and wandb is installed. The step is the component's
+    weight version when it has one, else the seconds since ``started``."""
+
+    def __init__(self, log_dir: Path, run: str, started: float):
+        from astraflow.metrics import WandbSink
+
+        self.log_dir, self.started = log_dir, started
+        self.sinks: dict[str, Any] = {}
+        project = os.environ.get("WANDB_PROJECT")
+        self.wandb = WandbSink(project, run) if project else None
+
+    def add(self, status) -> None:
+        from astraflow.metrics import TensorBoardSink
+
+        cid = status.component_id
+        sink = self.sinks.get(cid)
+        if sink is None:
+            sink = self.sinks[cid] = TensorBoardSink(self.log_dir / cid.replace("/", "_"))
+        step = (status.weight_versions.get(status.policy) if status.policy else None)
+        if step is None:
+            step = int(time.time() - self.started)
+        figures = {**status.metrics, "records/in": status.consumed,
+                   "records/out": status.produced, "records/dead_lettered": status.dead_lettered}
+        sink.emit(step, figures)
+        if self.wandb is not None:
+            self.wandb.emit(int(time.time() - self.started),
+                            {f"{cid}/{k}": v for k, v in figures.items()})
+
+
+def _status_table(config, topic: str, progress: Progress, series: StatusSeries | None = None):
     """The ``status`` topic from its end on, as a table by component; every new status is
-    folded into ``progress``."""
+    folded into ``progress`` (and ``series``)."""
     from astraflow.kafka.table import TopicTable
     from astraflow.records import ComponentStatus
 
     table = TopicTable.open(config, topic, ComponentStatus, start="end", client_id="up",
                             key=lambda e: e.value.component_id if e.value else None)
-    table.on_change(lambda _k, _old, new: new is not None and progress.fold(new))
+    def changed(_k, _old, new) -> None:
+        if new is not None:
+            progress.fold(new)
+            if series is not None:
+                series.add(new)
+
+    table.on_change(changed)
     return table
 
 

@@ -4,6 +4,9 @@ namespace (``eval/accuracy``, ``trainer/loss``, ``rollout/reward_mean``).
 * ``StatusSink``: a ``ComponentStatus`` record on the run's status topic, which
   ``astraflow up`` and the dashboards read.
 * ``JsonlSink``: one JSON line per step in a local file (benches, offline analysis).
+* ``TensorBoardSink``: scalar series in a TensorBoard event file (written here, no
+  TensorFlow or tensorboard package needed to write it).
+* ``WandbSink``: the same series to Weights & Biases, when ``wandb`` is installed.
 
 And ``PrometheusExporter``: a component's counters, gauges and staleness histogram at
 ``http://HOST:PORT/metrics``, started by the transactional loop when
@@ -18,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -68,6 +72,118 @@ class JsonlSink:
 
 
 log = logging.getLogger("astraflow.metrics")
+
+
+# --- TensorBoard event files -------------------------------------------------------------
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), as TFRecord framing uses it."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC_TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    c = crc32c(data)
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | wire) + payload
+
+
+def _delimited(number: int, payload: bytes) -> bytes:
+    return _field(number, 2, _varint(len(payload)) + payload)
+
+
+def tf_event(wall_time: float, step: int, scalars: Mapping[str, float] | None = None,
+             file_version: str | None = None) -> bytes:
+    """One ``tensorflow.Event`` protobuf: a file header, or scalar summaries at ``step``."""
+    out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
+    if file_version is not None:
+        out += _delimited(3, file_version.encode())
+    if scalars:
+        values = b"".join(_delimited(1, _delimited(1, tag.encode())
+                                     + _field(2, 5, struct.pack("<f", float(v))))
+                          for tag, v in scalars.items())
+        out += _delimited(5, values)
+    return out
+
+
+def tf_record(data: bytes) -> bytes:
+    """``data`` framed as a TFRecord: length, its masked CRC, data, its masked CRC."""
+    length = struct.pack("<Q", len(data))
+    return (length + struct.pack("<I", _masked_crc(length)) + data
+            + struct.pack("<I", _masked_crc(data)))
+
+
+class TensorBoardSink:
+    """Each step's metrics as scalars in a TensorBoard event file under ``log_dir``
+    (``tensorboard --logdir`` shows them; the slash namespaces become its groups)."""
+
+    def __init__(self, log_dir: str | Path):
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        self.path = self.dir / f"events.out.tfevents.{int(now)}.{socket.gethostname()}"
+        with self.path.open("ab") as f:
+            f.write(tf_record(tf_event(now, 0, file_version="brain.Event:2")))
+
+    def emit(self, step: int, metrics: Mapping[str, float]) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if v == v}  # NaN: nothing to draw
+        if scalars:
+            with self.path.open("ab") as f:
+                f.write(tf_record(tf_event(time.time(), step, scalars)))
+
+
+class WandbSink:
+    """Each step's metrics logged to a Weights & Biases run (``wandb`` must be installed
+    and configured: ``WANDB_API_KEY`` or ``wandb login``, or ``WANDB_MODE=offline``)."""
+
+    def __init__(self, project: str, run_name: str, config: Mapping[str, Any] | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise AstraflowError("metrics to W&B need wandb: python3 -m pip install wandb"
+                                 ) from None
+        self.run = wandb.init(project=project, name=run_name, config=dict(config or {}))
+
+    def emit(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log({k: float(v) for k, v in metrics.items()}, step=step)
+
+
+class MultiSink:
+    """Several sinks as one."""
+
+    def __init__(self, sinks: list[MetricSink]):
+        self.sinks = sinks
+
+    def emit(self, step: int, metrics: Mapping[str, float]) -> None:
+        for s in self.sinks:
+            s.emit(step, metrics)
 
 METRICS_PORT_ENV = "ASTRAFLOW_METRICS_PORT"
 # staleness in weight versions: how old a group's oldest token is when it is judged
@@ -203,5 +319,6 @@ def exporter_from_env(component_id: str, kind: str, counters: Any,
                              ) from None
 
 
-__all__ = ["JsonlSink", "MetricSink", "PrometheusExporter", "StatusSink",
-           "exporter_from_env", "observe_staleness", "prometheus_name"]
+__all__ = ["JsonlSink", "MetricSink", "MultiSink", "PrometheusExporter", "StatusSink",
+           "TensorBoardSink", "WandbSink", "crc32c", "exporter_from_env", "observe_staleness",
+           "prometheus_name"]

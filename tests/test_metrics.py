@@ -82,3 +82,38 @@ def test_metrics_port_comes_from_the_environment_and_a_bad_one_is_named():
     assert exporter_from_env("c", "k", None, env={}.get) is None
     with pytest.raises(AstraflowError, match=f"{METRICS_PORT_ENV}='nine'"):
         exporter_from_env("c", "k", None, env={METRICS_PORT_ENV: "nine"}.get)
+
+
+def test_tensorboard_sink_writes_event_files_tensorboard_reads():
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from astraflow.metrics import TensorBoardSink, crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        sink = TensorBoardSink(d)
+        sink.emit(1, {"trainer/loss": 0.5, "trainer/reward_mean": 0.25})
+        sink.emit(2, {"trainer/loss": 0.25, "eval/accuracy": float("nan")})
+        acc = EventAccumulator(d)
+        acc.Reload()
+        assert sorted(acc.Tags()["scalars"]) == ["trainer/loss", "trainer/reward_mean"]
+        loss = [(e.step, e.value) for e in acc.Scalars("trainer/loss")]
+        assert loss == [(1, 0.5), (2, 0.25)]
+
+
+def test_up_writes_each_components_status_as_a_tensorboard_run(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from astraflow.launcher import StatusSeries
+
+    series = StatusSeries(tmp_path, "r", started=0.0)
+    for v in (3, 4):
+        series.add(ComponentStatus(component_id="trainer.actor/0", kind="trainer", host="h",
+                                   policy="actor", weight_versions={"actor": v}, consumed=v,
+                                   metrics={"trainer/loss": 1.0 / v}))
+    acc = EventAccumulator(str(tmp_path / "trainer.actor_0"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("records/in")] == [(3, 3.0), (4, 4.0)]
+    assert [e.step for e in acc.Scalars("trainer/loss")] == [3, 4]
