@@ -149,7 +149,6 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
 
     if args.history:
         curve = _history(args, topo, config, model, score)
-        write_curve(args.history, topo.run, args.policy, args.every, curve)
         print(f"{len(curve)} versions evaluated: {args.history}")
         return 0
     stop = threading.Event()
@@ -168,26 +167,44 @@ def _history(args, topo, config, model, score) -> list[tuple[int, float]]:
     topic = topo.full_name(f"weights.{args.policy}")
     manifests = [m for m in read_manifests(config, topic) if m.policy == args.policy]
     versions = sorted({m.version for m in manifests if m.version % args.every == 0})
+    curve = dict(_curve_so_far(args.history, args.every))  # an interrupted one goes on
     follower = WeightFollower(policy=args.policy, kafka_config=config)
     follower.observe(manifests)
-    curve: list[tuple[int, float]] = []
     t0 = time.time()
     try:
         for i, v in enumerate(versions):
+            if v in curve:
+                continue
             result = _reach(follower, v, args.policy)
             if result is None or result.version != v:
                 continue
             model.load_state_dict(follower.state)
-            curve.append((v, score()))
-            print(f"eval {args.policy} v{v} accuracy {curve[-1][1]:.4f} ({i + 1}/"
+            curve[v] = score()
+            write_curve(args.history, topo.run, args.policy, args.every, sorted(curve.items()),
+                        png=False)
+            print(f"eval {args.policy} v{v} accuracy {curve[v]:.4f} ({i + 1}/"
                   f"{len(versions)}, {time.time() - t0:.0f}s)", flush=True)
     finally:
         follower.close()
-    return curve
+    write_curve(args.history, topo.run, args.policy, args.every, sorted(curve.items()))
+    return sorted(curve.items())
+
+
+def _curve_so_far(path: str, every: int) -> list[tuple[int, float]]:
+    """The points of an earlier ``--history`` run into ``path`` with the same ``every``."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        return []
+    old = json.loads(p.read_text())
+    if old.get("every") != every:
+        return []
+    return [(c["version"], c["accuracy"]) for c in old.get("curve", [])]
 
 
 def write_curve(path: str, run: str, policy: str, every: int,
-                curve: list[tuple[int, float]]) -> None:
+                curve: list[tuple[int, float]], png: bool = True) -> None:
     """The accuracy-versus-version curve as JSON at ``path`` and a PNG beside it."""
     from pathlib import Path
 
@@ -195,6 +212,8 @@ def write_curve(path: str, run: str, policy: str, every: int,
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"run": run, "policy": policy, "every": every, "curve": [
         {"version": v, "accuracy": a} for v, a in curve]}, indent=2))
+    if not png:
+        return
     try:
         import matplotlib
 
