@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from astraflow.broker import BrokerError, EmbeddedBroker
 from astraflow.cliargs import add_command, add_group, add_run_options, examples_epilog, fill
 from astraflow.errors import AstraflowError
@@ -438,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"astraflow: {e}", file=sys.stderr)
+        return 2
+    except KafkaException as e:  # Kafka refused or did not answer a command's request
+        if args.debug:
+            raise
+        err = e.args[0] if e.args else e
+        print(f"astraflow: Kafka at {kafka_config(args).bootstrap_servers}: "
+              f"{err.str() if hasattr(err, 'str') else err}", file=sys.stderr)
         return 2
     except SystemExit as e:  # a handler's `raise SystemExit("message")`
         if not isinstance(e.code, str) or args.debug:

@@ -167,7 +167,7 @@ def _history(args, topo, config, model, score) -> list[tuple[int, float]]:
     topic = topo.full_name(f"weights.{args.policy}")
     manifests = [m for m in read_manifests(config, topic) if m.policy == args.policy]
     versions = sorted({m.version for m in manifests if m.version % args.every == 0})
-    curve = dict(_curve_so_far(args.history, args.every))  # an interrupted one goes on
+    curve = dict(_curve_so_far(args.history, args.every, topo.run, args.policy))
     follower = WeightFollower(policy=args.policy, kafka_config=config)
     follower.observe(manifests)
     t0 = time.time()
@@ -190,15 +190,17 @@ def _history(args, topo, config, model, score) -> list[tuple[int, float]]:
     return sorted(curve.items())
 
 
-def _curve_so_far(path: str, every: int) -> list[tuple[int, float]]:
-    """The points of an earlier ``--history`` run into ``path`` with the same ``every``."""
+def _curve_so_far(path: str, every: int, run: str, policy: str) -> list[tuple[int, float]]:
+    """The points of an earlier ``--history`` run of the same run, policy and ``every``
+    into ``path``."""
     from pathlib import Path
 
     p = Path(path)
-    if not p.is_file():
+    try:
+        old = json.loads(p.read_text())
+    except (OSError, ValueError):  # none yet, or not a curve: start afresh
         return []
-    old = json.loads(p.read_text())
-    if old.get("every") != every:
+    if (old.get("every"), old.get("run"), old.get("policy")) != (every, run, policy):
         return []
     return [(c["version"], c["accuracy"]) for c in old.get("curve", [])]
 
@@ -210,8 +212,10 @@ def write_curve(path: str, run: str, policy: str, every: int,
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"run": run, "policy": policy, "every": every, "curve": [
+    tmp = out.with_name(out.name + ".tmp")  # replaced whole: a kill leaves the last one
+    tmp.write_text(json.dumps({"run": run, "policy": policy, "every": every, "curve": [
         {"version": v, "accuracy": a} for v, a in curve]}, indent=2))
+    tmp.replace(out)
     if not png:
         return
     try:

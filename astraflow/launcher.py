@@ -419,7 +419,9 @@ def metrics_ports(topo: Topology) -> dict[str, int]:
     """Process name -> the port of its Prometheus metrics (``metrics_port`` and up)."""
     if topo.metrics_port is None:
         return {}
-    return {name: topo.metrics_port + i for i, name in enumerate(plan_processes(topo, ""))}
+    served = [n for n in plan_processes(topo, "")  # those that run the transactional loop
+              if n.startswith(("trainer-", "processor-", "raas-"))]
+    return {name: topo.metrics_port + i for i, name in enumerate(served)}
 
 
 def _spawner(topo: Topology, config, run_dir: Path):
@@ -625,8 +627,13 @@ class StatusSeries:
 
         self.log_dir, self.started = log_dir, started
         self.sinks: dict[str, Any] = {}
+        self.wandb = None
         project = os.environ.get("WANDB_PROJECT")
-        self.wandb = WandbSink(project, run) if project else None
+        if project:
+            try:
+                self.wandb = WandbSink(project, run)
+            except Exception as e:  # noqa: BLE001 - metrics must not stop the run
+                print(f"no W&B metrics: {e}", file=sys.stderr)
 
     def add(self, status) -> None:
         from astraflow.metrics import TensorBoardSink
@@ -679,11 +686,15 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
         "restarts": restarts,
     }
     summary["series"] = progress.series
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     from astraflow.plots import write_plots
 
-    summary["plots"] = [str(p) for p in write_plots(summary, run_dir)]
+    try:
+        summary["plots"] = [str(p) for p in write_plots(summary, run_dir)]
+    except Exception as e:  # noqa: BLE001 - the summary is written; a plot is a nicety
+        print(f"no plots: {e}", file=sys.stderr)
+        summary["plots"] = []
     summary["plot"] = summary["plots"][0] if summary["plots"] else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -203,7 +203,7 @@ class PrometheusExporter:
     the lag per input partition are those of the last ``update`` (each status the loop
     writes). ``observe_staleness`` feeds the staleness histogram."""
 
-    def __init__(self, component_id: str, kind: str, counters: Any, port: int,
+    def __init__(self, component_id: str, kind: str | None, counters: Any, port: int,
                  addr: str = "0.0.0.0"):
         from prometheus_client import CollectorRegistry, start_http_server
 
@@ -243,6 +243,8 @@ class PrometheusExporter:
             HistogramMetricFamily,
         )
 
+        if self.kind is None:  # no status yet: the kind label is not known
+            return
         labels = ["component", "kind"]
         me = [self.component_id, self.kind]
         c = self.counters
@@ -300,7 +302,7 @@ def observe_staleness(value: float) -> None:
         e.observe_staleness(value)
 
 
-def exporter_from_env(component_id: str, kind: str, counters: Any,
+def exporter_from_env(component_id: str, kind: str | None, counters: Any,
                       env: Callable[[str], str | None] = os.environ.get
                       ) -> PrometheusExporter | None:
     """A ``PrometheusExporter`` on ``$ASTRAFLOW_METRICS_PORT`` (0: any free port), or None

@@ -156,10 +156,17 @@ SOURCE_OFFSET = "astraflow.source_offset"  # header of a copied record: where it
 
 
 def copy_range(config: KafkaConfig, src: str, dst: str, rng: Range,
-               progress: Callable[[int, int], None] | None = None) -> int:
+               progress: Callable[[int, int], None] | None = None,
+               max_bytes: int = 8 * 1024 * 1024) -> int:
     """Copy ``rng`` of ``src`` to the same partitions of ``dst`` (key, value and timestamp
     kept, the source offset in a header), continuing after the last record ``dst`` holds;
-    how many records of the range ``dst`` holds now."""
+    how many records ``dst`` holds now. ``max_bytes``: the largest record to copy (the
+    topics' ``max.message.bytes``). A record that is not delivered raises ``ReplayError``
+    (a copy with a gap would replay other data)."""
+    offsets = Offsets(config)
+    if offsets.partitions(src) != offsets.partitions(dst):
+        raise ReplayError(f"{dst} has {offsets.partitions(dst)} partitions, {src} "
+                          f"{offsets.partitions(src)}: a copy keeps each record's partition")
     resume = copied_up_to(config, dst)
     todo = {p: (max(rng.start[p], resume.get(p, -1) + 1), rng.end[p]) for p in rng.start}
     todo = {p: (s, e) for p, (s, e) in todo.items() if s < e}
@@ -167,8 +174,12 @@ def copy_range(config: KafkaConfig, src: str, dst: str, rng: Range,
     if not todo:
         return done
     consumer = Consumer(config.consumer_conf("astraflow-replay", **{
-        "enable.auto.commit": False, "enable.partition.eof": True}))
-    producer = Producer(config.producer_conf())
+        "enable.auto.commit": False, "enable.partition.eof": True,
+        "receive.message.max.bytes": max(max_bytes, 52_428_800) + 1_048_576}))
+    failed: list[str] = []
+    producer = Producer(config.producer_conf(**{
+        "message.max.bytes": max_bytes + 65_536,
+        "on_delivery": lambda err, _m: err is not None and failed.append(str(err))}))
     consumer.assign([TopicPartition(src, p, s) for p, (s, _) in todo.items()])
     left = {p: e for p, (_, e) in todo.items()}
     last = 0.0
@@ -182,22 +193,36 @@ def copy_range(config: KafkaConfig, src: str, dst: str, rng: Range,
                     if m.error() is None or _eof(m):  # past the range, or at its end
                         left.pop(p)
                     continue
-                producer.produce(dst, m.value(), m.key(), partition=p,
-                                 timestamp=m.timestamp()[1],
-                                 headers=[(SOURCE_OFFSET, str(m.offset()).encode())])
+                _produce(producer, dst, m, p)
                 done += 1
                 if m.offset() + 1 >= left[p]:
                     left.pop(p)
             producer.poll(0)
+            if failed:
+                break
             if progress is not None and time.monotonic() - last >= 1.0:
                 progress(done, rng.records)
                 last = time.monotonic()
-        producer.flush()
+        if producer.flush(60) or failed:
+            raise ReplayError(f"copying {src} to {dst}: "
+                              f"{failed[0] if failed else 'records not delivered in 60 s'}; "
+                              "the same command again continues after the last delivered")
     finally:
         consumer.close()
     if progress is not None:
         progress(done, rng.records)
     return done
+
+
+def _produce(producer: Producer, dst: str, m, partition: int) -> None:
+    while True:
+        try:
+            producer.produce(dst, m.value(), m.key(), partition=partition,
+                             timestamp=m.timestamp()[1],
+                             headers=[(SOURCE_OFFSET, str(m.offset()).encode())])
+            return
+        except BufferError:  # the local queue is full: wait for deliveries
+            producer.poll(0.5)
 
 
 def copied_up_to(config: KafkaConfig, dst: str) -> dict[int, int]:
@@ -211,10 +236,13 @@ def copied_up_to(config: KafkaConfig, dst: str) -> dict[int, int]:
             if high <= low:
                 continue
             consumer.assign([TopicPartition(dst, p, high - 1)])
-            for m in consumer.consume(1, 10.0):
-                headers = dict(m.headers() or [])
-                if m.error() is None and SOURCE_OFFSET in headers:
-                    out[p] = int(headers[SOURCE_OFFSET])
+            got = [m for m in consumer.consume(1, 10.0) if m.error() is None]
+            headers = dict(got[0].headers() or []) if got else {}
+            if SOURCE_OFFSET not in headers:
+                raise ReplayError(
+                    f"{dst}[{p}] holds records that are not a replay's copy (or its last one "
+                    "could not be read): give --into a new run name")
+            out[p] = int(headers[SOURCE_OFFSET])
     finally:
         consumer.close()
     return out
@@ -256,8 +284,8 @@ def digest_at(config: KafkaConfig, weights_topic: str, policy: str, version: int
 
 def print_progress(label: str) -> Callable[[int, int], None]:
     def show(done: int, total: int) -> None:
-        pct = 100 * done / total if total else 100.0
-        print(f"{label}: {done}/{total} records ({pct:.0f} %)", file=sys.stderr, flush=True)
+        # offsets count transaction markers too: a transactional topic ends below 100 %
+        print(f"{label}: {done} records of {total} offsets", file=sys.stderr, flush=True)
     return show
 
 

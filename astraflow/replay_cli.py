@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,8 +42,8 @@ def register(subparsers: Any) -> None:
                     "interrupted copy.")
     add_run_options(p)
     p.add_argument("--policy", help="the policy to train (default: the topology's only one)")
-    p.add_argument("--into", metavar="NEW_RUN", help="the new run (default RUN-replay, then "
-                   "RUN-replay-2, ...)")
+    p.add_argument("--into", metavar="NEW_RUN", help="the new run (default RUN-replay; the "
+                   "same command again continues its copy)")
     p.add_argument("--model", help="the model version 0 was (default: fetched from RUN's "
                    "weight stream)")
     p.add_argument("--runs-dir", default="runs", help="where the trainer's log goes")
@@ -134,7 +135,6 @@ def cmd_replay_train(args: argparse.Namespace) -> int:
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
     from astraflow.replay import ReplayError, copy_range, print_progress
-    from astraflow.runs import Runs, next_run_id
     from astraflow.weights.kafka_store import read_manifests
 
     topo, config = args.loaded_topology, kafka_config(args)
@@ -144,13 +144,16 @@ def cmd_replay_train(args: argparse.Namespace) -> int:
     manifests = [m for m in read_manifests(config, src_weights) if m.policy == policy]
     if not manifests:
         raise ReplayError(f"run {topo.run} published no weights on {src_weights}")
-    into = args.into or next_run_id(f"{topo.run}-replay", Runs(config).names())
+    into = args.into or f"{topo.run}-replay"  # again: the same copy continues
+    if into == topo.run:
+        raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
     new = with_overrides(topo, into)
     apply_topics(make_admin(config), new.resolved_topics())
     rng = _range(config, src_batches, args, manifests)
     dst = new.full_name(f"batches.{policy}")
     print(f"replay train: offsets {_fmt_range(rng)} of {src_batches} into run {into}")
-    copied = copy_range(config, src_batches, dst, rng, print_progress("copy"))
+    copied = copy_range(config, src_batches, dst, rng, print_progress("copy"),
+                        max_bytes=topo.max_message_bytes(f"batches.{policy}"))
     if not copied:
         raise ReplayError(f"nothing to train: the range of {src_batches} is empty")
     model = args.model or _start_model(topo, policy, config, src_weights,
@@ -225,7 +228,11 @@ def _train(new, args: argparse.Namespace, policy: str, model: str, config, dst: 
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
     weights = new.full_name(f"weights.{policy}")
     return max((m.version for m in read_manifests(config, weights)), default=0)
 

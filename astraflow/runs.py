@@ -124,10 +124,7 @@ class Runs:
     def summary(self, run: str, topics: dict[str, int] | None = None) -> RunSummary:
         """What ``run`` holds now; ``RunNotFound`` when it has no topics."""
         topics = topics if topics is not None else self.topics()
-        mine = topics_of(run, topics, run_names(topics))
-        if not mine:
-            raise RunNotFound(f"no run {run!r} on {self.config.bootstrap_servers} "
-                              f"(runs: {', '.join(run_names(topics)) or 'none'})")
+        mine = self._topics_of(run, topics)
         tps = [TopicPartition(t, p) for t in mine for p in range(topics[t])]
         low, high = self._offsets(tps, OffsetSpec.earliest()), self._offsets(
             tps, OffsetSpec.latest())
@@ -151,10 +148,7 @@ class Runs:
         deleted, and the groups kept with why (a group with live members stays)."""
         topics = self.topics()
         runs = run_names(topics)
-        mine = topics_of(run, topics, runs)
-        if not mine:
-            raise RunNotFound(f"no run {run!r} on {self.config.bootstrap_servers} "
-                              f"(runs: {', '.join(runs) or 'none'})")
+        mine = self._topics_of(run, topics)
         for fut in self.admin.delete_topics(mine, operation_timeout=30).values():
             fut.result()
         deleted, kept = [], {}
@@ -170,6 +164,15 @@ class Runs:
         return mine, deleted, kept
 
     # --- helpers -----------------------------------------------------------------------
+    def _topics_of(self, run: str, topics: dict[str, int]) -> list[str]:
+        """``run``'s topics; ``RunNotFound`` unless it is a run (a status and a dlq topic):
+        a prefix that merely matches some topics names no run to show or delete."""
+        runs = run_names(topics)
+        if run not in runs:
+            raise RunNotFound(f"no run {run!r} on {self.config.bootstrap_servers} "
+                              f"(runs: {', '.join(runs) or 'none'})")
+        return topics_of(run, topics, runs)
+
     def _offsets(self, tps: list[TopicPartition], spec: OffsetSpec, timestamps: bool = False
                  ) -> dict[tuple[str, int], int]:
         if not tps:

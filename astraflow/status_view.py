@@ -123,7 +123,13 @@ class StatusReader:
                         int(time.time() * 1000))
 
     def _dlq_records(self) -> int | None:
-        rows = self.lags.lag(f"{self.topo.run}.status-view", [self.topo.full_name("dlq")])
+        """Offsets the dlq holds (its records, plus transaction markers); None: unknown."""
+        from confluent_kafka import KafkaException
+
+        try:
+            rows = self.lags.lag(f"{self.topo.run}.status-view", [self.topo.full_name("dlq")])
+        except KafkaException:
+            return None
         return sum(r.end_offset - r.start_offset for r in rows)
 
     def close(self) -> None:

@@ -115,6 +115,16 @@ def test_replay_train_reproduces_the_weights_bit_for_bit(
     versions = {m.version for m in read_manifests(kafka_config, f"{topo.run}-lr.weights.actor")}
     assert versions == {0, 1, 2}
 
+    # never into the run replayed, nor into a run whose batches are not a replay's copy
+    assert main(["replay", "train", *common, "--into", topo.run]) == 2
+    assert "that is the run replayed" in capsys.readouterr().err
+    other, _ = make_topology(topics={"batches.actor": {"partitions": 1}})
+    producer = RecordProducer(kafka_config)
+    producer.produce(other.full_name("batches.actor"), make_batch(9), key="actor")
+    producer.flush()
+    assert main(["replay", "train", *common, "--into", other.run]) == 2
+    assert "not a replay's copy" in capsys.readouterr().err
+
     # export: the recorded batches as JSON lines
     out_file = tmp_path / "batches.jsonl"
     assert main(["replay", "export", *common[:4], "batches.actor", "--offsets", "1:3",

@@ -365,7 +365,9 @@ class TransactionalLoop:
         s = self.spec
         self._check_topics()
         self.producer = self._new_producer()
-        self.exporter = exporter_from_env(s.component_id, "component", self.counters)
+        # a bad or busy $ASTRAFLOW_METRICS_PORT fails here, at start; the series appear
+        # with the first status (which names the component's kind)
+        self.exporter = exporter_from_env(s.component_id, None, self.counters)
         try:
             self.work.start(self)
             self.consumer = Consumer(self.config.consumer_conf(
@@ -539,8 +541,7 @@ class TransactionalLoop:
             if status:
                 st = self.work.status()
                 self.producer.produce(self.spec.status_topic, st, st.component_id)
-                if self.exporter is not None:
-                    self.exporter.update(st, self.lag())
+                self._export(st)
             self._finish(cp, tps, self._group_metadata(tps))
         except KafkaException as e:
             self._open = False
@@ -777,6 +778,15 @@ class TransactionalLoop:
         except KafkaException as e:
             log.debug("%s: abort after an error failed too: %s", self.spec.component_id, e)
 
+    def _export(self, status: ComponentStatus) -> None:
+        """Hand ``status`` and the lag to the Prometheus exporter; never fails the caller."""
+        if self.exporter is None:
+            return
+        try:
+            self.exporter.update(status, self.lag())
+        except Exception as e:  # noqa: BLE001 - metrics must not fail a transaction
+            log.warning("%s: metrics not updated: %s", self.spec.component_id, e)
+
     def lag(self) -> dict[tuple[str, int], int]:
         """Records behind the end of each assigned input partition, from the consumer's
         own view (the high watermarks of its last fetches): no call to the broker."""
@@ -784,13 +794,12 @@ class TransactionalLoop:
             return {}
         out = {}
         try:
-            positions = self.consumer.position(self.consumer.assignment())
+            for tp in self.consumer.position(self.consumer.assignment()):
+                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                if high >= 0 and tp.offset >= 0:
+                    out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
         except KafkaException:  # not known right now: no figure rather than a failed commit
             return {}
-        for tp in positions:
-            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
-            if high >= 0 and tp.offset >= 0:
-                out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
         return out
 
     def _offsets(self) -> list[TopicPartition]:

@@ -161,6 +161,8 @@ class ProcessorRuntime:
             if problem is not None and (why := problem(record)):
                 raise InvalidRecord(f"{expect.__name__}: {why}")
             produced = self._run(Incoming(name, part, off, m.key(), record, m.timestamp()[1]))
+            if type(produced) is not list:  # a generator runs to its end before anything
+                produced = list(produced)  # is added: its errors dead-letter the input alone
             mark = len(cp.records)
             try:
                 for o in produced:
