@@ -288,14 +288,14 @@ def eval_version(topo, model_dir: Path, manifests: list, version: int | None) ->
     import torch
 
     from astraflow.cli import build_parser
-    from astraflow.launcher import _eval_args
+    from astraflow.launcher import eval_args
     from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
     from astraflow.tasks.arithmetic import eval_problems
     from astraflow.weights import WeightFollower
 
     policy = next(iter(topo.policies))
-    command = (_eval_args(topo, "-", policy) if topo.eval is not None
+    command = (eval_args(topo, "-", policy) if topo.eval is not None
                else ["eval", "run", "--topology", "-", "--policy", policy])
     ev = build_parser().parse_args([*command, "--model", str(model_dir)])
     torch.set_num_threads(1)

@@ -124,6 +124,7 @@ def measure(work: Path, bootstrap: str, args) -> None:
     out = cli("replay", "train", "-t", str(path), "--into", f"{run}-replay", "--runs-dir",
               str(work / "runs"), env=env)
     train_s = time.perf_counter() - t0
+    replayed = max(m.version for m in read_manifests(config, f"{run}-replay.weights.actor"))
     created = sorted(m.created_at_ms for m in manifests if m.version >= 1)
     live_s = (created[-1] - created[0]) / 1000 if len(created) > 1 else float("nan")
     # eval
@@ -133,20 +134,22 @@ def measure(work: Path, bootstrap: str, args) -> None:
     eval_s = time.perf_counter() - t0
     curve = json.loads((work / "curve.json").read_text())["curve"]
     live_evals = summary["eval"].get("actor", [])
-    report(n, ours, plain, newest, train_s, live_s, out, curve, eval_s, live_evals,
-           summary["seconds"])
+    report(n, ours, plain, (newest, replayed), train_s, live_s, out, curve, eval_s,
+           live_evals, summary["seconds"])
 
 
-def report(n, ours, plain, newest, train_s, live_s, out, curve, eval_s, live_evals,
+def report(n, ours, plain, versions, train_s, live_s, out, curve, eval_s, live_evals,
            run_s) -> None:
-    same = "bit for bit" in out
+    newest, replayed = versions
+    same = "the weights differ" not in out and "bit for bit" in out
     print(f"\nsource run: {newest} versions in {run_s:.0f}s; {n} trajectory groups")
     print(f"{'':44} {'replay':>12} {'baseline':>12}")
     print(f"{'copy trajectories.raw (records/s)':44} {ours:12.0f} {plain:12.0f}  "
           "(baseline: plain consume + produce)")
-    print(f"{'train (versions/min)':44} {60 * newest / train_s:12.1f} "
+    print(f"{'train (versions/min)':44} {60 * replayed / train_s:12.1f} "
           f"{60 * (newest - 1) / live_s:12.1f}  (baseline: the run's trainer; replay "
-          f"includes the copy and start-up; same weights: {same})")
+          f"includes the copy and start-up; {replayed} versions; the same weights as the "
+          f"run's at the last common version: {same})")
     print(f"{'eval (versions/min)':44} {60 * len(curve) / eval_s:12.1f} "
           f"{60 * len(live_evals) / run_s:12.1f}  (baseline: the live evaluator during the "
           "run, which shares the cores with the run)")

@@ -13,5 +13,7 @@ class Passthrough(Processor):
     kind = "passthrough"
 
     def process(self, msg: Incoming) -> Iterable[Outgoing]:
-        record, key = msg.record, msg.key
-        return [Outgoing(topic, record, key) for topic in self.outputs]
+        record, key, outputs = msg.record, msg.key, self.outputs
+        if len(outputs) == 1:
+            return [Outgoing(outputs[0], record, key)]
+        return [Outgoing(topic, record, key) for topic in outputs]

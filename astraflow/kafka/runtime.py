@@ -171,7 +171,7 @@ class ProcessorRuntime:
                         out = self._check_output(o)
                     # records forwarded unchanged go out as the bytes they arrived in
                     cp.add(out[0], o.record, o.key, o.partition,
-                           raw=value if o.record is record else None)
+                           value if o.record is record else None)
             except RecordTooLarge:
                 cp.rollback(mark)  # none of this input's outputs; the input goes to dlq
                 raise
