@@ -187,13 +187,9 @@ def run_up(topology_file: Path, args: argparse.Namespace, label: str) -> tuple[i
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
     try:
-        in_summary = False
         assert proc.stdout is not None
-        for line in proc.stdout:
-            # the closing summary JSON is read from summary.json; print only progress
-            in_summary = in_summary or line.startswith("{")
-            if not in_summary:
-                print(f"[{label}] {line.rstrip()}", flush=True)
+        for line in proc.stdout:  # the summary itself is read from summary.json
+            print(f"[{label}] {line.rstrip()}", flush=True)
         rc = proc.wait()
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)  # `up` stops its processes and writes its summary

@@ -100,8 +100,8 @@ def run_one(length_s: float, model: Path, work: Path, settle_s: float) -> dict:
         up.wait(180)
         statuses = [(r.timestamp_ms, r.record) for r in read_all(
             config, f"{run}.status", expect=ComponentStatus, idle_s=2.0, timeout_s=120)]
-        summary = (work / "up.log").read_text()
-        restarts = json.loads(summary[summary.rindex("\n{\n") + 1:]).get("restarts", {})
+        summary = json.loads((work / "runs" / run / "summary.json").read_text())
+        restarts = summary.get("restarts", {})
     finally:
         if up.poll() is None:
             up.kill()

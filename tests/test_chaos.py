@@ -112,7 +112,8 @@ class Run:
         code = self.proc.wait(180)
         text = self.out.read_text()
         assert code == 0, text[-4000:]
-        return json.loads(text[text.rindex("\n{\n") + 1:])
+        assert f"summary: {self.runs / self.run / 'summary.json'}" in text, text[-2000:]
+        return json.loads((self.runs / self.run / "summary.json").read_text())
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"

@@ -795,9 +795,12 @@ class TransactionalLoop:
         out = {}
         try:
             for tp in self.consumer.position(self.consumer.assignment()):
-                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
-                if high >= 0 and tp.offset >= 0:
-                    out[(tp.topic, tp.partition)] = max(0, high - tp.offset)
+                low, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                if high < 0:  # not fetched yet: the consumer does not know
+                    continue
+                # nothing consumed from it yet: behind by all it holds
+                pos = tp.offset if tp.offset >= 0 else max(low, 0)
+                out[(tp.topic, tp.partition)] = max(0, high - pos)
         except KafkaException:  # not known right now: no figure rather than a failed commit
             return {}
         return out
