@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import OffsetSpec
 
 from astraflow.errors import AstraflowError
-from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.offsets import Offsets
 
 log = logging.getLogger("astraflow.replay")
 
@@ -121,36 +120,6 @@ def version_ends(manifests: Iterable[Any], batches_topic: str, version: int) -> 
     return ends
 
 
-class Offsets:
-    """Watermarks and time lookups of one topic."""
-
-    def __init__(self, config: KafkaConfig):
-        self.admin = make_admin(config)
-
-    def partitions(self, topic: str) -> int:
-        md = self.admin.list_topics(topic, timeout=10).topics.get(topic)
-        if md is None or md.error is not None or not md.partitions:
-            raise ReplayError(f"topic {topic} does not exist (see `astraflow run list`)")
-        return len(md.partitions)
-
-    def lookup(self, topic: str, spec: OffsetSpec) -> dict[int, int]:
-        tps = {TopicPartition(topic, p): spec for p in range(self.partitions(topic))}
-        res = self.admin.list_offsets(tps, request_timeout=30)
-        return {tp.partition: fut.result().offset for tp, fut in res.items()}
-
-    def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
-        low, high = self.lookup(topic, OffsetSpec.earliest()), self.lookup(
-            topic, OffsetSpec.latest())
-        return {p: (low[p], high[p]) for p in low}
-
-    def at_time(self, topic: str, ms: int | None) -> dict[int, int] | None:
-        if ms is None:
-            return None
-        marks = self.watermarks(topic)
-        found = self.lookup(topic, OffsetSpec.for_timestamp(ms))
-        return {p: (o if o >= 0 else marks[p][1]) for p, o in found.items()}
-
-
 # --- copying a range, resumably ------------------------------------------------------------
 SOURCE_OFFSET = "astraflow.source_offset"  # header of a copied record: where it came from
 
@@ -167,10 +136,11 @@ def copy_range(config: KafkaConfig, src: str, dst: str, rng: Range,
     if offsets.partitions(src) != offsets.partitions(dst):
         raise ReplayError(f"{dst} has {offsets.partitions(dst)} partitions, {src} "
                           f"{offsets.partitions(src)}: a copy keeps each record's partition")
-    resume = copied_up_to(config, dst)
+    marks = offsets.watermarks(dst)
+    resume = copied_up_to(config, dst, marks)
     todo = {p: (max(rng.start[p], resume.get(p, -1) + 1), rng.end[p]) for p in rng.start}
     todo = {p: (s, e) for p, (s, e) in todo.items() if s < e}
-    done = sum(high for _, high in Offsets(config).watermarks(dst).values())
+    done = sum(high for _, high in marks.values())  # the copy is dst's only writer
     if not todo:
         return done
     consumer = Consumer(config.consumer_conf("astraflow-replay", **{
@@ -225,10 +195,11 @@ def _produce(producer: Producer, dst: str, m, partition: int) -> None:
             producer.poll(0.5)
 
 
-def copied_up_to(config: KafkaConfig, dst: str) -> dict[int, int]:
-    """Per partition of ``dst``, the source offset of the last record copied there."""
+def copied_up_to(config: KafkaConfig, dst: str, marks: dict[int, tuple[int, int]]
+                 ) -> dict[int, int]:
+    """Per partition of ``dst`` (its watermarks ``marks``), the source offset of the last
+    record copied there."""
     out: dict[int, int] = {}
-    marks = Offsets(config).watermarks(dst)
     consumer = Consumer(config.consumer_conf("astraflow-replay", **{
         "enable.auto.commit": False, "isolation.level": "read_uncommitted"}))
     try:
@@ -345,5 +316,5 @@ def run_trainer(cmd: list[str], env: dict[str, str], log_path: Path) -> subproce
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-__all__ = ["Offsets", "Range", "ReplayError", "clamp_range", "copy_range", "digest_at",
+__all__ = ["Range", "ReplayError", "clamp_range", "copy_range", "digest_at",
            "export_topic", "parse_offsets", "parse_time", "version_ends", "weights_digest"]

@@ -85,7 +85,8 @@ def _range_options(p: argparse.ArgumentParser, versions: bool) -> None:
 
 
 def _range(config, topic: str, args: argparse.Namespace, manifests=None):
-    from astraflow.replay import Offsets, clamp_range, parse_offsets, parse_time, version_ends
+    from astraflow.kafka.offsets import Offsets
+    from astraflow.replay import clamp_range, parse_offsets, parse_time, version_ends
 
     offsets = Offsets(config)
     bounds = parse_offsets(args.offsets) if args.offsets else (None, None)
@@ -120,7 +121,8 @@ def cmd_replay_eval(args: argparse.Namespace) -> int:
 
 def cmd_replay_export(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config
-    from astraflow.replay import Offsets, export_topic
+    from astraflow.kafka.offsets import Offsets
+    from astraflow.replay import export_topic
 
     topo, config = args.loaded_topology, kafka_config(args)
     topic = topo.full_name(args.topic)

@@ -21,6 +21,7 @@ from confluent_kafka.admin import OffsetSpec
 from astraflow.errors import AstraflowError
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.offsets import list_offsets
 
 # every run has these two topics (``astraflow.topology.IMPLICIT_TOPICS``)
 MARKER_TOPICS = ("status", "dlq")
@@ -126,18 +127,18 @@ class Runs:
         topics = topics if topics is not None else self.topics()
         mine = self._topics_of(run, topics)
         tps = [TopicPartition(t, p) for t in mine for p in range(topics[t])]
-        low, high = self._offsets(tps, OffsetSpec.earliest()), self._offsets(
-            tps, OffsetSpec.latest())
-        first = self._offsets(tps, OffsetSpec.for_timestamp(0), timestamps=True)
-        last = self._offsets(tps, OffsetSpec.max_timestamp(), timestamps=True)
+        low = list_offsets(self.admin, tps, OffsetSpec.earliest())
+        high = list_offsets(self.admin, tps, OffsetSpec.latest())
+        first = list_offsets(self.admin, tps, OffsetSpec.for_timestamp(0))
+        last = list_offsets(self.admin, tps, OffsetSpec.max_timestamp())
         out = RunSummary(run)
         for t in mine:
-            parts = range(topics[t])
-            firsts = [first[(t, p)] for p in parts if first.get((t, p), -1) >= 0]
-            lasts = [last[(t, p)] for p in parts if last.get((t, p), -1) >= 0]
+            keys = [(t, p) for p in range(topics[t])]
+            firsts = [first[k].timestamp for k in keys if first[k].timestamp >= 0]
+            lasts = [last[k].timestamp for k in keys if last[k].timestamp >= 0]
             out.topics.append(TopicSummary(
                 name=t, partitions=topics[t],
-                records=sum(max(0, high.get((t, p), 0) - low.get((t, p), 0)) for p in parts),
+                records=sum(max(0, high[k].offset - low[k].offset) for k in keys),
                 bytes=self._bytes_on_disk(t, topics[t]),
                 first_ms=min(firsts) if firsts else None, last_ms=max(lasts) if lasts else None))
         out.versions = self._versions(run, mine)
@@ -172,17 +173,6 @@ class Runs:
             raise RunNotFound(f"no run {run!r} on {self.config.bootstrap_servers} "
                               f"(runs: {', '.join(runs) or 'none'})")
         return topics_of(run, topics, runs)
-
-    def _offsets(self, tps: list[TopicPartition], spec: OffsetSpec, timestamps: bool = False
-                 ) -> dict[tuple[str, int], int]:
-        if not tps:
-            return {}
-        res = self.admin.list_offsets({tp: spec for tp in tps}, request_timeout=30)
-        out = {}
-        for tp, fut in res.items():
-            info = fut.result()
-            out[(tp.topic, tp.partition)] = info.timestamp if timestamps else info.offset
-        return out
 
     def _bytes_on_disk(self, topic: str, partitions: int) -> int | None:
         if self.log_dir is None:

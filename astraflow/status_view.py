@@ -95,6 +95,7 @@ class StatusReader:
 
     def __init__(self, topo: Any, config: Any):
         from astraflow.kafka.lag import LagReader
+        from astraflow.kafka.offsets import Offsets
         from astraflow.kafka.table import TopicTable
 
         self.topo, self.config = topo, config
@@ -104,6 +105,7 @@ class StatusReader:
                                      key=lambda e: e.value.component_id if e.value else None)
         self.table.on_change(lambda _k, _old, new: new is not None and self.rates.fold(new))
         self.lags = LagReader(config)
+        self.offsets = Offsets(config)
 
     def read(self, catch_up_s: float = 10.0) -> dict[str, Any]:
         from confluent_kafka import KafkaException
@@ -127,10 +129,10 @@ class StatusReader:
         from confluent_kafka import KafkaException
 
         try:
-            rows = self.lags.lag(f"{self.topo.run}.status-view", [self.topo.full_name("dlq")])
+            marks = self.offsets.watermarks(self.topo.full_name("dlq"))
         except KafkaException:
             return None
-        return sum(r.end_offset - r.start_offset for r in rows)
+        return sum(high - low for low, high in marks.values())
 
     def close(self) -> None:
         self.table.close()

@@ -35,8 +35,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from astraflow.broker import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.clients import make_admin  # noqa: E402
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
+from astraflow.kafka.offsets import Offsets  # noqa: E402
 from astraflow.kafka.topics import apply_topics  # noqa: E402
-from astraflow.replay import Offsets, clamp_range, copy_range  # noqa: E402
+from astraflow.replay import clamp_range, copy_range  # noqa: E402
 from astraflow.weights.kafka_store import read_manifests  # noqa: E402
 
 
