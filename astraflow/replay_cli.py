@@ -1,4 +1,5 @@
-"""``astraflow replay train|export``: work from a run's retained topics (``astraflow.replay``)."""
+"""``astraflow replay train|eval|process|export``: work from a run's retained topics
+(``astraflow.replay``, ``astraflow.replay_process``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ _TRAIN_EXAMPLES = [
 _EVAL_EXAMPLES = [
     "astraflow replay eval -t topology/default.yaml --every 10 --out runs/default/curve.json",
 ]
+_PROCESS_EXAMPLES = [
+    "astraflow replay process -t topology/default.yaml --set policies.actor.max_staleness=1",
+    "astraflow replay process -t topology/default.yaml --chain topology/data-algorithms.yaml "
+    "--into default-dyn",
+]
 _EXPORT_EXAMPLES = [
     "astraflow replay export -t topology/default.yaml batches.actor --out batches.jsonl",
     "astraflow replay export -t topology/default.yaml trajectories.raw --since "
@@ -30,7 +36,7 @@ def register(subparsers: Any) -> None:
     from astraflow.cliargs import add_command, add_group, add_run_options
 
     verbs = add_group(subparsers, "replay", help="work from a run's retained topics: train, eval, "
-                      "export", dest="replay_command",
+                      "process, export", dest="replay_command",
                       examples=[_TRAIN_EXAMPLES[0], _EXPORT_EXAMPLES[0]])
     p = add_command(verbs, "train", help="train again on a run's recorded batches",
                     examples=_TRAIN_EXAMPLES,
@@ -64,6 +70,7 @@ def register(subparsers: Any) -> None:
     v.add_argument("--out", help="the curve's file (default RUNS_DIR/RUN/replay-eval.json)")
     v.add_argument("--runs-dir", default="runs")
     v.set_defaults(func=cmd_replay_eval)
+    _register_process(verbs)
     e = add_command(verbs, "export", help="a topic's records to JSON lines or Parquet",
                     examples=_EXPORT_EXAMPLES)
     add_run_options(e)
@@ -74,17 +81,45 @@ def register(subparsers: Any) -> None:
     e.set_defaults(func=cmd_replay_export)
 
 
-def _range_options(p: argparse.ArgumentParser, versions: bool) -> None:
+def _register_process(verbs: Any) -> None:
+    from astraflow.cliargs import add_command, add_run_options
+
+    p = add_command(verbs, "process", help="run a processor chain again over a run's "
+                    "recorded trajectories", examples=_PROCESS_EXAMPLES,
+                    description="Copy the recorded trajectories.raw of run RUN (--run, else "
+                    "the topology's) into a new run (--into) and run every processor "
+                    "downstream of it there: the topology's, or those of --chain FILE, with "
+                    "--set overrides. Each record is judged as of its recorded time (the "
+                    "weight versions RUN had published then). Prints what each processor "
+                    "kept and dropped beside RUN's own figures. Running it again continues.")
+    add_run_options(p)
+    p.add_argument("--chain", metavar="FILE", help="the topology whose processors make the "
+                   "chain (default: the run's own, -t)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the chain's topology, e.g. "
+                   "policies.actor.max_staleness=8 or processors.dyn.options.min_std=0.1 "
+                   "(repeatable)")
+    p.add_argument("--into", metavar="NEW_RUN", help="the new run (default RUN-process; the "
+                   "same command again continues it)")
+    _range_options(p, versions=True, what="the trajectories recorded before version N+1 "
+                   "was published")
+    p.set_defaults(func=cmd_replay_process)
+
+
+def _range_options(p: argparse.ArgumentParser, versions: bool,
+                   what: str = "the batches RUN trained into versions up to N") -> None:
     p.add_argument("--offsets", metavar="FROM:TO", help="offsets FROM up to, not including, "
                    "TO in every partition (either may be left out)")
     p.add_argument("--since", metavar="TIME", help="records at or after TIME (ISO, or ms)")
     p.add_argument("--until", metavar="TIME", help="records before TIME (ISO, or ms)")
     if versions:
-        p.add_argument("--to-version", type=int, metavar="N",
-                       help="the batches RUN trained into versions up to N")
+        p.add_argument("--to-version", type=int, metavar="N", help=what)
 
 
-def _range(config, topic: str, args: argparse.Namespace, manifests=None):
+def _range(config, topic: str, args: argparse.Namespace, manifests=None,
+           by_batches: bool = True):
+    """The range of ``topic`` that the range options allow; ``--to-version`` by the
+    batches each version consumed (``by_batches``), else left to the caller."""
     from astraflow.kafka.offsets import Offsets
     from astraflow.replay import clamp_range, parse_offsets, parse_time, version_ends
 
@@ -93,7 +128,7 @@ def _range(config, topic: str, args: argparse.Namespace, manifests=None):
     since = offsets.at_time(topic, parse_time(args.since) if args.since else None)
     until = offsets.at_time(topic, parse_time(args.until) if args.until else None)
     ends = None
-    if getattr(args, "to_version", None) is not None:
+    if by_batches and getattr(args, "to_version", None) is not None:
         ends = version_ends(manifests or [], topic, args.to_version)
     return clamp_range(offsets.watermarks(topic), bounds, (since, until), ends)
 
@@ -130,6 +165,62 @@ def cmd_replay_export(args: argparse.Namespace) -> int:
     n = export_topic(config, topic, _range(config, topic, args), Path(args.out), args.format)
     print(f"wrote {n} records of {topic} to {args.out}")
     return 0
+
+
+def cmd_replay_process(args: argparse.Namespace) -> int:
+    from astraflow.cli import kafka_config
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.topics import apply_topics
+    from astraflow.replay import ReplayError, copy_range, print_progress
+    from astraflow.replay_process import (
+        ROOT,
+        ChainRun,
+        chain_of,
+        load_chain_topology,
+        original_figures,
+        print_line,
+        report,
+        version_history,
+    )
+
+    src, config = args.loaded_topology, kafka_config(args)
+    into = args.into or f"{src.run}-process"  # again: the same run continues
+    if into == src.run:
+        raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
+    new = load_chain_topology(args.chain or args.topology, args.set, into)
+    chain = chain_of(new)
+    history = version_history(config, src, sorted(set(new.policies) | set(src.policies)))
+    src_raw = src.full_name(ROOT)
+    if args.to_version is not None:
+        args.until = _until_version(history, args.to_version, args.until)
+    apply_topics(make_admin(config), new.resolved_topics())
+    rng = _range(config, src_raw, args, by_batches=False)
+    print(f"replay process: {' -> '.join(chain)} over offsets {_fmt_range(rng)} of "
+          f"{src_raw} into run {into}", flush=True)
+    copy_range(config, src_raw, new.full_name(ROOT), rng, print_progress("copy"),
+               max_bytes=src.max_message_bytes(ROOT))
+    figures = ChainRun(new, chain, config, history).run(print_line)
+    original = original_figures(config, src, chain)
+    print(report(chain, figures, original))
+    print(f"replay: this run of the command (run {into}); original: run {src.run}, all of it, "
+          "from its components' last status" if original else
+          f"run {src.run}'s figures are gone from its status topic (kept an hour by default)")
+    return 0
+
+
+def _until_version(history: dict[str, list[tuple[int, int]]], version: int,
+                   until: str | None) -> str | None:
+    """``--until`` as the time the first version after ``version`` was published (the
+    earlier of it and a given ``until``)."""
+    from astraflow.replay import ReplayError, parse_time
+
+    later = [ts for points in history.values() for ts, v in points if v > version]
+    if not any(points for points in history.values()):
+        raise ReplayError("--to-version: the run published no weight versions")
+    if not later:
+        return until  # no later version: up to the end
+    ms = min(later)
+    return str(min(ms, parse_time(until)) if until else ms)
 
 
 def cmd_replay_train(args: argparse.Namespace) -> int:

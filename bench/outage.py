@@ -109,7 +109,18 @@ def run_one(length_s: float, model: Path, work: Path, settle_s: float) -> dict:
     rec = _recovery(statuses, start_ms, back_ms)
     known = [v for v in rec.values() if v is not None]
     return {"outage_s": length_s, "per_component_s": rec, "restarts": restarts,
-            "all_components_s": max(known) if len(known) == len(rec) else None}
+            "all_components_s": max(known) if len(known) == len(rec) else None,
+            "no_progress": {cid: _trace(statuses, cid, start_ms)
+                            for cid, v in rec.items() if v is None}}
+
+
+def _trace(statuses, cid: str, start_ms: int) -> list[str]:
+    """What a component that made no progress reported from just before the outage on:
+    where the settle time went for it."""
+    return [f"{(ts - start_ms) / 1000:+.0f}s {s.state} in {s.consumed} out {s.produced} "
+            f"dlq {s.dead_lettered} v {s.weight_versions} "
+            f"aborted {s.metrics.get('runtime/aborted', 0):.0f}"
+            for ts, s in statuses if s.component_id == cid and ts >= start_ms - 10_000]
 
 
 def main() -> int:

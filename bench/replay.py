@@ -9,7 +9,10 @@ own (the run to replay, kept until ``--duration`` or N versions), then:
 - train: ``astraflow replay train`` (batches trained per minute, and whether the weights
   are the run's bit for bit), against the run's own trainer over the same versions;
 - eval: ``astraflow replay eval --every K`` (versions evaluated per minute), against the
-  live evaluator's rate during the run.
+  live evaluator's rate during the run;
+- process: ``astraflow replay process`` with the run's own chain and settings (trajectories
+  per second through staleness filter, router and batcher, copy and start-up included),
+  against the plain copy, and what the chain kept and dropped beside the run's own figures.
 
     python bench/replay.py [--versions 40] [--duration 600] [--every 5]
 """
@@ -137,6 +140,13 @@ def measure(work: Path, bootstrap: str, args) -> None:
     live_evals = summary["eval"].get("actor", [])
     report(n, ours, plain, (newest, replayed), train_s, live_s, out, curve, eval_s,
            live_evals, summary["seconds"])
+    # process: the run's own chain, in event time
+    t0 = time.perf_counter()
+    out = cli("replay", "process", "-t", str(path), "--into", f"{run}-process", env=env)
+    process_s = time.perf_counter() - t0
+    print(f"{'process (trajectories/s)':44} {n / process_s:12.0f} {plain:12.0f}  "
+          "(baseline: plain consume + produce; replay includes the copy and start-up)")
+    print("\nreplay process with the run's own settings:\n" + out.strip())
 
 
 def report(n, ours, plain, versions, train_s, live_s, out, curve, eval_s, live_evals,

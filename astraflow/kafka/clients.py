@@ -95,8 +95,11 @@ class RecordProducer:
         value: bytes | None,
         key: str | bytes | None = None,
         partition: int | None = None,
+        timestamp_ms: int = 0,
     ) -> None:
-        kwargs = {"partition": partition} if partition is not None else {}
+        kwargs: dict[str, int] = {"partition": partition} if partition is not None else {}
+        if timestamp_ms:
+            kwargs["timestamp"] = timestamp_ms
         while True:
             try:
                 self.producer.produce(

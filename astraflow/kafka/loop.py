@@ -135,16 +135,19 @@ class Checkpoint:
         self.codec = codec
         self.dlq = dlq
         self.max_bytes = max_bytes
-        self.records: list[tuple[str, bytes, bytes | str | None, int | None]] = []
+        # topic, value, key, partition, timestamp (ms; 0: the producer's clock)
+        self.records: list[tuple[str, bytes, bytes | str | None, int | None, int]] = []
         self.sent = 0  # records[:sent] are in the open transaction
         self.outputs = 0
         self.dead = 0
         self.after_commit: list[Callable[[], None]] = []
 
     def add(self, topic: str, record: Record | None, key: bytes | str | None = None,
-            partition: int | None = None, raw: bytes | None = None) -> None:
-        """Add ``record`` (or its bytes ``raw``) for ``topic``; ``RecordTooLarge`` when it
-        is over the topic's ``max.message.bytes`` (nothing is added then)."""
+            partition: int | None = None, raw: bytes | None = None,
+            timestamp_ms: int = 0) -> None:
+        """Add ``record`` (or its bytes ``raw``) for ``topic``, stamped ``timestamp_ms``
+        (0: when produced); ``RecordTooLarge`` when it is over the topic's
+        ``max.message.bytes`` (nothing is added then)."""
         value = raw if raw is not None else self.codec.encode(record, topic)
         limit = self.max_bytes.get(topic)
         if limit is not None and len(value) > limit:
@@ -153,7 +156,7 @@ class Checkpoint:
                 f"{len(value)} bytes for {topic}, which accepts at most {limit} "
                 f"(max.message.bytes)"
             )
-        self.records.append((topic, value, key, partition))
+        self.records.append((topic, value, key, partition, timestamp_ms))
         if topic == self.dlq:
             self.dead += 1
         else:
@@ -648,11 +651,15 @@ class TransactionalLoop:
         # no delivery callback per record: the commit fails if a record does
         produce, records, sent = self.producer.producer.produce, cp.records, cp.sent
         try:
-            for topic, value, key, partition in itertools.islice(records, sent, None):
+            for topic, value, key, partition, ts in itertools.islice(records, sent, None):
                 try:
-                    produce(topic, value, key, -1 if partition is None else partition)
+                    if ts:
+                        produce(topic, value, key, -1 if partition is None else partition,
+                                timestamp=ts)
+                    else:
+                        produce(topic, value, key, -1 if partition is None else partition)
                 except BufferError:  # the local queue is full: this one waits for room
-                    self.producer.produce_raw(topic, value, key, partition)
+                    self.producer.produce_raw(topic, value, key, partition, ts)
                 sent += 1
         finally:
             cp.sent = sent
@@ -804,6 +811,18 @@ class TransactionalLoop:
         except KafkaException:  # not known right now: no figure rather than a failed commit
             return {}
         return out
+
+    def read_positions(self) -> dict[tuple[str, int], int]:
+        """Per assigned input partition, the offset the consumer reads next: past the last
+        record handed to the work and past the transaction markers after it (-1: nothing
+        read yet). Callable from any thread; empty before the first assignment."""
+        if self.consumer is None:
+            return {}
+        try:
+            return {(tp.topic, tp.partition): max(tp.offset, -1)
+                    for tp in self.consumer.position(self.consumer.assignment())}
+        except (KafkaException, RuntimeError):  # closed meanwhile: nothing known
+            return {}
 
     def _offsets(self) -> list[TopicPartition]:
         held = self.work.held_offsets()

@@ -19,6 +19,7 @@ from confluent_kafka import Message
 from astraflow.codec import RecordDecodeError
 from astraflow.dataflow import PROCESSOR_KINDS, Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.base import ProcessorContext
+from astraflow.dataflow.event_time import StreamClock
 from astraflow.kafka.clients import dead_letter, make_codec_for
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import (
@@ -76,6 +77,7 @@ class ProcessorRuntime:
         processor: Processor | None = None,
         config: KafkaConfig | None = None,
         session_timeout_ms: int = 10_000,
+        clock: StreamClock | None = None,
     ):
         if name not in topology.processors:
             raise TopologyError(
@@ -95,6 +97,8 @@ class ProcessorRuntime:
         self.group = topology.group_of(name)
         self.transactional_id = f"{self.group}.{self.instance}"
         self.codec = make_codec_for(self.config)
+        # event time (replays): set from each input's timestamp, which its outputs keep
+        self.clock = clock
         self.counters = RuntimeCounters()
         self._inputs = {topology.full_name(t): t for t in self.spec.inputs}
         # full input topic -> (logical name, record type, its semantic check)
@@ -143,9 +147,10 @@ class ProcessorRuntime:
     def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
         for m in msgs:
             self._process(m, cp)
-        for o in self.processor.flush(now_ms()):
+        stamp = self.clock.at_stream() if self.clock is not None else 0
+        for o in self.processor.flush(stamp or now_ms()):
             try:
-                self._add(cp, o, None)
+                self._add(cp, o, None, stamp)
             except RecordTooLarge as e:  # emitted later than its input: no input to name
                 log.warning("%s: dead-lettering an output: %s", self.component_id, e)
                 cp.dead_letter(DeadLetter(
@@ -156,11 +161,16 @@ class ProcessorRuntime:
         # the hot path: every input passes here, so it does each thing once, in place
         topic, part, off, value = m.topic(), m.partition(), m.offset(), m.value()
         name, expect, problem = self._input_of[topic]
+        ts = m.timestamp()[1]
+        stamp = 0  # outputs stamped when produced, unless in event time
+        if self.clock is not None:
+            self.clock.at_record(ts)
+            stamp = ts
         try:
             record = self._decode(value, topic, part, off, expect)
             if problem is not None and (why := problem(record)):
                 raise InvalidRecord(f"{expect.__name__}: {why}")
-            produced = self._run(Incoming(name, part, off, m.key(), record, m.timestamp()[1]))
+            produced = self._run(Incoming(name, part, off, m.key(), record, ts))
             if type(produced) is not list:  # a generator runs to its end before anything
                 produced = list(produced)  # is added: its errors dead-letter the input alone
             mark = len(cp.records)
@@ -171,7 +181,7 @@ class ProcessorRuntime:
                         out = self._check_output(o)
                     # records forwarded unchanged go out as the bytes they arrived in
                     cp.add(out[0], o.record, o.key, o.partition,
-                           value if o.record is record else None)
+                           value if o.record is record else None, stamp)
             except RecordTooLarge:
                 cp.rollback(mark)  # none of this input's outputs; the input goes to dlq
                 raise
@@ -192,8 +202,8 @@ class ProcessorRuntime:
                             f"which carries {out[1].__name__}")
         return out
 
-    def _add(self, cp: Checkpoint, o: Outgoing, raw: bytes | None) -> None:
-        cp.add(self._check_output(o)[0], o.record, o.key, o.partition, raw=raw)
+    def _add(self, cp: Checkpoint, o: Outgoing, raw: bytes | None, stamp: int = 0) -> None:
+        cp.add(self._check_output(o)[0], o.record, o.key, o.partition, raw, stamp)
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
         full = self.topology.full_name
