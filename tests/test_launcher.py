@@ -305,6 +305,28 @@ def test_up_ends_with_a_few_lines_and_where_the_summary_is(tmp_path):
     assert str(tmp_path / "summary.json") in text and "restarts: none" in text
 
 
+def test_stale_drops_are_counted_per_stage_in_the_line_and_the_closing_lines(tmp_path):
+    from astraflow.launcher import Progress, closing_lines
+    from astraflow.records import ComponentStatus
+
+    progress = Progress()
+    for cid, kind, metrics in (
+            ("staleness/a", "processor", {"staleness/dropped": 4.0}),
+            ("staleness/b", "processor", {"staleness/dropped": 1.0}),
+            ("batcher/a", "processor", {"batcher/dropped_stale": 2.0}),
+            ("staleness/a", "processor", {"staleness/dropped": 6.0}),  # newer: replaces 4
+            ("trainer.actor/0", "trainer", {"trainer/stale_dropped_total": 3.0,
+                                            "trainer/stale_dropped_groups": 1.0})):
+        progress.fold(ComponentStatus(component_id=cid, kind=kind, host="h", policy="actor",
+                                      metrics=metrics))
+    assert progress.drops_by_stage() == {"filter": 7.0, "batcher": 2.0, "trainer": 3.0}
+    assert progress.stale_dropped == 12.0
+    assert "stale drops filter 7 batcher 2 trainer 3" in progress.line(0)
+    summary = {"run": "r", "seconds": 1.0, "staleness_dropped": 12.0, "restarts": {},
+               "staleness_dropped_by_stage": progress.drops_by_stage(), "policies": {}}
+    assert "dropped: 12 (filter 7, batcher 2, trainer 3)" in closing_lines(summary, tmp_path)
+
+
 def test_a_runs_plots_are_drawn_from_its_summary(tmp_path):
     import json
 

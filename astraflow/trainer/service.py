@@ -176,6 +176,10 @@ class TrainerService:
         self.version: int | None = None
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, float] = {}
+        # since this process started: groups dropped as too stale, and batches skipped
+        # because every group of theirs was (reported as trainer/stale_*)
+        self.stale_dropped = 0
+        self.stale_skipped_batches = 0
         self.positions: dict[tuple[str, int], int] = {}
         # recorded trainer states, oldest first: (version, optimizer and master blobs)
         self._state_refs: list[tuple[int, list[BlobRef]]] = []
@@ -389,6 +393,8 @@ class TrainerService:
         metrics = {k: float(v) for k, v in self.last_metrics.items()}
         metrics["trainer/wait_fraction"] = self.wait_fraction()
         metrics["trainer/version"] = float(self.version if self.version is not None else -1)
+        metrics["trainer/stale_dropped_total"] = float(self.stale_dropped)
+        metrics["trainer/stale_skipped_batches"] = float(self.stale_skipped_batches)
         return ComponentStatus(
             component_id=self.component_id,
             kind="trainer",
@@ -473,7 +479,9 @@ class TrainerService:
         assert self.version is not None
         metrics = self.trainer.train_step(batch, current_version=self.version)
         self.positions = dict(self.loop.positions)
+        self.stale_dropped += int(metrics["trainer/stale_dropped_groups"])
         if metrics["trainer/loss_tokens"] == 0:
+            self.stale_skipped_batches += int(metrics["trainer/stale_dropped_groups"] > 0)
             # nothing trained (every group was stale): consume the batch without publishing a
             # version, or empty versions would make yet more data stale. Weights and optimizer
             # are unchanged, so re-reading it after a restart decides the same way.
