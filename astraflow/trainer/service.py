@@ -481,14 +481,7 @@ class TrainerService:
         self.positions = dict(self.loop.positions)
         self.stale_dropped += int(metrics["trainer/stale_dropped_groups"])
         if metrics["trainer/loss_tokens"] == 0:
-            self.stale_skipped_batches += int(metrics["trainer/stale_dropped_groups"] > 0)
-            # nothing trained (every group was stale): consume the batch without publishing a
-            # version, or empty versions would make yet more data stale. Weights and optimizer
-            # are unchanged, so re-reading it after a restart decides the same way.
-            self.last_metrics = {**self.last_metrics, **metrics}
-            log.info("%s: batch %s @%s[%d]:%d skipped at v%d: %d stale groups dropped",
-                     self.component_id, batch.batch_id, topic, part, off, self.version,
-                     int(metrics["trainer/stale_dropped_groups"]))
+            self._skip(batch, (topic, part, off), metrics)
             return
         version = self.version + 1
         written = self._state_step(version, metrics)
@@ -536,6 +529,17 @@ class TrainerService:
             self._log_version(version, batch, (topic, part, off), metrics, manifests, written)
 
         cp.after_commit.append(committed)
+
+    def _skip(self, batch: Batch, where: tuple[str, int, int], metrics: dict[str, float]
+              ) -> None:
+        """Nothing trained (every group was stale): the batch is consumed without a version,
+        or empty versions would make yet more data stale. Weights and optimizer are
+        unchanged, so re-reading it after a restart decides the same way."""
+        dropped = int(metrics["trainer/stale_dropped_groups"])
+        self.stale_skipped_batches += int(dropped > 0)
+        self.last_metrics = {**self.last_metrics, **metrics}
+        log.info("%s: batch %s @%s[%d]:%d skipped at v%d: %d stale groups dropped",
+                 self.component_id, batch.batch_id, *where, self.version, dropped)
 
     def _log_version(self, version: int, batch: Batch, where: tuple[str, int, int],
                      metrics: dict[str, float], manifests: list[WeightManifest],
