@@ -472,6 +472,7 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     series = StatusSeries(Path(args.runs_dir) / topo.run / "tensorboard", topo.run,
                           time.time())
     status = _status_table(config, topo.full_name("status"), progress, series)
+    scaling = _scaling_table(topo, args.topology, config, sup, pids)
     lags = LagReader(config)
     pool_groups = [topo.raas_group(p) for p in topo.pools]
     stop = {"flag": False}
@@ -481,6 +482,8 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     try:
         while not stop["flag"]:
             status.poll(0.2)
+            if scaling is not None:
+                scaling.poll(0)
             if sup.check():
                 pids.write_text(json.dumps(sup.pids()))
             if sup.finished - {"feeder"}:
@@ -509,6 +512,8 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     finally:
         lags.close()
         status.close()
+        if scaling is not None:
+            scaling.close()
     return 0
 
 
@@ -682,6 +687,29 @@ def _status_table(config, topic: str, progress: Progress, series: StatusSeries |
             progress.fold(new)
             if series is not None:
                 series.add(new)
+
+    table.on_change(changed)
+    return table
+
+
+def _scaling_table(topo: Topology, path: str, config, sup, pids: Path):
+    """With an ``autoscaler`` processor in the topology: a table of ``scaling`` whose new
+    advice the ``PoolActuator`` follows (None without one)."""
+    if not any(p.kind == "autoscaler" for p in topo.processors.values()):
+        return None
+    from astraflow.actuator import PoolActuator
+    from astraflow.kafka.table import TopicTable
+    from astraflow.records import ScalingAdvice
+
+    actuator = PoolActuator(list(topo.pools), sup,
+                            lambda pool, i: _astraflow(*_raas_args(topo, path, pool, i)))
+    table = TopicTable.open(config, topo.full_name("scaling"), ScalingAdvice,
+                            key=lambda e: e.value.pool if e.value else None,
+                            client_id="up-actuator")
+
+    def changed(_k, _old, new) -> None:
+        if new is not None and actuator.follow(new):
+            pids.write_text(json.dumps(sup.pids()))
 
     table.on_change(changed)
     return table

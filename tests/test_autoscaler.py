@@ -109,6 +109,20 @@ def test_a_busy_trainer_gets_one_node_less():
         "pool local: trainer actor waits 1% of the time (< 5%): 3 -> 2 nodes"
 
 
+def test_idle_nodes_get_one_node_less_even_while_the_trainer_waits():
+    policy = ScalingPolicy(options())
+    for k in range(8):  # every 5 s: the trainer waits half the time, the nodes 95 %
+        t = T0 + 5000 * k
+        policy.observe(trainer("actor", 2.5 * k, t))
+        for cid in ("raas.local/0", "raas.local/1"):
+            policy.observe(ComponentStatus(component_id=cid, kind="raas", host="h",
+                                           pool="local", at_ms=t, waiting_s=4.75 * k))
+    advice = policy.decide(T0 + 35_000)
+    assert [(a.branch, a.current_size, a.target_size) for a in advice] == [("idle", 2, 1)]
+    assert advice[0].reason == ("pool local: its nodes wait for tasks 95% of the time "
+                                "(> 90%): 2 -> 1 nodes")
+
+
 def test_inside_the_band_nothing_is_advised():
     assert Cluster(ScalingPolicy(options()), nodes=2, waits={"actor": 0.07}).run(600) == []
 
@@ -366,4 +380,5 @@ def test_the_processor_takes_the_kafka_timestamp_when_a_status_has_none():
     with pytest.raises(ValueError, match="exactly one topic"):
         Autoscaler("autoscaler", ["status"], [], options())
     assert p.metrics() == {"autoscaler/advice_up": 0.0, "autoscaler/advice_down": 0.0,
+                           "autoscaler/advice_idle": 0.0,
                            "autoscaler/advice_clamp": 0.0}

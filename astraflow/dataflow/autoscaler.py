@@ -12,6 +12,8 @@ between its statuses). With a dead band between ``lower`` and ``upper``:
 - above ``upper`` (10 %) the trainer is starved for data: one node more, up to ``max_size``;
 - below ``lower`` (5 %) batches queue up and rollouts only grow stale: one node less, down
   to ``min_size``;
+- whatever the trainers do, when the pool's nodes wait for tasks more than ``idle_above``
+  (90 %) of the time there is nothing to roll out: one node less (branch ``idle``);
 - in between: no advice, unless the pool has fewer nodes than ``min_size`` or more than
   ``max_size`` (then the advice brings it back within, branch ``clamp``).
 
@@ -38,7 +40,7 @@ from astraflow.records import ComponentStatus, ScalingAdvice
 log = logging.getLogger("astraflow.autoscaler")
 
 RAAS, TRAINER = "raas", "trainer"  # ComponentStatus.kind of RaaS nodes and trainers
-UP, DOWN, CLAMP = "up", "down", "clamp"
+UP, DOWN, CLAMP, IDLE = "up", "down", "clamp", "idle"
 
 
 class PoolBounds(BaseModel):
@@ -71,6 +73,9 @@ class AutoscalerOptions(BaseModel):
     policies: list[str] | None = Field(
         default=None, description="trainers (by policy) that drive every pool without its "
                                   "own `policies`; default: every trainer on status")
+    idle_above: float = Field(
+        default=0.9, gt=0, le=1, description="advise a node less when the pool's nodes wait "
+                                             "for tasks more than this share of the time")
     window_s: float = Field(default=60.0, gt=0,
                             description="the waiting fraction and rates are over this span")
     cooldown_s: float = Field(default=60.0, ge=0,
@@ -126,6 +131,18 @@ class Seen:
         first, last = self.samples[0], self.samples[-1]
         seconds = (last.at_ms - first.at_ms) / 1000
         return (first, last, seconds) if seconds > 0 else None
+
+
+def idle_fraction(nodes: list[Seen]) -> float | None:
+    """The share of wall time the pool's nodes waited for tasks over the window (their
+    mean); None when no node has two statuses yet."""
+    shares = []
+    for seen in nodes:
+        span = seen.span()
+        if span is not None:
+            first, last, seconds = span
+            shares.append(min(1.0, max(0.0, (last.waiting_s - first.waiting_s) / seconds)))
+    return sum(shares) / len(shares) if shares else None
 
 
 def wait_fraction(seen: Seen) -> float | None:
@@ -253,11 +270,17 @@ class ScalingPolicy:
         o = self.options
         current, wait = len(reading.nodes), reading.wait
         waits = f"trainer {reading.trainer} waits {_percent(wait)} of the time"
+        idle = idle_fraction(reading.nodes)
         if current < bounds.min_size or current > bounds.max_size:
             target = min(max(current, bounds.min_size), bounds.max_size)
             edge = (f"below min_size {bounds.min_size}" if current < bounds.min_size
                     else f"above max_size {bounds.max_size}")
             branch, why = CLAMP, f"{current} nodes, {edge}"
+        elif idle is not None and idle > o.idle_above:
+            # nothing to roll out: more nodes would not feed a waiting trainer either
+            target, branch = max(current - 1, bounds.min_size), IDLE
+            why = f"its nodes wait for tasks {_percent(idle)} of the time (> " \
+                  f"{_percent(o.idle_above)})"
         elif wait > o.upper:
             target, branch = min(current + 1, bounds.max_size), UP
             why = f"{waits} (> {_percent(o.upper)})"
@@ -290,7 +313,7 @@ class Autoscaler(Processor):
             raise ValueError(f"processor {name}: an autoscaler writes exactly one topic "
                              f"(scaling), not {outputs}")
         self.policy = ScalingPolicy(self.options)
-        self.advised = {UP: 0, DOWN: 0, CLAMP: 0}
+        self.advised = {UP: 0, DOWN: 0, CLAMP: 0, IDLE: 0}
 
     def open(self, context: ProcessorContext) -> None:
         known = getattr(context.topology, "pools", {})
