@@ -169,7 +169,8 @@ def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
         if len(temperatures) == 1:  # the policies' temperature unless the workflow sets one
             options = {"temperature": next(iter(temperatures)), **options}
         args += ["--workflow-options", f"{name}={json.dumps(options)}"]
-    args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms"))
+    args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms",
+                                   "speed"))
     return args + ([] if spec.follow_weights else ["--no-follow-weights"])
 
 

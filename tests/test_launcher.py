@@ -259,7 +259,8 @@ def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():
     data["feeder"].update(seed=3, count=50, size=10, split="eval", from_start=True,
                           dataset={"path": "d.jsonl", "prompt_field": "q"})
     data["pools"]["local"].update(device="cuda", prefix_cache_mib=0, session_timeout_ms=9000,
-                                  follow_weights=False, engine_options={"dtype": "float16"})
+                                  follow_weights=False, engine_options={"dtype": "float16"},
+                                  speed=0.3)
     data["eval"] = {"levels": "1", "size": 30}
     topo = parse_topology(data)
     init = build_parser().parse_args(_model_init_command(topo.policies["solver"]))
@@ -275,8 +276,8 @@ def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():
         3, 50, 10, "eval", True, "d.jsonl", "q", ["solver", "verifier"], "solve_verify")
     raas = _flags(plan["raas-local-0"])
     assert (raas.device, raas.prefix_cache_mib, raas.session_timeout_ms,
-            raas.no_follow_weights, raas.engine_options, raas.tasks_per_transaction) == (
-        "cuda", 0.0, 9000, True, {"dtype": "float16"}, 8)
+            raas.no_follow_weights, raas.engine_options, raas.tasks_per_transaction,
+            raas.speed) == ("cuda", 0.0, 9000, True, {"dtype": "float16"}, 8, 0.3)
     assert dict(raas.workflow_options)["solve_verify"] == {
         "temperature": 1.0, "max_new_tokens": 8, "blind": True, "verdicts_per_prompt": 4}
     solver, verifier = _flags(plan["eval-solver"]), _flags(plan["eval-verifier"])
