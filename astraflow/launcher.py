@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from astraflow.metrics import STALENESS_DROPS
 from astraflow.topology import ChatSpec, DatasetSpec, FeederSpec, PolicySpec, Topology
 
 _UP_EXAMPLES = [
@@ -168,7 +169,8 @@ def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
         if len(temperatures) == 1:  # the policies' temperature unless the workflow sets one
             options = {"temperature": next(iter(temperatures)), **options}
         args += ["--workflow-options", f"{name}={json.dumps(options)}"]
-    args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms"))
+    args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms",
+                                   "speed"))
     return args + ([] if spec.follow_weights else ["--no-follow-weights"])
 
 
@@ -237,7 +239,8 @@ class Progress:
     versions: dict[str, int] = field(default_factory=dict)
     trainer: dict[str, dict[str, float]] = field(default_factory=dict)
     rollout_reward: dict[str, float] = field(default_factory=dict)  # per raas component
-    stale_dropped: float = 0.0
+    # stage (filter, batcher, trainer) -> component -> groups it dropped as too stale
+    drops: dict[str, dict[str, float]] = field(default_factory=dict)
     eval: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)
     series: list[dict[str, float]] = field(default_factory=list)
     # multi-policy runs: per raas component, each policy's rollout reward and the
@@ -247,6 +250,9 @@ class Progress:
 
     def fold(self, status) -> None:
         m = status.metrics
+        for stage, key in STALENESS_DROPS.items():
+            if key in m:
+                self.drops.setdefault(stage, {})[status.component_id] = m[key]
         if status.kind == "trainer":
             self.versions[status.policy] = status.weight_versions.get(status.policy, 0)
             self.trainer[status.policy] = dict(m)
@@ -258,13 +264,20 @@ class Progress:
             self.workflow[status.component_id] = {
                 k: v for k, v in m.items() if "/" in k and k.split("/")[0] not in
                 ("rollout", "raas")}
-        elif status.kind == "processor" and "staleness/dropped" in m:
-            self.stale_dropped = m["staleness/dropped"]
         elif status.kind == "evaluator":
             v = status.weight_versions.get(status.policy, -1)
             points = self.eval.setdefault(status.policy, [])
             if not points or points[-1][1] != v:
                 points.append((time.time() - self.started, v, m["eval/accuracy"]))
+
+    def drops_by_stage(self) -> dict[str, float]:
+        """Groups dropped as too stale per stage, summed over its components."""
+        return {stage: sum(per.values()) for stage, per in self.drops.items()}
+
+    @property
+    def stale_dropped(self) -> float:
+        """Groups dropped as too stale, at every stage."""
+        return sum(self.drops_by_stage().values())
 
     def rollout_of(self, policy: str) -> float | None:
         """The policy's rollout reward, averaged over the nodes (multi-policy runs)."""
@@ -312,7 +325,9 @@ class Progress:
             r = sum(self.rollout_reward.values()) / len(self.rollout_reward)
             parts.append(f"rollout reward {r:.3f}")
         parts.append(f"tasks lag {lag}" if lag is not None else "Kafka not answering")
-        parts.append(f"stale drops {self.stale_dropped:.0f}")
+        by_stage = self.drops_by_stage()
+        parts.append("stale drops " + (" ".join(f"{k} {v:.0f}" for k, v in by_stage.items())
+                                       if by_stage else "0"))
         self.series.append({
             "t": t, **{f"version/{p}": float(v) for p, v in self.versions.items()},
             **{f"reward/{p}": tm["trainer/reward_mean"]
@@ -404,8 +419,10 @@ def closing_lines(summary: dict[str, Any], run_dir: Path) -> str:
         lines.append(f"  {policy}: version {p.get('version')}, train reward "
                      f"{_fmt(p.get('train_reward'))}, held-out accuracy {_fmt(acc)}"
                      + (f" at v{p.get('eval_version')}" if acc is not None else ""))
-    lines.append(f"  stale groups dropped: {summary['staleness_dropped']:.0f}; restarts: "
-                 f"{summary['restarts'] or 'none'}")
+    stages = summary.get("staleness_dropped_by_stage") or {}
+    where = " (" + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + ")" if stages else ""
+    lines.append(f"  stale groups dropped: {summary['staleness_dropped']:.0f}{where}; "
+                 f"restarts: {summary['restarts'] or 'none'}")
     lines.append(f"summary: {run_dir / 'summary.json'}"
                  + (f"; plot: {summary['plot']}" if summary.get("plot") else ""))
     return "\n".join(lines)
@@ -456,6 +473,7 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     series = StatusSeries(Path(args.runs_dir) / topo.run / "tensorboard", topo.run,
                           time.time())
     status = _status_table(config, topo.full_name("status"), progress, series)
+    scaling = _scaling_table(topo, args.topology, config, sup, pids)
     lags = LagReader(config)
     pool_groups = [topo.raas_group(p) for p in topo.pools]
     stop = {"flag": False}
@@ -465,6 +483,8 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     try:
         while not stop["flag"]:
             status.poll(0.2)
+            if scaling is not None:
+                scaling.poll(0)
             if sup.check():
                 pids.write_text(json.dumps(sup.pids()))
             if sup.finished - {"feeder"}:
@@ -493,6 +513,8 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     finally:
         lags.close()
         status.close()
+        if scaling is not None:
+            scaling.close()
     return 0
 
 
@@ -671,6 +693,29 @@ def _status_table(config, topic: str, progress: Progress, series: StatusSeries |
     return table
 
 
+def _scaling_table(topo: Topology, path: str, config, sup, pids: Path):
+    """With an ``autoscaler`` processor in the topology: a table of ``scaling`` whose new
+    advice the ``PoolActuator`` follows (None without one)."""
+    if not any(p.kind == "autoscaler" for p in topo.processors.values()):
+        return None
+    from astraflow.actuator import PoolActuator
+    from astraflow.kafka.table import TopicTable
+    from astraflow.records import ScalingAdvice
+
+    actuator = PoolActuator(list(topo.pools), sup,
+                            lambda pool, i: _astraflow(*_raas_args(topo, path, pool, i)))
+    table = TopicTable.open(config, topo.full_name("scaling"), ScalingAdvice,
+                            key=lambda e: e.value.pool if e.value else None,
+                            client_id="up-actuator")
+
+    def changed(_k, _old, new) -> None:
+        if new is not None and actuator.follow(new):
+            pids.write_text(json.dumps(sup.pids()))
+
+    table.on_change(changed)
+    return table
+
+
 def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
                    restarts: dict[str, int]) -> dict[str, Any]:
     summary: dict[str, Any] = {
@@ -681,6 +726,7 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
         "eval": {p: [{"t": round(t, 1), "version": v, "accuracy": a} for t, v, a in pts]
                  for p, pts in progress.eval.items()},
         "staleness_dropped": progress.stale_dropped,
+        "staleness_dropped_by_stage": progress.drops_by_stage(),
         "policies": progress.policy_summary(topo.policies),
         "workflow_metrics": progress.workflow_metrics(),
         "restarts": restarts,

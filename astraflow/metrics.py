@@ -31,6 +31,11 @@ from typing import Any, Protocol
 from astraflow.errors import AstraflowError
 from astraflow.records import ComponentStatus
 
+# the cumulative counts of groups dropped as too stale, by the stage that drops them: one
+# definition for `astraflow status`, `up`'s progress line and summary, and Prometheus
+STALENESS_DROPS = {"filter": "staleness/dropped", "batcher": "batcher/dropped_stale",
+                   "trainer": "trainer/stale_dropped_total"}
+
 
 class MetricSink(Protocol):
     """Something that records the metrics of one step (a weight version, a batch...)."""
@@ -279,6 +284,13 @@ class PrometheusExporter:
         fam = HistogramMetricFamily("astraflow_staleness", "staleness of the groups judged, "
                                     "in weight versions", labels=labels)
         fam.add_metric(me, cumulative, sum_value=total)
+        yield fam
+        fam = CounterMetricFamily("astraflow_stale_dropped_groups", "groups dropped as too "
+                                  "stale, by the stage that dropped them",
+                                  labels=[*labels, "stage"])
+        for stage, key in STALENESS_DROPS.items():
+            if key in metrics:
+                fam.add_metric([*me, stage], float(metrics[key]))
         yield fam
         for key, value in sorted(metrics.items()):
             fam = GaugeMetricFamily(prometheus_name(key), f"the component's {key}",

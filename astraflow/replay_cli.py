@@ -197,9 +197,13 @@ def cmd_replay_process(args: argparse.Namespace) -> int:
     rng = _range(config, src_raw, args, by_batches=False)
     print(f"replay process: {' -> '.join(chain)} over offsets {_fmt_range(rng)} of "
           f"{src_raw} into run {into}", flush=True)
-    copy_range(config, src_raw, new.full_name(ROOT), rng, print_progress("copy"),
-               max_bytes=src.max_message_bytes(ROOT))
+    t0 = time.monotonic()
+    copied = copy_range(config, src_raw, new.full_name(ROOT), rng, print_progress("copy"),
+                        max_bytes=src.max_message_bytes(ROOT))
+    t1 = time.monotonic()
     figures = ChainRun(new, chain, config, history).run(print_line)
+    print(f"copied {copied} records in {t1 - t0:.1f} s; the chain ran in "
+          f"{time.monotonic() - t1:.1f} s (its processors' start-up included)")
     original = original_figures(config, src, chain)
     print(report(chain, figures, original))
     print(f"replay: this run of the command (run {into}); original: run {src.run}, all of it, "

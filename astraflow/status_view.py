@@ -15,11 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from astraflow.metrics import STALENESS_DROPS
 from astraflow.records import ComponentStatus
 
-# metrics that count groups dropped as too stale, by where they are dropped
-STALENESS_DROPS = {"filter": "staleness/dropped", "batcher": "batcher/dropped_stale",
-                   "trainer": "trainer/stale_dropped_groups"}
 _EXAMPLES = ["astraflow status -t topology/default.yaml",
              "astraflow status -t topology/default.yaml --once --json | jq .groups"]
 

@@ -76,10 +76,27 @@ class Supervisor:
         self.restarts: dict[str, int] = dict.fromkeys(plan, 0)
         self.finished: set[str] = set()
         self._due: dict[str, float] = {}
+        self._retiring: list[subprocess.Popen] = []  # stopped on purpose, not yet exited
 
     def start_all(self) -> None:
         for name, cmd in self.plan.items():
             self.procs[name] = self.spawn(name, cmd)
+
+    def add(self, name: str, cmd: list[str]) -> None:
+        """Start one more process (an autoscaled node), supervised like the planned ones."""
+        self.plan[name] = cmd
+        self.restarts.setdefault(name, 0)
+        self.finished.discard(name)
+        self.procs[name] = self.spawn(name, cmd)
+
+    def retire(self, name: str) -> None:
+        """Stop ``name`` for good: SIGTERM (it finishes what it has begun), no restart."""
+        proc = self.procs.pop(name, None)
+        self.plan.pop(name, None)
+        self._due.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            self._retiring.append(proc)
 
     def pids(self) -> dict[str, int]:
         return {n: p.pid for n, p in self.procs.items() if n not in self.finished}
@@ -88,6 +105,7 @@ class Supervisor:
         """Reap exits and start what is due; True when the set of processes changed.
         Raises ``GaveUp``."""
         now, changed = self.clock(), False
+        self._retiring = [p for p in self._retiring if p.poll() is None]
         for name, proc in self.procs.items():
             if name in self.finished or name in self._due or proc.poll() is None:
                 continue
@@ -114,7 +132,7 @@ class Supervisor:
 
     def stop_all(self, timeout: float = 30.0) -> None:
         """SIGTERM every running child, SIGKILL what is still running after ``timeout``."""
-        live = [p for p in self.procs.values() if p.poll() is None]
+        live = [p for p in [*self.procs.values(), *self._retiring] if p.poll() is None]
         for p in live:
             p.terminate()
         deadline = time.time() + timeout

@@ -308,6 +308,9 @@ class PoolSpec(_Strict):
     device: str | None = None  # torch engine device (default cpu)
     prefix_cache_mib: float | None = Field(default=None, ge=0)
     session_timeout_ms: int | None = Field(default=None, ge=1)
+    # relative speed of the pool's nodes (0.3: each rollout batch takes 1/0.3 of its time):
+    # slower hardware or a shared machine, for tests and benches of unequal pools
+    speed: float | None = Field(default=None, gt=0, le=1)
     follow_weights: bool = True  # false: keep the initial weights
 
     @field_validator("workflows", mode="before")

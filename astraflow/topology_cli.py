@@ -18,7 +18,7 @@ from astraflow.topology import Topology
 SIDE_TOPICS = {
     "status": ("every component", "astraflow up, operators"),
     "dlq": ("every component", "operators"),
-    "scaling": ("an autoscaler (none ships yet)", "operators"),
+    "scaling": ("an autoscaler processor (none in this topology)", "operators' actuators"),
 }
 
 
@@ -104,10 +104,10 @@ def explain(topo: Topology) -> str:
     for name in flow_order(topo, comps):
         t = topo.topic(name)
         writers = [c.name for c in comps if name in c.outputs]
-        if name in SIDE_TOPICS:
-            writers, readers = [SIDE_TOPICS[name][0]], [SIDE_TOPICS[name][1]]
-        else:
-            readers = _readers(name, comps)
+        readers = _readers(name, comps)
+        if name in SIDE_TOPICS:  # besides the processors that name them (an autoscaler)
+            writers = writers or [SIDE_TOPICS[name][0]]
+            readers = [SIDE_TOPICS[name][1], *readers]
         parts = "partition" if t.partitions == 1 else "partitions"
         lines.append(f"  {name:<{width}}  {t.partitions:>2} {parts:<10}  "
                      f"{t.schema_type.__name__:<15}  {', '.join(writers) or '(outside)'} -> "

@@ -259,7 +259,8 @@ def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():
     data["feeder"].update(seed=3, count=50, size=10, split="eval", from_start=True,
                           dataset={"path": "d.jsonl", "prompt_field": "q"})
     data["pools"]["local"].update(device="cuda", prefix_cache_mib=0, session_timeout_ms=9000,
-                                  follow_weights=False, engine_options={"dtype": "float16"})
+                                  follow_weights=False, engine_options={"dtype": "float16"},
+                                  speed=0.3)
     data["eval"] = {"levels": "1", "size": 30}
     topo = parse_topology(data)
     init = build_parser().parse_args(_model_init_command(topo.policies["solver"]))
@@ -275,8 +276,8 @@ def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():
         3, 50, 10, "eval", True, "d.jsonl", "q", ["solver", "verifier"], "solve_verify")
     raas = _flags(plan["raas-local-0"])
     assert (raas.device, raas.prefix_cache_mib, raas.session_timeout_ms,
-            raas.no_follow_weights, raas.engine_options, raas.tasks_per_transaction) == (
-        "cuda", 0.0, 9000, True, {"dtype": "float16"}, 8)
+            raas.no_follow_weights, raas.engine_options, raas.tasks_per_transaction,
+            raas.speed) == ("cuda", 0.0, 9000, True, {"dtype": "float16"}, 8, 0.3)
     assert dict(raas.workflow_options)["solve_verify"] == {
         "temperature": 1.0, "max_new_tokens": 8, "blind": True, "verdicts_per_prompt": 4}
     solver, verifier = _flags(plan["eval-solver"]), _flags(plan["eval-verifier"])
@@ -303,6 +304,28 @@ def test_up_ends_with_a_few_lines_and_where_the_summary_is(tmp_path):
     assert len(text.splitlines()) == 4
     assert "actor: version 12, train reward 0.500, held-out accuracy 0.250 at v10" in text
     assert str(tmp_path / "summary.json") in text and "restarts: none" in text
+
+
+def test_stale_drops_are_counted_per_stage_in_the_line_and_the_closing_lines(tmp_path):
+    from astraflow.launcher import Progress, closing_lines
+    from astraflow.records import ComponentStatus
+
+    progress = Progress()
+    for cid, kind, metrics in (
+            ("staleness/a", "processor", {"staleness/dropped": 4.0}),
+            ("staleness/b", "processor", {"staleness/dropped": 1.0}),
+            ("batcher/a", "processor", {"batcher/dropped_stale": 2.0}),
+            ("staleness/a", "processor", {"staleness/dropped": 6.0}),  # newer: replaces 4
+            ("trainer.actor/0", "trainer", {"trainer/stale_dropped_total": 3.0,
+                                            "trainer/stale_dropped_groups": 1.0})):
+        progress.fold(ComponentStatus(component_id=cid, kind=kind, host="h", policy="actor",
+                                      metrics=metrics))
+    assert progress.drops_by_stage() == {"filter": 7.0, "batcher": 2.0, "trainer": 3.0}
+    assert progress.stale_dropped == 12.0
+    assert "stale drops filter 7 batcher 2 trainer 3" in progress.line(0)
+    summary = {"run": "r", "seconds": 1.0, "staleness_dropped": 12.0, "restarts": {},
+               "staleness_dropped_by_stage": progress.drops_by_stage(), "policies": {}}
+    assert "dropped: 12 (filter 7, batcher 2, trainer 3)" in closing_lines(summary, tmp_path)
 
 
 def test_a_runs_plots_are_drawn_from_its_summary(tmp_path):

@@ -70,6 +70,7 @@ def test_prometheus_exporter_serves_counters_versions_lag_staleness_and_metrics(
     assert f'astraflow_staleness_bucket{{{me},le="1"}} 3.0' in text  # 0, 1, 1
     assert f'astraflow_staleness_bucket{{{me},le="+Inf"}} 4.0' in text
     assert f"astraflow_staleness_dropped{{{me}}} 3.0" in text
+    assert f'astraflow_stale_dropped_groups_total{{{me},stage="filter"}} 3.0' in text
     observe_staleness(2)  # a closed exporter is no longer fed (nor failing)
 
 

@@ -88,3 +88,39 @@ def test_a_second_up_of_the_same_run_is_refused(tmp_path):
         holder.wait()
     with run_lock(lock):  # the holder died: its lock went with it
         pass
+
+
+def test_the_actuator_starts_and_retires_a_pools_nodes_to_follow_the_advice():
+    from astraflow.actuator import PoolActuator
+    from astraflow.records import ScalingAdvice
+
+    sleeper = _python("import time; time.sleep(60)")
+    sup = Supervisor({"raas-local-0": sleeper, "trainer-actor": sleeper},
+                     lambda name, cmd: subprocess.Popen(cmd), log=lambda m: None)
+    logs: list[str] = []
+    actuator = PoolActuator(["local"], sup, lambda pool, i: sleeper, log=logs.append,
+                            since_ms=1000)
+
+    def advice(target: int, at_ms: int = 2000, pool: str = "local") -> ScalingAdvice:
+        return ScalingAdvice(pool=pool, current_size=0, target_size=target, branch="up",
+                             wait_fraction=0.2, upper=0.1, lower=0.05, reason="r",
+                             at_ms=at_ms)
+
+    sup.start_all()
+    try:
+        assert actuator.follow(advice(3)) == 2
+        assert actuator.nodes("local") == [0, 1, 2]
+        assert all(sup.procs[f"raas-local-{i}"].poll() is None for i in range(3))
+        newest = sup.procs["raas-local-2"]
+        assert actuator.follow(advice(2)) == -1  # the newest node goes, and stays gone
+        assert actuator.nodes("local") == [0, 1]
+        newest.wait(10)
+        assert not sup.check() and "raas-local-2" not in sup.pids()
+        assert actuator.follow(advice(5, at_ms=500)) == 0  # written before this up began
+        assert actuator.follow(advice(5, pool="gpu")) == 0 and "not one of" in logs[-1]
+        assert actuator.follow(advice(3)) == 1 and actuator.nodes("local") == [0, 1, 2]
+        assert set(sup.pids()) == {"raas-local-0", "raas-local-1", "raas-local-2",
+                                   "trainer-actor"}
+    finally:
+        sup.stop_all(timeout=5)
+    assert all(p.poll() is not None for p in sup.procs.values())

@@ -1,6 +1,7 @@
 """Data algorithms as stream processors."""
 
 from astraflow.dataflow.admission import Admission
+from astraflow.dataflow.autoscaler import Autoscaler
 from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.dataflow.batcher import Batcher
 from astraflow.dataflow.class_balance import ClassBalance
@@ -28,5 +29,7 @@ PROCESSOR_KINDS.update({
 
 # backpressure: holds tasks back while the RaaS pool or a trainer lags
 PROCESSOR_KINDS[Admission.kind] = Admission
+# advice on RaaS pool sizes from the trainers' waiting (ScalingAdvice on `scaling`)
+PROCESSOR_KINDS[Autoscaler.kind] = Autoscaler
 
 __all__ = ["Incoming", "InvalidRecord", "Outgoing", "Processor", "PROCESSOR_KINDS"]

@@ -3,26 +3,40 @@ offset at a time, the newest record's timestamp. No consumer, no group."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import OffsetSpec
 
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import MissingTopicsError
 
+_NO_LEADER_YET = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                  KafkaError.UNKNOWN_TOPIC_OR_PART}
 
-def list_offsets(admin: Any, tps: Iterable[TopicPartition], spec: OffsetSpec
-                 ) -> dict[tuple[str, int], Any]:
+
+def list_offsets(admin: Any, tps: Iterable[TopicPartition], spec: OffsetSpec,
+                 retry_s: float = 15.0) -> dict[tuple[str, int], Any]:
     """``(topic, partition) -> ListOffsetsResultInfo`` (its ``offset`` and ``timestamp``)
-    of ``spec`` for every partition in ``tps``, in one request."""
+    of ``spec`` for every partition in ``tps``, in one request (retried for up to
+    ``retry_s`` while a partition has no leader yet)."""
     req = {tp: spec for tp in tps}
     if not req:
         return {}
-    res = admin.list_offsets(req, request_timeout=30)
-    return {(tp.topic, tp.partition): fut.result() for tp, fut in res.items()}
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            res = admin.list_offsets(req, request_timeout=30)
+            return {(tp.topic, tp.partition): fut.result() for tp, fut in res.items()}
+        except KafkaException as e:
+            # a topic created a moment ago may have no leader yet
+            err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+            if err is None or err.code() not in _NO_LEADER_YET or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 class Offsets:

@@ -145,9 +145,22 @@ class ProcessorRuntime:
                                              self.component_id, control=self))
 
     def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
-        for m in msgs:
+        if self.clock is None:
+            for m in msgs:
+                self._process(m, cp)
+            self._flush(cp, 0)
+            return
+        # event time: the records in time order, and what is due emitted as each arrives,
+        # judged at its time, as when they arrived one by one (a backlog judged at its
+        # newest record's time would make a batcher drop as stale what it batched live)
+        for m in sorted(msgs, key=lambda m: m.timestamp()[1]):
             self._process(m, cp)
-        stamp = self.clock.at_stream() if self.clock is not None else 0
+            self._flush(cp, self.clock.now_ms)
+        if not msgs:
+            self._flush(cp, self.clock.at_stream())
+
+    def _flush(self, cp: Checkpoint, stamp: int) -> None:
+        """Add what the processor emits now (at ``stamp`` in event time, else now)."""
         for o in self.processor.flush(stamp or now_ms()):
             try:
                 self._add(cp, o, None, stamp)

@@ -156,6 +156,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         n_samples=args.n_samples,
         tasks_per_transaction=args.tasks_per_transaction,
         session_timeout_ms=args.session_timeout_ms,
+        speed=args.speed,
         follow_weights=not args.no_follow_weights,
         workflow_options=workflow_options,
     )
@@ -194,6 +195,10 @@ _NODE: list[Option] = [
     (("--n-samples",), dict(type=int, default=4, metavar="N", help="samples per task")),
     (("--tasks-per-transaction",), dict(type=int, default=1, metavar="K")),
     (("--session-timeout-ms",), dict(type=int, default=10_000)),
+    (("--speed",), dict(type=float, default=1.0, metavar="F", help="run at this fraction of "
+                        "the node's speed (0 < F <= 1): each rollout batch is followed by a "
+                        "pause of (1/F - 1) times its duration (unequal pools in tests and "
+                        "benches)")),
     (("--no-follow-weights",), dict(action="store_true", help="keep the initial weights; do "
                                     "not follow weights.<policy>")),
     (("--workflow-options",), dict(

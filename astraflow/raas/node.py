@@ -53,6 +53,7 @@ class NodeOptions:
     session_timeout_ms: int = 10_000
     max_poll_interval_ms: int = 600_000  # longest rollout batch before the group evicts us
     follow_weights: bool = True
+    speed: float = 1.0  # < 1: pause (1/speed - 1) x each rollout batch's duration
     weights_catchup_s: float = 10.0
     workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -154,7 +155,9 @@ class RaaSNode:
         self.refresh_weights()
         if not msgs:
             return
+        t0 = time.monotonic()
         groups, dead = self._rollouts(msgs)
+        self._slow_down(time.monotonic() - t0)
         for letter in dead:
             cp.dead_letter(letter)
         for m, g in groups:
@@ -162,6 +165,18 @@ class RaaSNode:
                 cp.add(self._out, g, g.prompt_id)
             except RecordTooLarge as e:
                 cp.dead_letter(self._dead_task(m, e))
+
+    def _slow_down(self, seconds: float) -> None:
+        """At ``speed`` < 1, pause as long as a node that much slower would still work (the
+        pause counts as busy time, as the work would)."""
+        speed = self.options.speed
+        if speed >= 1:
+            return
+        if speed <= 0:
+            raise ValueError(f"speed {speed}: must be above 0")
+        end = time.monotonic() + seconds * (1 / speed - 1)
+        while not self.loop.stopping and (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.1, left))
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
         return {}

@@ -176,6 +176,10 @@ class TrainerService:
         self.version: int | None = None
         self.resumed_from: int | None = None
         self.last_metrics: dict[str, float] = {}
+        # since this process started: groups dropped as too stale, and batches skipped
+        # because every group of theirs was (reported as trainer/stale_*)
+        self.stale_dropped = 0
+        self.stale_skipped_batches = 0
         self.positions: dict[tuple[str, int], int] = {}
         # recorded trainer states, oldest first: (version, optimizer and master blobs)
         self._state_refs: list[tuple[int, list[BlobRef]]] = []
@@ -389,6 +393,8 @@ class TrainerService:
         metrics = {k: float(v) for k, v in self.last_metrics.items()}
         metrics["trainer/wait_fraction"] = self.wait_fraction()
         metrics["trainer/version"] = float(self.version if self.version is not None else -1)
+        metrics["trainer/stale_dropped_total"] = float(self.stale_dropped)
+        metrics["trainer/stale_skipped_batches"] = float(self.stale_skipped_batches)
         return ComponentStatus(
             component_id=self.component_id,
             kind="trainer",
@@ -473,14 +479,9 @@ class TrainerService:
         assert self.version is not None
         metrics = self.trainer.train_step(batch, current_version=self.version)
         self.positions = dict(self.loop.positions)
+        self.stale_dropped += int(metrics["trainer/stale_dropped_groups"])
         if metrics["trainer/loss_tokens"] == 0:
-            # nothing trained (every group was stale): consume the batch without publishing a
-            # version, or empty versions would make yet more data stale. Weights and optimizer
-            # are unchanged, so re-reading it after a restart decides the same way.
-            self.last_metrics = {**self.last_metrics, **metrics}
-            log.info("%s: batch %s @%s[%d]:%d skipped at v%d: %d stale groups dropped",
-                     self.component_id, batch.batch_id, topic, part, off, self.version,
-                     int(metrics["trainer/stale_dropped_groups"]))
+            self._skip(batch, (topic, part, off), metrics)
             return
         version = self.version + 1
         written = self._state_step(version, metrics)
@@ -528,6 +529,17 @@ class TrainerService:
             self._log_version(version, batch, (topic, part, off), metrics, manifests, written)
 
         cp.after_commit.append(committed)
+
+    def _skip(self, batch: Batch, where: tuple[str, int, int], metrics: dict[str, float]
+              ) -> None:
+        """Nothing trained (every group was stale): the batch is consumed without a version,
+        or empty versions would make yet more data stale. Weights and optimizer are
+        unchanged, so re-reading it after a restart decides the same way."""
+        dropped = int(metrics["trainer/stale_dropped_groups"])
+        self.stale_skipped_batches += int(dropped > 0)
+        self.last_metrics = {**self.last_metrics, **metrics}
+        log.info("%s: batch %s @%s[%d]:%d skipped at v%d: %d stale groups dropped",
+                 self.component_id, batch.batch_id, *where, self.version, dropped)
 
     def _log_version(self, version: int, batch: Batch, where: tuple[str, int, int],
                      metrics: dict[str, float], manifests: list[WeightManifest],
