@@ -169,7 +169,7 @@ class ChainRun:
 
     def __init__(self, topo: Topology, chain: list[str], config: KafkaConfig,
                  history: dict[str, list[tuple[int, int]]]):
-        self.topo, self.chain, self.config = topo, chain, config
+        self.topo, self.chain = topo, chain
         self.upstream = upstream_of(topo, chain)
         self.runtimes: dict[str, ProcessorRuntime] = {}
         for name in chain:

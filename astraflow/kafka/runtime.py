@@ -154,8 +154,10 @@ class ProcessorRuntime:
         # judged at its time, as when they arrived one by one (a backlog judged at its
         # newest record's time would make a batcher drop as stale what it batched live)
         for m in sorted(msgs, key=lambda m: m.timestamp()[1]):
-            self._process(m, cp)
-            self._flush(cp, self.clock.now_ms)
+            ts = m.timestamp()[1]
+            self.clock.at_record(ts)
+            self._process(m, cp, ts)
+            self._flush(cp, ts)
         if not msgs:
             self._flush(cp, self.clock.at_stream())
 
@@ -170,15 +172,13 @@ class ProcessorRuntime:
                     source_topic=self.topology.full_name(o.topic), partition=-1, offset=-1,
                     component_id=self.component_id, error=f"RecordTooLarge: {e}", raw=b""))
 
-    def _process(self, m: Message, cp: Checkpoint) -> None:
+    def _process(self, m: Message, cp: Checkpoint, stamp: int = 0) -> None:
+        """One input: decode, check, process, add the outputs (stamped ``stamp``; 0: when
+        produced)."""
         # the hot path: every input passes here, so it does each thing once, in place
         topic, part, off, value = m.topic(), m.partition(), m.offset(), m.value()
         name, expect, problem = self._input_of[topic]
         ts = m.timestamp()[1]
-        stamp = 0  # outputs stamped when produced, unless in event time
-        if self.clock is not None:
-            self.clock.at_record(ts)
-            stamp = ts
         try:
             record = self._decode(value, topic, part, off, expect)
             if problem is not None and (why := problem(record)):

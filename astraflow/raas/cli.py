@@ -14,6 +14,16 @@ from typing import Any
 from astraflow.cliargs import Option, add_command, add_group, add_run_options, add_table
 
 
+def _speed(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction above 0 and at most 1")
+    return value
+
+
 def _kv(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name or not value:
@@ -195,7 +205,7 @@ _NODE: list[Option] = [
     (("--n-samples",), dict(type=int, default=4, metavar="N", help="samples per task")),
     (("--tasks-per-transaction",), dict(type=int, default=1, metavar="K")),
     (("--session-timeout-ms",), dict(type=int, default=10_000)),
-    (("--speed",), dict(type=float, default=1.0, metavar="F", help="run at this fraction of "
+    (("--speed",), dict(type=_speed, default=1.0, metavar="F", help="run at this fraction of "
                         "the node's speed (0 < F <= 1): each rollout batch is followed by a "
                         "pause of (1/F - 1) times its duration (unequal pools in tests and "
                         "benches)")),

@@ -57,6 +57,10 @@ class NodeOptions:
     weights_catchup_s: float = 10.0
     workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not 0 < self.speed <= 1:
+            raise ValueError(f"speed {self.speed}: must be above 0 and at most 1")
+
 
 @dataclass
 class NodeCounters(RuntimeCounters):
@@ -172,8 +176,6 @@ class RaaSNode:
         speed = self.options.speed
         if speed >= 1:
             return
-        if speed <= 0:
-            raise ValueError(f"speed {speed}: must be above 0")
         end = time.monotonic() + seconds * (1 / speed - 1)
         while not self.loop.stopping and (left := end - time.monotonic()) > 0:
             time.sleep(min(0.1, left))
