@@ -95,7 +95,9 @@ def build_variant(base: dict[str, Any], variant: str, *, model: str, state_dir: 
     for policy, spec in doc["policies"].items():
         spec["model"] = model
         spec["init_tiny"] = False
-        spec["trainer"] = {**spec.get("trainer", {}), "seed": seed,
+        # keep_versions 0: the bench rebuilds version N after the run, which has gone on
+        # past N by then; pruning to the last 20 versions could have removed it
+        spec["trainer"] = {**spec.get("trainer", {}), "seed": seed, "keep_versions": 0,
                            "state_dir": f"{state_dir}/{policy}"}
     if doc.get("feeder") is not None:
         doc["feeder"]["seed"] = seed
