@@ -247,9 +247,17 @@ class Progress:
     # workflow's own metrics (e.g. verify/*), averaged over the groups since its last status
     policy_rollout: dict[str, dict[str, float]] = field(default_factory=dict)
     workflow: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the admission's tasks in flight and their target (its tightest RaaS group), and the
+    # most of each seen
+    tasks: dict[str, float] = field(default_factory=dict)
 
     def fold(self, status) -> None:
         m = status.metrics
+        if "admission/bound_pool" in m:
+            n, target = m["admission/pool_lag"], m["admission/bound_pool"]
+            self.tasks.update(in_flight=n, target=target,
+                              in_flight_max=max(n, self.tasks.get("in_flight_max", 0.0)),
+                              target_max=max(target, self.tasks.get("target_max", 0.0)))
         for stage, key in STALENESS_DROPS.items():
             if key in m:
                 self.drops.setdefault(stage, {})[status.component_id] = m[key]
@@ -325,6 +333,8 @@ class Progress:
             r = sum(self.rollout_reward.values()) / len(self.rollout_reward)
             parts.append(f"rollout reward {r:.3f}")
         parts.append(f"tasks lag {lag}" if lag is not None else "Kafka not answering")
+        if self.tasks:
+            parts.append(f"in flight {self.tasks['in_flight']:.0f}/{self.tasks['target']:.0f}")
         by_stage = self.drops_by_stage()
         parts.append("stale drops " + (" ".join(f"{k} {v:.0f}" for k, v in by_stage.items())
                                        if by_stage else "0"))
@@ -423,6 +433,10 @@ def closing_lines(summary: dict[str, Any], run_dir: Path) -> str:
     where = " (" + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()) + ")" if stages else ""
     lines.append(f"  stale groups dropped: {summary['staleness_dropped']:.0f}{where}; "
                  f"restarts: {summary['restarts'] or 'none'}")
+    tasks = summary.get("tasks_in_flight") or {}
+    if tasks:
+        lines.append(f"  tasks in flight: at most {tasks['in_flight_max']:.0f} "
+                     f"(admission target at most {tasks['target_max']:.0f})")
     lines.append(f"summary: {run_dir / 'summary.json'}"
                  + (f"; plot: {summary['plot']}" if summary.get("plot") else ""))
     return "\n".join(lines)
@@ -475,7 +489,7 @@ def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Prog
     status = _status_table(config, topo.full_name("status"), progress, series)
     scaling = _scaling_table(topo, args.topology, config, sup, pids)
     lags = LagReader(config)
-    pool_groups = [topo.raas_group(p) for p in topo.pools]
+    pool_groups = list(topo.raas_groups())
     stop = {"flag": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -727,6 +741,7 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
                  for p, pts in progress.eval.items()},
         "staleness_dropped": progress.stale_dropped,
         "staleness_dropped_by_stage": progress.drops_by_stage(),
+        "tasks_in_flight": progress.tasks,
         "policies": progress.policy_summary(topo.policies),
         "workflow_metrics": progress.workflow_metrics(),
         "restarts": restarts,

@@ -312,6 +312,10 @@ class PoolSpec(_Strict):
     # slower hardware or a shared machine, for tests and benches of unequal pools
     speed: float | None = Field(default=None, gt=0, le=1)
     follow_weights: bool = True  # false: keep the initial weights
+    # true: the pool's nodes join the run's one RaaS group on `tasks` with every other
+    # sharing pool, so each task is rolled out once, by whichever pool takes it; false:
+    # the pool has a group of its own and rolls out every task (a second engine's pass)
+    share_tasks: bool = True
 
     @field_validator("workflows", mode="before")
     @classmethod
@@ -415,7 +419,21 @@ class Topology(_Strict):
         self._check_topics()
         self._check_processors()
         self._resolve_staleness()
+        self._check_task_partitions()
         return self
+
+    def _check_task_partitions(self) -> None:
+        """Nodes beyond the partitions of ``tasks`` in one group would get none: refuse."""
+        if "tasks" not in self.topics:
+            return
+        partitions = self.topic("tasks").partitions
+        for group, pools in self.raas_groups().items():
+            nodes = sum(self.pools[p].nodes for p in pools if p in self.pools)
+            if nodes > partitions:
+                raise ValueError(
+                    f"topics.tasks.partitions: {partitions} partitions for the {nodes} nodes "
+                    f"of pools {', '.join(pools)} (group {group}); a node gets tasks only "
+                    f"from partitions of its own, so give tasks at least {nodes}")
 
     def _check_topics(self) -> None:
         for name, spec in self.topics.items():
@@ -517,8 +535,21 @@ class Topology(_Strict):
         return spec.group or f"{self.run}.{processor}"
 
     def raas_group(self, pool: str) -> str:
-        """The consumer group of a RaaS pool's nodes (they share its ``tasks``)."""
-        return f"{self.run}.raas.{pool}"
+        """The consumer group of a RaaS pool's nodes on ``tasks``: the run's one shared
+        group ``<run>.raas`` (each task rolled out once, by whichever sharing pool takes
+        it), or ``<run>.raas.<pool>`` for a pool with ``share_tasks: false``."""
+        spec = self.pools.get(pool)
+        if spec is not None and not spec.share_tasks:
+            return f"{self.run}.raas.{pool}"
+        return f"{self.run}.raas"
+
+    def raas_groups(self) -> dict[str, list[str]]:
+        """Each RaaS consumer group on ``tasks`` -> the pools in it (sorted; a topology
+        without pools has the shared group of the nodes' default pool)."""
+        out: dict[str, list[str]] = {}
+        for pool in sorted(self.pools) or ["default"]:
+            out.setdefault(self.raas_group(pool), []).append(pool)
+        return out
 
     def trainer_group(self, policy: str) -> str:
         return f"{self.run}.trainer.{policy}"
@@ -528,7 +559,8 @@ class Topology(_Strict):
         input topics)`` (logical topic names): processors, RaaS pools and trainers."""
         out = [(f"processor {name}", self.group_of(name), list(spec.inputs))
                for name, spec in self.processors.items()]
-        out += [(f"pool {pool}", self.raas_group(pool), ["tasks"]) for pool in self.pools]
+        out += [(f"pool {', '.join(pools)}", group, ["tasks"])
+                for group, pools in self.raas_groups().items() if self.pools]
         out += [(f"trainer {policy}", self.trainer_group(policy), [f"batches.{policy}"])
                 for policy in self.policies]
         return out

@@ -61,7 +61,12 @@ def test_dynamic_sampling_sits_between_raw_trajectories_and_the_staleness_filter
 
 
 def test_greso_replaces_the_pass_through():
-    _, topo = _variant("greso")
+    base = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
+    base["processors"] = {("forward-tasks" if n == "admission" else n):
+                          ({"kind": "passthrough", "inputs": ["tasks.source"],
+                            "outputs": ["tasks"]} if n == "admission" else p)
+                          for n, p in base["processors"].items()}
+    _, topo = _variant("greso", base=base)
     assert "forward-tasks" not in topo.processors
     g = topo.processors["greso"]
     assert (g.kind, g.inputs, g.outputs, g.options["seed"]) == (
@@ -69,8 +74,7 @@ def test_greso_replaces_the_pass_through():
 
 
 def test_greso_goes_ahead_of_other_readers_when_there_is_no_pass_through():
-    base = yaml.safe_load((REPO / "topology" / "admission.yaml").read_text())
-    _, topo = _variant("greso", base=base)
+    _, topo = _variant("greso")  # the default topology: admission, no pass-through
     assert _chain(topo, "tasks.source") == ["greso", "admission"]
     assert topo.processors["admission"].inputs == ["tasks.selected"]
 

@@ -30,7 +30,7 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     assert (a.trainer, a.max_staleness) == (t.trainer, t.max_staleness)
     assert a.model != t.model
     assert not [n for n in alone.topics if "verifier" in n]
-    assert set(alone.processors) == {"forward-tasks", "staleness", "router", "batcher-solver"}
+    assert set(alone.processors) == {"admission", "staleness", "router", "batcher-solver"}
     assert alone.processors["staleness"].options["policies"] == ["solver"]
     assert alone.processors["router"].outputs == ["samples.solver"]
     procs = plan_processes(alone, "alone.yaml")

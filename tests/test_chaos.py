@@ -193,8 +193,8 @@ def _account(run: Run, killed: str | None = None) -> dict:
     r = run.run
     routed = lambda g: g.group_id.rsplit("/", 1)[0]  # noqa: E731 - the router adds /<policy>
     for name, ins, outs, key, out_key in [
-            ("forward-tasks", source, tasks, task_id, task_id),
-            ("raas.local", tasks, raw, task_id, task_id),
+            ("admission", source, tasks, task_id, task_id),
+            ("raas", tasks, raw, task_id, task_id),
             ("router", traj, samples, group_id, routed)]:
         lost = _stage(name, run, ins, [o for *_, o in outs], key, out_key, f"{r}.{name}", dead)
         assert not lost, f"{name}: {len(lost)} inputs lost, e.g. {[key(x) for x in lost[:3]]}"

@@ -92,13 +92,13 @@ def test_every_processor_of_every_topology_has_its_own_service(path):
 
 
 def test_the_processor_check_fails_when_a_service_is_missing():
-    for victim in ("da-greso", "admission-batcher", "batcher"):
+    for victim in ("da-greso", "replay-batcher", "batcher"):
         services = {n: s for n, s in SERVICES.items() if n != victim}
         assert _missing_processor_services(services), victim
     # a service running the processor with another topology does not count
     moved = dict(SERVICES)
     moved["da-greso"] = {**SERVICES["da-greso"],
-                         "command": [c.replace("data-algorithms", "admission")
+                         "command": [c.replace("data-algorithms", "replay")
                                      for c in SERVICES["da-greso"]["command"]]}
     assert "topology/data-algorithms.yaml: greso" in _missing_processor_services(moved)
 

@@ -185,7 +185,7 @@ def test_the_default_plan_is_the_one_before_the_typed_topology():
                           "runs/default/model", "--lr", "0.0001", "--anchor-interval", "10",
                           "--temperature", "1.0", "--max-staleness", "4"],
         **{f"processor-{n}": ["processor", "run", n, "--topology", path, "--instance", "up"]
-           for n in ("forward-tasks", "staleness", "router", "batcher")},
+           for n in ("admission", "staleness", "router", "batcher")},
         "raas-local-0": ["raas", "run", "--topology", path, "--pool", "local", "--instance",
                          "local-0", "--n-samples", "8", "--policy-model",
                          "actor=runs/default/model", "--workflow-options",

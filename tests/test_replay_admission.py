@@ -13,12 +13,13 @@ from astraflow.dataflow.admission import (
     AdmissionPolicy,
     Observation,
     pool_bounds,
+    task_groups,
     trainer_bounds,
 )
 from astraflow.dataflow.batcher import Batcher, BatcherOptions, ReplayBuffer
 from astraflow.dataflow.versions import StaticVersions
 from astraflow.records import Batch, Task
-from astraflow.topology import parse_topology
+from astraflow.topology import TopologyError, parse_topology
 
 from .test_processors import group, seq
 
@@ -180,18 +181,24 @@ def test_admission_key_routing_leaves_partitioning_to_the_producer():
     assert d.partitions == [None, None, None]
 
 
-def test_bounds_are_derived_from_pools_and_staleness():
-    topo = parse_topology({
+def _two_pool_topology(share_b: bool):
+    return parse_topology({
         "run": "r",
-        "topics": {"tasks.source": {}, "tasks": {}, "samples.actor": {}, "batches.actor": {}},
+        "topics": {"tasks.source": {}, "tasks": {"partitions": 5}, "samples.actor": {},
+                   "batches.actor": {}},
         "processors": {
             "admit": {"kind": "admission", "inputs": ["tasks.source"], "outputs": ["tasks"]},
             "batch": {"kind": "batcher", "inputs": ["samples.actor"],
                       "outputs": ["batches.actor"],
                       "options": {"policy": "actor"}}},
         "policies": {"actor": {"model": "m", "max_staleness": 3}},
-        "pools": {"a": {"nodes": 3}, "b": {"nodes": 2, "tasks_per_transaction": 4}},
+        "pools": {"a": {"nodes": 3},
+                  "b": {"nodes": 2, "tasks_per_transaction": 4, "share_tasks": share_b}},
     })
+
+
+def test_bounds_are_derived_from_pools_and_staleness():
+    topo = _two_pool_topology(share_b=False)
     assert pool_bounds(topo, AdmissionOptions()) == {"a": 6, "b": 16}
     assert pool_bounds(topo, AdmissionOptions(queue_factor=1.5, pools=["a"])) == {"a": 5}
     assert pool_bounds(topo, AdmissionOptions(pool_capacity=4)) == {"a": 8, "b": 8}
@@ -203,6 +210,26 @@ def test_bounds_are_derived_from_pools_and_staleness():
     bare = parse_topology({"run": "r", "topics": {"tasks.source": {}, "tasks": {}}})
     assert pool_bounds(bare, AdmissionOptions()) == {"default": 2}
     assert trainer_bounds(bare, AdmissionOptions()) == {}
+
+
+def test_pools_sharing_tasks_are_one_group_with_their_summed_capacity():
+    shared = _two_pool_topology(share_b=True)
+    assert shared.raas_groups() == {"r.raas": ["a", "b"]}
+    assert [(g.label, g.group, g.capacity) for g in task_groups(shared, AdmissionOptions())] \
+        == [("a+b", "r.raas", 11)]
+    assert pool_bounds(shared, AdmissionOptions()) == {"a+b": 22}
+    own = _two_pool_topology(share_b=False)
+    assert own.raas_groups() == {"r.raas": ["a"], "r.raas.b": ["b"]}
+    assert own.raas_group("b") == "r.raas.b" and own.raas_group("a") == "r.raas"
+
+
+def test_more_sharing_nodes_than_task_partitions_fail_at_load():
+    with pytest.raises(TopologyError, match="topics.tasks.partitions: 3 partitions for the 5 "
+                                            "nodes of pools a, b"):
+        parse_topology({"run": "r", "topics": {"tasks": {}},
+                        "pools": {"a": {"nodes": 3}, "b": {"nodes": 2}}})
+    parse_topology({"run": "r", "topics": {"tasks": {}},  # own groups: 3 each is fine
+                    "pools": {"a": {"nodes": 3}, "b": {"nodes": 2, "share_tasks": False}}})
 
 
 # --- the processor, with scripted lags --------------------------------------------------
@@ -295,7 +322,7 @@ def test_example_topology_bounds():
 
     from astraflow.topology import load_topology
 
-    topo = load_topology(Path(__file__).resolve().parents[1] / "topology" / "admission.yaml")
+    topo = load_topology(Path(__file__).resolve().parents[1] / "topology" / "replay.yaml")
     spec = topo.processors["admission"]
     options = AdmissionOptions(**spec.options)
     assert spec.inputs == ["tasks.source"] and spec.outputs == ["tasks"]

@@ -131,7 +131,7 @@ def test_admission_bounds_tasks_in_flight_while_the_pool_is_stalled(kafka_config
     thread = run_in_thread(rt)
     feeder = Feeder(kafka_config, topo.full_name("tasks.source"), rate=10)
     follower = Follower(kafka_config, tasks, 3)
-    pool = FakePool(kafka_config, tasks, f"{topo.run}.raas.local", 3)
+    pool = FakePool(kafka_config, tasks, topo.raas_group("local"), 3)
     lags = LagReader(kafka_config)
     seen_in_flight: list[int] = []
 
@@ -416,7 +416,7 @@ def test_admission_in_front_of_a_real_raas_node(kafka_config, kafka_bootstrap, m
         nonlocal peak
         follower.drain()  # admitted so far; the commits read after can only be newer
         committed = {r.partition: (r.committed or 0)
-                     for r in lags.lag(f"{topo.run}.raas.local", [tasks])}
+                     for r in lags.lag(topo.raas_group("local"), [tasks])}
         in_flight = follower.past(committed)
         peak = max(peak, in_flight)
         assert in_flight <= 2, f"{in_flight} tasks in flight, bound 2"

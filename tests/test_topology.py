@@ -330,7 +330,7 @@ def test_explain_prints_topics_in_flow_order_with_writers_and_readers():
     assert "1 partition " in row and "WeightManifest" in row
     assert "trainer verifier -> pool local (follows), eval verifier (follows)" in row
     row = next(line for line in lines if line.startswith("  tasks.source "))
-    assert "3 partitions" in row and "Task " in row and "feeder -> forward-tasks" in row
+    assert "3 partitions" in row and "Task " in row and "feeder -> admission" in row
     assert any(line.startswith("  trainer solver: batches.solver -> weights.solver") and
                "max_staleness 16" in line for line in lines)
 
@@ -366,7 +366,7 @@ def test_consumer_groups_cover_processors_raas_pools_and_trainers():
 
     topo = load_topology("topology/default.yaml")
     groups = {component: (group, inputs) for component, group, inputs in topo.consumer_groups()}
-    assert groups["pool local"] == ("default.raas.local", ["tasks"])
+    assert groups["pool local"] == ("default.raas", ["tasks"])
     assert groups["trainer actor"] == ("default.trainer.actor", ["batches.actor"])
     assert groups["processor batcher"] == (topo.group_of("batcher"), ["samples.actor"])
     assert len(groups) == len(topo.processors) + len(topo.pools) + len(topo.policies)

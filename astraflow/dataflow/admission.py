@@ -5,11 +5,14 @@ or after the pre-rollout processors). It holds the tasks it consumes in memory (
 offsets are not committed while held, so nothing is lost on a crash) and lets them through
 only while two consumer-group lags stay within their bounds:
 
-- **pool** -- tasks in flight for a RaaS pool: the records on ``tasks`` past the committed
-  offset of the pool's group ``<run>.raas.<pool>`` (queued or being rolled out; a node
-  commits a task together with its trajectories). Bound: ``queue_factor x capacity``,
-  capacity = nodes x tasks per transaction (``pools:`` of the topology), so every rollout
-  slot has one task running and one waiting;
+- **pool** -- tasks in flight for a RaaS group: the records on ``tasks`` past the committed
+  offsets of the group (``<run>.raas``, shared by the pools, or ``<run>.raas.<pool>`` of a
+  pool with ``share_tasks: false``): queued or being rolled out, since a node commits a
+  task together with its trajectories. Bound: a target from the group's measured
+  throughput and the staleness bound (``lag_target.LagTargets``): at least one task
+  running and one waiting per rollout slot, at most what the group rolls out in half the
+  staleness bound; ``queue_factor x capacity`` (capacity = nodes x tasks per transaction)
+  until throughput is measured;
 - **trainer** -- batches queued for a trainer: records on ``batches.<policy>`` past the
   committed offset of ``<run>.trainer.<policy>``. Every queued batch becomes one weight
   version before anything rolled out now is trained, so a task admitted while ``L``
@@ -22,7 +25,9 @@ side reader (``RecordCounter``) follows ``tasks`` and ``batches.*`` without a gr
 remembers where the data records are. The decision itself (``AdmissionPolicy``) is plain
 logic; ``LagObserver`` reads Kafka; ``Admission`` is the processor joining them. Lags are
 read every ``poll_interval_s`` (0.5 s), and tasks are admitted only right after a read,
-so each decision sees everything admitted before it.
+so each decision sees everything admitted before it. Each admitted task goes to the
+partition of ``tasks`` whose queue clears first at its node's measured rate, so pools
+sharing the group get tasks in proportion to their throughput and a slow pool holds few.
 
 When more than ``max_held`` tasks wait, the processor asks the runtime to pause its input
 and resumes it below half of that.
@@ -36,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,6 +51,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
+from astraflow.dataflow.lag_target import LagTargets, route_by_wait
 from astraflow.kafka.lag import LagReader, PartitionLag
 
 log = logging.getLogger("astraflow.admission")
@@ -63,7 +70,10 @@ class AdmissionOptions(BaseModel):
         default=None, ge=1, description="tasks one pool rolls out at once (default: nodes x "
                                         "tasks_per_transaction from pools:)")
     queue_factor: float = Field(default=2.0, gt=0, description="pool bound = factor x capacity")
-    max_pool_lag: int | None = Field(default=None, ge=1, description="pool bound, overrides")
+    max_pool_lag: int | None = Field(default=None, ge=1,
+                                     description="fixed pool bound instead of the measured target")
+    max_queue_s: float = Field(default=60.0, gt=0, description="the target never holds more "
+                               "than this many seconds of a group's measured throughput")
     max_staleness: int | None = Field(
         default=None, ge=0, description="default: the batcher's (or staleness filter's) "
                                         "max_staleness for the policy, else 4")
@@ -105,9 +115,10 @@ class AdmissionPolicy:
         self.route = route
 
     def decide(self, pool_in_flight: dict[str, dict[int, int]], trainer_lag: dict[str, int],
-               waiting: int) -> AdmissionDecision:
-        """``pool_in_flight``: pool -> partition -> tasks in flight; ``trainer_lag``:
-        policy -> batches queued; ``waiting``: tasks held here."""
+               waiting: int, rates: dict[int, float] | None = None) -> AdmissionDecision:
+        """``pool_in_flight``: group -> partition -> tasks in flight; ``trainer_lag``:
+        policy -> batches queued; ``waiting``: tasks held here; ``rates``: partition ->
+        measured service rate, for routing (one group only)."""
         for policy, bound in sorted(self.trainer_bounds.items()):
             lag = trainer_lag.get(policy, 0)
             if lag > bound:
@@ -122,7 +133,8 @@ class AdmissionPolicy:
                                      f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
                                      headroom)
         n = min(waiting, headroom)
-        return AdmissionDecision(n, self._route(pool_in_flight, n), "admitting", "", headroom)
+        return AdmissionDecision(n, self._route(pool_in_flight, n, rates), "admitting", "",
+                                 headroom)
 
     def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
         room = {p: b - sum(pool_in_flight.get(p, {}).values())
@@ -130,7 +142,8 @@ class AdmissionPolicy:
         tightest = min(sorted(room), key=lambda p: room[p])
         return room[tightest], tightest
 
-    def _route(self, pool_in_flight: dict[str, dict[int, int]], n: int) -> list[int | None]:
+    def _route(self, pool_in_flight: dict[str, dict[int, int]], n: int,
+               rates: dict[int, float] | None = None) -> list[int | None]:
         if self.route == "key" or n == 0:
             return [None] * n
         load: dict[int, int] = {}
@@ -139,6 +152,8 @@ class AdmissionPolicy:
                 load[p] = load.get(p, 0) + c
         if not load:
             return [None] * n
+        if len(pool_in_flight) == 1:  # one group: the partition whose queue clears first
+            return list(route_by_wait(load, rates or {}, n))
         out: list[int | None] = []
         for _ in range(n):
             p = min(sorted(load), key=lambda q: load[q])
@@ -147,19 +162,44 @@ class AdmissionPolicy:
         return out
 
 
-def pool_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
-    """Pool -> most tasks in flight: ``max_pool_lag``, else ceil(queue_factor x capacity)."""
-    pools = options.pools or list(topology.pools) or ["default"]
-    out = {}
-    for pool in pools:
-        if options.max_pool_lag is not None:
-            out[pool] = options.max_pool_lag
+@dataclass(frozen=True)
+class TaskGroup:
+    """A RaaS consumer group on ``tasks``: ``label`` (its pool, or its pools joined by
+    ``+``), the group id, and its capacity (tasks its nodes roll out at once)."""
+
+    label: str
+    group: str
+    capacity: int
+
+
+def task_groups(topology: Any, options: AdmissionOptions) -> list[TaskGroup]:
+    """The RaaS groups the admission watches: those of ``options.pools`` (default: every
+    pool of the topology, else the nodes' default pool)."""
+    wanted = set(options.pools or list(topology.pools) or ["default"])
+    out = []
+    for group, pools in topology.raas_groups().items():
+        mine = [p for p in pools if p in wanted]
+        if not mine:
             continue
         capacity = options.pool_capacity
         if capacity is None:
-            spec = topology.pools.get(pool)
-            capacity = max(1, spec.nodes * spec.tasks_per_transaction) if spec else 1
-        out[pool] = max(1, math.ceil(options.queue_factor * capacity))
+            specs = [topology.pools[p] for p in pools if p in topology.pools]
+            capacity = max(1, sum(s.nodes * s.tasks_per_transaction for s in specs))
+        out.append(TaskGroup("+".join(pools), group, capacity))
+    for pool in sorted(wanted - {p for ps in topology.raas_groups().values() for p in ps}):
+        out.append(TaskGroup(pool, topology.raas_group(pool), options.pool_capacity or 1))
+    return out
+
+
+def pool_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
+    """Group label -> most tasks in flight before anything is measured: ``max_pool_lag``,
+    else ceil(queue_factor x capacity)."""
+    out = {}
+    for g in task_groups(topology, options):
+        if options.max_pool_lag is not None:
+            out[g.label] = options.max_pool_lag
+        else:
+            out[g.label] = max(1, math.ceil(options.queue_factor * g.capacity))
     return out
 
 
@@ -215,6 +255,8 @@ class RecordCounter:
         self._floor: dict[tuple[str, int], int] = {}
         self._seen: dict[tuple[str, int], list[int]] = {}
         self._pos: dict[tuple[str, int], int] = {}
+        # data records the floor passed since the counter (re)started, per partition
+        self.passed: dict[tuple[str, int], int] = {}
 
     def follow(self, floors: dict[tuple[str, int], int]) -> None:
         """Read each partition from its floor on; a floor that moved back restarts it."""
@@ -222,12 +264,15 @@ class RecordCounter:
             self._floor = dict(floors)
             self._seen = {tp: [] for tp in floors}
             self._pos = dict(floors)
+            self.passed = {tp: 0 for tp in floors}
             self.consumer.assign([TopicPartition(t, p, f) for (t, p), f in floors.items()])
             return
         for tp, f in floors.items():
             if f > self._floor[tp]:
                 seen = self._seen[tp]
-                del seen[: bisect.bisect_left(seen, f)]
+                cut = bisect.bisect_left(seen, f)
+                self.passed[tp] += cut
+                del seen[:cut]
                 self._floor[tp] = f
 
     def drain(self) -> None:
@@ -277,6 +322,8 @@ class Observation:
     trainer_lag: dict[str, int]
     pool_offset_lag: dict[str, int] = field(default_factory=dict)  # what `astraflow lag` shows
     trainer_offset_lag: dict[str, int] = field(default_factory=dict)
+    # batches each trainer consumed since the observer (re)started following its topic
+    trainer_consumed: dict[str, int] = field(default_factory=dict)
 
 
 class LagSource(Protocol):
@@ -315,6 +362,9 @@ class LagObserver:
             trainer_lag={policy: sum(parts.values()) for policy, parts in batches.items()},
             pool_offset_lag={p: sum(r.lag for r in rows) for p, rows in pool_rows.items()},
             trainer_offset_lag={p: sum(r.lag for r in rows) for p, rows in trainer_rows.items()},
+            trainer_consumed={p: sum(self.batches.passed.get((r.topic, r.partition), 0)
+                                     for r in rows) for p, rows in trainer_rows.items()}
+            if self.batches else {},
         )
 
     @staticmethod
@@ -367,22 +417,34 @@ class Admission(Processor):
         self.input_paused = False
         self.last: Observation | None = None
         self.decision: AdmissionDecision | None = None
+        self.targets: LagTargets | None = None
+        self.admitted_to: dict[int | None, int] = {}  # partition -> tasks admitted to it
         self._next_read_ms = 0
 
     def open(self, context: ProcessorContext) -> None:
         topo = context.topology
         self.control = context.control
+        groups = task_groups(topo, self.options)
         if self.policy is None:
             self.policy = AdmissionPolicy(pool_bounds(topo, self.options),
                                           trainer_bounds(topo, self.options),
                                           self.options.route)
         if self.lags is None:
+            by_label = {g.label: g.group for g in groups}
             self.lags = LagObserver(
                 context.config, topo.full_name(self.outputs[0]),
-                {p: f"{topo.run}.raas.{p}" for p in self.policy.pool_bounds},
+                {label: by_label.get(label, topo.raas_group(label))
+                 for label in self.policy.pool_bounds},
                 {p: (topo.full_name(f"batches.{p}"), f"{topo.run}.trainer.{p}")
                  for p in self.policy.trainer_bounds})
-        log.info("%s: pool bounds %s, trainer bounds %s", context.component_id,
+        capacity = {g.label: g.capacity for g in groups}
+        o = self.options
+        self.targets = LagTargets(
+            {label: capacity.get(label, 1) for label in self.policy.pool_bounds},
+            self.policy.trainer_bounds, o.queue_factor, o.poll_interval_s, o.max_queue_s,
+            fixed=dict(self.policy.pool_bounds) if o.max_pool_lag is not None else None)
+        log.info("%s: groups %s, initial pool bounds %s, trainer bounds %s",
+                 context.component_id, {g.label: g.group for g in groups},
                  self.policy.pool_bounds, self.policy.trainer_bounds)
 
     def close(self) -> None:
@@ -409,7 +471,15 @@ class Admission(Processor):
             log.warning("%s: reading lags failed, holding: %s", self.name, e)
             return []
         was = self.decision.state if self.decision else None
-        d = self.policy.decide(self.last.pool_in_flight, self.last.trainer_lag, len(self.held))
+        rates = None
+        if self.targets is not None:
+            self.targets.observe(time.monotonic(), self.admitted_to, self.last.pool_in_flight,
+                                 self.last.trainer_consumed)
+            self.policy.pool_bounds = self.targets.targets()
+            if len(self.policy.pool_bounds) == 1:
+                rates = self.targets.partition_rates(next(iter(self.policy.pool_bounds)))
+        d = self.policy.decide(self.last.pool_in_flight, self.last.trainer_lag, len(self.held),
+                               rates)
         self.decision = d
         if d.state != was:
             if d.state == "holding":
@@ -422,6 +492,7 @@ class Admission(Processor):
         for partition in d.partitions:
             m = self.held.popleft()
             out.append(Outgoing(self.outputs[0], m.record, key=m.key, partition=partition))
+            self.admitted_to[partition] = self.admitted_to.get(partition, 0) + 1
         self.admitted += len(out)
         return out
 
@@ -473,6 +544,12 @@ class Admission(Processor):
             for p in pb:
                 out[f"admission/pool_lag/{p}"] = float(pool_lag[p])
                 out[f"admission/bound_pool/{p}"] = float(pb[p])
+                rate = self.targets.rate(p) if self.targets else None
+                if rate is not None:
+                    out[f"admission/throughput/{p}"] = rate
+        budget = self.targets.budget_s() if self.targets else None
+        if budget is not None:
+            out["admission/staleness_budget_s"] = budget
         if tb:  # the trainer nearest its bound, then each trainer
             lag = {p: obs.trainer_lag.get(p, 0) for p in tb}
             tight = min(sorted(tb), key=lambda p: tb[p] - lag[p])

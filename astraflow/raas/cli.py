@@ -199,7 +199,9 @@ _NODE: list[Option] = [
         action="append", type=_chat_option, metavar="POLICY=JSON",
         help='prompt format of a policy (astraflow.chat), e.g. actor=\'{"template": "auto", '
         '"system_prompt": "Answer with the number only."}\' (repeatable)')),
-    (("--pool",), dict(default="default", help="pool name; group <run>.raas.<pool>")),
+    (("--pool",), dict(default="default", help="pool name (its settings under pools: of the "
+                       "topology); the nodes join group <run>.raas, or <run>.raas.<pool> for "
+                       "a pool with share_tasks: false")),
     (("--instance",), dict(help="instance id, unique per running node (default: "
                            "$ASTRAFLOW_INSTANCE or host name)")),
     (("--n-samples",), dict(type=int, default=4, metavar="N", help="samples per task")),

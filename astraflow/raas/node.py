@@ -1,6 +1,8 @@
 """The RaaS node: tasks in, trajectory groups out, exactly once.
 
-The node consumes ``<run>.tasks`` in its pool's consumer group (``<run>.raas.<pool>``),
+The node consumes ``<run>.tasks`` in its pool's consumer group (``<run>.raas``, shared by
+the pools so that each task is rolled out once, or ``<run>.raas.<pool>`` for a pool with
+``share_tasks: false``),
 runs each task's workflow against its engines, and then, in ONE Kafka transaction,
 produces the ``TrajectoryGroup``s to ``trajectories.raw``, any dead letters to ``dlq``, an
 optional ``ComponentStatus`` to ``status``, and commits the tasks' offsets
@@ -8,7 +10,7 @@ optional ``ComponentStatus`` to ``status``, and commits the tasks' offsets
 transaction lives only as long as the produce. A node killed mid-rollout has committed
 nothing for its task: the group hands the task to another member (or to the restarted
 node), and ``read_committed`` readers see each group once. The transactional id is
-``<group>.<instance>``: a restarted instance fences its predecessor.
+``<run>.raas.<pool>.<instance>``: a restarted instance fences its predecessor.
 
 SIGTERM (``stop()``): finish the current task(s), commit, leave the group.
 """
@@ -89,7 +91,8 @@ class RaaSNode:
         self.pool = self.options.pool
         self.component_id = f"raas.{self.pool}/{self.instance}"
         self.group = topology.raas_group(self.pool)
-        self.transactional_id = f"{self.group}.{self.instance}"
+        # per pool and instance: pools sharing the group may run instances of one name
+        self.transactional_id = f"{topology.run}.raas.{self.pool}.{self.instance}"
         self.codec = make_codec_for(self.config)
         self.counters = NodeCounters()
         self._out = topology.full_name("trajectories.raw")

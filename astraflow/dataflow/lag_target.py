@@ -1,0 +1,173 @@
+"""How many tasks each RaaS group may have in flight: a target from measured throughput.
+
+Plain logic, no Kafka: ``LagTargets`` is fed one observation per lag read (tasks admitted
+so far, tasks in flight per group and partition, batches each trainer has consumed) and
+answers, per RaaS consumer group on ``tasks``:
+
+- **target** -- the most tasks in flight (queued or being rolled out)::
+
+      floor  = queue_factor x capacity + rate x poll_interval
+      target = max(floor, rate x budget), at most max(floor, rate x max_queue_s)
+
+  ``rate`` is the group's measured throughput (tasks/s). ``floor`` keeps every rollout slot
+  with a task running and one waiting until the next read. ``budget`` is half the staleness
+  bound in seconds, ``min over trainers of max_staleness / versions per second / 2``: the
+  queued tasks are rolled out within half the versions a group may lag, so work queued
+  before a trainer falls behind is not stale when it arrives. Before anything is measured
+  the target is the floor without the rate term (``queue_factor x capacity``).
+- **partition rates** -- each partition's service rate (tasks/s while it had work), for
+  routing new tasks to the partition whose queue clears first (``Router``).
+
+Throughput is ``admitted - in flight`` over time (tasks that left the queue), smoothed with
+an exponential moving average of the given half-life.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Rate:
+    """An exponentially smoothed rate of a growing count (per second)."""
+
+    half_life_s: float = 10.0
+    min_window_s: float = 1.0
+    value: float | None = None
+    _last: tuple[float, float] | None = None
+
+    def update(self, now_s: float, count: float, busy: bool = True) -> None:
+        """Take the count at ``now_s``. ``busy`` False: the window had no work, so it says
+        nothing of the rate (it is skipped, not averaged in)."""
+        if self._last is None or count < self._last[1]:
+            self._last = (now_s, count)
+            return
+        t0, c0 = self._last
+        dt = now_s - t0
+        if dt < self.min_window_s:
+            return
+        self._last = (now_s, count)
+        if not busy:
+            return
+        r = (count - c0) / dt
+        w = 1.0 - 0.5 ** (dt / self.half_life_s)
+        self.value = r if self.value is None else self.value + w * (r - self.value)
+
+
+@dataclass
+class GroupLoad:
+    """One RaaS group's measured throughput and per-partition service rates."""
+
+    capacity: int
+    total: Rate = field(default_factory=Rate)
+    partitions: dict[int, Rate] = field(default_factory=dict)
+    was_busy: dict[int, bool] = field(default_factory=dict)
+    idle_since: dict[int, float] = field(default_factory=dict)
+
+
+class LagTargets:
+    """Targets for the tasks in flight of each RaaS group (see the module doc).
+
+    ``capacity``: group label -> tasks its nodes roll out at once; ``max_staleness``:
+    policy -> its bound in versions; ``fixed``: label -> a target set by the operator
+    (``max_pool_lag``), used as it is.
+    """
+
+    def __init__(self, capacity: dict[str, int], max_staleness: dict[str, int],
+                 queue_factor: float = 2.0, poll_interval_s: float = 0.5,
+                 max_queue_s: float = 60.0, fixed: dict[str, int] | None = None,
+                 half_life_s: float = 5.0):
+        self.groups = {g: GroupLoad(max(1, c), Rate(half_life_s)) for g, c in capacity.items()}
+        self.max_staleness = dict(max_staleness)
+        self.queue_factor = queue_factor
+        self.poll_interval_s = poll_interval_s
+        self.max_queue_s = max_queue_s
+        self.fixed = dict(fixed or {})
+        self.half_life_s = half_life_s
+        self.versions = {p: Rate(half_life_s, min_window_s=2.0) for p in max_staleness}
+
+    def observe(self, now_s: float, admitted: dict[int | None, int],
+                in_flight: dict[str, dict[int, int]], consumed: dict[str, int]) -> None:
+        """``admitted``: tasks admitted so far per partition (None: routed by key);
+        ``in_flight``: group -> partition -> tasks; ``consumed``: policy -> batches its
+        trainer has consumed so far (counts only need to grow; a restart resets them)."""
+        total_admitted = sum(admitted.values())
+        for label, load in self.groups.items():
+            parts = in_flight.get(label, {})
+            load.total.update(now_s, total_admitted - sum(parts.values()))
+            for p, n in parts.items():
+                self._observe_partition(load, p, now_s, admitted.get(p, 0) - n, n > 0)
+        for policy, count in consumed.items():
+            if policy in self.versions:
+                self.versions[policy].update(now_s, count)
+
+    def _observe_partition(self, load: GroupLoad, p: int, now_s: float, done: int,
+                           busy: bool) -> None:
+        """A partition's rate from the windows it had work in; forgotten after two
+        half-lives without work (a node judged slow, or not started yet when it was
+        judged, is tried again at the best rate instead of starving)."""
+        if busy:
+            load.idle_since.pop(p, None)
+        elif now_s - load.idle_since.setdefault(p, now_s) > 2 * self.half_life_s:
+            load.partitions.pop(p, None)
+            load.idle_since[p] = now_s
+        rate = load.partitions.setdefault(p, Rate(self.half_life_s))
+        rate.update(now_s, done, busy=load.was_busy.get(p, False))
+        load.was_busy[p] = busy
+
+    def rate(self, label: str) -> float | None:
+        """Tasks per second the group has taken off ``tasks`` lately (None: not yet known)."""
+        value = self.groups[label].total.value
+        return None if value is None else max(0.0, value)
+
+    def budget_s(self) -> float | None:
+        """Half the staleness bound in seconds at the measured version rates (the tightest
+        trainer); None while no trainer's version rate is known."""
+        budgets = [self.max_staleness[p] / v.value / 2 for p, v in self.versions.items()
+                   if v.value is not None and v.value > 0]
+        return min(budgets) if budgets else None
+
+    def target(self, label: str) -> int:
+        """The most tasks the group may have in flight now."""
+        if label in self.fixed:
+            return self.fixed[label]
+        load = self.groups[label]
+        base = self.queue_factor * load.capacity
+        rate = self.rate(label)
+        if rate is None:
+            return max(1, math.ceil(base))
+        floor = math.ceil(base + rate * self.poll_interval_s)
+        budget = self.budget_s()
+        if budget is None:
+            return max(1, floor)
+        wanted = math.ceil(rate * min(budget, self.max_queue_s))
+        return max(1, floor, wanted)
+
+    def targets(self) -> dict[str, int]:
+        return {label: self.target(label) for label in self.groups}
+
+    def partition_rates(self, label: str) -> dict[int, float]:
+        """Partition -> measured service rate of the group's node on it (tasks/s while
+        it had work); partitions not measured yet are left out."""
+        return {p: max(0.0, r.value) for p, r in self.groups[label].partitions.items()
+                if r.value is not None}
+
+
+def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int) -> list[int]:
+    """Partitions for ``n`` new tasks, each to the partition whose queue clears first:
+    least ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
+    measured one (so a node that never had work waiting is tried, not starved), and a
+    rate is taken as at least a tenth of the mean, so a partition judged slow still gets a
+    task when the others' queues are long enough to measure it again."""
+    load = dict(load)
+    known = [r for p, r in rates.items() if p in load and r > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    best = max(known, default=1.0)
+    speed = {p: max(rates[p] if p in rates else best, mean / 10) for p in load}
+    out = []
+    for _ in range(n):
+        p = min(sorted(load), key=lambda q: ((load[q] + 1) / speed[q], -speed[q]))
+        load[p] += 1
+        out.append(p)
+    return out

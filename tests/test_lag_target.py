@@ -1,0 +1,151 @@
+"""Task lag targets and routing by measured throughput: decision logic without a broker."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from astraflow.dataflow.lag_target import LagTargets, Rate, route_by_wait
+
+
+def test_rate_is_a_smoothed_slope_over_windows_of_at_least_min_window():
+    r = Rate(half_life_s=1.0, min_window_s=1.0)
+    r.update(0.0, 0)
+    r.update(0.5, 100)  # too short a window: kept for later
+    assert r.value is None
+    r.update(1.0, 10)
+    assert r.value == pytest.approx(10.0)
+    r.update(2.0, 40)  # 30/s, weight 0.5 at one half-life
+    assert r.value == pytest.approx(20.0)
+
+
+def test_rate_skips_idle_windows_and_restarts_when_the_count_falls():
+    r = Rate(half_life_s=1.0, min_window_s=1.0)
+    r.update(0.0, 0)
+    r.update(1.0, 5)
+    r.update(2.0, 5, busy=False)  # nothing to do: says nothing of the rate
+    assert r.value == pytest.approx(5.0)
+    r.update(3.0, 0)  # a restarted counter
+    r.update(4.0, 5)
+    assert r.value == pytest.approx(5.0)
+
+
+def feed(t: LagTargets, label: str, tasks_per_s: float, versions_per_s: float,
+         seconds: int = 30) -> None:
+    """Admit and complete ``tasks_per_s`` with 3 in flight, train ``versions_per_s``."""
+    for s in range(seconds + 1):
+        done = int(s * tasks_per_s)
+        t.observe(float(s), {0: done + 3}, {label: {0: 3}}, {"actor": int(s * versions_per_s)})
+
+
+def test_target_starts_at_queue_factor_times_capacity():
+    t = LagTargets({"local": 4}, {"actor": 4}, queue_factor=2.0)
+    assert t.targets() == {"local": 8} and t.rate("local") is None and t.budget_s() is None
+
+
+def test_target_is_half_the_staleness_bound_of_throughput():
+    t = LagTargets({"local": 1}, {"actor": 4}, queue_factor=2.0, poll_interval_s=0.5)
+    feed(t, "local", tasks_per_s=20, versions_per_s=0.5)
+    assert t.rate("local") == pytest.approx(20, rel=0.01)
+    # 4 versions at 0.5/s = 8 s of staleness; half: 4 s of 20 tasks/s
+    assert t.budget_s() == pytest.approx(4.0, rel=0.01)
+    assert t.target("local") == 80
+
+
+def test_target_floor_keeps_every_slot_busy_between_reads():
+    t = LagTargets({"local": 4}, {"actor": 1}, queue_factor=2.0, poll_interval_s=0.5)
+    feed(t, "local", tasks_per_s=2, versions_per_s=5)  # budget 0.1 s: 0.2 tasks
+    assert t.target("local") == math.ceil(2 * 4 + 2 * 0.5)
+
+
+def test_target_holds_at_most_max_queue_seconds_of_work():
+    t = LagTargets({"local": 1}, {"actor": 4}, max_queue_s=10)
+    feed(t, "local", tasks_per_s=20, versions_per_s=0.1)  # budget about 20 s
+    assert t.target("local") == 200
+
+
+def test_a_fixed_target_is_used_as_it_is():
+    t = LagTargets({"local": 1}, {"actor": 4}, fixed={"local": 7})
+    feed(t, "local", tasks_per_s=20, versions_per_s=1)
+    assert t.target("local") == 7
+
+
+def test_routing_by_wait_shares_tasks_in_proportion_to_rates():
+    picks = route_by_wait({0: 0, 1: 0, 2: 0}, {0: 10.0, 1: 6.0, 2: 3.0}, 19)
+    assert [picks.count(p) for p in (0, 1, 2)] == [10, 6, 3]
+
+
+def test_routing_without_rates_is_least_loaded():
+    assert route_by_wait({0: 2, 1: 0, 2: 1}, {}, 3) == [1, 1, 2]
+
+
+def test_a_partition_never_measured_counts_at_the_best_rate():
+    picks = route_by_wait({0: 0, 1: 0, 2: 0}, {0: 10.0, 1: 2.0}, 4)
+    assert picks.count(2) == 2 and picks.count(0) == 2  # ties go to the faster
+
+
+def test_a_partition_judged_slow_still_gets_a_task_behind_long_queues():
+    picks = route_by_wait({0: 0, 1: 0}, {0: 10.0, 1: 0.0}, 12)
+    assert picks.count(1) == 1  # its rate counts as a tenth of the mean: measured again
+
+
+def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
+             poll_s: float = 0.5, supply_per_s: float = 1e9, starts: dict[int, float] | None = None
+             ) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """Three nodes, one per partition, each finishing a task every 0.1 s / speed from its
+    start time on; an admission reading lags every ``poll_s``, with tasks arriving at
+    ``supply_per_s``, routing by wait. Returns tasks done per partition and the in-flight
+    counts seen at each read."""
+    starts = starts or {}
+    supplied = 0.0
+    targets = LagTargets({"g": len(speeds)}, {"actor": 4}, poll_interval_s=poll_s)
+    queue = {p: 0 for p in speeds}
+    progress = {p: 0.0 for p in speeds}
+    done = {p: 0 for p in speeds}
+    admitted: dict[int | None, int] = {p: 0 for p in speeds}
+    seen: dict[int, list[int]] = {p: [] for p in speeds}
+    t, next_read = 0.0, 0.0
+    while t < seconds:
+        supplied = min(supplied + supply_per_s * dt, 1e6)
+        for p, speed in speeds.items():
+            if queue[p] and t >= starts.get(p, 0.0):
+                progress[p] += dt * speed / 0.1
+                while progress[p] >= 1 and queue[p]:
+                    progress[p] -= 1
+                    queue[p] -= 1
+                    done[p] += 1
+        if t >= next_read:
+            next_read = t + poll_s
+            targets.observe(t, admitted, {"g": dict(queue)}, {"actor": int(t)})
+            room = min(int(supplied), targets.target("g") - sum(queue.values()))
+            supplied -= max(0, room)
+            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room)):
+                queue[p] += 1
+                admitted[p] += 1
+            for p in speeds:
+                seen[p].append(queue[p])
+        t += dt
+    return done, seen
+
+
+def test_three_pools_at_100_60_30_percent_get_shares_of_their_throughput():
+    done, seen = simulate({0: 1.0, 1: 0.6, 2: 0.3})
+    total = sum(done.values())
+    shares = [done[p] / total for p in (0, 1, 2)]
+    for share, speed in zip(shares, (1.0, 0.6, 0.3), strict=True):
+        assert share == pytest.approx(speed / 1.9, abs=0.03)
+    # no node ever ran dry after the start, and the slow one holds the fewest tasks
+    for p in (0, 1, 2):
+        assert min(seen[p][10:]) >= 1
+    late = slice(len(seen[0]) // 2, None)
+    assert sum(seen[2][late]) < sum(seen[1][late]) < sum(seen[0][late])
+
+
+def test_a_node_that_starts_late_is_not_starved_when_tasks_are_scarce():
+    # tasks arrive at half what the three nodes could do; the fastest starts 10 s late
+    done, _ = simulate({0: 1.0, 1: 0.6, 2: 0.3}, supply_per_s=9.5, starts={0: 10.0})
+    assert done[0] > 0.7 * done[1] and min(done[0], done[1]) > done[2] > 0, done
+    # with tasks enough, it catches up to the share of its speed after its late start
+    done, _ = simulate({0: 1.0, 1: 0.6, 2: 0.3}, starts={0: 10.0})
+    assert done[0] > done[1] > done[2] and done[0] > 0.9 * 1.0 / 0.1 * 110, done
