@@ -33,10 +33,10 @@ def test_rate_skips_idle_windows_and_restarts_when_the_count_falls():
 
 def feed(t: LagTargets, label: str, tasks_per_s: float, versions_per_s: float,
          seconds: int = 30) -> None:
-    """Admit and complete ``tasks_per_s`` with 3 in flight, train ``versions_per_s``."""
+    """Roll out ``tasks_per_s`` with 3 in flight, train ``versions_per_s``."""
     for s in range(seconds + 1):
-        done = int(s * tasks_per_s)
-        t.observe(float(s), {0: done + 3}, {label: {0: 3}}, {"actor": int(s * versions_per_s)})
+        t.observe(float(s), {label: {0: int(s * tasks_per_s)}}, {label: {0: 3}},
+                  {"actor": int(s * versions_per_s)})
 
 
 def test_target_starts_at_queue_factor_times_capacity():
@@ -103,7 +103,6 @@ def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
     queue = {p: 0 for p in speeds}
     progress = {p: 0.0 for p in speeds}
     done = {p: 0 for p in speeds}
-    admitted: dict[int | None, int] = {p: 0 for p in speeds}
     seen: dict[int, list[int]] = {p: [] for p in speeds}
     t, next_read = 0.0, 0.0
     while t < seconds:
@@ -117,12 +116,11 @@ def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
                     done[p] += 1
         if t >= next_read:
             next_read = t + poll_s
-            targets.observe(t, admitted, {"g": dict(queue)}, {"actor": int(t)})
+            targets.observe(t, {"g": dict(done)}, {"g": dict(queue)}, {"actor": int(t)})
             room = min(int(supplied), targets.target("g") - sum(queue.values()))
             supplied -= max(0, room)
             for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room)):
                 queue[p] += 1
-                admitted[p] += 1
             for p in speeds:
                 seen[p].append(queue[p])
         t += dt
@@ -149,3 +147,16 @@ def test_a_node_that_starts_late_is_not_starved_when_tasks_are_scarce():
     # with tasks enough, it catches up to the share of its speed after its late start
     done, _ = simulate({0: 1.0, 1: 0.6, 2: 0.3}, starts={0: 10.0})
     assert done[0] > done[1] > done[2] and done[0] > 0.9 * 1.0 / 0.1 * 110, done
+
+
+def test_record_counter_counts_data_records_between_two_committed_offsets():
+    from astraflow.dataflow.admission import RecordCounter
+
+    counter = RecordCounter.__new__(RecordCounter)  # the counting, without its consumer
+    tp = ("t", 0)
+    # data records at 0-4 and 6-8; 5 and 9 are transaction markers; read up to 10
+    counter._floor, counter._seen, counter._pos = {tp: 0}, {tp: [0, 1, 2, 3, 4, 6, 7, 8]}, {tp: 10}
+    assert counter.between("t", 0, 0, 10) == 8
+    assert counter.between("t", 0, 3, 7) == 3  # 3, 4 and 6
+    assert counter.between("t", 0, 8, 14) == 1 + 4  # what is unread counts in full
+    assert counter.between("t", 0, 5, 5) == 0

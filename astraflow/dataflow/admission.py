@@ -300,6 +300,17 @@ class RecordCounter:
                     key = (tp.topic, tp.partition)
                     self._pos[key] = max(self._pos[key], tp.offset)
 
+    def between(self, topic: str, partition: int, lo: int, hi: int) -> int:
+        """Data records at offsets in ``[lo, hi)`` (an unread part counts in full); only
+        exact while ``lo`` is at or above the partition's floor."""
+        tp = (topic, partition)
+        if tp not in self._floor or hi <= lo:
+            return max(0, hi - lo)
+        seen = self._seen[tp]
+        pos = max(self._pos[tp], lo)
+        known = bisect.bisect_left(seen, min(hi, pos)) - bisect.bisect_left(seen, lo)
+        return known + max(0, hi - pos)
+
     def count(self, topic: str, partition: int, committed: int, end: int) -> int:
         """Data records at offsets >= ``committed`` below ``end`` (the log-end offset)."""
         tp = (topic, partition)
@@ -324,6 +335,8 @@ class Observation:
     trainer_offset_lag: dict[str, int] = field(default_factory=dict)
     # batches each trainer consumed since the observer (re)started following its topic
     trainer_consumed: dict[str, int] = field(default_factory=dict)
+    # tasks each group committed (rolled out) per partition since the observer started
+    pool_done: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 class LagSource(Protocol):
@@ -349,12 +362,15 @@ class LagObserver:
         self.reader = LagReader(config)
         self.tasks = RecordCounter(config, "admission-tasks")
         self.batches = RecordCounter(config, "admission-batches") if trainer_topics else None
+        self._done: dict[str, dict[int, int]] = {}
+        self._committed: dict[tuple[str, int], int] = {}  # (group label, partition) -> offset
 
     def observe(self) -> Observation:
         pool_rows = {pool: self.reader.lag(g, [self.tasks_topic])
                      for pool, g in self.pool_groups.items()}
         trainer_rows = {policy: self.reader.lag(g, [t])
                         for policy, (t, g) in self.trainer_topics.items()}
+        self._count_done(pool_rows)  # before the floors move past what it counts
         in_flight = self._count(self.tasks, pool_rows)
         batches = self._count(self.batches, trainer_rows) if self.batches else {}
         return Observation(
@@ -365,7 +381,22 @@ class LagObserver:
             trainer_consumed={p: sum(self.batches.passed.get((r.topic, r.partition), 0)
                                      for r in rows) for p, rows in trainer_rows.items()}
             if self.batches else {},
+            pool_done={label: dict(parts) for label, parts in self._done.items()},
         )
+
+    def _count_done(self, rows: dict[str, list[PartitionLag]]) -> None:
+        """Add the data records each group's committed offsets passed since the last read."""
+        for label, rs in rows.items():
+            done = self._done.setdefault(label, {})
+            for r in rs:
+                if r.committed is None:
+                    continue
+                before = self._committed.get((label, r.partition))
+                self._committed[(label, r.partition)] = r.committed
+                done.setdefault(r.partition, 0)
+                if before is not None and r.committed > before:
+                    done[r.partition] += self.tasks.between(r.topic, r.partition, before,
+                                                            r.committed)
 
     @staticmethod
     def _count(counter: RecordCounter, rows: dict[str, list[PartitionLag]]
@@ -418,7 +449,6 @@ class Admission(Processor):
         self.last: Observation | None = None
         self.decision: AdmissionDecision | None = None
         self.targets: LagTargets | None = None
-        self.admitted_to: dict[int | None, int] = {}  # partition -> tasks admitted to it
         self._next_read_ms = 0
 
     def open(self, context: ProcessorContext) -> None:
@@ -473,8 +503,8 @@ class Admission(Processor):
         was = self.decision.state if self.decision else None
         rates = None
         if self.targets is not None:
-            self.targets.observe(time.monotonic(), self.admitted_to, self.last.pool_in_flight,
-                                 self.last.trainer_consumed)
+            self.targets.observe(time.monotonic(), self.last.pool_done,
+                                 self.last.pool_in_flight, self.last.trainer_consumed)
             self.policy.pool_bounds = self.targets.targets()
             if len(self.policy.pool_bounds) == 1:
                 rates = self.targets.partition_rates(next(iter(self.policy.pool_bounds)))
@@ -492,7 +522,6 @@ class Admission(Processor):
         for partition in d.partitions:
             m = self.held.popleft()
             out.append(Outgoing(self.outputs[0], m.record, key=m.key, partition=partition))
-            self.admitted_to[partition] = self.admitted_to.get(partition, 0) + 1
         self.admitted += len(out)
         return out
 

@@ -1,8 +1,8 @@
 """How many tasks each RaaS group may have in flight: a target from measured throughput.
 
-Plain logic, no Kafka: ``LagTargets`` is fed one observation per lag read (tasks admitted
-so far, tasks in flight per group and partition, batches each trainer has consumed) and
-answers, per RaaS consumer group on ``tasks``:
+Plain logic, no Kafka: ``LagTargets`` is fed one observation per lag read (tasks each
+group has committed so far and tasks in flight, per partition; batches each trainer has
+consumed) and answers, per RaaS consumer group on ``tasks``:
 
 - **target** -- the most tasks in flight (queued or being rolled out)::
 
@@ -18,8 +18,8 @@ answers, per RaaS consumer group on ``tasks``:
 - **partition rates** -- each partition's service rate (tasks/s while it had work), for
   routing new tasks to the partition whose queue clears first (``Router``).
 
-Throughput is ``admitted - in flight`` over time (tasks that left the queue), smoothed with
-an exponential moving average of the given half-life.
+Throughput is the growth of the tasks a group has committed (rolled out) over time,
+smoothed with an exponential moving average of the given half-life.
 """
 
 from __future__ import annotations
@@ -87,17 +87,18 @@ class LagTargets:
         self.half_life_s = half_life_s
         self.versions = {p: Rate(half_life_s, min_window_s=2.0) for p in max_staleness}
 
-    def observe(self, now_s: float, admitted: dict[int | None, int],
+    def observe(self, now_s: float, done: dict[str, dict[int, int]],
                 in_flight: dict[str, dict[int, int]], consumed: dict[str, int]) -> None:
-        """``admitted``: tasks admitted so far per partition (None: routed by key);
-        ``in_flight``: group -> partition -> tasks; ``consumed``: policy -> batches its
-        trainer has consumed so far (counts only need to grow; a restart resets them)."""
-        total_admitted = sum(admitted.values())
+        """``done``: group -> partition -> tasks it has committed so far; ``in_flight``:
+        group -> partition -> tasks queued or being rolled out; ``consumed``: policy ->
+        batches its trainer has consumed so far (counts only need to grow; one that falls
+        is taken as a restart)."""
         for label, load in self.groups.items():
-            parts = in_flight.get(label, {})
-            load.total.update(now_s, total_admitted - sum(parts.values()))
+            parts = done.get(label, {})
+            load.total.update(now_s, sum(parts.values()))
+            busy = in_flight.get(label, {})
             for p, n in parts.items():
-                self._observe_partition(load, p, now_s, admitted.get(p, 0) - n, n > 0)
+                self._observe_partition(load, p, now_s, n, busy.get(p, 0) > 0)
         for policy, count in consumed.items():
             if policy in self.versions:
                 self.versions[policy].update(now_s, count)
