@@ -1,0 +1,194 @@
+"""Backpressure: the default topology with its admission processor against a pass-through.
+
+Runs ``astraflow up topology/default.yaml`` twice for the same wall time on the embedded
+broker: ``passthrough`` (``tasks.source -> tasks`` unchanged, what the default topology
+did before admission) and ``admission`` (the shipped default). While each runs it counts
+every 2 s the data records on ``tasks`` past the RaaS group's committed offsets (tasks in
+flight: queued or being rolled out). Afterwards it reads the run's ``status`` and summary
+and prints, side by side: versions reached, the most and the last tasks in flight, the
+admission's target, tasks still waiting before admission, the trainer's waiting fraction,
+batches the trainer skipped as stale and groups dropped as stale per stage, and the
+held-out accuracy of the last evaluated version.
+
+    python bench/backpressure.py [--duration 300] [--out bench/results/backpressure.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from astraflow.dataflow.admission import RecordCounter  # noqa: E402
+from astraflow.kafka.clients import read_all  # noqa: E402
+from astraflow.kafka.lag import LagReader, total_lag  # noqa: E402
+from astraflow.records import ComponentStatus  # noqa: E402
+from astraflow.topology import load_topology  # noqa: E402
+
+VARIANTS = ("passthrough", "admission")
+
+
+def variant_topology(variant: str, runs_dir: Path) -> Path:
+    """The default topology as ``variant``, written under ``runs_dir``."""
+    doc = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
+    doc["run"] = f"bench-bp-{variant}"
+    if variant == "passthrough":
+        doc["processors"] = {("forward-tasks" if n == "admission" else n):
+                             ({"kind": "passthrough", "inputs": ["tasks.source"],
+                               "outputs": ["tasks"]} if n == "admission" else p)
+                             for n, p in doc["processors"].items()}
+    path = runs_dir / f"bench-bp-{variant}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+class InFlight:
+    """Counts the data records on ``tasks`` past the RaaS group's committed offsets."""
+
+    def __init__(self, topo):
+        self.config = topo.kafka.effective()
+        self.group, self.topic = topo.raas_group("local"), topo.full_name("tasks")
+        self.source_group = topo.group_of(next(iter(topo.processors)))
+        self.source = topo.full_name("tasks.source")
+        self.lags = LagReader(self.config)
+        self.counter = RecordCounter(self.config, "bench-backpressure")
+
+    def read(self) -> int | None:
+        try:
+            rows = self.lags.lag(self.group, [self.topic], timeout=5)
+        except Exception:  # noqa: BLE001 - topics not made yet
+            return None
+        if not rows:
+            return None
+        floors = {(r.topic, r.partition): r.committed if r.committed is not None
+                  else r.start_offset for r in rows}
+        self.counter.follow(floors)
+        self.counter.drain()
+        return sum(self.counter.count(r.topic, r.partition, floors[(r.topic, r.partition)],
+                                      r.end_offset) for r in rows)
+
+    def waiting_at_source(self) -> int:
+        """Offset lag of the first processor on ``tasks.source`` (tasks not yet admitted)."""
+        return total_lag(self.lags.lag(self.source_group, [self.source], timeout=10))
+
+    def close(self) -> None:
+        self.lags.close()
+        self.counter.close()
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    from astraflow.runs import start_over
+
+    path = variant_topology(variant, args.runs_dir)
+    topo = load_topology(path)
+    start_over(topo.run)
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--keep-broker",
+           "--duration", str(args.duration), "--runs-dir", str(args.runs_dir)]
+    print(f"[bench] {variant}: {' '.join(cmd[2:])}", flush=True)
+    log = open(args.runs_dir / f"bench-bp-{variant}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    watch, seen = InFlight(topo), []
+    try:
+        while proc.poll() is None:
+            n = watch.read()
+            if n is not None:
+                seen.append(n)
+            try:
+                proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        waiting = watch.waiting_at_source()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+        raise
+    finally:
+        watch.close()
+    return {**figures(topo, args.runs_dir), "in_flight_max": max(seen, default=0),
+            "in_flight_last": seen[-1] if seen else 0, "waiting_at_source": waiting,
+            "returncode": proc.returncode}
+
+
+def figures(topo, runs_dir: Path) -> dict[str, Any]:
+    """What the run's summary and its last status records say."""
+    summary = json.loads((runs_dir / topo.run / "summary.json").read_text())
+    actor = summary["policies"]["actor"]
+    last: dict[str, ComponentStatus] = {}
+    for r in read_all(topo.kafka.effective(), topo.full_name("status"), expect=ComponentStatus,
+                      idle_s=2.0, timeout_s=120):
+        last[r.record.component_id] = r.record
+    trainer = next(s for s in last.values() if s.kind == "trainer")
+    target = [s.metrics["admission/bound_pool"] for s in last.values()
+              if "admission/bound_pool" in s.metrics]
+    busy = trainer.busy_s + trainer.waiting_s
+    return {"versions": actor["version"], "eval_accuracy": actor["eval_accuracy"],
+            "eval_version": actor["eval_version"],
+            "trainer_waiting": trainer.waiting_s / busy if busy else None,
+            "stale_skipped_batches": trainer.metrics.get("trainer/stale_skipped_batches", 0.0),
+            "dropped_by_stage": summary.get("staleness_dropped_by_stage", {}),
+            "target_last": target[0] if target else None,
+            "tasks_in_flight": summary.get("tasks_in_flight", {})}
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    def fmt(x: Any, pct: bool = False) -> str:
+        if x is None:
+            return "-"
+        if pct:
+            return f"{100 * x:.1f} %"
+        return f"{x:,.0f}" if isinstance(x, float | int) else str(x)
+
+    rows = [("versions reached", lambda r: fmt(r["versions"])),
+            ("tasks in flight, most (records past the pool group's commits)",
+             lambda r: fmt(r["in_flight_max"])),
+            ("tasks in flight at the end", lambda r: fmt(r["in_flight_last"])),
+            ("admission target at the end", lambda r: fmt(r["target_last"])),
+            ("tasks waiting before admission at the end", lambda r: fmt(r["waiting_at_source"])),
+            ("trainer waiting for batches", lambda r: fmt(r["trainer_waiting"], pct=True)),
+            ("batches the trainer skipped as stale", lambda r: fmt(r["stale_skipped_batches"])),
+            ("groups dropped as stale (filter / batcher / trainer)", lambda r: " / ".join(
+                fmt(r["dropped_by_stage"].get(k, 0)) for k in ("filter", "batcher", "trainer"))),
+            ("held-out accuracy (last eval)", lambda r: (
+                f"{100 * r['eval_accuracy']:.1f} % at v{r['eval_version']}"
+                if r["eval_accuracy"] is not None else "-"))]
+    names = [v for v in VARIANTS if v in results]
+    out = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    out += [f"| {label} | " + " | ".join(f(results[n]) for n in names) + " |"
+            for label, f in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=int, default=300, help="seconds per variant")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--runs-dir", type=Path, default=REPO / "runs")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = {}
+    for variant in args.variants.split(","):
+        t0 = time.time()
+        results[variant] = run_variant(variant, args)
+        print(f"[bench] {variant}: {time.time() - t0:.0f}s, {results[variant]}", flush=True)
+    print(table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
