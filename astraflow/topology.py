@@ -312,6 +312,22 @@ class PoolSpec(_Strict):
     # slower hardware or a shared machine, for tests and benches of unequal pools
     speed: float | None = Field(default=None, gt=0, le=1)
     follow_weights: bool = True  # false: keep the initial weights
+    # this pool's client settings, merged over the topology's `kafka:` for its nodes only
+    # (e.g. a remote pool's bootstrap_servers: a proxy in front of the broker)
+    kafka: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kafka")
+    @classmethod
+    def _kafka(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(KafkaConfig.model_fields))
+        if unknown:
+            raise ValueError(f".{unknown[0]}: unknown Kafka setting (known: "
+                             f"{', '.join(KafkaConfig.model_fields)})")
+        try:
+            KafkaConfig(**v)
+        except ValidationError as e:
+            raise ValueError("." + _format_errors(e)) from None
+        return v
 
     @field_validator("workflows", mode="before")
     @classmethod
@@ -519,6 +535,17 @@ class Topology(_Strict):
     def raas_group(self, pool: str) -> str:
         """The consumer group of a RaaS pool's nodes (they share its ``tasks``)."""
         return f"{self.run}.raas.{pool}"
+
+    def pool_kafka(self, pool: str) -> KafkaConfig:
+        """The client settings of ``pool``'s nodes: its ``kafka:`` over the topology's, the
+        librdkafka option mappings merged key by key (the topology's for an unknown pool)."""
+        spec = self.pools.get(pool)
+        if spec is None or not spec.kafka:
+            return self.kafka
+        base = self.kafka.model_dump()
+        merged = {k: {**base[k], **v} if isinstance(v, dict) else v
+                  for k, v in spec.kafka.items()}
+        return KafkaConfig(**{**base, **merged})
 
     def trainer_group(self, policy: str) -> str:
         return f"{self.run}.trainer.{policy}"
