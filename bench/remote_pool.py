@@ -218,9 +218,13 @@ def _read(config: KafkaConfig, topic: str, expect: type) -> list:
 def collect(config: KafkaConfig, run: str) -> dict[str, Any]:
     """The run's figures, from its topics."""
     groups = _read(config, f"{run}.trajectories.raw", TrajectoryGroup)
-    batches = [r.record for r in _read(config, f"{run}.batches.actor", Batch)]
     manifests = sorted((r.record for r in _read(config, f"{run}.weights.actor",
                                                 WeightManifest)), key=lambda m: m.version)
+    # the batches the trainer trained on: below the newest version's consumed offset
+    consumed = max((o.offset for m in manifests[-1:] for o in m.consumed_offsets
+                    if o.topic == f"{run}.batches.actor"), default=0)
+    batches = [r.record for r in _read(config, f"{run}.batches.actor", Batch)
+               if r.offset < consumed]
     statuses = [r.record for r in _read(config, f"{run}.status", ComponentStatus)]
     published = [(m.created_at_ms, m.version) for m in manifests]
     pools = {p: pool_figures(p, [r for r in groups if r.record.pool == p], batches,
@@ -287,7 +291,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     """The figures of each variant side by side, as a Markdown table."""
     names = list(results)
     rows = [("versions reached", lambda r: str(r["versions"])),
-            ("trainer iterations (batches)", lambda r: str(r["iterations"]))]
+            ("trainer iterations (batches trained)", lambda r: str(r["iterations"]))]
     for p in POOLS:
         rows += [
             (f"{p}: trajectory groups (share)",
