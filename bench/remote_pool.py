@@ -23,7 +23,11 @@ each pool rolled out; each pool's weight-sync time (``raas/weight_sync_s`` over
 from the ``pool`` field of the records, whatever consumer groups the pools run in.
 
     python bench/remote_pool.py                       # 150 s per run
-    python bench/remote_pool.py --duration 300 --out bench/results/remote_pool.json
+    python bench/remote_pool.py --env-latency 2 --out bench/results/remote_pool.json
+
+``--env-latency S`` makes every rollout wait S seconds on its environment, so rollouts take
+seconds as an LLM's do (the tiny model's take milliseconds, far less than one round trip);
+``--batch-size N`` makes the trainer's iterations longer.
 """
 
 from __future__ import annotations
@@ -178,14 +182,16 @@ def probe_link(direct: str, proxied: str, mib: int = 32) -> dict[str, float]:
 
 
 def write_topology(work: Path, run: str, bootstrap: str, model: Path,
-                   remote_bootstrap: str | None, batch_size: int | None = None) -> Path:
+                   remote_bootstrap: str | None, args: argparse.Namespace) -> Path:
     """The default topology as ``run``: the bench's broker and model, no evaluator, pools
     ``local`` and ``remote`` alike (``remote`` through ``remote_bootstrap`` when given),
-    the batcher's ``batch_size`` when given."""
+    and the batch size and environment latency of ``args`` when given."""
     topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
     topo["run"] = run
-    if batch_size:
-        topo["processors"]["batcher"]["options"]["batch_size"] = batch_size
+    if args.batch_size:
+        topo["processors"]["batcher"]["options"]["batch_size"] = args.batch_size
+    if args.env_latency:
+        topo["pools"]["local"]["workflows"]["single_turn"]["env_latency"] = args.env_latency
     topo["kafka"] = {"bootstrap_servers": bootstrap}
     topo["policies"]["actor"].update(model=str(model), warm_start={"steps": 100})
     topo.pop("eval", None)  # the two cores go to the pools and the trainer
@@ -270,17 +276,19 @@ def pool_figures(pool: str, groups: list, batches: list[Batch],
 
 def trainer_figures(statuses: list[ComponentStatus]) -> dict[str, float | None]:
     """The trainer's waiting fraction over its whole life (its last status) and from its
-    first published version on (start-up left out)."""
+    first published version on (start-up left out); the batches it skipped because every
+    group in them was too stale."""
     mine = [s for s in statuses if s.kind == "trainer"]
     if not mine:
-        return {"wait_fraction": None, "wait_fraction_after_v1": None}
+        return {"wait_fraction": None, "wait_fraction_after_v1": None, "skipped_batches": None}
     first = next((s for s in mine if max(s.weight_versions.values(), default=0) >= 1), None)
     end = mine[-1]
     after = None
     if first is not None and end.at_ms > first.at_ms:
         after = (end.waiting_s - first.waiting_s) / ((end.at_ms - first.at_ms) / 1000)
     return {"wait_fraction": end.metrics.get("trainer/wait_fraction"),
-            "wait_fraction_after_v1": after}
+            "wait_fraction_after_v1": after,
+            "skipped_batches": end.metrics.get("trainer/stale_skipped_batches")}
 
 
 def _cell(x: Any, fmt: str = "{}") -> str:
@@ -291,17 +299,19 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     """The figures of each variant side by side, as a Markdown table."""
     names = list(results)
     rows = [("versions reached", lambda r: str(r["versions"])),
-            ("trainer iterations (batches trained)", lambda r: str(r["iterations"]))]
+            ("batches the trainer consumed", lambda r: str(r["iterations"])),
+            ("... skipped: every group too stale",
+             lambda r: _cell(r["trainer"]["skipped_batches"], "{:.0f}"))]
     for p in POOLS:
         rows += [
             (f"{p}: trajectory groups (share)",
              lambda r, p=p: f"{r['pools'][p]['groups']} ({r['pools'][p]['share']:.1%})"),
-            (f"{p}: groups trained on (share)",
+            (f"{p}: groups in the batches consumed (share)",
              lambda r, p=p: f"{r['pools'][p]['groups_trained']} "
                             f"({r['pools'][p]['trained_share']:.1%})"),
-            (f"{p}: iterations with its groups",
+            (f"{p}: batches with its groups",
              lambda r, p=p: f"{r['pools'][p]['iterations_with_groups']} / {r['iterations']}"),
-            (f"{p}: groups per iteration",
+            (f"{p}: groups per batch",
              lambda r, p=p: f"{r['pools'][p]['groups_per_iteration']:.2f}"),
             (f"{p}: versions generated with",
              lambda r, p=p: str(r['pools'][p]['versions_generated_with'])),
@@ -324,7 +334,7 @@ def run_variant(name: str, work: Path, bootstrap: str, model: Path, args: argpar
                 remote_bootstrap: str | None) -> dict[str, Any]:
     """One ``up`` of the two-pool topology, and its figures."""
     run = f"remote-{name}-{os.getpid()}"
-    path = write_topology(work, run, bootstrap, model, remote_bootstrap, args.batch_size)
+    path = write_topology(work, run, bootstrap, model, remote_bootstrap, args)
     duration = args.duration
     t0 = time.time()
     run_up(path, work, bootstrap, duration)
@@ -367,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=None,
                     help="groups per trainer iteration (default: the topology's, 8); larger "
                     "means longer iterations against the same round trip")
+    ap.add_argument("--env-latency", type=float, default=None, metavar="S",
+                    help="seconds every rollout waits on its environment (single_turn's "
+                    "env_latency): rollouts that take seconds, as an LLM's do, instead of the "
+                    "tiny model's milliseconds")
     ap.add_argument("--no-baseline", action="store_true", help="only the run with the proxy")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -394,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"duration_s": args.duration, "rtt_ms": args.rtt_ms, "rate_kbps": args.rate_kbps,
-             "batch_size": args.batch_size or 8, "link": link, "runs": results},
+             "batch_size": args.batch_size or 8, "env_latency_s": args.env_latency,
+             "link": link, "runs": results},
             indent=1) + "\n")
     print(f"logs: {work}")
     return 0
