@@ -212,6 +212,20 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+RemoteListener = tuple[int, str]  # (port bound on 127.0.0.1, advertised "host:port")
+
+
+def parse_remote_listener(text: str) -> RemoteListener:
+    """``PORT=HOST:PORT`` (``astraflow broker start --remote-listener``) as a
+    ``RemoteListener``; ``ValueError`` saying what is wrong."""
+    port, sep, advertised = text.partition("=")
+    host, colon, adv_port = advertised.rpartition(":")
+    if not (sep and port.isdigit() and colon and host and adv_port.isdigit()):
+        raise ValueError(f"expected PORT=HOST:PORT (e.g. 29093=proxy.example:29094), "
+                         f"got {text!r}")
+    return int(port), advertised
+
+
 @dataclass
 class BrokerStatus:
     running: bool
@@ -219,13 +233,17 @@ class BrokerStatus:
     bootstrap: str | None
     version: str | None
     state_dir: str
+    # the REMOTE listener: (port bound here, address advertised to its clients)
+    remote: RemoteListener | None = None
 
     def describe(self) -> str:
         if not self.running:
             return f"embedded broker: stopped (state {self.state_dir})"
+        remote = (f", remote listener 127.0.0.1:{self.remote[0]} advertised as "
+                  f"{self.remote[1]}" if self.remote else "")
         return (
             f"embedded broker: running, Apache Kafka {self.version}, pid {self.pid}, "
-            f"bootstrap {self.bootstrap} (state {self.state_dir})"
+            f"bootstrap {self.bootstrap}{remote} (state {self.state_dir})"
         )
 
 
@@ -270,20 +288,45 @@ class EmbeddedBroker:
     def status(self) -> BrokerStatus:
         info = self._info()
         running = bool(info) and _pid_alive(int(info["pid"]))
+        remote = info.get("remote") if info and running else None
         return BrokerStatus(
             running=running,
             pid=info["pid"] if running else None,
             bootstrap=f"127.0.0.1:{info['port']}" if running else None,
             version=info.get("version") if info else None,
             state_dir=str(self.state),
+            remote=(int(remote[0]), str(remote[1])) if remote else None,
         )
 
     def bootstrap(self) -> str | None:
         """The running broker's bootstrap address, or None."""
         return self.status().bootstrap
 
-    def start(self, port: int | None = None, timeout: float = 90.0, log=print) -> BrokerStatus:
-        """Start the broker unless it runs already; returns once metadata is served."""
+    def _write_config(self, port: int | None,
+                      remote: RemoteListener | None) -> tuple[int, int, RemoteListener | None]:
+        """Choose the ports, record them and write ``server.properties``; the client and
+        controller ports and the REMOTE listener (that of the previous start when
+        ``remote`` is None: its clients remember the address too)."""
+        if remote is None and self._ports().get("remote"):
+            prev = self._ports()["remote"]
+            remote = (kept_port(int(prev[0]), "remote listener"), str(prev[1]))
+        port, controller_port = self._choose_ports(port)
+        ports: dict = {"port": port, "controller_port": controller_port}
+        if remote is not None:
+            ports["remote"] = list(remote)
+        (self.state / "ports.json").write_text(json.dumps(ports))
+        (self.state / "server.properties").write_text(
+            _server_properties(port, controller_port, self.state / "data", remote))
+        return port, controller_port, remote
+
+    def start(self, port: int | None = None, timeout: float = 90.0, log=print,
+              remote_listener: RemoteListener | None = None) -> BrokerStatus:
+        """Start the broker unless it runs already; returns once metadata is served.
+
+        ``remote_listener`` ``(port, "host:port")``: a second PLAINTEXT listener named
+        REMOTE on ``127.0.0.1:port`` that advertises ``host:port`` (a proxy in front of
+        it) to the clients that bootstrap through it; kept across restarts.
+        """
         st = self.status()
         if st.running:
             return st
@@ -294,12 +337,8 @@ class EmbeddedBroker:
         self.state.mkdir(parents=True, exist_ok=True)
         (self.state / "logs").mkdir(exist_ok=True)
         data = self.state / "data"
-        port, controller_port = self._choose_ports(port)
-        (self.state / "ports.json").write_text(
-            json.dumps({"port": port, "controller_port": controller_port})
-        )
+        port, controller_port, remote = self._write_config(port, remote_listener)
         props = self.state / "server.properties"
-        props.write_text(_server_properties(port, controller_port, data))
         log4j = self.state / "log4j2.properties"
         log4j.write_text(_LOG4J2)
         classpath = f"{libs}/*"
@@ -322,6 +361,7 @@ class EmbeddedBroker:
                     "controller_port": controller_port,
                     "version": version,
                     "started_at": time.time(),
+                    **({"remote": list(remote)} if remote else {}),
                 }
             )
         )
@@ -399,16 +439,26 @@ def _metadata_served(bootstrap: str) -> bool:
         return False
 
 
-def _server_properties(port: int, controller_port: int, data: Path) -> str:
+def _server_properties(port: int, controller_port: int, data: Path,
+                       remote: RemoteListener | None = None) -> str:
+    """The broker's config. ``remote``: a REMOTE listener (PLAINTEXT) bound on
+    ``127.0.0.1:remote[0]`` and advertising ``remote[1]``, for clients behind a proxy."""
+    listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"
+    advertised = f"PLAINTEXT://127.0.0.1:{port}"
+    protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    if remote is not None:
+        listeners += f",REMOTE://127.0.0.1:{remote[0]}"
+        advertised += f",REMOTE://{remote[1]}"
+        protocols += ",REMOTE:PLAINTEXT"
     return f"""# written by astraflow broker start
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}
-listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
-advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+listeners={listeners}
+advertised.listeners={advertised}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map={protocols}
 log.dirs={data}
 num.partitions=1
 auto.create.topics.enable=false

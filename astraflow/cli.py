@@ -16,7 +16,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from astraflow.broker import BrokerError, EmbeddedBroker
+from astraflow.broker import BrokerError, EmbeddedBroker, parse_remote_listener
 from astraflow.cliargs import add_command, add_group, add_run_options, examples_epilog, fill
 from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
@@ -25,11 +25,12 @@ from astraflow.topology import Topology, TopologyError, load_topology
 Handler = Callable[[argparse.Namespace], int]
 
 
-def kafka_config(args: argparse.Namespace) -> KafkaConfig:
-    """The topology's Kafka config, ``--bootstrap`` applied, then made effective
-    (``ASTRAFLOW_BOOTSTRAP`` wins, else the embedded broker)."""
+def kafka_config(args: argparse.Namespace, base: KafkaConfig | None = None) -> KafkaConfig:
+    """The topology's Kafka config (or ``base``: a pool's), ``--bootstrap`` applied, then
+    made effective (``ASTRAFLOW_BOOTSTRAP`` wins, else the embedded broker)."""
     topology: Topology | None = getattr(args, "loaded_topology", None)
-    base = topology.kafka if topology else KafkaConfig()
+    if base is None:
+        base = topology.kafka if topology else KafkaConfig()
     if getattr(args, "bootstrap", None):
         base = base.model_copy(update={"bootstrap_servers": args.bootstrap})
     return base.effective()
@@ -56,7 +57,7 @@ def cmd_broker_start(args: argparse.Namespace) -> int:
         return 0
     broker = EmbeddedBroker()
     before = broker.status()
-    st = broker.start(port=args.port)
+    st = broker.start(port=args.port, remote_listener=args.remote_listener)
     if before.running:
         print(f"already running: {st.describe()}")
     else:
@@ -243,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _remote_listener(text: str) -> tuple[int, str]:
+    try:
+        return parse_remote_listener(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_broker(sub: Any) -> None:
     verbs = add_group(sub, "broker", help="the embedded single-node Apache Kafka broker",
                       dest="action", examples=["astraflow broker start",
@@ -250,6 +258,12 @@ def _add_broker(sub: Any) -> None:
     p = add_command(verbs, "start", help="start it (fetching the jars on first use)",
                     examples=["astraflow broker start", "astraflow broker start --port 29092"])
     p.add_argument("--port", type=int, default=None, help="listener port (default 19092)")
+    p.add_argument("--remote-listener", type=_remote_listener, default=None,
+                   metavar="PORT=HOST:PORT",
+                   help="a second listener (REMOTE) on 127.0.0.1:PORT that advertises "
+                   "HOST:PORT, for clients that reach the broker through a proxy there "
+                   "(kept across restarts; docs/operations.md, \"A remote pool over a slow "
+                   "link\")")
     p.set_defaults(func=cmd_broker_start)
     p = add_command(verbs, "stop", help="stop it",
                     examples=["astraflow broker stop", "astraflow broker stop --purge"])

@@ -455,6 +455,17 @@ def metrics_ports(topo: Topology) -> dict[str, int]:
     return {name: topo.metrics_port + i for i, name in enumerate(served)}
 
 
+def pool_bootstrap(topo: Topology, name: str) -> str | None:
+    """The bootstrap address of process ``name`` when it is a node (``raas-<pool>-<i>``)
+    of a pool whose ``kafka:`` sets one: ``up`` hands it over as ``ASTRAFLOW_BOOTSTRAP``
+    in place of the run's (e.g. a remote pool behind a proxy); else None."""
+    for pool, spec in topo.pools.items():
+        index = name.removeprefix(f"raas-{pool}-")
+        if index != name and index.isdigit():
+            return spec.kafka.get("bootstrap_servers")
+    return None
+
+
 def _spawner(topo: Topology, config, run_dir: Path):
     """``spawn(name, cmd)``: a component's process, logging to ``logs/<name>.log``."""
     # one intra-op thread per process: several processes share the cores, and torch's
@@ -467,6 +478,8 @@ def _spawner(topo: Topology, config, run_dir: Path):
     def spawn(name: str, cmd: list[str]) -> subprocess.Popen:
         nice = niceness.get(name, 0)
         own = {**env, "ASTRAFLOW_METRICS_PORT": str(ports[name])} if name in ports else env
+        bootstrap = pool_bootstrap(topo, name)
+        own = {**own, "ASTRAFLOW_BOOTSTRAP": bootstrap} if bootstrap else own
         with open(run_dir / "logs" / f"{name}.log", "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
                                     start_new_session=True,

@@ -306,6 +306,9 @@ class PoolSpec(_Strict):
     # e.g. single_turn: {max_new_tokens: 8, reward: exact_match}
     workflows: dict[str, Any] = Field(default_factory=dict)
     device: str | None = None  # torch engine device (default cpu)
+    # this pool's client settings, merged over the topology's `kafka:` for its nodes only
+    # (e.g. a remote pool's bootstrap_servers: a proxy in front of the broker)
+    kafka: dict[str, Any] = Field(default_factory=dict)
     prefix_cache_mib: float | None = Field(default=None, ge=0)
     session_timeout_ms: int | None = Field(default=None, ge=1)
     # relative speed of the pool's nodes (0.3: each rollout batch takes 1/0.3 of its time):
@@ -334,6 +337,19 @@ class PoolSpec(_Strict):
     def _engine_options(self) -> PoolSpec:
         _typed(ENGINE_OPTIONS[self.engine], self.engine_options, ".engine_options")
         return self
+
+    @field_validator("kafka")
+    @classmethod
+    def _kafka(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(KafkaConfig.model_fields))
+        if unknown:
+            raise ValueError(f".{unknown[0]}: unknown Kafka setting (known: "
+                             f"{', '.join(KafkaConfig.model_fields)})")
+        try:
+            KafkaConfig(**v)
+        except ValidationError as e:
+            raise ValueError("." + _format_errors(e)) from None
+        return v
 
     def engine_settings(self) -> Any:
         """The engine options, typed for this pool's engine."""
@@ -495,6 +511,17 @@ class Topology(_Strict):
         """The ``max_staleness`` of ``policy`` (the one default for undeclared ones)."""
         spec = self.policies.get(policy)
         return spec.max_staleness if spec is not None else DEFAULT_MAX_STALENESS
+
+    def pool_kafka(self, pool: str) -> KafkaConfig:
+        """The client settings of ``pool``'s nodes: its ``kafka:`` over the topology's, the
+        librdkafka option mappings merged key by key (the topology's for an unknown pool)."""
+        spec = self.pools.get(pool)
+        if spec is None or not spec.kafka:
+            return self.kafka
+        base = self.kafka.model_dump()
+        merged = {k: {**base[k], **v} if isinstance(v, dict) else v
+                  for k, v in spec.kafka.items()}
+        return KafkaConfig(**{**base, **merged})
 
     def topic(self, name: str) -> ResolvedTopic:
         if name not in self.topics:

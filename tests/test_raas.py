@@ -445,6 +445,9 @@ def test_node_follows_published_weights(kafka_config, make_topology, tmp_path):
             assert torch.equal(t, v1[k]), k
     assert not thread.is_alive()
     assert node.status().weight_versions == {"actor": 1}
+    m = node.status().metrics  # the update's time, as a remote pool's bench reads it
+    assert m["raas/weight_updates"] == 1 and m["raas/weight_sync_s"] == m[
+        "raas/weight_sync_last_s"] > 0
 
 
 @pytest.mark.slow

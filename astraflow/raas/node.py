@@ -352,6 +352,11 @@ class RaaSNode:
             "raas/gen_tokens": float(c.gen_tokens),
             "raas/gen_tokens_per_s": c.gen_tokens / gen_s if gen_s > 0 else 0.0,
             "raas/weight_updates": float(sum(w.updates for w in self._watchers.values())),
+            # seconds spent bringing the engines to new versions (blobs fetched over Kafka,
+            # deltas applied, engine reloaded), in all and the latest update's
+            "raas/weight_sync_s": sum(w.update_s for w in self._watchers.values()),
+            "raas/weight_sync_last_s": max(
+                (w.last_update_s for w in self._watchers.values()), default=0.0),
             **self._last_metrics,
             **self._take_window(),
         }

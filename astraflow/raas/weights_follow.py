@@ -56,6 +56,7 @@ class WeightWatcher:
         self.updates = 0
         self.manifests_seen = 0
         self.last_update_s = 0.0
+        self.update_s = 0.0  # seconds of every update: fetch, apply and load
 
     def _observe(self, _key: Any, _old: WeightManifest | None, new: WeightManifest | None) -> None:
         if new is not None:
@@ -99,6 +100,7 @@ class WeightWatcher:
         self.engine.load_state_dict(self.follower.state, result.version or target)
         self.updates += 1
         self.last_update_s = time.perf_counter() - t0
+        self.update_s += self.last_update_s
         log.info(
             "%s: engine now at version %s (%d manifests, %d bytes, %.2fs)",
             self.topic,
