@@ -1,0 +1,160 @@
+"""The megatron-core trainer backend on a CPU: the HF Llama <-> megatron mapping (logits
+parity, bit-exact round trip), the errors that name a fix, and one training step under
+both backends. Skipped, with the install command, when megatron-core is not importable."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+
+import pytest
+import torch
+
+from astraflow.trainer.megatron_shims import INSTALL, PINNED_VERSION
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
+        "megatron.core") is None:
+    pytest.skip(f"megatron-core is not installed: {INSTALL}", allow_module_level=True)
+
+LOGITS_ATOL = 1e-4  # fp32 logits, HF vs megatron (measured: ~2e-7)
+
+
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=True, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def _hf_and_megatron(cfg, seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    from astraflow.trainer import megatron_model as mm
+
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(cfg).eval()
+    mg = mm.build_model(cfg)
+    mm.load_hf_state(mg, hf.state_dict(), cfg)
+    return hf, mg.eval()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the box is shared
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_parity_random_llama(tied):
+    from astraflow.trainer import megatron_model as mm
+
+    cfg = _llama_config(tie_word_embeddings=tied)
+    hf, mg = _hf_and_megatron(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        got = mm.logits(mg, ids)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < LOGITS_ATOL
+
+
+def test_round_trip_bit_exact():
+    from transformers import LlamaForCausalLM
+
+    from astraflow.trainer import megatron_model as mm
+
+    for tied in (True, False):
+        cfg = _llama_config(tie_word_embeddings=tied, num_key_value_heads=1)
+        torch.manual_seed(3)
+        hf_state = LlamaForCausalLM(cfg).state_dict()
+        back = mm.megatron_to_hf(mm.hf_to_megatron(hf_state, cfg), cfg)
+        assert list(back) == list(hf_state)  # the same names, in transformers' order
+        for k, v in hf_state.items():
+            assert back[k].shape == v.shape and back[k].dtype == v.dtype
+            assert torch.equal(back[k].view(torch.int32), v.view(torch.int32)), k
+
+
+def test_round_trip_through_the_model_bf16():
+    from transformers import LlamaForCausalLM
+
+    from astraflow.trainer import megatron_model as mm
+
+    cfg = _llama_config()
+    torch.manual_seed(4)
+    hf_state = LlamaForCausalLM(cfg).to(torch.bfloat16).state_dict()
+    mg = mm.build_model(cfg, dtype=torch.bfloat16)
+    mm.load_hf_state(mg, hf_state, cfg)
+    back = mm.megatron_to_hf(mm.weight_state(mg), cfg)
+    assert all(torch.equal(back[k].view(torch.int16), v.view(torch.int16))
+               for k, v in hf_state.items())
+
+
+def test_unsupported_architecture_names_the_fix():
+    from transformers import Qwen2Config
+
+    from astraflow.trainer.megatron_model import UnsupportedArchitecture, check_supported
+
+    with pytest.raises(UnsupportedArchitecture, match="trainer.backend: torch"):
+        check_supported(Qwen2Config(hidden_size=64, num_attention_heads=4))
+    with pytest.raises(UnsupportedArchitecture, match="attention_bias"):
+        check_supported(_llama_config(attention_bias=True))
+    with pytest.raises(UnsupportedArchitecture, match="RoPE type 'llama3'"):
+        check_supported(_llama_config(rope_parameters={
+            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+
+
+def test_missing_or_wrong_megatron_and_old_python_name_the_fix(monkeypatch):
+    from astraflow.trainer import megatron_shims as ms
+
+    monkeypatch.setattr(ms, "installed_version", lambda: None)
+    with pytest.raises(ms.MegatronUnavailable, match=r"not installed; pip install"):
+        ms.check_megatron()
+    monkeypatch.setattr(ms, "installed_version", lambda: "0.99.0")
+    with pytest.raises(ms.MegatronUnavailable, match=f"megatron-core=={PINNED_VERSION}"):
+        ms.check_megatron(cpu=True)
+    assert ms.check_megatron(cpu=False) == "0.99.0"  # no shims on a GPU
+    monkeypatch.setattr(ms, "MIN_PYTHON", (sys.version_info.major, sys.version_info.minor + 1))
+    with pytest.raises(ms.MegatronUnavailable, match="needs Python >="):
+        ms.check_megatron()
+
+
+def test_cpu_rng_tracker_forks_the_cpu_generator():
+    from astraflow.trainer.megatron_shims import CpuRNGStatesTracker
+
+    tr = CpuRNGStatesTracker()
+    tr.add("a", 7)
+    before = torch.get_rng_state()
+    with tr.fork("a"):
+        x = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
+    assert torch.equal(x, torch.rand(3, generator=torch.Generator().manual_seed(7)))
+    with pytest.raises(ValueError):
+        tr.add("b", 7)
+
+
+@pytest.mark.slow
+def test_logits_parity_smollm2(smollm2_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from astraflow.trainer import megatron_model as mm
+
+    t0 = time.perf_counter()
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    mg = mm.build_model(cfg)
+    mm.load_hf_state(mg, hf.state_dict(), cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (mm.logits(mg.eval(), ids) - hf(input_ids=ids).logits).abs().max().item()
+    assert diff < LOGITS_ATOL, diff
+    back = mm.megatron_to_hf(mm.weight_state(mg), cfg)
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    print(f"smollm2 parity {diff:.2e} in {time.perf_counter() - t0:.1f}s")
