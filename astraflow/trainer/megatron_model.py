@@ -81,9 +81,11 @@ def _kv_heads(cfg: Any) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
-def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32) -> Any:
+def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32,
+                       initialize: bool = True) -> Any:
     """megatron's ``TransformerConfig`` for the Hugging Face Llama config ``cfg``: RMSNorm,
-    SwiGLU, grouped-query attention, no biases, no dropout, CPU initialization."""
+    SwiGLU, grouped-query attention, no biases, no dropout, CPU initialization (random
+    weights unless ``initialize`` is false: weights about to be loaded)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -103,6 +105,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
+        perform_initialization=initialize,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -111,11 +114,12 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.float32) -> Any:
     )
 
 
-def build_model(cfg: Any, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    """A ``GPTModel`` (local layer spec, randomly initialised) for the Hugging Face Llama
-    config ``cfg``, on ``device``. Sets up megatron's one-process parallel state (and the
-    CPU shims on a CPU); errors name the fix (``MegatronUnavailable``,
-    ``UnsupportedArchitecture``)."""
+def build_model(cfg: Any, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                initialize: bool = True) -> Any:
+    """A ``GPTModel`` (local layer spec, randomly initialised unless ``initialize`` is
+    false) for the Hugging Face Llama config ``cfg``, on ``device``. Sets up megatron's
+    one-process parallel state (and the CPU shims on a CPU); errors name the fix
+    (``MegatronUnavailable``, ``UnsupportedArchitecture``)."""
     cpu = torch.device(device).type == "cpu"
     check_megatron(cpu=cpu)
     check_supported(cfg)
@@ -124,7 +128,7 @@ def build_model(cfg: Any, dtype: torch.dtype = torch.float32, device: str = "cpu
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     model = GPTModel(
-        config=transformer_config(cfg, dtype),
+        config=transformer_config(cfg, dtype, initialize),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
