@@ -127,7 +127,7 @@ TRAINER_OPTIONAL = ("state_interval", "state_max_lag", "keep_optimizer", "keep_v
                     "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                     "max_grad_norm", "clip_low", "clip_high", "tis_cap", "loss", "micro_batch_size",
                     "micro_batch_tokens", "autocast", "gradient_checkpointing", "forward_on",
-                    "dtype", "publish_dtype", "device", "threads", "deterministic",
+                    "dtype", "publish_dtype", "device", "backend", "threads", "deterministic",
                     "max_steps", "blob_store", "state_dir")
 
 
