@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -175,10 +177,21 @@ def rng_tracker() -> Any:
     return random.get_cuda_rng_tracker()
 
 
+def quiet_megatron() -> None:
+    """Silence what megatron-core says on import and per forward that is no news here:
+    the missing TransformerEngine/Apex fallbacks, the ``tp_group`` deprecation (tensor
+    parallel size 1), its INFO logs. Filters only warnings raised in megatron's modules."""
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
 def init_parallel(cpu: bool, seed: int = 0) -> None:
     """One-process model parallel state (tensor and pipeline size 1), on gloo for a CPU
     or nccl for a GPU, with megatron's model-parallel RNG state seeded."""
     import torch.distributed as dist
+
+    quiet_megatron()
     from megatron.core import parallel_state
 
     if cpu:
@@ -212,4 +225,5 @@ __all__ = [
     "init_parallel",
     "install_cpu_shims",
     "installed_version",
+    "quiet_megatron",
 ]
