@@ -63,6 +63,10 @@ def test_logits_parity_random_llama(tied):
         got = mm.logits(mg, ids)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < LOGITS_ATOL
+    with torch.no_grad():  # only the last columns through the output layer
+        tail = mm.logits(mg, ids, start=12)
+    assert tail.shape == (3, 5, cfg.vocab_size)
+    assert (tail - want[:, 12:]).abs().max().item() < LOGITS_ATOL
 
 
 def test_round_trip_bit_exact():

@@ -129,8 +129,8 @@ class TorchPolicy:
 class MegatronPolicy:
     """A megatron-core ``GPTModel`` as the trainer's model (``trainer.backend:
     megatron``): built from the HF config, loaded and published through the HF mapping.
-    Logits are computed at every column (no ``logits_to_keep``) and sliced; no shared
-    prompt pass (no KV cache in training) and no activation checkpointing yet."""
+    Logits only from column ``start`` on (as ``logits_to_keep``); no shared prompt pass
+    (no KV cache in training) and no activation checkpointing yet."""
 
     shares_prompt = False
 
@@ -158,7 +158,7 @@ class MegatronPolicy:
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, start: int) -> torch.Tensor:
         from astraflow.trainer.megatron_model import logits
 
-        return logits(self.module, ids)[:, start:]
+        return logits(self.module, ids, start)
 
     def shared_prompt_logits(self, ids: torch.Tensor, attn: torch.Tensor,
                              prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -232,15 +232,31 @@ def load_hf_state(model: Any, hf: dict[str, torch.Tensor], cfg: Any) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """``[batch, seq, vocab]`` logits of causal LM ``model`` on right-padded ``ids``
-    (positions 0..seq-1; padding after a sequence does not change its logits)."""
+def logits(model: Any, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``[batch, seq - start, vocab]`` logits of causal LM ``model`` at columns
+    ``start..seq-1`` of right-padded ``ids`` (positions 0..seq-1; padding after a sequence
+    does not change its logits). Only those columns go through the output layer (the
+    vocabulary projection), like transformers' ``logits_to_keep``: a forward pre-hook on
+    ``output_layer`` cuts its ``[seq, batch, hidden]`` input."""
     from astraflow.trainer.megatron_shims import causal_mask
 
     n = ids.shape[1]
     positions = torch.arange(n, device=ids.device).expand(ids.shape[0], -1)
-    return model(input_ids=ids, position_ids=positions,
-                 attention_mask=causal_mask(n, ids.device))
+    handle = None
+    if start > 0:
+        def keep(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (args[0][start:], *args[1:]), kwargs
+            return args, {**kwargs, "input_": kwargs["input_"][start:]}
+
+        handle = model.output_layer.register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        out = model(input_ids=ids, position_ids=positions,
+                    attention_mask=causal_mask(n, ids.device))
+    finally:
+        if handle is not None:
+            handle.remove()
+    return out[:, start:] if out.shape[1] == n else out
 
 
 __all__ = [
