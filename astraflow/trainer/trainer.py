@@ -1,4 +1,9 @@
-"""The policy-gradient step on a Hugging Face causal LM, without Kafka.
+"""The policy-gradient step on a causal LM, without Kafka.
+
+The network is a ``PolicyModel`` (``astraflow.trainer.backend``): a transformers model
+(``backend="torch"``) or a megatron-core ``GPTModel`` built from the Hugging Face config
+(``backend="megatron"``). Everything below is the same code for both; weights go in and
+out with Hugging Face names and layouts whatever the backend.
 
 ``Trainer.train_step(batch)`` takes one ``Batch`` (token ids, loss masks and behaviour
 log-probs as the rollout recorded them; nothing is tokenized here), computes GRPO group
