@@ -221,6 +221,18 @@ def test_one_step_same_loss_and_updates_under_both_backends(llama_dir, forward_o
     assert max(float(d.abs().max()) for d in dm.values()) > 0.5 * STEP_LR  # it moved
 
 
+def test_megatron_trainer_from_a_transformers_model(llama_dir):
+    from transformers import LlamaForCausalLM
+
+    from astraflow.trainer.backend import MegatronPolicy
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    hf = LlamaForCausalLM.from_pretrained(llama_dir)
+    tr = Trainer("", TrainerConfig(backend="megatron", publish_dtype="same"), model=hf)
+    assert isinstance(tr.backend, MegatronPolicy)
+    assert all(torch.equal(tr.state_dict()[k], v) for k, v in hf.state_dict().items())
+
+
 def test_megatron_trainer_resumes_bit_exactly(llama_dir):
     from astraflow.weights.delta import state_bytes_equal
 

@@ -155,6 +155,16 @@ class MegatronPolicy:
         del hf
         return cls(cfg, module)
 
+    @classmethod
+    def from_module(cls, model: Any, dtype: torch.dtype, device: str) -> MegatronPolicy:
+        """The megatron twin of a transformers Llama ``model`` (its config and weights)."""
+        from astraflow.trainer import megatron_model as mm
+
+        module = mm.build_model(model.config, dtype=dtype, device=device, initialize=False)
+        mm.load_hf_state(module, {k: v.to(dtype) for k, v in model.state_dict().items()},
+                         model.config)
+        return cls(model.config, module)
+
     def logits(self, ids: torch.Tensor, attn: torch.Tensor, start: int) -> torch.Tensor:
         from astraflow.trainer.megatron_model import logits
 
@@ -186,13 +196,15 @@ class MegatronPolicy:
 
 def make_policy_model(backend: str, model_path: str, dtype: torch.dtype,
                       device: str, model: Any = None) -> PolicyModel:
-    """The ``PolicyModel`` of ``backend``: ``model`` when it is one, a ``TorchPolicy``
-    around ``model`` when that is a torch module, else loaded from ``model_path``. Put on
-    ``device`` in eval mode (no dropout: deterministic steps)."""
+    """The ``PolicyModel`` of ``backend``: ``model`` when it is one; built around (torch)
+    or from (megatron) ``model`` when that is a transformers model; else loaded from
+    ``model_path``. Put on ``device`` in eval mode (no dropout: deterministic steps)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend (--backend) must be one of {BACKENDS}, got {backend!r}")
     if isinstance(model, PolicyModel):
         policy = model
+    elif model is not None and backend == "megatron":
+        policy = MegatronPolicy.from_module(model, dtype, device)
     elif model is not None:
         policy = TorchPolicy(model)
     elif backend == "megatron":
