@@ -339,3 +339,21 @@ def test_up_with_megatron_backend_publishes_versions_raas_loads(kafka_bootstrap,
                                          expect=TrajectoryGroup)]
     rolled_with = {s.max_version for g in groups for s in g.sequences}
     assert max(rolled_with) >= 1, f"rollouts only ever used versions {rolled_with}"
+
+
+def test_trainer_run_refuses_an_unsupported_model_before_kafka(tmp_path, capsys):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from astraflow.cli import main
+
+    from .conftest import REPO
+
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32)
+                     ).save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    rc = main(["trainer", "run", "--topology", str(REPO / "topology" / "default.yaml"),
+               "--policy", "actor", "--model", str(tmp_path), "--backend", "megatron"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model_type 'qwen2'" in err and "trainer.backend: torch" in err
+    assert len(err.strip().splitlines()) == 1, err
