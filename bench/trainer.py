@@ -38,8 +38,9 @@ sequence's prompt in its own pass: the trainer before real-model support), ``fp3
 Backends (``--backends``): every setting runs under each trainer backend listed,
 ``torch`` (transformers) and ``megatron`` (megatron-core ``GPTModel``, Llama-family models,
 ``pip install 'astraflow[megatron]'``), side by side in the table. The megatron backend
-runs every prompt itself (a ``-shared`` setting is its plain twin there) and has no
-gradient checkpointing (``bf16-ckpt`` is skipped for it).
+runs every prompt itself (a ``-shared`` setting is its plain twin there), has no
+gradient checkpointing and, on a CPU, no bf16 autocast (megatron's linear layers keep
+only CUDA's autocast state for their backward): those settings are skipped for it.
 
 Needs a local model directory, e.g. SmolLM2-135M-Instruct imported without internet::
 
@@ -218,6 +219,17 @@ class Setting:
     prev: dict[str, torch.Tensor] | None = None
 
 
+def runnable(name: str, backend: str) -> bool:
+    """Whether the trainer takes setting ``name`` under ``backend`` (megatron: no
+    gradient checkpointing, no autocast on a CPU); says why not."""
+    try:
+        TrainerConfig(backend=backend, **SETTINGS[name]).validate()
+    except ValueError as e:
+        print(f"# {name} ({backend}) skipped: {e}")
+        return False
+    return True
+
+
 def open_setting(model_dir: str, name: str, backend: str, args, root: str) -> Setting:
     cfg = TrainerConfig(lr=args.lr, backend=backend, **SETTINGS[name])
     trainer = Trainer(model_dir, cfg, policy="actor")
@@ -353,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.steps <= args.warmup or args.state_interval < 1:
         p.error(f"--settings/--backends: unknown {bad}" if bad
                 else "--steps must exceed --warmup, --state-interval be at least 1")
-    runs = [(n, b) for b in backends for n in names
-            if not (b == "megatron" and SETTINGS[n].get("gradient_checkpointing"))]
+    runs = [(n, b) for b in backends for n in names if runnable(n, b)]
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     pool = build_groups(args.model, args.shape, args.prompts, args.samples, args.seed)

@@ -287,6 +287,9 @@ def test_megatron_backend_errors_at_start(llama_dir, tmp_path):
         TrainerConfig(backend="megatron", gradient_checkpointing=True).validate()
     with pytest.raises(ValueError, match="backend"):
         TrainerConfig(backend="jax").validate()
+    with pytest.raises(ValueError, match="autocast.*needs a GPU"):
+        TrainerConfig(backend="megatron", autocast="bf16").validate()
+    TrainerConfig(backend="megatron", autocast="bf16", device="cuda").validate()
 
 
 # --------------------------------------------------------------------------- astraflow up

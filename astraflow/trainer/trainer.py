@@ -144,6 +144,11 @@ class TrainerConfig:
             ("gradient_checkpointing", "--gradient-checkpointing",
              not (self.gradient_checkpointing and self.backend == "megatron"),
              "is not supported by backend megatron"),
+            # megatron's linear layers keep only CUDA's autocast state for their backward
+            ("autocast", "--autocast",
+             not (self.autocast != "none" and self.backend == "megatron"
+                  and self.device.startswith("cpu")),
+             "bf16 with backend megatron needs a GPU (on a CPU: --autocast none)"),
         ]
         for name, flag, ok, what in checks:
             if not ok:
