@@ -360,3 +360,27 @@ def test_trainer_run_refuses_an_unsupported_model_before_kafka(tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and "model_type 'qwen2'" in err and "trainer.backend: torch" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_megatron_trainer_resumes_exactly_after_sigkill(kafka_config, kafka_bootstrap,
+                                                        make_topology, llama_dir, tmp_path):
+    """The trainer service with ``--backend megatron``, SIGKILLed with version 3's
+    transaction open and restarted: it recomputes version 2 from version 1's state,
+    checks it against the published one, and goes on; every published version equals an
+    uninterrupted megatron run's bit for bit (the resume logic is the torch backend's)."""
+    from astraflow.trainer.trainer import TrainerConfig
+
+    from .test_trainer import _check_history, _crash_then_resume, _reference
+
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
+    sent, _, manifests, text = _crash_then_resume(
+        kafka_config, kafka_bootstrap, topo, path, llama_dir, tmp_path, n=5, crash_at=3,
+        args=["--lr", "1e-4", "--micro-batch-size", "3", "--state-interval", "1",
+              "--backend", "megatron"])
+    assert "resumed at version 2 from the state of version 1" in text, text[-3000:]
+    assert "matches version 2's manifest" in text, text[-3000:]
+    cfg = TrainerConfig(lr=1e-4, micro_batch_size=3, backend="megatron")
+    _check_history(kafka_config, manifests, sent, _reference(llama_dir, sent, cfg),
+                   topo.full_name("batches.actor"))
