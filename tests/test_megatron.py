@@ -384,3 +384,22 @@ def test_megatron_trainer_resumes_exactly_after_sigkill(kafka_config, kafka_boot
     cfg = TrainerConfig(lr=1e-4, micro_batch_size=3, backend="megatron")
     _check_history(kafka_config, manifests, sent, _reference(llama_dir, sent, cfg),
                    topo.full_name("batches.actor"))
+
+
+def test_up_refuses_a_missing_megatron_before_starting_anything(monkeypatch, tmp_path):
+    import yaml
+
+    from astraflow import launcher
+    from astraflow.topology import parse_topology
+    from astraflow.trainer import megatron_shims
+
+    from .conftest import REPO
+
+    data = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
+    data["policies"]["actor"]["model"] = str(tmp_path / "model")  # not written yet
+    data["policies"]["actor"]["trainer"]["backend"] = "megatron"
+    topo = parse_topology(data)
+    assert launcher.trainer_backend_problem(topo) is None
+    monkeypatch.setattr(megatron_shims, "installed_version", lambda: None)
+    problem = launcher.trainer_backend_problem(topo)
+    assert problem and problem.startswith("policy actor: ") and "pip install" in problem
