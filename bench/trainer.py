@@ -38,9 +38,9 @@ sequence's prompt in its own pass: the trainer before real-model support), ``fp3
 Backends (``--backends``): every setting runs under each trainer backend listed,
 ``torch`` (transformers) and ``megatron`` (megatron-core ``GPTModel``, Llama-family models,
 ``pip install 'astraflow[megatron]'``), side by side in the table. The megatron backend
-runs every prompt itself (a ``-shared`` setting is its plain twin there), has no
-gradient checkpointing and, on a CPU, no bf16 autocast (megatron's linear layers keep
-only CUDA's autocast state for their backward): those settings are skipped for it.
+runs every prompt itself (a ``-shared`` setting is its plain twin there) and, on a CPU,
+has no bf16 autocast (megatron's linear layers keep only CUDA's autocast state for their
+backward): those settings are skipped for it there.
 
 Needs a local model directory, e.g. SmolLM2-135M-Instruct imported without internet::
 
@@ -221,7 +221,7 @@ class Setting:
 
 def runnable(name: str, backend: str) -> bool:
     """Whether the trainer takes setting ``name`` under ``backend`` (megatron: no
-    gradient checkpointing, no autocast on a CPU); says why not."""
+    autocast on a CPU); says why not."""
     try:
         TrainerConfig(backend=backend, **SETTINGS[name]).validate()
     except ValueError as e:

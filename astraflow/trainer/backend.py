@@ -130,7 +130,7 @@ class MegatronPolicy:
     """A megatron-core ``GPTModel`` as the trainer's model (``trainer.backend:
     megatron``): built from the HF config, loaded and published through the HF mapping.
     Logits only from column ``start`` on (as ``logits_to_keep``); no shared prompt pass
-    (no KV cache in training) and no activation checkpointing yet."""
+    (no KV cache in training)."""
 
     shares_prompt = False
 
@@ -190,8 +190,19 @@ class MegatronPolicy:
         load_hf_state(self.module, state, self.hf_config)
 
     def enable_checkpointing(self) -> None:
-        raise ValueError("gradient_checkpointing (--gradient-checkpointing) is not supported "
-                         "by trainer backend megatron; turn it off or use backend torch")
+        """Each transformer layer's forward under non-reentrant ``torch.utils.checkpoint``
+        (ours, not megatron's recompute, whose ``CheckpointFunction`` saves CUDA RNG
+        states): its activations are recomputed in the backward pass. The model stays in
+        eval mode (no dropout), so the recomputation is the same computation."""
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.module.decoder.layers:
+            def forward(*args: Any, _forward: Any = layer.forward, **kwargs: Any) -> Any:
+                if not torch.is_grad_enabled():
+                    return _forward(*args, **kwargs)
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+            layer.forward = forward
 
 
 def make_policy_model(backend: str, model_path: str, dtype: torch.dtype,

@@ -141,9 +141,6 @@ class TrainerConfig:
             ("forward_on", "--forward-on", self.forward_on in FORWARD_ON,
              f"must be one of {FORWARD_ON}"),
             ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
-            ("gradient_checkpointing", "--gradient-checkpointing",
-             not (self.gradient_checkpointing and self.backend == "megatron"),
-             "is not supported by backend megatron"),
             # megatron's linear layers keep only CUDA's autocast state for their backward
             ("autocast", "--autocast",
              not (self.autocast != "none" and self.backend == "megatron"
