@@ -120,9 +120,12 @@ def build_model(cfg: Any, dtype: torch.dtype = torch.float32, device: str = "cpu
     false) for the Hugging Face Llama config ``cfg``, on ``device``. Sets up megatron's
     one-process parallel state (and the CPU shims on a CPU); errors name the fix
     (``MegatronUnavailable``, ``UnsupportedArchitecture``)."""
-    cpu = torch.device(device).type == "cpu"
+    dev = torch.device(device)
+    cpu = dev.type == "cpu"
     check_megatron(cpu=cpu)
     check_supported(cfg)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)  # megatron allocates on the current device
     init_parallel(cpu)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
