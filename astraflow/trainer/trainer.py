@@ -145,7 +145,8 @@ class TrainerConfig:
             ("autocast", "--autocast",
              not (self.autocast != "none" and self.backend == "megatron"
                   and self.device.startswith("cpu")),
-             "bf16 with backend megatron needs a GPU (on a CPU: --autocast none)"),
+             "bf16 with backend megatron needs a GPU (on a CPU: --autocast none, or "
+             "--dtype bf16 to train bf16 weights)"),
         ]
         for name, flag, ok, what in checks:
             if not ok:
