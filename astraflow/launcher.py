@@ -127,7 +127,7 @@ TRAINER_OPTIONAL = ("state_interval", "state_max_lag", "keep_optimizer", "keep_v
                     "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                     "max_grad_norm", "clip_low", "clip_high", "tis_cap", "loss", "micro_batch_size",
                     "micro_batch_tokens", "autocast", "gradient_checkpointing", "forward_on",
-                    "dtype", "publish_dtype", "device", "threads", "deterministic",
+                    "dtype", "publish_dtype", "device", "backend", "threads", "deterministic",
                     "max_steps", "blob_store", "state_dir")
 
 
@@ -358,6 +358,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from astraflow.supervisor import RunLocked, run_lock
 
     topo: Topology = args.loaded_topology
+    problem = trainer_backend_problem(topo)
+    if problem:
+        print(f"astraflow up: {problem}", file=sys.stderr)
+        return 2
     run_dir = Path(args.runs_dir) / topo.run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     try:
@@ -366,6 +370,30 @@ def cmd_up(args: argparse.Namespace) -> int:
     except RunLocked as e:
         print(f"astraflow up: {e}", file=sys.stderr)
         return 2
+
+
+def trainer_backend_problem(topo: Topology) -> str | None:
+    """Why a policy's ``trainer.backend`` cannot run here (megatron-core missing, the
+    wrong release on a CPU, a Python too old, a model directory already written with an
+    architecture the mapping does not cover), before anything starts; None if nothing.
+    Each trainer checks again at its start (a model written later included)."""
+    from astraflow.models.errors import ModelError
+
+    for policy, spec in topo.policies.items():
+        backend = spec.trainer.backend or "torch"
+        if backend == "torch":
+            continue
+        from astraflow.trainer.backend import preflight
+        from astraflow.trainer.megatron_shims import MegatronUnavailable, check_megatron
+
+        device = spec.trainer.device or "cpu"
+        try:
+            check_megatron(cpu=device.startswith("cpu"))
+            if Path(spec.model, "config.json").is_file():
+                preflight(backend, spec.model, device)
+        except (MegatronUnavailable, ValueError, ModelError) as e:
+            return f"policy {policy}: {e}"
+    return None
 
 
 def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:

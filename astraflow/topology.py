@@ -200,6 +200,9 @@ class TrainerSpec(_Strict):
     publish_dtype: Literal["same", "bf16", "fp16"] | None = Field(
         default=None, description="default bf16")
     device: str | None = Field(default=None, description="default cpu")
+    # the model implementation: transformers ("torch") or megatron-core ("megatron",
+    # Llama-family models; astraflow.trainer.backend); None: torch
+    backend: Literal["torch", "megatron"] | None = Field(default=None, description="torch")
     threads: int | None = Field(default=None, ge=1)
     deterministic: bool = False
     max_steps: int | None = Field(default=None, ge=1)

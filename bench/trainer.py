@@ -35,10 +35,19 @@ sequence's prompt in its own pass: the trainer before real-model support), ``fp3
 (``--autocast bf16``), ``bf16-shared``, ``bf16-tokens`` (and ``--micro-batch-tokens``),
 ``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence).
 
+Backends (``--backends``): every setting runs under each trainer backend listed,
+``torch`` (transformers) and ``megatron`` (megatron-core ``GPTModel``, Llama-family models,
+``pip install 'astraflow[megatron]'``), side by side in the table. The megatron backend
+runs every prompt itself (a ``-shared`` setting is its plain twin there) and, on a CPU,
+has no bf16 autocast (megatron's linear layers keep only CUDA's autocast state for their
+backward): those settings are skipped for it there.
+
 Needs a local model directory, e.g. SmolLM2-135M-Instruct imported without internet::
 
     astraflow model import smollm2 models/smollm2
     python bench/trainer.py --model models/smollm2 --threads 2
+    python bench/trainer.py --model models/smollm2 --settings fp32,bf16 \
+        --backends torch,megatron
 """
 
 
@@ -143,6 +152,7 @@ class Row:
     """One setting's measurements over the steps."""
 
     name: str
+    backend: str = "torch"
     steps: dict[str, list[float]] = field(default_factory=dict)
     writes: list[tuple[float, float]] = field(default_factory=list)  # snapshot, write
     deltas: list[tuple[int, float]] = field(default_factory=list)  # bytes, sparsity
@@ -209,11 +219,22 @@ class Setting:
     prev: dict[str, torch.Tensor] | None = None
 
 
-def open_setting(model_dir: str, name: str, args, root: str) -> Setting:
-    cfg = TrainerConfig(lr=args.lr, **SETTINGS[name])
+def runnable(name: str, backend: str) -> bool:
+    """Whether the trainer takes setting ``name`` under ``backend`` (megatron: no
+    autocast on a CPU); says why not."""
+    try:
+        TrainerConfig(backend=backend, **SETTINGS[name]).validate()
+    except ValueError as e:
+        print(f"# {name} ({backend}) skipped: {e}")
+        return False
+    return True
+
+
+def open_setting(model_dir: str, name: str, backend: str, args, root: str) -> Setting:
+    cfg = TrainerConfig(lr=args.lr, backend=backend, **SETTINGS[name])
     trainer = Trainer(model_dir, cfg, policy="actor")
-    store = FileBlobStore(os.path.join(root, name))
-    st = Setting(trainer, store, StateWriter(store, "actor"), Row(name))
+    store = FileBlobStore(os.path.join(root, f"{name}-{backend}"))
+    st = Setting(trainer, store, StateWriter(store, "actor"), Row(name, backend))
     st.prev = publish(trainer, None, store, 0, st.row, args.threads)
     st.row.steps.clear()
     return st
@@ -288,17 +309,17 @@ def logprob_error(model_dir: str, batch: Batch) -> str:
 
 
 def report(rows: list[Row], interval: int) -> None:
-    print(f"\n| setting | micro-batches | padded tokens | saved for backward MB per "
+    print(f"\n| setting | backend | micro-batches | padded tokens | saved for backward MB per "
           f"micro-batch | fwd/bwd s | optim s | cast s | "
           f"encode s | put s | state write, every version s | state write in the background "
           f"(snapshot + write) s | state on the step, every {interval} s | step s (state "
           f"every {interval}) | step s (state every version) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bg = (f"{statistics.mean(a for a, _ in r.writes):.2f} + "
               f"{statistics.mean(b for _, b in r.writes):.2f}" if r.writes else "-")
         sync_wall = r.mean("wall") - r.mean("state_main") + r.sync_write
-        print(f"| {r.name} | {r.mean('micro'):.0f} | {r.mean('padded'):.0f} | "
+        print(f"| {r.name} | {r.backend} | {r.mean('micro'):.0f} | {r.mean('padded'):.0f} | "
               f"{r.mean('saved_mb'):.0f} | "
               f"{r.mean('fwd_bwd'):.2f} | {r.mean('optim'):.3f} | {r.mean('cast'):.3f} | "
               f"{r.mean('encode'):.3f} | {r.mean('put'):.3f} | {r.sync_write:.2f} | {bg} | "
@@ -310,7 +331,7 @@ def report(rows: list[Row], interval: int) -> None:
     for r in rows:
         cells = " ".join(f"v{i}:{b / 1e3:.0f}({s:.4f})" for i, (b, s) in
                          enumerate(r.deltas, start=1))
-        print(f"  {r.name}: {cells}")
+        print(f"  {r.name} ({r.backend}): {cells}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="short", choices=["short", "long"])
     p.add_argument("--settings", default="fp32,fp32-shared,bf16,bf16-shared",
                    help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--backends", default="torch",
+                   help="comma-separated trainer backends, each setting under each: torch, "
+                   "megatron (default torch)")
     p.add_argument("--state-interval", type=int, default=3,
                    help="state written every N versions in the background (one synchronous "
                    "write per setting is timed at the end, for every version)")
@@ -335,10 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     names = [s for s in args.settings.split(",") if s]
-    bad = [s for s in names if s not in SETTINGS]
+    backends = [b for b in args.backends.split(",") if b]
+    bad = [s for s in names if s not in SETTINGS] + [
+        b for b in backends if b not in ("torch", "megatron")]
     if bad or args.steps <= args.warmup or args.state_interval < 1:
-        p.error(f"--settings: unknown {bad}" if bad
+        p.error(f"--settings/--backends: unknown {bad}" if bad
                 else "--steps must exceed --warmup, --state-interval be at least 1")
+    runs = [(n, b) for b in backends for n in names if runnable(n, b)]
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     pool = build_groups(args.model, args.shape, args.prompts, args.samples, args.seed)
@@ -346,13 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     print(logprob_error(args.model, batches[0]))
     root = args.dir or tempfile.mkdtemp(prefix="astraflow-bench-trainer-")
     try:
-        settings = [open_setting(args.model, n, args, root) for n in names]
+        settings = [open_setting(args.model, n, b, args, root) for n, b in runs]
         # round robin: every setting takes version v before any takes v+1, so load from
         # other processes on the machine falls on all of them alike
         for v, batch in enumerate(batches, start=1):
             for st in settings:
                 step(st, v, batch, args)
-                print(f"# v{v} {st.row.name}: {st.row.steps['wall'][-1]:.2f}s", flush=True)
+                print(f"# v{v} {st.row.name} ({st.row.backend}): "
+                      f"{st.row.steps['wall'][-1]:.2f}s", flush=True)
         for st in settings:
             finish(st, len(batches))
             st.row.drop_first(args.warmup)

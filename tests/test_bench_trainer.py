@@ -16,15 +16,27 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+    # a Llama: the megatron backend maps it too
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                       max_position_embeddings=128)
-    path = tmp_path_factory.mktemp("tiny-qwen2-bench")
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    path = tmp_path_factory.mktemp("tiny-llama-bench")
+    LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
+
+
+def megatron_usable() -> bool:
+    """Whether the megatron trainer backend runs here (megatron-core, pinned release)."""
+    from astraflow.trainer.megatron_shims import MegatronUnavailable, check_megatron
+
+    try:
+        check_megatron(cpu=True)
+    except MegatronUnavailable:
+        return False
+    return True
 
 
 def _pool(prompts: int, samples: int):
@@ -52,8 +64,11 @@ def test_bench_trainer_times_every_phase(tiny_model, tmp_path, capsys):
     assert [len(b.groups) for b in batches] == [2, 2, 2]
     assert batches[0].groups[0].prompt_id != batches[1].groups[0].prompt_id  # rotating
     args = argparse.Namespace(lr=1e-4, threads=1, state_interval=2)
-    settings = [bench.open_setting(tiny_model, name, args, str(tmp_path))
-                for name in ("fp32", "bf16-tokens")]
+    runs = [("fp32", "torch"), ("bf16-tokens", "torch")]
+    if megatron_usable():  # else tests/test_megatron skips
+        runs.append(("fp32", "megatron"))
+    settings = [bench.open_setting(tiny_model, name, backend, args, str(tmp_path))
+                for name, backend in runs]
     for v, batch in enumerate(batches, start=1):
         for st in settings:
             bench.step(st, v, batch, args)
@@ -69,7 +84,9 @@ def test_bench_trainer_times_every_phase(tiny_model, tmp_path, capsys):
         assert len(r.writes) == 1  # version 2's, in the background
         assert r.sync_write > 0 and r.state_bytes > 0
         # every measured blob was deleted again
-        assert not [p for p in (tmp_path / st.row.name).iterdir() if not p.name.startswith(".")]
+        folder = tmp_path / f"{r.name}-{r.backend}"
+        assert not [p for p in folder.iterdir() if not p.name.startswith(".")]
     bench.report([st.row for st in settings], 2)
     out = capsys.readouterr().out
-    assert "| fp32 |" in out and "| bf16-tokens |" in out and "v3:" in out
+    assert "| fp32 | torch |" in out and "| bf16-tokens | torch |" in out and "v3:" in out
+    assert len(runs) == 2 or "| fp32 | megatron |" in out

@@ -83,6 +83,10 @@ _COMPUTE: list[Option] = [
                                   "the model itself (default: the sequences of a group share "
                                   "one pass over their prompt; always off with gradient "
                                   "checkpointing)")),
+    (("--backend",), dict(default="torch", choices=["torch", "megatron"], help="the model "
+                          "implementation: torch (transformers, any causal LM; default) or "
+                          "megatron (megatron-core GPTModel, Llama-family models; "
+                          "pip install 'astraflow[megatron]')")),
     (("--threads",), dict(type=int, help="torch.set_num_threads")),
     (("--seed",), dict(type=int, default=0)),
     (("--deterministic",), dict(action="store_true",
@@ -161,6 +165,8 @@ def handler(args: argparse.Namespace) -> int:
         )
     from astraflow.models.errors import ModelError
     from astraflow.models.loading import check_model_dir
+    from astraflow.trainer.backend import preflight
+    from astraflow.trainer.megatron_shims import MegatronUnavailable
 
     topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
     try:
@@ -168,7 +174,8 @@ def handler(args: argparse.Namespace) -> int:
         opts = _options(args)
         _write_missing_model(topo, args.policy, args.model)
         check_model_dir(args.model, tokenizer=False)  # before any Kafka client starts
-    except (ValueError, ModelError) as e:  # TopologyError is a ValueError
+        preflight(args.backend, args.model, args.device)  # megatron: the fix, named
+    except (ValueError, ModelError, MegatronUnavailable) as e:  # TopologyError: ValueError
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
     if args.threads:
@@ -247,6 +254,7 @@ def _options(args: argparse.Namespace) -> Any:
             forward_on=args.forward_on,
             temperature=args.temperature,
             device=args.device,
+            backend=args.backend,
             max_staleness=args.max_staleness,
         ),
     )

@@ -1,4 +1,9 @@
-"""The policy-gradient step on a Hugging Face causal LM, without Kafka.
+"""The policy-gradient step on a causal LM, without Kafka.
+
+The network is a ``PolicyModel`` (``astraflow.trainer.backend``): a transformers model
+(``backend="torch"``) or a megatron-core ``GPTModel`` built from the Hugging Face config
+(``backend="megatron"``). Everything below is the same code for both; weights go in and
+out with Hugging Face names and layouts whatever the backend.
 
 ``Trainer.train_step(batch)`` takes one ``Batch`` (token ids, loss masks and behaviour
 log-probs as the rollout recorded them; nothing is tokenized here), computes GRPO group
@@ -49,8 +54,8 @@ from typing import Any
 
 import torch
 
-from astraflow.models.loading import check_model_dir, takes_logits_to_keep
 from astraflow.records import Batch, Sequence
+from astraflow.trainer.backend import BACKENDS, PolicyModel, make_policy_model
 from astraflow.trainer.loss import DEFAULT_LOSS, LOSSES, SUM_KEYS, get_loss, group_advantages
 from astraflow.trainer.state import StateSnapshot
 
@@ -106,6 +111,9 @@ class TrainerConfig:
     # the engines record them; 0 (greedy) means 1, as the engines report greedy tokens
     temperature: float = 1.0
     device: str = "cpu"
+    # the model implementation (astraflow.trainer.backend): "torch" (transformers) or
+    # "megatron" (megatron-core GPTModel, Llama-family models)
+    backend: str = "torch"
     pad_token_id: int = 0
     # drop groups whose oldest generated token is more than this many versions behind the
     # version being trained (the last guard of the staleness bound); None: keep all
@@ -132,6 +140,13 @@ class TrainerConfig:
             ("autocast", "--autocast", self.autocast in AUTOCAST, f"must be one of {AUTOCAST}"),
             ("forward_on", "--forward-on", self.forward_on in FORWARD_ON,
              f"must be one of {FORWARD_ON}"),
+            ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
+            # megatron's linear layers keep only CUDA's autocast state for their backward
+            ("autocast", "--autocast",
+             not (self.autocast != "none" and self.backend == "megatron"
+                  and self.device.startswith("cpu")),
+             "bf16 with backend megatron needs a GPU (on a CPU: --autocast none, or "
+             "--dtype bf16 to train bf16 weights)"),
         ]
         for name, flag, ok, what in checks:
             if not ok:
@@ -145,17 +160,6 @@ class TrainerConfig:
 
 AUTOCAST = ("none", "bf16")
 FORWARD_ON = ("published", "master")
-
-
-def _dtype_kwarg(dtype: torch.dtype) -> dict[str, Any]:
-    """``dtype=`` on transformers >= 4.56, ``torch_dtype=`` before."""
-    import transformers
-
-    try:
-        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    except ValueError:
-        return {"dtype": dtype}
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
 @dataclass
@@ -174,6 +178,8 @@ class Trainer:
         policy: str | None = None,
         model: Any = None,
     ):
+        """``model``: a ``PolicyModel`` or a transformers model to train instead of the
+        one in ``model_path`` (loaded by ``config.backend``)."""
         self.config = config or TrainerConfig()
         self.policy = policy
         c = self.config
@@ -181,23 +187,17 @@ class Trainer:
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
         self.device = torch.device(c.device)
-        if model is None:
-            from transformers import AutoModelForCausalLM
-
-            check_model_dir(model_path, tokenizer=False)  # the trainer needs no tokenizer
-            model = AutoModelForCausalLM.from_pretrained(
-                model_path, local_files_only=True, **_dtype_kwarg(self.dtype)
-            )
-        self.model = model.to(self.device)
-        self.model.eval()  # no dropout: deterministic, and log-probs match the rollout's
+        # eval mode: no dropout, deterministic, and log-probs match the rollout's
+        self.backend: PolicyModel = make_policy_model(c.backend, model_path, self.dtype,
+                                                      c.device, model)
+        self.model = self.backend.module
         if c.gradient_checkpointing:
-            _enable_checkpointing(self.model)
-        self._keep_arg = takes_logits_to_keep(self.model)
+            self.backend.enable_checkpointing()
         # True when the published weights are a rounding of the trained ones, which then
         # have to be saved apart (master_bytes) for an exact resume
         self.keeps_master = self.publish_dtype is not None and any(
             v.is_floating_point() and v.dtype != self.publish_dtype
-            for v in self.model.state_dict().values()
+            for v in self.backend.named_state().values()
         )
         # forward_on="published": model parameter -> its fp32 master (what the optimizer
         # steps); the parameter holds the master rounded to publish_dtype
@@ -219,9 +219,10 @@ class Trainer:
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's (master) weights, detached."""
-        return {k: self._master_of.get(id(v), v).detach()
-                for k, v in self.model.state_dict(keep_vars=True).items()}
+        """The model's (master) weights, detached, by their Hugging Face names and in
+        their layouts (whatever the backend)."""
+        return self.backend.to_hf({k: self._master_of.get(id(v), v).detach()
+                                   for k, v in self.backend.named_state(keep_vars=True).items()})
 
     def _round_params(self) -> None:
         """Each parameter := its master rounded to ``publish_dtype`` (the published value)."""
@@ -230,7 +231,7 @@ class Trainer:
                 p.copy_(m.to(self.publish_dtype))
 
     def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state, strict=True)
+        self.backend.load_hf(state)
         with torch.no_grad():
             for p, m in self._masters:
                 m.copy_(p)
@@ -262,7 +263,7 @@ class Trainer:
 
     def load_master_bytes(self, data: bytes) -> None:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        mine = self.model.state_dict()
+        mine = self.state_dict()
         bad = [k for k, v in state.items() if k in mine and mine[k].dtype != v.dtype]
         if bad:
             raise ValueError(
@@ -327,7 +328,7 @@ class Trainer:
         is that prompt's length: the pass runs it once for all of them. Otherwise
         ``prompt_len`` is 0 and the micro-batches are ``micro_batches(rows)``."""
         c = self.config
-        if not c.share_prompt or c.gradient_checkpointing:
+        if not c.share_prompt or c.gradient_checkpointing or not self.backend.shares_prompt:
             return [(0, part) for part in self.micro_batches(rows)]
         by_prompt: dict[tuple[int, ...], list[_Row]] = {}
         for r in rows:
@@ -345,20 +346,13 @@ class Trainer:
         ``0..prompt_len-1`` are 0; the gradient is the one of ``token_logprobs``."""
         if prompt_len < 1 or prompt_len >= ids.shape[1]:
             raise ValueError(f"prompt length {prompt_len} outside 1..{ids.shape[1] - 1}")
-        dev, k, n = self.device, ids.shape[0], ids.shape[1]
-        ids, attn = ids.to(dev), attn.to(dev)
-        keep = {"logits_to_keep": 1} if self._keep_arg else {}
+        k = ids.shape[0]
+        ids, attn = ids.to(self.device), attn.to(self.device)
         with self._autocast():
-            head = self.model(input_ids=ids[:1, :prompt_len], use_cache=True, **keep)
-            cache = head.past_key_values
-            if k > 1:
-                cache.batch_repeat_interleave(k)
-            rest = ids[:, prompt_len:]
-            positions = torch.arange(prompt_len, n, device=dev).expand(k, -1)
-            tail = self.model(input_ids=rest, attention_mask=attn, position_ids=positions,
-                              past_key_values=cache, use_cache=True).logits
-        first = head.logits[:, -1:].expand(k, 1, -1)
-        lp = self._picked_logprobs(torch.cat([first, tail[:, :-1]], dim=1), rest)
+            head, tail = self.backend.shared_prompt_logits(ids, attn, prompt_len)
+        first = head.expand(k, 1, -1)
+        lp = self._picked_logprobs(torch.cat([first, tail[:, :-1]], dim=1),
+                                   ids[:, prompt_len:])
         return torch.cat([lp.new_zeros((k, prompt_len)), lp], dim=1)
 
     def _tensors(self, rows: list[_Row]):
@@ -393,15 +387,8 @@ class Trainer:
         compute logits only from that column on (``logits_to_keep``): prompts need none."""
         n = ids.shape[1]
         start = max(0, min(start, n - 1))
-        kwargs: dict[str, Any] = {"use_cache": False}
-        if self._keep_arg and start > 0:
-            kwargs["logits_to_keep"] = n - start
         with self._autocast():
-            logits = self.model(
-                input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs
-            ).logits
-        if logits.shape[1] == n:
-            logits = logits[:, start:]
+            logits = self.backend.logits(ids.to(self.device), attn.to(self.device), start)
         lp = self._picked_logprobs(logits[:, :-1], ids[:, start + 1 :].to(self.device))
         return torch.cat([lp.new_zeros((lp.shape[0], start + 1)), lp], dim=1)
 
@@ -533,34 +520,6 @@ def _staleness_metrics(rows: list[_Row], current_version: int | None) -> dict[st
         return {}
     return {"trainer/staleness_mean": sum(lags) / len(lags),
             "trainer/staleness_max": float(max(lags))}
-
-
-def _enable_checkpointing(model: Any) -> None:
-    """Activation checkpointing on a model that stays in eval mode (no dropout).
-
-    transformers checkpoints a layer only while ``layer.training`` is set, so that flag
-    alone is set on the checkpointed layers; their submodules (attention, dropout) stay in
-    eval mode. Non-reentrant ``torch.utils.checkpoint`` recomputes under the same autocast
-    state and needs no input that requires grad.
-    """
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(
-            f"gradient_checkpointing (--gradient-checkpointing): {type(model).__name__} "
-            "does not support it"
-        )
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if not layers:
-        raise ValueError(
-            f"gradient_checkpointing (--gradient-checkpointing): no checkpointed layer found "
-            f"in {type(model).__name__}"
-        )
-    for m in layers:
-        m.training = True
 
 
 def _group_staleness(group, policy: str, current_version: int) -> int:
