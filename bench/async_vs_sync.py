@@ -249,17 +249,27 @@ def at_time(curve: list[tuple[float, int, float]], t: float) -> tuple[int, float
     return seen[-1] if seen else None
 
 
-def compare(curves: dict[str, list[tuple[float, int, float]]]) -> dict[str, Any]:
-    """Best smoothed accuracy per mode, the common level, when each reached it, the ratio."""
+def _time_to(curves: dict[str, list[tuple[float, int, float]]], level: float
+             ) -> dict[str, Any]:
+    """When each mode's smoothed curve first reached ``level``, and sync / async."""
+    hit = {m: reached(c, level) for m, c in curves.items()}
+    out: dict[str, Any] = {"level": level, "reached": hit}
+    if hit.get("sync") and hit.get("async") and hit["async"][0] > 0:
+        out["ratio"] = hit["sync"][0] / hit["async"][0]
+    return out
+
+
+def compare(curves: dict[str, list[tuple[float, int, float]]],
+            levels: tuple[float, ...] = ()) -> dict[str, Any]:
+    """Best smoothed accuracy per mode; the time each took to the common level (the lower
+    best) and to each of ``levels`` above the start that either mode reached."""
     best = {m: max((a for *_, a in smoothed(c)), default=None) for m, c in curves.items()}
     if any(b is None for b in best.values()):
         return {"best": best}
-    level = min(best.values())
-    hit = {m: reached(c, level) for m, c in curves.items()}
-    out: dict[str, Any] = {"best": best, "level": level, "reached": hit}
-    if all(hit.values()) and hit["async"][0] > 0:
-        out["ratio"] = hit["sync"][0] / hit["async"][0]
-    return out
+    start = max(c[0][2] for c in curves.values())
+    fixed = [_time_to(curves, lv) for lv in sorted(levels)
+             if lv > start and lv <= max(best.values()) + 1e-9]
+    return {"best": best, **_time_to(curves, min(best.values())), "fixed": fixed}
 
 
 # --- one case: both modes -----------------------------------------------------------------
@@ -303,13 +313,14 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     for p, scorer in scorers.items():
         curves = {"async": score_async(topo, scorer, p, *times[p], upto_s=span),
                   "sync": score_sync(loop, scorer, p)}
+        levels = tuple(args.levels) if p == first else ()
         ends = {"async": [t for v, t in times[p][0].items() if t <= span],
                 "sync": [0.0] + [it.end_s for it in loop.history]}
         out["policies"][p] = {
             "every": scorer.every, "prompts": scorer.prompts, "curves": curves,
             "versions": {m: len(e) - 1 for m, e in ends.items()},
             "per_iteration": {m: per_iteration(e) for m, e in ends.items()},
-            "compare": compare(curves)}
+            "compare": compare(curves, levels)}
     out["sync_breakdown"] = sync_loop.breakdown(loop.history)
     out["async_summary"] = {k: summary.get(k) for k in (
         "seconds", "versions", "staleness_dropped", "staleness_dropped_by_stage")}
@@ -338,12 +349,23 @@ def _row(name: str, sync: str, asyn: str, ratio: str = "") -> str:
     return f"| {name} | {sync} | {asyn} | {ratio} |"
 
 
-def _checkpoints(span: float, versions: int, every: int) -> tuple[list[float], list[int]]:
-    """Wall-time checkpoints (about 1/8, 1/4, 1/2, 3/4 and all of the span) and version
-    checkpoints (multiples of ``every`` up to ``versions``, about five of them)."""
+def _checkpoints(span: float, versions: dict[str, int], every: int
+                 ) -> tuple[list[float], list[int]]:
+    """Wall-time checkpoints (1/8, 1/4, 1/2, 3/4 and all of the span) and version
+    checkpoints: five multiples of ``every`` up to the version both modes reached, and the
+    last one the other mode reached."""
     times = sorted({round(span * f) for f in (0.125, 0.25, 0.5, 0.75, 1.0) if span * f >= 1})
-    step = max(every, (versions // 5) // every * every)
-    return [float(t) for t in times], list(range(0, versions + 1, step))[:7]
+    both, last = min(versions.values()), max(versions.values())
+    step = max(every, (both // 5) // every * every)
+    marks = list(range(0, both + 1, step))[:6]
+    return [float(t) for t in times], marks + [last // every * every] * (last > marks[-1])
+
+
+def _time_row(name: str, t: dict[str, Any]) -> str:
+    hit = {m: "never" if h is None else f"{h[0]:.0f}s (v{h[1]})"
+           for m, h in t["reached"].items()}
+    ratio = f"{t['ratio']:.2f}x" if "ratio" in t else "-"
+    return _row(name, hit["sync"], hit["async"], ratio)
 
 
 def policy_rows(p: str, r: dict[str, Any]) -> list[str]:
@@ -356,7 +378,7 @@ def policy_rows(p: str, r: dict[str, Any]) -> list[str]:
                          _s(it["async"].get(k)),
                          _ratio(it["sync"].get(k), it["async"].get(k))))
     span = max((c[-1][0] for c in r["curves"].values() if c), default=0.0)
-    times, versions = _checkpoints(span, max(ver.values()), r["every"])
+    times, versions = _checkpoints(span, ver, r["every"])
     exact = {m: {v: a for _, v, a in c} for m, c in r["curves"].items()}
     for v in versions:
         rows.append(_row(f"held-out accuracy at v{v}", _pct(exact["sync"].get(v)),
@@ -369,11 +391,8 @@ def policy_rows(p: str, r: dict[str, Any]) -> list[str]:
     rows.append(_row(f"best accuracy (mean of {WINDOW} evaluations)", _pct(best.get("sync")),
                      _pct(best.get("async"))))
     if "level" in cmp_:
-        hit = {m: "never" if h is None else f"{h[0]:.0f}s (v{h[1]})"
-               for m, h in cmp_["reached"].items()}
-        ratio = f"{cmp_['ratio']:.2f}x" if "ratio" in cmp_ else "-"
-        rows.append(_row(f"time to {cmp_['level']:.1%} (the lower best)", hit["sync"],
-                         hit["async"], ratio))
+        rows += [_time_row(f"time to {t['level']:.0%}", t) for t in cmp_["fixed"]]
+        rows.append(_time_row(f"time to {cmp_['level']:.1%} (the lower best)", cmp_))
     return rows
 
 
@@ -391,6 +410,10 @@ def case_table(r: dict[str, Any]) -> str:
                   f"{b['rollout_s']:.2f}s (of which waiting on stragglers "
                   f"{b['straggler_s']:.2f}s; slots busy {b['slots_busy']:.0%} of the "
                   f"rollout) + train {b['train_s']:.2f}s + weight load {b['load_s']:.3f}s"]
+    if len(r["policies"]) > 1:
+        lines.append("other policies than the first: the sync loop steps each once per "
+                     "iteration on that iteration's groups; async, when its batcher holds "
+                     "batch_size groups")
     s = r["async_summary"]
     waits = ", ".join(f"{p} waited {t.get('trainer/wait_fraction', 0):.0%}"
                       for p, t in r["async_trainer"].items())
@@ -400,17 +423,28 @@ def case_table(r: dict[str, Any]) -> str:
 
 
 def headline(results: list[dict[str, Any]]) -> str:
-    """One line per case: the two speed-ups."""
+    """One line per case: sync / async time per iteration and time to each level."""
     out = []
     for r in results:
         p, pr = next(iter(r["policies"].items()))
-        it = pr["per_iteration"]
-        ratio = _ratio(it["sync"].get("mean"), it["async"].get("mean"))
-        tta = pr["compare"].get("ratio")
-        out.append(f"{r['case']}: time per iteration sync/async {ratio} ({p}); time to "
-                   f"{_pct(pr['compare'].get('level'))} held-out sync/async "
-                   + (f"{tta:.2f}x" if tta else "-"))
+        it, cmp_ = pr["per_iteration"], pr["compare"]
+        times = [t for t in (*cmp_.get("fixed", ()), cmp_) if "ratio" in t]
+        levels = ", ".join(f"{t['level']:.1%} {t['ratio']:.2f}x" for t in times)
+        out.append(f"{r['case']}: time per iteration sync/async "
+                   f"{_ratio(it['sync'].get('mean'), it['async'].get('mean'))} ({p}, mean); "
+                   f"time to held-out accuracy sync/async: {levels or '-'} (the last: the "
+                   "lower best)")
     return "\n".join(out)
+
+
+def rescored(results: list[dict[str, Any]], levels: list[float]) -> list[dict[str, Any]]:
+    """Results read back from ``--out`` with their comparisons made again (``levels`` for
+    each case's first policy)."""
+    for r in results:
+        for i, pr in enumerate(r["policies"].values()):
+            curves = {m: [tuple(x) for x in c] for m, c in pr["curves"].items()}
+            pr["compare"] = compare(curves, tuple(levels) if i == 0 else ())
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -420,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = parse_args(argv)
+    if args.report:
+        results = rescored(json.loads(Path(args.report).read_text())["results"], args.levels)
+        print("\n\n".join(case_table(r) for r in results) + "\n\n" + headline(results))
+        return 0
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -446,7 +484,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=300.0,
                     help="seconds per mode and case from version 0 (default 300); the sync "
                     "loop runs as long as the async run trained, if that was less")
-    ap.add_argument("--startup-s", type=float, default=60.0,
+    ap.add_argument("--startup-s", type=float, default=90.0,
                     help="added to the async run's duration for its processes to start")
     ap.add_argument("--cases", default="single,multi", help="comma-separated: single, multi")
     ap.add_argument("--nodes", type=int, default=8, help="RaaS nodes = sync rollout slots")
@@ -454,9 +492,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=1.5, help="Pareto tail index")
     ap.add_argument("--max-s", type=float, default=20.0, help="longest delay (s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-task delays")
+    ap.add_argument("--levels", type=lambda t: [float(x) for x in t.split(",")],
+                    default=[0.75, 0.8, 0.85, 0.9], help="accuracy levels of the first "
+                    "policy to time both modes to, besides the lower best")
     ap.add_argument("--runs-dir", type=Path, default=REPO / "runs")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "async_vs_sync.json"))
     ap.add_argument("--quick", action="store_true", help="a smoke run: single case, 60 s")
+    ap.add_argument("--report", metavar="FILE.json",
+                    help="print the tables of an earlier run's --out file and exit")
     args = ap.parse_args(argv)
     if args.quick:
         args.cases, args.duration, args.startup_s = "single", 60.0, 45.0

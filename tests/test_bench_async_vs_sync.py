@@ -156,10 +156,14 @@ def test_figures_of_the_curves():
     asyn = [(0.0, 0, 0.6), (3.0, 5, 0.8), (6.0, 10, 0.9), (9.0, 15, 0.9), (12.0, 20, 0.95)]
     assert [round(a, 3) for *_, a in bench.smoothed(sync)] == [0.7, 0.75]
     assert bench.at_time(asyn, 7.0) == (10, 0.9) and bench.at_time(asyn, -1) is None
-    cmp_ = bench.compare({"sync": sync, "async": asyn})
+    cmp_ = bench.compare({"sync": sync, "async": asyn}, levels=(0.6, 0.7, 0.9, 0.99))
     assert cmp_["level"] == pytest.approx(0.75)
     assert cmp_["reached"] == {"sync": (30.0, 15), "async": (6.0, 10)}
     assert cmp_["ratio"] == pytest.approx(5.0)
+    # levels above the start that either mode reached, each timed
+    assert [t["level"] for t in cmp_["fixed"]] == [0.7, 0.9]
+    assert cmp_["fixed"][0]["reached"] == {"sync": (20.0, 10), "async": (6.0, 10)}
+    assert cmp_["fixed"][1]["reached"]["sync"] is None and "ratio" not in cmp_["fixed"][1]
     assert bench.compare({"sync": sync[:1], "async": asyn})["best"]["sync"] is None
 
 
@@ -174,7 +178,7 @@ def test_the_case_table_names_both_modes_and_the_sync_breakdown():
             "versions": {"sync": 10, "async": 15},
             "per_iteration": {"sync": {"mean": 2.0, "median": 1.8, "p90": 4.0},
                               "async": {"mean": 0.5, "median": 0.4, "p90": 1.0}},
-            "compare": bench.compare(curves)}},
+            "compare": bench.compare(curves, (0.7,))}},
         "sync_breakdown": {"iteration_s": 2.0, "rollout_s": 1.7, "straggler_s": 1.2,
                            "slots_busy": 0.4, "train_s": 0.25, "load_s": 0.05},
         "async_summary": {"staleness_dropped": 3.0,
@@ -184,7 +188,13 @@ def test_the_case_table_names_both_modes_and_the_sync_breakdown():
     assert "| time per iteration, mean | 2.00s | 0.50s | 4.00x |" in text
     assert "| held-out accuracy at v10 | 80.0% | 90.0% |  |" in text
     assert "waiting on stragglers 1.20s" in text and "stale groups dropped 3" in text
-    assert "single: time per iteration sync/async 4.00x" in bench.headline([result])
+    assert "| time to 70% | 20s (v10) | 6s (v10) | 3.33x |" in text
+    assert "| held-out accuracy at v15 | - | 90.0% |  |" in text  # the longer run's last
+    line = bench.headline([result])
+    assert "single: time per iteration sync/async 4.00x" in line and "70.0% 3.33x" in line
+    # the tables come back from the --out file
+    back = json.loads(json.dumps([result]))
+    assert bench.case_table(bench.rescored(back, [0.7])[0]) == text
 
 
 # --- the synchronous loop on tiny models (no Kafka) ---------------------------------------
