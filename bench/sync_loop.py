@@ -59,6 +59,7 @@ class Iteration:
 
     @property
     def total_s(self) -> float:
+        """Rollout, training and weight loading: the iteration's seconds."""
         return self.rollout_s + self.train_s + self.load_s
 
 
@@ -191,8 +192,8 @@ class SyncLoop:
     def _published(self, policy: str) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.trainers[policy].published_state().items()}
 
-    def _slot(self, node: Any, work: queue.SimpleQueue, t0: float, out: list) -> tuple[float,
-                                                                                         float]:
+    def _slot(self, node: Any, work: queue.SimpleQueue, t0: float,
+              out: list) -> tuple[float, float]:
         """Roll out chunks of tasks from ``work`` until it is empty; ``(busy seconds, when
         it ran out of work)``, the groups (or exceptions) appended to ``out``."""
         busy = 0.0
