@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaException
@@ -117,35 +118,46 @@ def held_out_tasks(args: argparse.Namespace) -> list[Any]:
     return eval_problems(levels=[int(x) for x in args.levels.split(",")], n=args.size)
 
 
+def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float], int]:
+    """``(score, prompts)``: ``score(model, tokenizer)`` is the held-out accuracy as ``eval
+    run`` with the flags ``args`` scores a version (answers for a solver, verdicts or picks
+    for a verifier or selector), on ``prompts`` held-out prompts."""
+    from astraflow.models.evaluation import evaluate
+    from astraflow.tasks.rewards import make_reward
+
+    if args.blind and args.role != "verifier":
+        raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
+    if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
+        from astraflow.roles.scoring import role_scorer
+
+        return role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
+                           args.max_new_tokens, blind=args.blind), args.size
+    tasks = held_out_tasks(args)
+    reward = make_reward(args.reward)
+
+    def score(model: Any, tokenizer: Any) -> float:
+        return evaluate(model, tokenizer, tasks, max_new_tokens=args.max_new_tokens,
+                        chat=args.chat, reward=reward)
+
+    return score, len(tasks)
+
+
 def cmd_eval_run(args: argparse.Namespace) -> int:
     import torch
 
     from astraflow.cli import kafka_config
     from astraflow.model_share import ensure_model
-    from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
-    from astraflow.tasks.rewards import make_reward
 
-    if args.blind and args.role != "verifier":
-        raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
+    scorer, n_prompts = held_out_scorer(args)
     topo = args.loaded_topology
     config = kafka_config(args)
     torch.set_num_threads(1)
     path = ensure_model(args.model, config, topo, args.policy)
     model, tokenizer = load_policy(path, dtype=args.dtype)
-    tasks = held_out_tasks(args)
-    reward = make_reward(args.reward)
-    scorer = None
-    if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
-        from astraflow.roles.scoring import role_scorer
-
-        scorer = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
-                             args.max_new_tokens, blind=args.blind)
 
     def score() -> float:
-        return (scorer(model, tokenizer) if scorer else evaluate(
-            model, tokenizer, tasks, max_new_tokens=args.max_new_tokens, chat=args.chat,
-            reward=reward))
+        return scorer(model, tokenizer)
 
     if args.history:
         curve = _history(args, topo, config, model, score)
@@ -154,7 +166,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    _follow(args, topo, config, stop, model, score, len(tasks))
+    _follow(args, topo, config, stop, model, score, n_prompts)
     return 0
 
 

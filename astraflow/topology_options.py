@@ -46,6 +46,8 @@ class LatencyOptions(_Options):
     alpha: float = Field(default=1.5, gt=0)
     max_s: float = Field(default=30.0, ge=0)
     seed: int | None = None
+    per_task: bool = Field(
+        default=False, description="each task's delay a function of (seed, task id) alone")
 
 
 class SamplingOptions(_Options):
@@ -90,6 +92,8 @@ class SolveVerifyOptions(SamplingOptions):
     max_answer_chars: int | None = Field(default=None, ge=1, description="default 12")
     blind: bool | None = Field(default=None, description="default false")
     verdicts_per_prompt: int | None = Field(default=None, ge=1, description="default: all")
+    env_latency: float | LatencyOptions | None = Field(
+        default=None, description="extra delay per rollout (seconds or a latency mapping)")
 
 
 class SolveSelectOptions(SamplingOptions):

@@ -120,11 +120,28 @@ def load_engine(args: argparse.Namespace, policy: str, path: str) -> Any:
                              prefix_cache_bytes=int(mib * 2**20))
 
 
+def node_options(args: argparse.Namespace) -> Any:
+    """The ``NodeOptions`` of parsed ``raas run`` flags (``--workflow-options`` not checked
+    here: ``cmd_raas_run`` builds each workflow once first)."""
+    from astraflow.raas.node import NodeOptions
+
+    return NodeOptions(
+        pool=args.pool,
+        instance=args.instance,
+        n_samples=args.n_samples,
+        tasks_per_transaction=args.tasks_per_transaction,
+        session_timeout_ms=args.session_timeout_ms,
+        speed=args.speed,
+        follow_weights=not args.no_follow_weights,
+        workflow_options=dict(args.workflow_options or []),
+    )
+
+
 def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.model_share import ensure_model
     from astraflow.models.errors import ModelError
-    from astraflow.raas.node import NodeOptions, RaaSNode
+    from astraflow.raas.node import RaaSNode
     from astraflow.raas.vllm_engine import VLLMNotInstalled
     from astraflow.topology import load_topology
 
@@ -160,17 +177,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
             engines[policy].chat = chats[policy]
         log.info("policy %s: %s engine on %s (version %d)", policy, args.engine, path,
                  engines[policy].version)
-    options = NodeOptions(
-        pool=args.pool,
-        instance=args.instance,
-        n_samples=args.n_samples,
-        tasks_per_transaction=args.tasks_per_transaction,
-        session_timeout_ms=args.session_timeout_ms,
-        speed=args.speed,
-        follow_weights=not args.no_follow_weights,
-        workflow_options=workflow_options,
-    )
-    node = RaaSNode(topo, engines, options, config=config)
+    node = RaaSNode(topo, engines, node_options(args), config=config)
 
     stop_on_signals(node.stop, log, "finishing the current task, then leaving the group")
     c = node.run()

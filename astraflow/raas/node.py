@@ -272,12 +272,31 @@ class RaaSNode:
 
     def rollout(self, task: Task) -> TrajectoryGroup:
         """Run one task's workflow; the group it produces (no Kafka involved)."""
-        wf = self._workflow(task.workflow)
-        ((result, seconds),) = self._run_batch(wf, [task])
-        self.current_task = None
+        (result,) = self.rollout_batch([task])
         if isinstance(result, Exception):
             raise result
-        return self._group(task, wf, result, seconds)
+        return result
+
+    def rollout_batch(self, tasks: list[Task]) -> list[TrajectoryGroup | Exception]:
+        """Run ``tasks`` as one transaction's batch of them runs (those of a workflow with
+        ``run_batch`` together), with no Kafka involved: per task, in order, its group or
+        the exception it raised (an unknown workflow included)."""
+        by_workflow: dict[str, list[int]] = {}
+        for i, task in enumerate(tasks):
+            by_workflow.setdefault(task.workflow, []).append(i)
+        made: dict[int, TrajectoryGroup | Exception] = {}
+        for name, batch in by_workflow.items():
+            try:
+                wf = self._workflow(name)
+            except Exception as e:  # noqa: BLE001 - an unknown workflow fails its tasks
+                made.update((i, e) for i in batch)
+                continue
+            results = self._run_batch(wf, [tasks[i] for i in batch])
+            for i, (result, seconds) in zip(batch, results):
+                made[i] = (result if isinstance(result, Exception)
+                           else self._group(tasks[i], wf, result, seconds))
+        self.current_task = None
+        return [made[i] for i in range(len(tasks))]
 
     def _group(self, task: Task, wf: Workflow, seqs: list, seconds: float) -> TrajectoryGroup:
         """The ``TrajectoryGroup`` of one task's sequences, with its metrics."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,11 @@ class Latency:
 
     ``lognormal``: median ``median_s``, shape ``sigma``. ``pareto``: minimum ``scale_s``,
     tail index ``alpha`` (smaller: heavier tail). Every draw is capped at ``max_s``.
+
+    ``per_task``: a task's delay is a function of ``seed`` and the task's key (its id) alone,
+    drawn from its own generator (``for_task``), so the same task waits the same in every
+    run, on every node and in every mode of a benchmark; otherwise draws come one after
+    another from one generator seeded with ``seed`` (``draw``).
     """
 
     dist: str = "lognormal"
@@ -24,6 +30,7 @@ class Latency:
     alpha: float = 1.5
     max_s: float = 30.0
     seed: int | None = None
+    per_task: bool = False
 
     def __post_init__(self) -> None:
         if self.dist not in ("const", "lognormal", "pareto"):
@@ -32,6 +39,8 @@ class Latency:
 
     @classmethod
     def from_option(cls, value: Any) -> Latency | None:
+        """A ``Latency`` from a workflow option: seconds (constant), a mapping of the fields,
+        a ``Latency``, or None (no delay)."""
         if value is None or isinstance(value, Latency):
             return value
         if isinstance(value, int | float):
@@ -40,14 +49,33 @@ class Latency:
             return cls(**value)
         raise ValueError(f"latency must be seconds or a mapping, not {value!r}")
 
-    def draw(self) -> float:
+    def _sample(self, rng: random.Random) -> float:
         if self.dist == "const":
             s = self.median_s
         elif self.dist == "lognormal":
-            s = self._rng.lognormvariate(math.log(max(self.median_s, 1e-9)), self.sigma)
+            s = rng.lognormvariate(math.log(max(self.median_s, 1e-9)), self.sigma)
         else:
-            s = self.scale_s * self._rng.paretovariate(self.alpha)
+            s = self.scale_s * rng.paretovariate(self.alpha)
         return min(max(s, 0.0), self.max_s)
+
+    def draw(self) -> float:
+        """The next delay of the shared generator (seconds)."""
+        return self._sample(self._rng)
+
+    def for_task(self, key: str) -> float:
+        """The delay of the task ``key``: with ``per_task`` a function of (``seed``, ``key``)
+        only, else the next ``draw()``."""
+        if not self.per_task:
+            return self.draw()
+        return self._sample(random.Random(f"latency:{self.seed}:{key}"))
+
+    def wait_longest(self, keys: Iterable[str]) -> float:
+        """Sleep as long as the slowest of the tasks ``keys`` (their environments run side
+        by side); the seconds slept (0 with no keys)."""
+        seconds = max((self.for_task(k) for k in keys), default=0.0)
+        if seconds > 0:
+            time.sleep(seconds)
+        return seconds
 
 
 __all__ = ["Latency"]

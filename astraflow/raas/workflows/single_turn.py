@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from astraflow.raas.engine import Engine
@@ -23,7 +22,8 @@ class SingleTurn:
     Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``reward`` (a name
     or mapping from ``astraflow.tasks.rewards``), ``checker`` (a callable ``(completion,
     answer)``; default ``astraflow.tasks.check_answer``), ``env_latency`` (seconds or a
-    ``Latency`` mapping: extra delay per rollout, to mimic a slow environment).
+    ``Latency`` mapping: extra delay per rollout, to mimic a slow environment; with
+    ``per_task: true`` each task's delay depends on its id alone).
     """
 
     name = "single_turn"
@@ -56,7 +56,7 @@ class SingleTurn:
                 results[i] = out
         if self.env_latency is not None and by_engine:
             # the tasks' environments run side by side: the batch waits for the slowest
-            time.sleep(max(self.env_latency.draw() for _ in tasks))
+            self.env_latency.wait_longest(t.task_id for t in tasks)
         return results
 
 

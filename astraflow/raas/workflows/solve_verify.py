@@ -26,10 +26,12 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 ``verify/unparseable_rate`` (approval and unparseable rates per verdict, retry rate per
 answer).
 
-Options: those of ``astraflow.raas.workflows.two_policy``, and ``retry``, ``blind`` and
+Options: those of ``astraflow.raas.workflows.two_policy``, and ``retry``, ``blind``,
 ``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
 retried; default all n -- the answers are independent samples, so the first m are a
-random subset).
+random subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per
+rollout after its three phases, the time the task's environment takes, as
+``single_turn``'s).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker
 from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
+from astraflow.raas.workflows.latency import Latency
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import (
     SequenceBuilder,
@@ -81,6 +84,7 @@ class SolveVerify(TwoPolicyWorkflow):
         max_answer_chars: int = 12,
         blind: bool = False,
         verdicts_per_prompt: int | None = None,
+        env_latency: Any = None,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
@@ -90,6 +94,7 @@ class SolveVerify(TwoPolicyWorkflow):
         self.retry = bool(retry)
         self.blind = bool(blind)
         self.verdicts_per_prompt = verdicts_per_prompt
+        self.env_latency = Latency.from_option(env_latency)
 
     @property
     def verifier_policy(self) -> str:
@@ -150,6 +155,8 @@ class SolveVerify(TwoPolicyWorkflow):
                                          answer=candidate_answer(text, self.max_answer_chars),
                                          rejected=cands[k][j], correct=flag(ok)))
             results[i] = out
+        if self.env_latency is not None:  # the batch waits for the slowest environment
+            self.env_latency.wait_longest(tasks[i].task_id for i, *_ in live)
         return results
 
     def _verdict(self, b: SequenceBuilder, v: bool | None, truth: bool, cand: str,
