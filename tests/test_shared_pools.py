@@ -65,8 +65,10 @@ def test_three_pools_of_unequal_speed_share_the_tasks_once_each(kafka_bootstrap,
                                                                tmp_path):
     topo = _topology(tmp_path, kafka_bootstrap, "pools")
     local = topo["pools"].pop("local")
-    # rollouts long enough that a node's speed, not its per-task commit, sets its pace
-    local["workflows"] = {"single_turn": {"max_new_tokens": 32}}
+    # each rollout waits 0.2 s on its environment, so that a node's speed (which stretches
+    # the rollout, not the per-task commit around it) sets its pace: about 4, 2.6 and 1.4
+    # tasks/s (the tiny model's own generation takes a few milliseconds)
+    local["workflows"] = {"single_turn": {"max_new_tokens": 8, "env_latency": 0.2}}
     topo["pools"] = {"fast": dict(local), "medium": {**local, "speed": 0.6},
                      "slow": {**local, "speed": 0.3}}
     topo["feeder"]["rate"] = 200  # more than the pools roll out: they set the pace
