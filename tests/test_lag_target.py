@@ -56,7 +56,7 @@ def test_target_is_half_the_staleness_bound_of_throughput():
 def test_target_floor_keeps_every_slot_busy_between_reads():
     t = LagTargets({"local": 4}, {"actor": 1}, queue_factor=2.0, poll_interval_s=0.5)
     feed(t, "local", tasks_per_s=2, versions_per_s=5)  # budget 0.1 s: 0.2 tasks
-    assert t.target("local") == math.ceil(2 * 4 + 2 * 0.5)
+    assert t.target("local") == math.ceil(2 * (4 + 2 * 0.5))
 
 
 def test_target_holds_at_most_max_queue_seconds_of_work():

@@ -6,11 +6,12 @@ consumed) and answers, per RaaS consumer group on ``tasks``:
 
 - **target** -- the most tasks in flight (queued or being rolled out)::
 
-      floor  = queue_factor x capacity + rate x poll_interval
+      floor  = queue_factor x (capacity + rate x poll_interval)
       target = max(floor, rate x budget), at most max(floor, rate x max_queue_s)
 
   ``rate`` is the group's measured throughput (tasks/s). ``floor`` keeps every rollout slot
-  with a task running and one waiting until the next read. ``budget`` is half the staleness
+  with a task running and one waiting, and what the group rolls out between two reads
+  queued twice over, so the queue does not run dry between reads. ``budget`` is half the staleness
   bound in seconds, ``min over trainers of max_staleness / versions per second / 2``: the
   queued tasks are rolled out within half the versions a group may lag, so work queued
   before a trainer falls behind is not stale when it arrives. Before anything is measured
@@ -138,7 +139,7 @@ class LagTargets:
         rate = self.rate(label)
         if rate is None:
             return max(1, math.ceil(base))
-        floor = math.ceil(base + rate * self.poll_interval_s)
+        floor = math.ceil(base + self.queue_factor * rate * self.poll_interval_s)
         budget = self.budget_s()
         if budget is None:
             return max(1, floor)
