@@ -42,15 +42,22 @@ def _topology(tmp_path: Path, kafka_bootstrap: str, prefix: str) -> dict:
     return topo
 
 
-def _up(tmp_path: Path, topo: dict, kafka_bootstrap: str, *flags: str) -> None:
-    """``astraflow up`` on ``topo`` until it stops by itself (``flags``: --versions N)."""
+def _start_up(tmp_path: Path, topo: dict, kafka_bootstrap: str,
+              *flags: str) -> subprocess.Popen:
+    """``astraflow up`` on ``topo`` (``flags``: --versions N or --duration S), its output in
+    ``tmp_path / "up.log"``."""
     path = tmp_path / "topology.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}
+    return subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(path), *flags,
+                             "--runs-dir", str(tmp_path / "runs")], env=env, cwd=REPO,
+                            stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def _up(tmp_path: Path, topo: dict, kafka_bootstrap: str, *flags: str) -> None:
+    """``astraflow up`` on ``topo`` until it stops by itself."""
+    up = _start_up(tmp_path, topo, kafka_bootstrap, *flags)
     log = tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(path), *flags,
-                           "--runs-dir", str(tmp_path / "runs")], env=env, cwd=REPO,
-                          stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         up.wait(420)
     except subprocess.TimeoutExpired:
@@ -109,14 +116,8 @@ def test_the_default_topology_keeps_tasks_in_flight_within_the_target(
         kafka_bootstrap, kafka_config, tmp_path):
     topo = _topology(tmp_path, kafka_bootstrap, "lag")
     topo["feeder"]["rate"] = 200  # far more than one tiny-model node rolls out
-    path = tmp_path / "topology.yaml"
-    path.write_text(yaml.safe_dump(topo))
     run = topo["run"]
-    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}
-    up = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(path),
-                           "--duration", "75", "--runs-dir", str(tmp_path / "runs")], env=env,
-                          cwd=REPO, stdout=open(tmp_path / "up.log", "wb"),
-                          stderr=subprocess.STDOUT)
+    up = _start_up(tmp_path, topo, kafka_bootstrap, "--duration", "75")
     lags = LagReader(kafka_config)
     counter = RecordCounter(kafka_config, random_name("counter"))
     readings: list[tuple[float, int]] = []

@@ -255,8 +255,6 @@ class RecordCounter:
         self._floor: dict[tuple[str, int], int] = {}
         self._seen: dict[tuple[str, int], list[int]] = {}
         self._pos: dict[tuple[str, int], int] = {}
-        # data records the floor passed since the counter (re)started, per partition
-        self.passed: dict[tuple[str, int], int] = {}
 
     def follow(self, floors: dict[tuple[str, int], int]) -> None:
         """Read each partition from its floor on; a floor that moved back restarts it."""
@@ -264,15 +262,12 @@ class RecordCounter:
             self._floor = dict(floors)
             self._seen = {tp: [] for tp in floors}
             self._pos = dict(floors)
-            self.passed = {tp: 0 for tp in floors}
             self.consumer.assign([TopicPartition(t, p, f) for (t, p), f in floors.items()])
             return
         for tp, f in floors.items():
             if f > self._floor[tp]:
                 seen = self._seen[tp]
-                cut = bisect.bisect_left(seen, f)
-                self.passed[tp] += cut
-                del seen[:cut]
+                del seen[: bisect.bisect_left(seen, f)]
                 self._floor[tp] = f
 
     def drain(self) -> None:
@@ -362,8 +357,11 @@ class LagObserver:
         self.reader = LagReader(config)
         self.tasks = RecordCounter(config, "admission-tasks")
         self.batches = RecordCounter(config, "admission-batches") if trainer_topics else None
-        self._done: dict[str, dict[int, int]] = {}
-        self._committed: dict[tuple[str, int], int] = {}  # (group label, partition) -> offset
+        # tasks each pool group, batches each trainer committed so far, per partition; and
+        # the committed offsets they were counted up to
+        self._pool_done: dict[str, dict[int, int]] = {}
+        self._trainer_done: dict[str, dict[int, int]] = {}
+        self._committed: dict[tuple[str, str, int], int] = {}  # (kind, name, partition)
 
     def observe(self) -> Observation:
         pool_rows = {pool: self.reader.lag(g, [self.tasks_topic])
@@ -371,11 +369,14 @@ class LagObserver:
         trainer_rows = {policy: self.reader.lag(g, [t])
                         for policy, (t, g) in self.trainer_topics.items()}
         # everything written up to now is read before a floor moves past it: records made
-        # and consumed between two reads are counted as passed, not skipped
+        # and consumed between two reads are counted, not skipped
         self.tasks.drain()
         if self.batches:
             self.batches.drain()
-        self._count_done(pool_rows)  # before the floors move past what it counts
+        # before the floors move past what they count
+        self._count_done(self.tasks, "pool", pool_rows, self._pool_done)
+        if self.batches:
+            self._count_done(self.batches, "trainer", trainer_rows, self._trainer_done)
         in_flight = self._count(self.tasks, pool_rows)
         batches = self._count(self.batches, trainer_rows) if self.batches else {}
         return Observation(
@@ -383,25 +384,27 @@ class LagObserver:
             trainer_lag={policy: sum(parts.values()) for policy, parts in batches.items()},
             pool_offset_lag={p: sum(r.lag for r in rows) for p, rows in pool_rows.items()},
             trainer_offset_lag={p: sum(r.lag for r in rows) for p, rows in trainer_rows.items()},
-            trainer_consumed={p: sum(self.batches.passed.get((r.topic, r.partition), 0)
-                                     for r in rows) for p, rows in trainer_rows.items()}
-            if self.batches else {},
-            pool_done={label: dict(parts) for label, parts in self._done.items()},
+            trainer_consumed={p: sum(parts.values()) for p, parts in self._trainer_done.items()},
+            pool_done={label: dict(parts) for label, parts in self._pool_done.items()},
         )
 
-    def _count_done(self, rows: dict[str, list[PartitionLag]]) -> None:
-        """Add the data records each group's committed offsets passed since the last read."""
-        for label, rs in rows.items():
-            done = self._done.setdefault(label, {})
+    def _count_done(self, counter: RecordCounter, kind: str,
+                    rows: dict[str, list[PartitionLag]], done: dict[str, dict[int, int]]
+                    ) -> None:
+        """Add to ``done`` the data records each group's committed offsets passed since
+        the last read (``kind`` keeps pool and trainer names apart)."""
+        for name, rs in rows.items():
+            parts = done.setdefault(name, {})
             for r in rs:
                 if r.committed is None:
                     continue
-                before = self._committed.get((label, r.partition))
-                self._committed[(label, r.partition)] = r.committed
-                done.setdefault(r.partition, 0)
+                key = (kind, name, r.partition)
+                before = self._committed.get(key)
+                self._committed[key] = r.committed
+                parts.setdefault(r.partition, 0)
                 if before is not None and r.committed > before:
-                    done[r.partition] += self.tasks.between(r.topic, r.partition, before,
-                                                            r.committed)
+                    parts[r.partition] += counter.between(r.topic, r.partition, before,
+                                                          r.committed)
 
     @staticmethod
     def _count(counter: RecordCounter, rows: dict[str, list[PartitionLag]]
