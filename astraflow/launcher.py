@@ -255,9 +255,10 @@ class Progress:
         m = status.metrics
         if "admission/bound_pool" in m:
             n, target = m["admission/pool_lag"], m["admission/bound_pool"]
+            peak = m.get("admission/bound_pool_max", target)
             self.tasks.update(in_flight=n, target=target,
                               in_flight_max=max(n, self.tasks.get("in_flight_max", 0.0)),
-                              target_max=max(target, self.tasks.get("target_max", 0.0)))
+                              target_max=max(peak, self.tasks.get("target_max", 0.0)))
         for stage, key in STALENESS_DROPS.items():
             if key in m:
                 self.drops.setdefault(stage, {})[status.component_id] = m[key]

@@ -311,6 +311,51 @@ def test_admission_processor_holds_and_resumes():
     assert a.held_offsets() == {}
 
 
+def test_admission_reports_the_highest_target_it_has_had():
+    # targets move at every lag read and statuses sample them: the peak is what bounded
+    # the tasks in flight in between
+    lags = ScriptedLags()
+    lags.obs = Observation({"local": {0: 0}}, {})
+    a = Admission("admit", ["tasks.source"], ["tasks"], AdmissionOptions(poll_interval_s=0.5),
+                  lags=lags, policy=AdmissionPolicy({"local": 4}))
+    for i in range(20):
+        a.process(task_msg(i))
+    for now, bound in ((1000, 4), (2000, 9), (3000, 3)):
+        a.policy.pool_bounds = {"local": bound}
+        a.flush(now)
+    m = a.metrics()
+    assert m["admission/bound_pool"] == 3 and m["admission/bound_pool/local"] == 3
+    assert m["admission/bound_pool_max"] == 9 and m["admission/bound_pool_max/local"] == 9
+
+
+def test_admission_counts_tasks_it_wrote_but_the_log_does_not_show_yet():
+    lags = ScriptedLags()
+    a = Admission("admit", ["tasks.source"], ["tasks"], AdmissionOptions(poll_interval_s=0.5),
+                  lags=lags, policy=AdmissionPolicy({"local": 4}))
+    for i in range(20):
+        a.process(task_msg(i))
+    lags.obs = Observation({"local": {0: 0}}, {}, tasks_end={0: 100})
+    assert len(list(a.flush(1000))) == 4
+    # the producer has not written them yet: the pool looks empty, but they are in flight
+    assert list(a.flush(2000)) == []
+    # written, one rolled out: room for one
+    lags.obs = Observation({"local": {0: 3}}, {}, tasks_end={0: 104})
+    assert len(list(a.flush(3000))) == 1
+    # key routing: the partition is not known, the total still is
+    k = Admission("admit", ["tasks.source"], ["tasks"], AdmissionOptions(route="key"),
+                  lags=lags, policy=AdmissionPolicy({"local": 4}, route="key"))
+    for i in range(20):
+        k.process(task_msg(i))
+    lags.obs = Observation({"local": {0: 0, 1: 0}}, {}, tasks_end={0: 10, 1: 10})
+    assert len(list(k.flush(1000))) == 4
+    lags.obs = Observation({"local": {0: 1, 1: 0}}, {}, tasks_end={0: 11, 1: 10})
+    assert list(k.flush(2000)) == []
+    lags.obs = Observation({"local": {0: 2, 1: 2}}, {}, tasks_end={0: 12, 1: 12})
+    assert list(k.flush(3000)) == []
+    lags.obs = Observation({"local": {0: 1, 1: 1}}, {}, tasks_end={0: 12, 1: 12})
+    assert len(list(k.flush(4000))) == 2
+
+
 def test_admission_is_a_registered_kind_with_one_output():
     assert PROCESSOR_KINDS["admission"] is Admission
     with pytest.raises(ValueError):

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from astraflow.kafka.clients import RecordProducer, make_admin, read_all
-from astraflow.kafka.lag import lag, total_lag
+from astraflow.kafka.lag import LagReader, lag, total_lag
 from astraflow.kafka.runtime import ProcessorRuntime
 from astraflow.records import Batch, ComponentStatus, DeadLetter, Task
 
@@ -68,23 +68,31 @@ def test_exactly_once_when_processor_is_sigkilled_mid_stream(
 ):
     topo, path = passthrough_topology(make_topology, max_batch=50)
     src, dst = topo.full_name("tasks.source"), topo.full_name("tasks")
-    n = 20000
+    n = 40000
     produce_tasks(kafka_config, src, range(n))
 
     log = tmp_path / "processor.log"
     proc = astraflow_cli("processor", "run", "fwd", "--topology", str(path), "--instance", "0",
                          log=log)
     group = topo.group_of("fwd")
-    wait_for(lambda: total_lag(lag(kafka_config, group, [src])) <= n - 2000, 90,
-             "the first committed transactions", step=0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
+    # one reader kept open: a fresh consumer per read lets a fast processor finish unseen
+    reader = LagReader(kafka_config)
+    try:
+        wait_for(lambda: total_lag(reader.lag(group, [src])) <= n - 2000, 90,
+                 "the first committed transactions", step=0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        lag_at_kill = total_lag(reader.lag(group, [src]))
+    finally:
+        reader.close()
     at_kill = len(committed_ids(kafka_config, dst))
-    assert at_kill < n, "processor finished before it was killed; the test proves nothing"
+    assert lag_at_kill > 0 and at_kill < n, (
+        f"processor finished ({at_kill}/{n} committed) before it was killed; "
+        "the test proves nothing")
 
     proc2 = astraflow_cli("processor", "run", "fwd", "--topology", str(path), "--instance", "0",
                           log=log)
-    wait_for(lambda: total_lag(lag(kafka_config, group, [src])) == 0, 120,
+    wait_for(lambda: total_lag(lag(kafka_config, group, [src])) == 0, 180,
              "the restarted processor to catch up")
     proc2.send_signal(signal.SIGTERM)
     assert proc2.wait(30) == 0

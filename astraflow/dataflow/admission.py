@@ -295,6 +295,12 @@ class RecordCounter:
                     key = (tp.topic, tp.partition)
                     self._pos[key] = max(self._pos[key], tp.offset)
 
+    def caught_up(self, ends: dict[tuple[str, int], int]) -> bool:
+        """Whether every followed partition has been read up to its offset in ``ends``
+        (then ``count`` below those offsets is exact)."""
+        return all(self._pos.get(tp, end) >= end for tp, end in ends.items()
+                   if tp in self._floor)
+
     def between(self, topic: str, partition: int, lo: int, hi: int) -> int:
         """Data records at offsets in ``[lo, hi)`` (an unread part counts in full); only
         exact while ``lo`` is at or above the partition's floor."""
@@ -332,6 +338,8 @@ class Observation:
     trainer_consumed: dict[str, int] = field(default_factory=dict)
     # tasks each group committed (rolled out) per partition since the observer started
     pool_done: dict[str, dict[int, int]] = field(default_factory=dict)
+    # log-end offset of each partition of ``tasks`` (empty: not known)
+    tasks_end: dict[int, int] = field(default_factory=dict)
 
 
 class LagSource(Protocol):
@@ -386,6 +394,7 @@ class LagObserver:
             trainer_offset_lag={p: sum(r.lag for r in rows) for p, rows in trainer_rows.items()},
             trainer_consumed={p: sum(parts.values()) for p, parts in self._trainer_done.items()},
             pool_done={label: dict(parts) for label, parts in self._pool_done.items()},
+            tasks_end={r.partition: r.end_offset for rows in pool_rows.values() for r in rows},
         )
 
     def _count_done(self, counter: RecordCounter, kind: str,
@@ -457,6 +466,9 @@ class Admission(Processor):
         self.last: Observation | None = None
         self.decision: AdmissionDecision | None = None
         self.targets: LagTargets | None = None
+        self.peak_bounds: dict[str, int] = {}  # the highest bound each group has had
+        # log-end offsets of ``tasks`` once the last admitted tasks are written (see _unseen)
+        self._expected_end: dict[int | None, int] = {}
         self._next_read_ms = 0
 
     def open(self, context: ProcessorContext) -> None:
@@ -516,8 +528,10 @@ class Admission(Processor):
             self.policy.pool_bounds = self.targets.targets()
             if len(self.policy.pool_bounds) == 1:
                 rates = self.targets.partition_rates(next(iter(self.policy.pool_bounds)))
-        d = self.policy.decide(self.last.pool_in_flight, self.last.trainer_lag, len(self.held),
-                               rates)
+        for label, bound in self.policy.pool_bounds.items():
+            self.peak_bounds[label] = max(bound, self.peak_bounds.get(label, 0))
+        d = self.policy.decide(self._with_unseen(self.last), self.last.trainer_lag,
+                               len(self.held), rates)
         self.decision = d
         if d.state != was:
             if d.state == "holding":
@@ -531,6 +545,39 @@ class Admission(Processor):
             m = self.held.popleft()
             out.append(Outgoing(self.outputs[0], m.record, key=m.key, partition=partition))
         self.admitted += len(out)
+        self._expect(self.last.tasks_end, d.partitions)
+        return out
+
+    def _expect(self, ends: dict[int, int], partitions: list[int | None]) -> None:
+        """Remember where the log ends once the tasks just admitted are written."""
+        if not ends:
+            return
+        expected: dict[int | None, int] = {p: max(e, self._expected_end.get(p, e))
+                                           for p, e in ends.items()}
+        expected[None] = max(sum(ends.values()), self._expected_end.get(None, 0))
+        for p in partitions:
+            if p is not None and p in expected:
+                expected[p] += 1
+            expected[None] += 1
+        self._expected_end = expected
+
+    def _with_unseen(self, obs: Observation) -> dict[str, dict[int, int]]:
+        """Tasks in flight, counting those admitted earlier but not yet in the log (a
+        producer held back past one lag read) as in flight on every group."""
+        ends = obs.tasks_end
+        if not ends or not self._expected_end:
+            return obs.pool_in_flight
+        unseen = {p: max(0, self._expected_end.get(p, e) - e) for p, e in ends.items()}
+        rest = max(0, self._expected_end.get(None, 0) - sum(ends.values()) - sum(unseen.values()))
+        if not rest and not any(unseen.values()):
+            return obs.pool_in_flight
+        out = {}
+        for group, parts in obs.pool_in_flight.items():
+            parts = {p: n + unseen.get(p, 0) for p, n in parts.items()}
+            if rest and parts:
+                first = min(parts)
+                parts[first] += rest
+            out[group] = parts
         return out
 
     def _pace_input(self) -> None:
@@ -577,10 +624,14 @@ class Admission(Processor):
             tight = min(sorted(pb), key=lambda p: pb[p] - pool_lag[p])
             out["admission/pool_lag"] = float(pool_lag[tight])
             out["admission/bound_pool"] = float(pb[tight])
+            # targets move every lag read, statuses are samples: what bounded in flight
+            out["admission/bound_pool_max"] = float(max(self.peak_bounds.values(),
+                                                        default=pb[tight]))
             out["admission/pool_offset_lag"] = float(obs.pool_offset_lag.get(tight, 0))
             for p in pb:
                 out[f"admission/pool_lag/{p}"] = float(pool_lag[p])
                 out[f"admission/bound_pool/{p}"] = float(pb[p])
+                out[f"admission/bound_pool_max/{p}"] = float(self.peak_bounds.get(p, pb[p]))
                 rate = self.targets.rate(p) if self.targets else None
                 if rate is not None:
                     out[f"admission/throughput/{p}"] = rate
