@@ -81,13 +81,22 @@ def test_routing_without_rates_is_least_loaded():
 
 
 def test_a_partition_never_measured_counts_at_the_best_rate():
-    picks = route_by_wait({0: 0, 1: 0, 2: 0}, {0: 10.0, 1: 2.0}, 4)
+    picks = route_by_wait({0: 2, 1: 2, 2: 2}, {0: 10.0, 1: 2.0}, 4)
     assert picks.count(2) == 2 and picks.count(0) == 2  # ties go to the faster
 
 
 def test_a_partition_judged_slow_still_gets_a_task_behind_long_queues():
-    picks = route_by_wait({0: 0, 1: 0}, {0: 10.0, 1: 0.0}, 12)
+    picks = route_by_wait({0: 2, 1: 2}, {0: 10.0, 1: 0.0}, 30)
     assert picks.count(1) == 1  # its rate counts as a tenth of the mean: measured again
+
+
+def test_every_node_keeps_a_task_running_and_one_waiting_whatever_its_rate():
+    # a rate measured over a few heavy-tailed tasks says little: a node that just finished
+    # a long one looks slow, and must not sit idle while the others have queues
+    assert route_by_wait({0: 5, 1: 0}, {0: 10.0, 1: 0.1}, 1) == [1]
+    assert route_by_wait({0: 5, 1: 1, 2: 0}, {0: 10.0, 1: 0.1, 2: 0.1}, 3) == [2, 1, 2]
+    # beyond that, by rate
+    assert route_by_wait({0: 2, 1: 2}, {0: 10.0, 1: 0.1}, 3) == [0, 0, 0]
 
 
 def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,

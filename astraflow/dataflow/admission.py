@@ -26,7 +26,8 @@ remembers where the data records are. The decision itself (``AdmissionPolicy``) 
 logic; ``LagObserver`` reads Kafka; ``Admission`` is the processor joining them. Lags are
 read every ``poll_interval_s`` (0.5 s), and tasks are admitted only right after a read,
 so each decision sees everything admitted before it. Each admitted task goes to the
-partition of ``tasks`` whose queue clears first at its node's measured rate, so pools
+partition of ``tasks`` whose queue clears first at its node's measured rate, once every
+partition has a task running and one waiting (``lag_target.route_by_wait``), so pools
 sharing the group get tasks in proportion to their throughput and a slow pool holds few.
 
 When more than ``max_held`` tasks wait, the processor asks the runtime to pause its input

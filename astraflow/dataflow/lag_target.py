@@ -17,7 +17,8 @@ consumed) and answers, per RaaS consumer group on ``tasks``:
   before a trainer falls behind is not stale when it arrives. Before anything is measured
   the target is the floor without the rate term (``queue_factor x capacity``).
 - **partition rates** -- each partition's service rate (tasks/s while it had work), for
-  routing new tasks to the partition whose queue clears first (``Router``).
+  routing new tasks to the partition whose queue clears first (``route_by_wait``), once
+  every partition has a task running and one waiting.
 
 Throughput is the growth of the tasks a group has committed (rolled out) over time,
 smoothed with an exponential moving average of the given half-life.
@@ -156,20 +157,29 @@ class LagTargets:
                 if r.value is not None}
 
 
-def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int) -> list[int]:
-    """Partitions for ``n`` new tasks, each to the partition whose queue clears first:
-    least ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
+def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
+                  keep: int = 2) -> list[int]:
+    """Partitions for ``n`` new tasks. First every partition gets up to ``keep`` tasks in
+    flight (one running and one waiting), fewest first: its node would otherwise sit idle
+    until the next read, and a rate measured over a few heavy-tailed tasks says little of
+    a node. Beyond that, each task goes to the partition whose queue clears first: least
+    ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
     measured one (so a node that never had work waiting is tried, not starved), and a
-    rate is taken as at least a tenth of the mean, so a partition judged slow still gets a
-    task when the others' queues are long enough to measure it again."""
+    rate is taken as at least a tenth of the mean."""
     load = dict(load)
     known = [r for p, r in rates.items() if p in load and r > 0]
     mean = sum(known) / len(known) if known else 1.0
     best = max(known, default=1.0)
     speed = {p: max(rates[p] if p in rates else best, mean / 10) for p in load}
+
+    def wait(q: int) -> tuple[float, float, float]:
+        if load[q] < keep:
+            return (0.0, load[q], -speed[q])
+        return (1.0, (load[q] + 1) / speed[q], -speed[q])
+
     out = []
     for _ in range(n):
-        p = min(sorted(load), key=lambda q: ((load[q] + 1) / speed[q], -speed[q]))
+        p = min(sorted(load), key=wait)
         load[p] += 1
         out.append(p)
     return out
