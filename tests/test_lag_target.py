@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from astraflow.dataflow.lag_target import LagTargets, Rate, route_by_wait
+from astraflow.dataflow.lag_target import LagTargets, Rate, partition_caps, route_by_wait
 
 
 def test_rate_is_a_smoothed_slope_over_windows_of_at_least_min_window():
@@ -128,7 +128,8 @@ def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
             targets.observe(t, {"g": dict(done)}, {"g": dict(queue)}, {"actor": int(t)})
             room = min(int(supplied), targets.target("g") - sum(queue.values()))
             supplied -= max(0, room)
-            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room)):
+            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room),
+                                   target=targets.target("g")):
                 queue[p] += 1
             for p in speeds:
                 seen[p].append(queue[p])
@@ -156,6 +157,30 @@ def test_a_node_that_starts_late_is_not_starved_when_tasks_are_scarce():
     # with tasks enough, it catches up to the share of its speed after its late start
     done, _ = simulate({0: 1.0, 1: 0.6, 2: 0.3}, starts={0: 10.0})
     assert done[0] > done[1] > done[2] and done[0] > 0.9 * 1.0 / 0.1 * 110, done
+
+
+def test_partition_caps_share_the_target_by_rate():
+    # a node 20x slower holds what keeps it busy, not half the target
+    assert partition_caps(20, {0: 0, 1: 0}, {0: 10.0, 1: 0.5}) == {0: 20, 1: 2}
+    # not measured while another is: it holds one running and one waiting until it is
+    assert partition_caps(20, {0: 0, 1: 0}, {0: 10.0}) == {0: 18, 1: 2}
+    # nothing measured: an equal share
+    assert partition_caps(9, {0: 0, 1: 0, 2: 0}, {}) == {0: 3, 1: 3, 2: 3}
+
+
+def test_routing_stops_at_the_caps_so_a_slow_node_holds_no_backlog():
+    picks = route_by_wait({0: 0, 1: 2}, {0: 10.0, 1: 0.5}, 30, target=20)
+    assert picks.count(1) == 0 and picks.count(0) == 20  # 20 of 30: the rest waits
+
+
+def test_a_node_much_slower_than_the_others_does_not_starve_them():
+    # a remote node 30x slower shares the group with a local one: the target is about
+    # 1.5 s of their throughput, so tasks queued at the remote node would keep the local
+    # one idle; with the caps the local node rolls out about what it would alone
+    done, seen = simulate({0: 1.0, 1: 1 / 30})
+    alone, _ = simulate({0: 1.0})
+    assert done[0] > 0.95 * alone[0], (done, alone)
+    assert max(seen[1][20:]) <= 2 and min(seen[0][20:]) >= 1
 
 
 def test_record_counter_counts_data_records_between_two_committed_offsets():

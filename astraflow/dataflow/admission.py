@@ -134,8 +134,12 @@ class AdmissionPolicy:
                                      f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
                                      headroom)
         n = min(waiting, headroom)
-        return AdmissionDecision(n, self._route(pool_in_flight, n, rates), "admitting", "",
-                                 headroom)
+        partitions = self._route(pool_in_flight, n, rates)
+        if not partitions and n:
+            return AdmissionDecision(0, [], "holding",
+                                     f"pool {tightest}: every partition at its share",
+                                     headroom)
+        return AdmissionDecision(len(partitions), partitions, "admitting", "", headroom)
 
     def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
         room = {p: b - sum(pool_in_flight.get(p, {}).values())
@@ -154,7 +158,9 @@ class AdmissionPolicy:
         if not load:
             return [None] * n
         if len(pool_in_flight) == 1:  # one group: the partition whose queue clears first
-            return list(route_by_wait(load, rates or {}, n))
+            (label,) = pool_in_flight
+            return list(route_by_wait(load, rates or {}, n,
+                                      target=self.pool_bounds.get(label)))
         out: list[int | None] = []
         for _ in range(n):
             p = min(sorted(load), key=lambda q: load[q])

@@ -158,19 +158,21 @@ class LagTargets:
 
 
 def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
-                  keep: int = 2) -> list[int]:
-    """Partitions for ``n`` new tasks. First every partition gets up to ``keep`` tasks in
-    flight (one running and one waiting), fewest first: its node would otherwise sit idle
-    until the next read, and a rate measured over a few heavy-tailed tasks says little of
-    a node. Beyond that, each task goes to the partition whose queue clears first: least
-    ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
+                  keep: int = 2, target: int | None = None) -> list[int]:
+    """Partitions for up to ``n`` new tasks. First every partition gets up to ``keep`` tasks
+    in flight (one running and one waiting), fewest first: its node would otherwise sit
+    idle until the next read, and a rate measured over a few heavy-tailed tasks says little
+    of a node. Beyond that, each task goes to the partition whose queue clears first:
+    least ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
     measured one (so a node that never had work waiting is tried, not starved), and a
-    rate is taken as at least a tenth of the mean."""
+    rate is taken as at least a tenth of the mean.
+
+    With the group's ``target``, no partition is given more than its share of it
+    (``partition_caps``): fewer than ``n`` partitions come back when every partition is
+    at its cap, so a slow node never holds what a fast one should roll out."""
     load = dict(load)
-    known = [r for p, r in rates.items() if p in load and r > 0]
-    mean = sum(known) / len(known) if known else 1.0
-    best = max(known, default=1.0)
-    speed = {p: max(rates[p] if p in rates else best, mean / 10) for p in load}
+    speed = _speeds(load, rates)
+    caps = partition_caps(target, load, rates, keep) if target is not None else None
 
     def wait(q: int) -> tuple[float, float, float]:
         if load[q] < keep:
@@ -179,7 +181,37 @@ def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
 
     out = []
     for _ in range(n):
-        p = min(sorted(load), key=wait)
+        open_ = [q for q in sorted(load) if caps is None or load[q] < caps[q]]
+        if not open_:
+            break
+        p = min(open_, key=wait)
         load[p] += 1
         out.append(p)
     return out
+
+
+def partition_caps(target: int, load: dict[int, int], rates: dict[int, float],
+                   keep: int = 2) -> dict[int, int]:
+    """The most tasks each partition may hold: its share of ``target`` by service rate,
+    at least ``keep``; while others are measured, a partition whose rate is not holds
+    ``keep`` until it is (a burst of tasks to a node not yet known to be slow would stay
+    queued there). With nothing measured, an equal share."""
+    speed = _speeds(load, rates)
+    measured = {p: speed[p] for p in load if p in rates}
+    if not measured:
+        return {p: max(keep, math.ceil(target / max(1, len(load)))) for p in load}
+    total = sum(measured.values()) or 1.0
+    unmeasured = len(load) - len(measured)
+    share = max(0, target - keep * unmeasured)
+    return {p: max(keep, math.ceil(share * measured[p] / total)) if p in measured else keep
+            for p in load}
+
+
+def _speeds(load: dict[int, int], rates: dict[int, float]) -> dict[int, float]:
+    """Each partition's rate for routing: unmeasured at the best measured, at least a
+    tenth of the mean."""
+    known = [r for p, r in rates.items() if p in load and r > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    best = max(known, default=1.0)
+    return {p: max(rates[p] if p in rates else best, mean / 10)
+            for p in load}
