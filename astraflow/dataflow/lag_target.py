@@ -66,6 +66,7 @@ class GroupLoad:
     partitions: dict[int, Rate] = field(default_factory=dict)
     was_busy: dict[int, bool] = field(default_factory=dict)
     idle_since: dict[int, float] = field(default_factory=dict)
+    last_done: dict[int, int] = field(default_factory=dict)
 
 
 class LagTargets:
@@ -107,16 +108,20 @@ class LagTargets:
 
     def _observe_partition(self, load: GroupLoad, p: int, now_s: float, done: int,
                            busy: bool) -> None:
-        """A partition's rate from the windows it had work in; forgotten after two
+        """A partition's rate from the windows it had work in: tasks in flight at the
+        window's start, or tasks rolled out during it (a fast node drains what it got at
+        one read before the next, and would never look busy); forgotten after two
         half-lives without work (a node judged slow, or not started yet when it was
-        judged, is tried again at the best rate instead of starving)."""
-        if busy:
+        judged, is tried again instead of starving)."""
+        grew = done > load.last_done.get(p, done)
+        load.last_done[p] = done
+        if busy or grew:
             load.idle_since.pop(p, None)
         elif now_s - load.idle_since.setdefault(p, now_s) > 2 * self.half_life_s:
             load.partitions.pop(p, None)
             load.idle_since[p] = now_s
         rate = load.partitions.setdefault(p, Rate(self.half_life_s))
-        rate.update(now_s, done, busy=load.was_busy.get(p, False))
+        rate.update(now_s, done, busy=load.was_busy.get(p, False) or grew)
         load.was_busy[p] = busy
 
     def rate(self, label: str) -> float | None:
@@ -158,7 +163,7 @@ class LagTargets:
 
 
 def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
-                  keep: int = 2, target: int | None = None) -> list[int]:
+                  keep: int = 2, caps: dict[int, int] | None = None) -> list[int]:
     """Partitions for up to ``n`` new tasks. First every partition gets up to ``keep`` tasks
     in flight (one running and one waiting), fewest first: its node would otherwise sit
     idle until the next read, and a rate measured over a few heavy-tailed tasks says little
@@ -167,12 +172,11 @@ def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
     measured one (so a node that never had work waiting is tried, not starved), and a
     rate is taken as at least a tenth of the mean.
 
-    With the group's ``target``, no partition is given more than its share of it
-    (``partition_caps``): fewer than ``n`` partitions come back when every partition is
-    at its cap, so a slow node never holds what a fast one should roll out."""
+    ``caps`` (``partition_caps``): the most a partition may hold; fewer than ``n``
+    partitions come back when every partition is at its cap."""
     load = dict(load)
     speed = _speeds(load, rates)
-    caps = partition_caps(target, load, rates, keep) if target is not None else None
+    caps = caps or {}
 
     def wait(q: int) -> tuple[float, float, float]:
         if load[q] < keep:
@@ -181,7 +185,7 @@ def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
 
     out = []
     for _ in range(n):
-        open_ = [q for q in sorted(load) if caps is None or load[q] < caps[q]]
+        open_ = [q for q in sorted(load) if load[q] < caps.get(q, math.inf)]
         if not open_:
             break
         p = min(open_, key=wait)
@@ -190,21 +194,17 @@ def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
     return out
 
 
-def partition_caps(target: int, load: dict[int, int], rates: dict[int, float],
-                   keep: int = 2) -> dict[int, int]:
-    """The most tasks each partition may hold: its share of ``target`` by service rate,
-    at least ``keep``; while others are measured, a partition whose rate is not holds
-    ``keep`` until it is (a burst of tasks to a node not yet known to be slow would stay
-    queued there). With nothing measured, an equal share."""
-    speed = _speeds(load, rates)
-    measured = {p: speed[p] for p in load if p in rates}
-    if not measured:
-        return {p: max(keep, math.ceil(target / max(1, len(load)))) for p in load}
-    total = sum(measured.values()) or 1.0
-    unmeasured = len(load) - len(measured)
-    share = max(0, target - keep * unmeasured)
-    return {p: max(keep, math.ceil(share * measured[p] / total)) if p in measured else keep
-            for p in load}
+def partition_caps(target: int, partitions: list[int], rates: dict[int, float],
+                   group_rate: float | None, keep: int = 2) -> dict[int, int]:
+    """The most tasks each partition may hold once the group's throughput is measured:
+    its part of that throughput times ``target``, at least ``keep``; ``keep`` while its
+    own rate is not measured (a burst of tasks to a node not yet known to be slow would
+    stay queued there, counted against the target while faster nodes idle). Before the
+    group's throughput is known, none (the target is then the small start-up floor)."""
+    if not group_rate or group_rate <= 0:
+        return {}
+    return {p: max(keep, math.ceil(target * min(1.0, rates[p] / group_rate)))
+            if p in rates else keep for p in partitions}
 
 
 def _speeds(load: dict[int, int], rates: dict[int, float]) -> dict[int, float]:
@@ -213,5 +213,4 @@ def _speeds(load: dict[int, int], rates: dict[int, float]) -> dict[int, float]:
     known = [r for p, r in rates.items() if p in load and r > 0]
     mean = sum(known) / len(known) if known else 1.0
     best = max(known, default=1.0)
-    return {p: max(rates[p] if p in rates else best, mean / 10)
-            for p in load}
+    return {p: max(rates[p] if p in rates else best, mean / 10) for p in load}
