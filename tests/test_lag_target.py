@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import pytest
 
-from astraflow.dataflow.lag_target import LagTargets, Rate, partition_caps, route_by_wait
+from astraflow.dataflow.lag_target import LagTargets, Rate, route_by_wait
 
 
 def test_rate_is_a_smoothed_slope_over_windows_of_at_least_min_window():
@@ -101,14 +100,12 @@ def test_every_node_keeps_a_task_running_and_one_waiting_whatever_its_rate():
 
 
 def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
-             poll_s: float = 0.5, supply_per_s: float = 1e9, starts: dict[int, float] | None = None,
-             target_at: Callable[[float, int], int] | None = None, caps: bool = True
+             poll_s: float = 0.5, supply_per_s: float = 1e9, starts: dict[int, float] | None = None
              ) -> tuple[dict[int, int], dict[int, list[int]]]:
-    """Nodes, one per partition, each finishing a task every 0.1 s / speed from its
+    """Three nodes, one per partition, each finishing a task every 0.1 s / speed from its
     start time on; an admission reading lags every ``poll_s``, with tasks arriving at
-    ``supply_per_s``, routing by wait (``caps``: within the partition caps).
-    ``target_at(t, target)`` overrides the target. Returns tasks done per partition and
-    the in-flight counts seen at each read."""
+    ``supply_per_s``, routing by wait. Returns tasks done per partition and the in-flight
+    counts seen at each read."""
     starts = starts or {}
     supplied = 0.0
     targets = LagTargets({"g": len(speeds)}, {"actor": 4}, poll_interval_s=poll_s)
@@ -129,15 +126,10 @@ def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
         if t >= next_read:
             next_read = t + poll_s
             targets.observe(t, {"g": dict(done)}, {"g": dict(queue)}, {"actor": int(t)})
-            target = targets.target("g")
-            target = target_at(t, target) if target_at else target
-            room = min(int(supplied), target - sum(queue.values()))
-            rates = targets.partition_rates("g")
-            limits = partition_caps(target, list(queue), rates, targets.rate("g")) \
-                if caps else None
-            for p in route_by_wait(queue, rates, max(0, room), caps=limits):
+            room = min(int(supplied), targets.target("g") - sum(queue.values()))
+            supplied -= max(0, room)
+            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room)):
                 queue[p] += 1
-                supplied -= 1
             for p in speeds:
                 seen[p].append(queue[p])
         t += dt
@@ -164,37 +156,6 @@ def test_a_node_that_starts_late_is_not_starved_when_tasks_are_scarce():
     # with tasks enough, it catches up to the share of its speed after its late start
     done, _ = simulate({0: 1.0, 1: 0.6, 2: 0.3}, starts={0: 10.0})
     assert done[0] > done[1] > done[2] and done[0] > 0.9 * 1.0 / 0.1 * 110, done
-
-
-def test_partition_caps_share_the_target_by_rate():
-    # a node 20x slower than the group holds what keeps it busy, not half the target
-    assert partition_caps(20, [0, 1], {0: 10.0, 1: 0.5}, 10.5) == {0: 20, 1: 2}
-    # not measured yet: one running, one waiting, until it is
-    assert partition_caps(40, [0, 1], {1: 2.0}, 10.0) == {0: 2, 1: 8}
-    assert partition_caps(20, [0], {0: 1.0}, None) == {}  # group rate not known yet
-
-
-def test_routing_stops_at_the_caps_so_a_slow_node_holds_no_backlog():
-    picks = route_by_wait({0: 0, 1: 2}, {0: 10.0, 1: 0.5}, 30, caps={0: 20, 1: 2})
-    assert picks.count(1) == 0 and picks.count(0) == 20  # 20 of 30: the rest waits
-
-
-def test_a_node_much_slower_than_the_others_does_not_starve_them():
-    # a remote node 30x slower shares the group with a local one. The target is briefly
-    # large (as when the throughput is first measured on a burst) and then small: tasks
-    # routed to the slow node in the burst would stay there, counted against the small
-    # target, while the fast node idles. With the caps the slow node holds a task running
-    # and one waiting (its share of the target), and the fast one rolls out about what it
-    # would alone.
-    def spike(t: float, target: int) -> int:
-        return 200 if 3.0 <= t < 4.0 else target
-
-    done, seen = simulate({0: 1.0, 1: 1 / 30}, target_at=spike)
-    alone, _ = simulate({0: 1.0}, target_at=spike)
-    assert done[0] > 0.95 * alone[0] and max(seen[1]) <= 10, (done, alone, max(seen[1]))
-    # the same without the caps: the burst sits at the slow node
-    done, seen = simulate({0: 1.0, 1: 1 / 30}, target_at=spike, caps=False)
-    assert done[0] < 0.8 * alone[0] and max(seen[1]) > 50, (done, alone, max(seen[1]))
 
 
 def test_record_counter_counts_data_records_between_two_committed_offsets():

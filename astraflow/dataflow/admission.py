@@ -52,7 +52,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
-from astraflow.dataflow.lag_target import LagTargets, partition_caps, route_by_wait
+from astraflow.dataflow.lag_target import LagTargets, route_by_wait
 from astraflow.kafka.lag import LagReader, PartitionLag
 
 log = logging.getLogger("astraflow.admission")
@@ -116,12 +116,10 @@ class AdmissionPolicy:
         self.route = route
 
     def decide(self, pool_in_flight: dict[str, dict[int, int]], trainer_lag: dict[str, int],
-               waiting: int, rates: dict[int, float] | None = None,
-               caps: dict[int, int] | None = None) -> AdmissionDecision:
+               waiting: int, rates: dict[int, float] | None = None) -> AdmissionDecision:
         """``pool_in_flight``: group -> partition -> tasks in flight; ``trainer_lag``:
         policy -> batches queued; ``waiting``: tasks held here; ``rates``: partition ->
-        measured service rate, and ``caps``: partition -> most tasks it may hold, for
-        routing (one group only)."""
+        measured service rate, for routing (one group only)."""
         for policy, bound in sorted(self.trainer_bounds.items()):
             lag = trainer_lag.get(policy, 0)
             if lag > bound:
@@ -136,12 +134,8 @@ class AdmissionPolicy:
                                      f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
                                      headroom)
         n = min(waiting, headroom)
-        partitions = self._route(pool_in_flight, n, rates, caps)
-        if not partitions and n:
-            return AdmissionDecision(0, [], "holding",
-                                     f"pool {tightest}: every partition at its share",
-                                     headroom)
-        return AdmissionDecision(len(partitions), partitions, "admitting", "", headroom)
+        return AdmissionDecision(n, self._route(pool_in_flight, n, rates), "admitting", "",
+                                 headroom)
 
     def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
         room = {p: b - sum(pool_in_flight.get(p, {}).values())
@@ -150,8 +144,7 @@ class AdmissionPolicy:
         return room[tightest], tightest
 
     def _route(self, pool_in_flight: dict[str, dict[int, int]], n: int,
-               rates: dict[int, float] | None = None,
-               caps: dict[int, int] | None = None) -> list[int | None]:
+               rates: dict[int, float] | None = None) -> list[int | None]:
         if self.route == "key" or n == 0:
             return [None] * n
         load: dict[int, int] = {}
@@ -161,7 +154,7 @@ class AdmissionPolicy:
         if not load:
             return [None] * n
         if len(pool_in_flight) == 1:  # one group: the partition whose queue clears first
-            return list(route_by_wait(load, rates or {}, n, caps=caps))
+            return list(route_by_wait(load, rates or {}, n))
         out: list[int | None] = []
         for _ in range(n):
             p = min(sorted(load), key=lambda q: load[q])
@@ -529,20 +522,17 @@ class Admission(Processor):
             log.warning("%s: reading lags failed, holding: %s", self.name, e)
             return []
         was = self.decision.state if self.decision else None
-        rates = caps = None
+        rates = None
         if self.targets is not None:
             self.targets.observe(time.monotonic(), self.last.pool_done,
                                  self.last.pool_in_flight, self.last.trainer_consumed)
             self.policy.pool_bounds = self.targets.targets()
             if len(self.policy.pool_bounds) == 1:
-                label, bound = next(iter(self.policy.pool_bounds.items()))
-                rates = self.targets.partition_rates(label)
-                caps = partition_caps(bound, list(self.last.pool_in_flight.get(label, {})),
-                                      rates, self.targets.rate(label))
+                rates = self.targets.partition_rates(next(iter(self.policy.pool_bounds)))
         for label, bound in self.policy.pool_bounds.items():
             self.peak_bounds[label] = max(bound, self.peak_bounds.get(label, 0))
         d = self.policy.decide(self._with_unseen(self.last), self.last.trainer_lag,
-                               len(self.held), rates, caps)
+                               len(self.held), rates)
         self.decision = d
         if d.state != was:
             if d.state == "holding":

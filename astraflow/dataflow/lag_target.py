@@ -66,7 +66,6 @@ class GroupLoad:
     partitions: dict[int, Rate] = field(default_factory=dict)
     was_busy: dict[int, bool] = field(default_factory=dict)
     idle_since: dict[int, float] = field(default_factory=dict)
-    last_done: dict[int, int] = field(default_factory=dict)
 
 
 class LagTargets:
@@ -108,20 +107,16 @@ class LagTargets:
 
     def _observe_partition(self, load: GroupLoad, p: int, now_s: float, done: int,
                            busy: bool) -> None:
-        """A partition's rate from the windows it had work in: tasks in flight at the
-        window's start, or tasks rolled out during it (a fast node drains what it got at
-        one read before the next, and would never look busy); forgotten after two
+        """A partition's rate from the windows it had work in; forgotten after two
         half-lives without work (a node judged slow, or not started yet when it was
-        judged, is tried again instead of starving)."""
-        grew = done > load.last_done.get(p, done)
-        load.last_done[p] = done
-        if busy or grew:
+        judged, is tried again at the best rate instead of starving)."""
+        if busy:
             load.idle_since.pop(p, None)
         elif now_s - load.idle_since.setdefault(p, now_s) > 2 * self.half_life_s:
             load.partitions.pop(p, None)
             load.idle_since[p] = now_s
         rate = load.partitions.setdefault(p, Rate(self.half_life_s))
-        rate.update(now_s, done, busy=load.was_busy.get(p, False) or grew)
+        rate.update(now_s, done, busy=load.was_busy.get(p, False))
         load.was_busy[p] = busy
 
     def rate(self, label: str) -> float | None:
@@ -163,20 +158,19 @@ class LagTargets:
 
 
 def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
-                  keep: int = 2, caps: dict[int, int] | None = None) -> list[int]:
-    """Partitions for up to ``n`` new tasks. First every partition gets up to ``keep`` tasks
-    in flight (one running and one waiting), fewest first: its node would otherwise sit
-    idle until the next read, and a rate measured over a few heavy-tailed tasks says little
-    of a node. Beyond that, each task goes to the partition whose queue clears first:
-    least ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
+                  keep: int = 2) -> list[int]:
+    """Partitions for ``n`` new tasks. First every partition gets up to ``keep`` tasks in
+    flight (one running and one waiting), fewest first: its node would otherwise sit idle
+    until the next read, and a rate measured over a few heavy-tailed tasks says little of
+    a node. Beyond that, each task goes to the partition whose queue clears first: least
+    ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
     measured one (so a node that never had work waiting is tried, not starved), and a
-    rate is taken as at least a tenth of the mean.
-
-    ``caps`` (``partition_caps``): the most a partition may hold; fewer than ``n``
-    partitions come back when every partition is at its cap."""
+    rate is taken as at least a tenth of the mean."""
     load = dict(load)
-    speed = _speeds(load, rates)
-    caps = caps or {}
+    known = [r for p, r in rates.items() if p in load and r > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    best = max(known, default=1.0)
+    speed = {p: max(rates[p] if p in rates else best, mean / 10) for p in load}
 
     def wait(q: int) -> tuple[float, float, float]:
         if load[q] < keep:
@@ -185,32 +179,7 @@ def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
 
     out = []
     for _ in range(n):
-        open_ = [q for q in sorted(load) if load[q] < caps.get(q, math.inf)]
-        if not open_:
-            break
-        p = min(open_, key=wait)
+        p = min(sorted(load), key=wait)
         load[p] += 1
         out.append(p)
     return out
-
-
-def partition_caps(target: int, partitions: list[int], rates: dict[int, float],
-                   group_rate: float | None, keep: int = 2) -> dict[int, int]:
-    """The most tasks each partition may hold once the group's throughput is measured:
-    its part of that throughput times ``target``, at least ``keep``; ``keep`` while its
-    own rate is not measured (a burst of tasks to a node not yet known to be slow would
-    stay queued there, counted against the target while faster nodes idle). Before the
-    group's throughput is known, none (the target is then the small start-up floor)."""
-    if not group_rate or group_rate <= 0:
-        return {}
-    return {p: max(keep, math.ceil(target * min(1.0, rates[p] / group_rate)))
-            if p in rates else keep for p in partitions}
-
-
-def _speeds(load: dict[int, int], rates: dict[int, float]) -> dict[int, float]:
-    """Each partition's rate for routing: unmeasured at the best measured, at least a
-    tenth of the mean."""
-    known = [r for p, r in rates.items() if p in load and r > 0]
-    mean = sum(known) / len(known) if known else 1.0
-    best = max(known, default=1.0)
-    return {p: max(rates[p] if p in rates else best, mean / 10) for p in load}
