@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
@@ -100,12 +101,14 @@ def test_every_node_keeps_a_task_running_and_one_waiting_whatever_its_rate():
 
 
 def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
-             poll_s: float = 0.5, supply_per_s: float = 1e9, starts: dict[int, float] | None = None
+             poll_s: float = 0.5, supply_per_s: float = 1e9, starts: dict[int, float] | None = None,
+             target_at: Callable[[float, int], int] | None = None, caps: bool = True
              ) -> tuple[dict[int, int], dict[int, list[int]]]:
-    """Three nodes, one per partition, each finishing a task every 0.1 s / speed from its
+    """Nodes, one per partition, each finishing a task every 0.1 s / speed from its
     start time on; an admission reading lags every ``poll_s``, with tasks arriving at
-    ``supply_per_s``, routing by wait. Returns tasks done per partition and the in-flight
-    counts seen at each read."""
+    ``supply_per_s``, routing by wait (``caps``: within the partition caps).
+    ``target_at(t, target)`` overrides the target. Returns tasks done per partition and
+    the in-flight counts seen at each read."""
     starts = starts or {}
     supplied = 0.0
     targets = LagTargets({"g": len(speeds)}, {"actor": 4}, poll_interval_s=poll_s)
@@ -126,10 +129,14 @@ def simulate(speeds: dict[int, float], seconds: float = 120.0, dt: float = 0.05,
         if t >= next_read:
             next_read = t + poll_s
             targets.observe(t, {"g": dict(done)}, {"g": dict(queue)}, {"actor": int(t)})
-            room = min(int(supplied), targets.target("g") - sum(queue.values()))
-            supplied -= max(0, room)
-            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room)):
+            target = targets.target("g")
+            target = target_at(t, target) if target_at else target
+            room = min(int(supplied), target - sum(queue.values()))
+            limits = targets.partition_caps("g") if caps else None
+            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room),
+                                   caps=limits):
                 queue[p] += 1
+                supplied -= 1
             for p in speeds:
                 seen[p].append(queue[p])
         t += dt
@@ -156,6 +163,40 @@ def test_a_node_that_starts_late_is_not_starved_when_tasks_are_scarce():
     # with tasks enough, it catches up to the share of its speed after its late start
     done, _ = simulate({0: 1.0, 1: 0.6, 2: 0.3}, starts={0: 10.0})
     assert done[0] > done[1] > done[2] and done[0] > 0.9 * 1.0 / 0.1 * 110, done
+
+
+def test_a_slow_node_is_capped_at_what_it_rolls_out_within_the_staleness_budget():
+    t = LagTargets({"g": 2}, {"actor": 4}, poll_interval_s=0.5)
+    assert t.partition_caps("g") == {}  # nothing measured yet
+    for i in range(1, 21):  # partition 0 busy at 10 tasks/s; 1 busy at 0.5/s; 1 version/s
+        now = i * 0.5
+        t.observe(now, {"g": {0: int(10 * now), 1: int(0.5 * now)}}, {"g": {0: 3, 1: 3}},
+                  {"actor": int(now)})
+    caps = t.partition_caps("g")
+    budget = t.budget_s()  # 4 versions at 1 version/s, halved: 2 s
+    assert budget == pytest.approx(2.0, rel=0.1)
+    assert caps[1] == 2  # 0.5/s x 2 s = 1, at least a task running and one waiting
+    assert caps[0] == pytest.approx(10 * budget, abs=2)
+    # routing stops at the caps: the slow node takes nothing more, the rest waits
+    picks = route_by_wait({0: caps[0], 1: 2}, t.partition_rates("g"), 10, caps=caps)
+    assert picks == []
+
+
+def test_a_burst_does_not_stay_queued_at_a_slow_node_while_a_fast_one_idles():
+    # a fast node (100 tasks/s, draining its queue between two reads, so never measured
+    # busy) shares the group with one 30x slower; the target jumps for a second (as when
+    # throughput is first measured on a burst) and falls back. Without caps the slow node,
+    # measured while the fast one is not, is taken to be as fast as any, gets half the
+    # burst, and holds it, counted against the target, while the fast node idles.
+    def spike(t: float, target: int) -> int:
+        return 400 if 3.0 <= t < 4.0 else target
+
+    speeds = {0: 10.0, 1: 1 / 3}
+    alone, _ = simulate({0: 10.0}, target_at=spike)
+    done, seen = simulate(speeds, target_at=spike)
+    assert done[0] > 0.95 * alone[0] and max(seen[1]) <= 10, (done, alone, max(seen[1]))
+    done, seen = simulate(speeds, target_at=spike, caps=False)
+    assert done[0] < 0.6 * alone[0] and max(seen[1]) > 100, (done, alone, max(seen[1]))
 
 
 def test_record_counter_counts_data_records_between_two_committed_offsets():

@@ -356,6 +356,14 @@ def test_admission_counts_tasks_it_wrote_but_the_log_does_not_show_yet():
     assert len(list(k.flush(4000))) == 2
 
 
+def test_admission_holds_when_every_partition_is_at_its_cap():
+    policy = AdmissionPolicy({"local": 20})
+    d = policy.decide({"local": {0: 2, 1: 2}}, {}, 10, {0: 1.0, 1: 1.0}, caps={0: 2, 1: 3})
+    assert d.admit == 1 and d.partitions == [1]  # only partition 1 had room
+    d = policy.decide({"local": {0: 2, 1: 3}}, {}, 10, {0: 1.0, 1: 1.0}, caps={0: 2, 1: 3})
+    assert d.admit == 0 and d.state == "holding" and "every partition at its cap" in d.reason
+
+
 def test_admission_is_a_registered_kind_with_one_output():
     assert PROCESSOR_KINDS["admission"] is Admission
     with pytest.raises(ValueError):

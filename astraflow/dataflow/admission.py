@@ -116,10 +116,12 @@ class AdmissionPolicy:
         self.route = route
 
     def decide(self, pool_in_flight: dict[str, dict[int, int]], trainer_lag: dict[str, int],
-               waiting: int, rates: dict[int, float] | None = None) -> AdmissionDecision:
+               waiting: int, rates: dict[int, float] | None = None,
+               caps: dict[int, int] | None = None) -> AdmissionDecision:
         """``pool_in_flight``: group -> partition -> tasks in flight; ``trainer_lag``:
         policy -> batches queued; ``waiting``: tasks held here; ``rates``: partition ->
-        measured service rate, for routing (one group only)."""
+        measured service rate, and ``caps``: partition -> most tasks it may hold, for
+        routing (one group only)."""
         for policy, bound in sorted(self.trainer_bounds.items()):
             lag = trainer_lag.get(policy, 0)
             if lag > bound:
@@ -134,8 +136,11 @@ class AdmissionPolicy:
                                      f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
                                      headroom)
         n = min(waiting, headroom)
-        return AdmissionDecision(n, self._route(pool_in_flight, n, rates), "admitting", "",
-                                 headroom)
+        partitions = self._route(pool_in_flight, n, rates, caps)
+        if n and not partitions:
+            return AdmissionDecision(0, [], "holding",
+                                     f"pool {tightest}: every partition at its cap", headroom)
+        return AdmissionDecision(len(partitions), partitions, "admitting", "", headroom)
 
     def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
         room = {p: b - sum(pool_in_flight.get(p, {}).values())
@@ -144,7 +149,8 @@ class AdmissionPolicy:
         return room[tightest], tightest
 
     def _route(self, pool_in_flight: dict[str, dict[int, int]], n: int,
-               rates: dict[int, float] | None = None) -> list[int | None]:
+               rates: dict[int, float] | None = None,
+               caps: dict[int, int] | None = None) -> list[int | None]:
         if self.route == "key" or n == 0:
             return [None] * n
         load: dict[int, int] = {}
@@ -154,7 +160,7 @@ class AdmissionPolicy:
         if not load:
             return [None] * n
         if len(pool_in_flight) == 1:  # one group: the partition whose queue clears first
-            return list(route_by_wait(load, rates or {}, n))
+            return list(route_by_wait(load, rates or {}, n, caps=caps))
         out: list[int | None] = []
         for _ in range(n):
             p = min(sorted(load), key=lambda q: load[q])
@@ -522,17 +528,20 @@ class Admission(Processor):
             log.warning("%s: reading lags failed, holding: %s", self.name, e)
             return []
         was = self.decision.state if self.decision else None
-        rates = None
+        rates = caps = None
         if self.targets is not None:
             self.targets.observe(time.monotonic(), self.last.pool_done,
                                  self.last.pool_in_flight, self.last.trainer_consumed)
             self.policy.pool_bounds = self.targets.targets()
             if len(self.policy.pool_bounds) == 1:
-                rates = self.targets.partition_rates(next(iter(self.policy.pool_bounds)))
+                label = next(iter(self.policy.pool_bounds))
+                rates = self.targets.partition_rates(label)
+                caps = None if self.options.max_pool_lag is not None else \
+                    self.targets.partition_caps(label)
         for label, bound in self.policy.pool_bounds.items():
             self.peak_bounds[label] = max(bound, self.peak_bounds.get(label, 0))
         d = self.policy.decide(self._with_unseen(self.last), self.last.trainer_lag,
-                               len(self.held), rates)
+                               len(self.held), rates, caps)
         self.decision = d
         if d.state != was:
             if d.state == "holding":

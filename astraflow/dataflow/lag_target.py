@@ -150,6 +150,24 @@ class LagTargets:
     def targets(self) -> dict[str, int]:
         return {label: self.target(label) for label in self.groups}
 
+    def partition_caps(self, label: str, keep: int = 2) -> dict[int, int]:
+        """Partition -> most tasks it may hold, for the partitions whose service rate is
+        measured: what its node rolls out within the staleness budget (or, before that
+        is known, within the seconds of work the target stands for), at least ``keep``.
+        A task queued beyond that would arrive stale; and a burst sent to a slow node
+        would stay queued there, counted against the target while faster nodes idle.
+        Partitions not measured (a node that drains its queue between two reads never
+        shows a busy window) are not capped."""
+        horizon = self.budget_s()
+        if horizon is None:
+            rate = self.rate(label)
+            if not rate:
+                return {}
+            horizon = self.target(label) / rate
+        horizon = min(horizon, self.max_queue_s)
+        return {p: max(keep, math.ceil(r * horizon))
+                for p, r in self.partition_rates(label).items()}
+
     def partition_rates(self, label: str) -> dict[int, float]:
         """Partition -> measured service rate of the group's node on it (tasks/s while
         it had work); partitions not measured yet are left out."""
@@ -158,15 +176,19 @@ class LagTargets:
 
 
 def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
-                  keep: int = 2) -> list[int]:
+                  keep: int = 2, caps: dict[int, int] | None = None) -> list[int]:
     """Partitions for ``n`` new tasks. First every partition gets up to ``keep`` tasks in
     flight (one running and one waiting), fewest first: its node would otherwise sit idle
     until the next read, and a rate measured over a few heavy-tailed tasks says little of
     a node. Beyond that, each task goes to the partition whose queue clears first: least
     ``(tasks + 1) / rate``. A partition without a measured rate counts at the best
     measured one (so a node that never had work waiting is tried, not starved), and a
-    rate is taken as at least a tenth of the mean."""
+    rate is taken as at least a tenth of the mean.
+
+    ``caps`` (``LagTargets.partition_caps``): the most a partition may hold; fewer than
+    ``n`` partitions come back when every partition is at its cap."""
     load = dict(load)
+    caps = caps or {}
     known = [r for p, r in rates.items() if p in load and r > 0]
     mean = sum(known) / len(known) if known else 1.0
     best = max(known, default=1.0)
@@ -179,7 +201,10 @@ def route_by_wait(load: dict[int, int], rates: dict[int, float], n: int,
 
     out = []
     for _ in range(n):
-        p = min(sorted(load), key=wait)
+        room = [q for q in sorted(load) if load[q] < caps.get(q, math.inf)]
+        if not room:
+            break
+        p = min(room, key=wait)
         load[p] += 1
         out.append(p)
     return out
