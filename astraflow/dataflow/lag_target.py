@@ -152,19 +152,16 @@ class LagTargets:
 
     def partition_caps(self, label: str, keep: int = 2) -> dict[int, int]:
         """Partition -> most tasks it may hold, for the partitions whose service rate is
-        measured: what its node rolls out within the staleness budget (or, before that
-        is known, within the seconds of work the target stands for), at least ``keep``.
-        A task queued beyond that would arrive stale; and a burst sent to a slow node
-        would stay queued there, counted against the target while faster nodes idle.
-        Partitions not measured (a node that drains its queue between two reads never
-        shows a busy window) are not capped."""
-        horizon = self.budget_s()
-        if horizon is None:
-            rate = self.rate(label)
-            if not rate:
-                return {}
-            horizon = self.target(label) / rate
-        horizon = min(horizon, self.max_queue_s)
+        measured: what its node rolls out in the seconds of work the target stands for
+        (target / the group's throughput: the staleness budget, or the floor's queue),
+        at least ``keep``. A burst sent to a slow node would otherwise stay queued there,
+        counted against the target while faster nodes idle. Partitions not measured (a
+        node that drains its queue between two reads never shows a busy window) are not
+        capped; nor is anything before the group's throughput is known."""
+        rate = self.rate(label)
+        if not rate:
+            return {}
+        horizon = min(self.target(label) / rate, self.max_queue_s)
         return {p: max(keep, math.ceil(r * horizon))
                 for p, r in self.partition_rates(label).items()}
 
