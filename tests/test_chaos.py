@@ -319,11 +319,14 @@ def test_past_its_outage_limit_a_component_exits_with_one_clear_line(broker, tmp
         "processors": {"fwd": {"kind": "passthrough", "inputs": ["tasks.source"],
                                "outputs": ["tasks"]}}}))
     cli = [sys.executable, "-m", "astraflow.cli"]
+    # this test's own broker, whatever ASTRAFLOW_BOOTSTRAP says (it overrides the file)
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": broker.bootstrap()}
     subprocess.run([*cli, "topics", "apply", str(path)], check=True, cwd=REPO,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=120, env=env)
     log = tmp_path / "fwd.log"
     proc = subprocess.Popen([*cli, "processor", "run", "fwd", "--topology", str(path)],
-                            cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+                            cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=env)
     try:
         wait_for(lambda: "assigned" in log.read_text(), 120, "the processor to start")
         assert broker.stop()

@@ -76,19 +76,19 @@ def test_exactly_once_when_processor_is_sigkilled_mid_stream(
                          log=log)
     group = topo.group_of("fwd")
     # one reader kept open: a fresh consumer per read lets a fast processor finish unseen
+    # (no read after the kill: the group's offsets stay unstable while the killed
+    # producer's transaction is open)
     reader = LagReader(kafka_config)
     try:
         wait_for(lambda: total_lag(reader.lag(group, [src])) <= n - 2000, 90,
                  "the first committed transactions", step=0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        lag_at_kill = total_lag(reader.lag(group, [src]))
     finally:
         reader.close()
     at_kill = len(committed_ids(kafka_config, dst))
-    assert lag_at_kill > 0 and at_kill < n, (
-        f"processor finished ({at_kill}/{n} committed) before it was killed; "
-        "the test proves nothing")
+    assert at_kill < n, f"processor finished ({at_kill}/{n} committed) before it was " \
+                        "killed; the test proves nothing"
 
     proc2 = astraflow_cli("processor", "run", "fwd", "--topology", str(path), "--instance", "0",
                           log=log)
