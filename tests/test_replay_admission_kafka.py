@@ -420,8 +420,7 @@ def test_admission_in_front_of_a_real_raas_node(kafka_config, kafka_bootstrap, m
         nonlocal peak, bound
         # the target starts at 2 and follows the node's measured throughput: the most it
         # has been so far bounds what is in flight now
-        if rt.processor.policy is not None:
-            bound = max(bound, *rt.processor.policy.pool_bounds.values())
+        bound = max([bound, *rt.processor.peak_bounds.values()])
         follower.drain()  # admitted so far; the commits read after can only be newer
         committed = {r.partition: (r.committed or 0)
                      for r in lags.lag(topo.raas_group("local"), [tasks])}

@@ -474,8 +474,10 @@ class Admission(Processor):
         self.decision: AdmissionDecision | None = None
         self.targets: LagTargets | None = None
         self.peak_bounds: dict[str, int] = {}  # the highest bound each group has had
-        # log-end offsets of ``tasks`` once the last admitted tasks are written (see _unseen)
-        self._expected_end: dict[int | None, int] = {}
+        # log-end offsets of ``tasks`` (per partition, and summed) once the tasks admitted
+        # so far are written (see _with_unseen)
+        self._expected_end: dict[int, int] = {}
+        self._expected_total = 0
         self._next_read_ms = 0
 
     def open(self, context: ProcessorContext) -> None:
@@ -536,8 +538,7 @@ class Admission(Processor):
             if len(self.policy.pool_bounds) == 1:
                 label = next(iter(self.policy.pool_bounds))
                 rates = self.targets.partition_rates(label)
-                caps = None if self.options.max_pool_lag is not None else \
-                    self.targets.partition_caps(label)
+                caps = self.targets.partition_caps(label)
         for label, bound in self.policy.pool_bounds.items():
             self.peak_bounds[label] = max(bound, self.peak_bounds.get(label, 0))
         d = self.policy.decide(self._with_unseen(self.last), self.last.trainer_lag,
@@ -562,14 +563,12 @@ class Admission(Processor):
         """Remember where the log ends once the tasks just admitted are written."""
         if not ends:
             return
-        expected: dict[int | None, int] = {p: max(e, self._expected_end.get(p, e))
-                                           for p, e in ends.items()}
-        expected[None] = max(sum(ends.values()), self._expected_end.get(None, 0))
+        expected = {p: max(e, self._expected_end.get(p, e)) for p, e in ends.items()}
         for p in partitions:
-            if p is not None and p in expected:
+            if p in expected:  # None (by key): only the total knows of it
                 expected[p] += 1
-            expected[None] += 1
         self._expected_end = expected
+        self._expected_total = max(sum(ends.values()), self._expected_total) + len(partitions)
 
     def _with_unseen(self, obs: Observation) -> dict[str, dict[int, int]]:
         """Tasks in flight, counting those admitted earlier but not yet in the log (a
@@ -578,7 +577,7 @@ class Admission(Processor):
         if not ends or not self._expected_end:
             return obs.pool_in_flight
         unseen = {p: max(0, self._expected_end.get(p, e) - e) for p, e in ends.items()}
-        rest = max(0, self._expected_end.get(None, 0) - sum(ends.values()) - sum(unseen.values()))
+        rest = max(0, self._expected_total - sum(ends.values()) - sum(unseen.values()))
         if not rest and not any(unseen.values()):
             return obs.pool_in_flight
         out = {}
@@ -635,8 +634,7 @@ class Admission(Processor):
             out["admission/pool_lag"] = float(pool_lag[tight])
             out["admission/bound_pool"] = float(pb[tight])
             # targets move every lag read, statuses are samples: what bounded in flight
-            out["admission/bound_pool_max"] = float(max(self.peak_bounds.values(),
-                                                        default=pb[tight]))
+            out["admission/bound_pool_max"] = float(self.peak_bounds.get(tight, pb[tight]))
             out["admission/pool_offset_lag"] = float(obs.pool_offset_lag.get(tight, 0))
             for p in pb:
                 out[f"admission/pool_lag/{p}"] = float(pool_lag[p])

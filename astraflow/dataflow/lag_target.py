@@ -157,9 +157,10 @@ class LagTargets:
         at least ``keep``. A burst sent to a slow node would otherwise stay queued there,
         counted against the target while faster nodes idle. Partitions not measured (a
         node that drains its queue between two reads never shows a busy window) are not
-        capped; nor is anything before the group's throughput is known."""
+        capped; nor is anything before the group's throughput is known, nor a group whose
+        target the operator fixed (``max_pool_lag``)."""
         rate = self.rate(label)
-        if not rate:
+        if not rate or label in self.fixed:
             return {}
         horizon = min(self.target(label) / rate, self.max_queue_s)
         return {p: max(keep, math.ceil(r * horizon))
