@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 
 import pytest
@@ -213,3 +214,57 @@ def test_record_counter_counts_data_records_between_two_committed_offsets():
     assert counter.between("t", 0, 3, 7) == 3  # 3, 4 and 6
     assert counter.between("t", 0, 8, 14) == 1 + 4  # what is unread counts in full
     assert counter.between("t", 0, 5, 5) == 0
+
+
+def simulate_tail(cap_horizon_s: float | None = None, nodes: int = 8, seconds: float = 120.0,
+                  dt: float = 0.05, poll_s: float = 0.5, seed: int = 0,
+                  stall: tuple[float, float] = (0.0, 0.0)) -> tuple[int, float, int]:
+    """Alike nodes, one per partition, whose tasks take heavy-tailed times (Pareto, minimum
+    0.3 s, tail index 1.2, at most 30 s); a version every ``nodes`` tasks done, none
+    during ``stall`` (from, to); an admission reading lags every ``poll_s`` and filling up
+    to the target within the caps. Returns tasks done, the nodes' idle fraction and the
+    most tasks one partition held."""
+    rng = random.Random(seed)
+    targets = LagTargets({"g": nodes}, {"actor": 4}, poll_interval_s=poll_s,
+                         cap_horizon_s=cap_horizon_s)
+    queue = dict.fromkeys(range(nodes), 0)
+    left = dict.fromkeys(range(nodes), 0.0)  # seconds left of the running task
+    done = dict.fromkeys(range(nodes), 0)
+    idle, most, t, next_read, versions = 0.0, 0, 0.0, 0.0, 0
+    while t < seconds:
+        for p in queue:
+            if not queue[p]:
+                idle += dt
+                continue
+            if left[p] <= 0:
+                left[p] = min(30.0, 0.3 / (1.0 - rng.random()) ** (1 / 1.2))
+            left[p] -= dt
+            if left[p] <= 0:
+                queue[p] -= 1
+                done[p] += 1
+        if t >= next_read:
+            next_read = t + poll_s
+            if not stall[0] <= t < stall[1]:
+                versions = sum(done.values()) // nodes
+            targets.observe(t, {"g": dict(done)}, {"g": dict(queue)}, {"actor": versions})
+            room = targets.target("g") - sum(queue.values())
+            for p in route_by_wait(queue, targets.partition_rates("g"), max(0, room),
+                                   caps=targets.partition_caps("g")):
+                queue[p] += 1
+            most = max(most, *queue.values())
+        t += dt
+    return sum(done.values()), idle / (nodes * seconds), most
+
+
+def test_a_stalled_trainer_does_not_pile_tasks_behind_heavy_tailed_ones():
+    # the trainer publishing nothing for 20 s makes the staleness budget in seconds, and
+    # so the target, grow; capped only by it, the partitions measured fastest took the
+    # burst and their tasks waited behind long ones while other nodes idled (seen in
+    # bench/async_vs_sync.py --alpha 1.2: one node busy, seven waiting for a minute)
+    for seed in (0, 1, 2):
+        steady, _, _ = simulate_tail(seed=seed)
+        done, idle, most = simulate_tail(seed=seed, stall=(30.0, 50.0))
+        budget, budget_idle, budget_most = simulate_tail(math.inf, seed=seed, stall=(30.0, 50.0))
+        assert most <= 5 < 30 < budget_most, (most, budget_most)
+        assert idle < 0.01 < 0.05 < budget_idle, (idle, budget_idle)
+        assert done >= 0.99 * steady and budget < 0.95 * steady, (done, budget, steady)

@@ -79,7 +79,8 @@ class LagTargets:
     def __init__(self, capacity: dict[str, int], max_staleness: dict[str, int],
                  queue_factor: float = 2.0, poll_interval_s: float = 0.5,
                  max_queue_s: float = 60.0, fixed: dict[str, int] | None = None,
-                 half_life_s: float = 5.0):
+                 half_life_s: float = 5.0,
+                 cap_horizon_s: float | None = None):
         self.groups = {g: GroupLoad(max(1, c), Rate(half_life_s)) for g, c in capacity.items()}
         self.max_staleness = dict(max_staleness)
         self.queue_factor = queue_factor
@@ -87,6 +88,9 @@ class LagTargets:
         self.max_queue_s = max_queue_s
         self.fixed = dict(fixed or {})
         self.half_life_s = half_life_s
+        # a partition queues at most this many seconds of its node's work: beyond a few
+        # reads' worth a queue adds no throughput, only waits behind long tasks
+        self.cap_horizon_s = 4 * poll_interval_s if cap_horizon_s is None else cap_horizon_s
         self.versions = {p: Rate(half_life_s, min_window_s=2.0) for p in max_staleness}
 
     def observe(self, now_s: float, done: dict[str, dict[int, int]],
@@ -153,16 +157,21 @@ class LagTargets:
     def partition_caps(self, label: str, keep: int = 2) -> dict[int, int]:
         """Partition -> most tasks it may hold, for the partitions whose service rate is
         measured: what its node rolls out in the seconds of work the target stands for
-        (target / the group's throughput: the staleness budget, or the floor's queue),
-        at least ``keep``. A burst sent to a slow node would otherwise stay queued there,
-        counted against the target while faster nodes idle. Partitions not measured (a
-        node that drains its queue between two reads never shows a busy window) are not
-        capped; nor is anything before the group's throughput is known, nor a group whose
-        target the operator fixed (``max_pool_lag``)."""
+        (target / the group's throughput: the staleness budget, or the floor's queue), at
+        most ``cap_horizon_s`` (four reads), at least ``keep``. A burst sent to a slow
+        node would otherwise stay queued there, counted against the target while faster
+        nodes idle; and a queue longer than a few reads' worth adds no throughput while
+        its tasks wait behind the node's long ones (the target grows when the trainer
+        stalls, as the staleness budget in seconds does, and rates measured over a few
+        heavy-tailed tasks differ between alike nodes by several times, so routing by
+        rate alone sent such a burst to the node measured fastest). Partitions not
+        measured (a node that drains its queue between two reads never shows a busy
+        window) are not capped; nor is anything before the group's throughput is known,
+        nor a group whose target the operator fixed (``max_pool_lag``)."""
         rate = self.rate(label)
         if not rate or label in self.fixed:
             return {}
-        horizon = min(self.target(label) / rate, self.max_queue_s)
+        horizon = min(self.target(label) / rate, self.max_queue_s, self.cap_horizon_s)
         return {p: max(keep, math.ceil(r * horizon))
                 for p, r in self.partition_rates(label).items()}
 
