@@ -50,6 +50,7 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def shared_model(base: dict[str, Any], runs_dir: Path) -> Path:
     return da.ensure_shared_model(base, runs_dir, steps=None, slip=None)
 
 
-def make_score(base: dict[str, Any], model: Path):
+def make_score(base: dict[str, Any], model: Path) -> Callable[[list, int | None], float]:
     """``score(manifests, version) -> accuracy`` (version None: the starting model) with
     the base topology's evaluator settings."""
     from astraflow.topology import parse_topology
@@ -152,7 +153,7 @@ def make_score(base: dict[str, Any], model: Path):
     return score
 
 
-def _rebuilt(topo, manifests: list, version: int) -> dict:
+def _rebuilt(topo: Any, manifests: list, version: int) -> dict:
     """The weights of ``version`` rebuilt from the run's manifests (and its blobs)."""
     from astraflow.weights import WeightFollower
 
@@ -198,7 +199,7 @@ def run_cell(path: Path, args: argparse.Namespace, label: str) -> dict[str, Any]
             "_manifests": [r.record for r in records], "_topology": topo}
 
 
-def score_cell(result: dict[str, Any], score) -> None:
+def score_cell(result: dict[str, Any], score: Callable[[list, int | None], float]) -> None:
     """``result["accuracy"][t]`` for each checkpoint that has a version (each version
     scored once)."""
     manifests = result.pop("_manifests", [])

@@ -425,7 +425,8 @@ class Trainer:
         c = self.config
         return picked_logprobs(logits, target, c.logit_temperature, c.top_p)
 
-    def _pass_logprobs(self, prompt_len: int, part: list[_Row]):
+    def _pass_logprobs(self, prompt_len: int, part: list[_Row],
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(new log-probs, behaviour, loss mask, advantages)`` of one pass on the
         device, or None when it has no loss token."""
         ids, attn, behaviour, mask, adv = self._tensors(part)
