@@ -125,10 +125,11 @@ def _optional_flags(spec: Any, names: Iterable[str]) -> list[str]:
 # turn something off have their own --no- flags)
 TRAINER_OPTIONAL = ("state_interval", "state_max_lag", "keep_optimizer", "keep_versions",
                     "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-                    "max_grad_norm", "clip_low", "clip_high", "tis_cap", "loss", "micro_batch_size",
-                    "micro_batch_tokens", "autocast", "gradient_checkpointing", "forward_on",
-                    "dtype", "publish_dtype", "device", "backend", "threads", "deterministic",
-                    "max_steps", "blob_store", "state_dir")
+                    "max_grad_norm", "clip_low", "clip_high", "tis_cap", "m2_threshold", "loss",
+                    "micro_batch_size", "micro_batch_tokens", "autocast",
+                    "gradient_checkpointing", "forward_on", "dtype", "publish_dtype", "device",
+                    "backend", "threads", "deterministic", "max_steps", "blob_store",
+                    "state_dir")
 
 
 def trainer_args(topo: Topology, path: str, policy: str) -> list[str]:
@@ -137,7 +138,8 @@ def trainer_args(topo: Topology, path: str, policy: str) -> list[str]:
     t = spec.trainer
     args = ["trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
             "--lr", str(t.lr), "--anchor-interval", str(t.anchor_interval),
-            "--temperature", str(spec.temperature), "--max-staleness", str(spec.max_staleness)]
+            "--temperature", str(spec.temperature), "--top-p", str(spec.top_p),
+            "--max-staleness", str(spec.max_staleness)]
     args += _optional_flags(t, TRAINER_OPTIONAL)
     if not t.std_normalize:
         args.append("--no-std-normalize")
@@ -163,15 +165,27 @@ def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
         args += ["--dtype", dtypes.pop()]
     if spec.tasks_per_transaction != 1:
         args += ["--tasks-per-transaction", str(spec.tasks_per_transaction)]
-    temperatures = {p.temperature for p in topo.policies.values()}
+    sampling = _shared_sampling(topo)
     for name, typed in spec.workflows.items():
-        options = typed.given()
-        if len(temperatures) == 1:  # the policies' temperature unless the workflow sets one
-            options = {"temperature": next(iter(temperatures)), **options}
+        # the policies' temperature and top-p unless the workflow sets its own
+        options = {**sampling, **typed.given()}
         args += ["--workflow-options", f"{name}={json.dumps(options)}"]
     args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms",
                                    "speed"))
     return args + ([] if spec.follow_weights else ["--no-follow-weights"])
+
+
+def _shared_sampling(topo: Topology) -> dict[str, float]:
+    """The policies' ``temperature`` and ``top_p`` where they all share one (top-p only
+    when it truncates: 1.0 is every workflow's default)."""
+    out: dict[str, float] = {}
+    temperatures = {p.temperature for p in topo.policies.values()}
+    if len(temperatures) == 1:
+        out["temperature"] = temperatures.pop()
+    top_ps = {p.top_p for p in topo.policies.values()}
+    if len(top_ps) == 1 and (top_p := top_ps.pop()) < 1:
+        out["top_p"] = top_p
+    return out
 
 
 def _dataset_args(d: DatasetSpec) -> list[str]:

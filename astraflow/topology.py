@@ -39,7 +39,12 @@ from astraflow.records import (
     WeightManifest,
 )
 from astraflow.topology_migrate import old_format_errors
-from astraflow.topology_options import ENGINE_OPTIONS, WORKFLOW_OPTIONS, check_reward
+from astraflow.topology_options import (
+    ENGINE_OPTIONS,
+    WORKFLOW_OPTIONS,
+    SamplingOptions,
+    check_reward,
+)
 
 
 class TopologyError(ValueError):
@@ -168,6 +173,15 @@ Levels = Annotated[str, BeforeValidator(
     Field(pattern=r"^[0-9]+(,[0-9]+)*$")]
 
 
+# the trainer's policy losses (astraflow.trainer.loss.LOSSES, which imports torch; a test
+# keeps the two equal) and the TrainerSpec hyperparameters each one reads
+LOSS_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
+    "clipped_tis": ("clip_low", "clip_high", "tis_cap"),
+    "decoupled_ppo": ("clip_low", "clip_high", "tis_cap"),
+    "m2po": ("m2_threshold",),
+}
+
+
 class TrainerSpec(_Strict):
     """``trainer run`` hyperparameters of one policy; None: the trainer's own default."""
 
@@ -186,8 +200,8 @@ class TrainerSpec(_Strict):
     clip_low: float | None = Field(default=None, ge=0, description="default 0.2")
     clip_high: float | None = Field(default=None, ge=0, description="default 0.28")
     tis_cap: float | None = Field(default=None, gt=0, description="default 2.0")
-    # a name in astraflow.trainer.loss.LOSSES, checked when the trainer starts (the
-    # registry imports torch, which loading a topology does not)
+    m2_threshold: float | None = Field(default=None, gt=0, description="default 0.04")
+    # the policy loss, a key of LOSS_HYPERPARAMETERS (docs/trainer.md, "Objectives")
     loss: str | None = Field(default=None, description="default clipped_tis")
     std_normalize: bool = True
     micro_batch_size: int | None = Field(default=None, ge=1, description="default 8")
@@ -213,6 +227,30 @@ class TrainerSpec(_Strict):
     def _micro_batch(self) -> TrainerSpec:
         if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
             raise ValueError("give micro_batch_size or micro_batch_tokens, not both")
+        return self
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, v: str | None) -> str | None:
+        if v is not None and v not in LOSS_HYPERPARAMETERS:
+            raise ValueError(f"unknown loss {v!r} (known: {', '.join(LOSS_HYPERPARAMETERS)})")
+        return v
+
+    @model_validator(mode="after")
+    def _loss_hyperparameters(self) -> TrainerSpec:
+        """A hyperparameter the chosen loss does not read is an error (it would be silently
+        ignored), and clipped_tis needs tis_cap > 1 + clip_high."""
+        loss = self.loss or "clipped_tis"
+        uses = LOSS_HYPERPARAMETERS[loss]
+        for name in sorted({n for names in LOSS_HYPERPARAMETERS.values() for n in names}):
+            if getattr(self, name) is not None and name not in uses:
+                raise ValueError(f".{name}: not read by loss {loss} (it reads "
+                                 f"{', '.join(uses)}); remove it or choose another loss")
+        high = 0.28 if self.clip_high is None else self.clip_high
+        cap = 2.0 if self.tis_cap is None else self.tis_cap
+        if loss == "clipped_tis" and cap <= 1 + high:
+            raise ValueError(f".tis_cap: {cap:g} must be > 1 + clip_high ({1 + high:g}) "
+                             "with loss clipped_tis")
         return self
 
 
@@ -261,9 +299,11 @@ class PolicySpec(_Strict):
     import_from: str | None = None
     chat: ChatSpec = Field(default_factory=ChatSpec)
     dtype: str | None = None  # dtype of the RaaS engines and the evaluator (as saved)
-    # sampling temperature of the rollouts (workflows that set none) and of the trainer's
-    # log-probabilities, so behaviour and trained log-probs are of the same distribution
+    # sampling temperature and top-p of the rollouts (workflows that set none) and of the
+    # trainer's log-probabilities, so behaviour and trained log-probs are of the same
+    # distribution (astraflow.models.sampling)
     temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     # versions a token may lag behind the trained one: the staleness filter, the batcher,
     # the trainer and admission's trainer bound all read it from here
     max_staleness: int = Field(default=DEFAULT_MAX_STALENESS, ge=0)
@@ -359,6 +399,17 @@ class PoolSpec(_Strict):
         return ENGINE_OPTIONS[self.engine](**self.engine_options)
 
 
+def _samplings(options: Any, where: str) -> list[tuple[str, SamplingOptions]]:
+    """The sampling options of a typed workflow and those nested in it (a judge's
+    ``verifier_sampling`` ...), each with its key path."""
+    out = [(where, options)] if isinstance(options, SamplingOptions) else []
+    for key in type(options).model_fields if isinstance(options, BaseModel) else ():
+        value = getattr(options, key)
+        if isinstance(value, SamplingOptions):
+            out.append((f"{where}.{key}", value))
+    return out
+
+
 def _typed(model: type[BaseModel], options: Any, where: str) -> BaseModel:
     """``model(**options)``; ValueError ``.where.key: message`` (joined to the field's key
     by ``_format_errors``)."""
@@ -439,7 +490,30 @@ class Topology(_Strict):
         self._check_processors()
         self._resolve_staleness()
         self._check_task_partitions()
+        self._check_sampling()
         return self
+
+    def _check_sampling(self) -> None:
+        """A workflow that sets its own temperature or top-p must sample the distribution
+        the trainers compute their log-probs of (their policies' ``temperature`` and
+        ``top_p``); checked where the policies share one setting (greedy, temperature 0,
+        is reported at temperature 1 without truncation)."""
+        shared = {(p.temperature, p.top_p) for p in self.policies.values()}
+        if len(shared) != 1:
+            return
+        temperature, top_p = shared.pop()
+        for pool, spec in self.pools.items():
+            for name, options in spec.workflows.items():
+                for where, sampling in _samplings(options, f"pools.{pool}.workflows.{name}"):
+                    t = temperature if sampling.temperature is None else sampling.temperature
+                    p = top_p if sampling.top_p is None else sampling.top_p
+                    if (t, p) != (temperature, top_p) and not (
+                            t == 0 and (temperature, top_p) == (1.0, 1.0)):
+                        raise ValueError(
+                            f"{where}: samples at temperature {t:g}, top_p {p:g}; the "
+                            f"trainers compute log-probs at the policies' temperature "
+                            f"{temperature:g}, top_p {top_p:g}: set the sampling under "
+                            "policies.<name> (temperature, top_p) instead")
 
     def _check_task_partitions(self) -> None:
         """Nodes beyond the partitions of ``tasks`` in one group would get none: refuse."""

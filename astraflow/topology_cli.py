@@ -42,7 +42,8 @@ def _policy_components(topo: Topology) -> list[Component]:
         out.append(Component(
             f"trainer {name}", [f"batches.{name}"], [f"weights.{name}", *blobs],
             settings=f"lr {t.lr}, anchor_interval {t.anchor_interval}, max_staleness "
-                     f"{p.max_staleness}, temperature {p.temperature}"))
+                     f"{p.max_staleness}, temperature {p.temperature}, top_p {p.top_p}, "
+                     f"loss {t.loss or 'clipped_tis'}"))
     if topo.eval is not None:
         for name, p in topo.policies.items():
             every = p.eval.every_versions or topo.eval.every_versions

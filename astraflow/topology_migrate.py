@@ -22,7 +22,8 @@ import yaml
 TRAINER_DESTS = {"max_staleness": ("", "max_staleness"),
                  "no_std_normalize": ("trainer", "std_normalize"),
                  "no_share_prompt": ("trainer", "share_prompt"),
-                 "temperature": ("", "temperature")}
+                 "temperature": ("", "temperature"),
+                 "top_p": ("", "top_p")}
 INIT_DESTS = {"warm_start_steps": ("warm_start", "steps"),
               "carry_slip": ("warm_start", "slip"),
               "warm_start_until": ("warm_start", "until")}

@@ -183,7 +183,7 @@ def test_the_default_plan_is_the_one_before_the_typed_topology():
     assert plan == {
         "trainer-actor": ["trainer", "run", "--topology", path, "--policy", "actor", "--model",
                           "runs/default/model", "--lr", "0.0001", "--anchor-interval", "10",
-                          "--temperature", "1.0", "--max-staleness", "4"],
+                          "--temperature", "1.0", "--top-p", "1.0", "--max-staleness", "4"],
         **{f"processor-{n}": ["processor", "run", n, "--topology", path, "--instance", "up"]
            for n in ("admission", "staleness", "router", "batcher")},
         "raas-local-0": ["raas", "run", "--topology", path, "--pool", "local", "--instance",
@@ -234,9 +234,9 @@ def test_every_typed_trainer_field_reaches_its_trainer_flag():
                   autocast="bf16", gradient_checkpointing=True, forward_on="master",
                   dtype="bf16", publish_dtype="same", device="cuda", threads=2,
                   deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s",
-                  loss="clipped_tis", backend="megatron")
-    assert set(values) | {"std_normalize", "share_prompt", "micro_batch_size"} == set(
-        TrainerSpec.model_fields)
+                  loss="decoupled_ppo", backend="megatron")
+    assert set(values) | {"std_normalize", "share_prompt", "micro_batch_size",
+                          "m2_threshold"} == set(TrainerSpec.model_fields)
     data = _solver_verifier_data()
     data["policies"]["solver"]["trainer"] = {**values, "std_normalize": False,
                                              "share_prompt": False}
@@ -250,6 +250,10 @@ def test_every_typed_trainer_field_reaches_its_trainer_flag():
     verifier = vars(_flags(plan["trainer-verifier"]))
     assert {k for k in default if default[k] != verifier[k]} == {
         "model", "lr", "max_staleness"}
+    # m2po reads m2_threshold (the other losses refuse it: see test_topology)
+    data["policies"]["solver"]["trainer"] = {"loss": "m2po", "m2_threshold": 0.01}
+    args = vars(_flags(launcher.plan_processes(parse_topology(data), "t")["trainer-solver"]))
+    assert (args["loss"], args["m2_threshold"]) == ("m2po", 0.01)
 
 
 def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():

@@ -4,6 +4,7 @@ broker (exactly once across a SIGKILL mid-rollout, dead letters, status, weights
 from __future__ import annotations
 
 import json
+import math
 import signal
 import string
 import sys
@@ -69,13 +70,31 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def teacher_forced(model, g: Generation, temperature: float) -> list[float]:
+def nucleus_logprob(logits: list[float], token: int, temperature: float, top_p: float) -> float:
+    """By hand: the log-probability of ``token`` under softmax(logits / T) renormalised over
+    the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    weights = [math.exp(x - top) for x in scaled]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    kept, mass = set(), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        if mass >= top_p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    assert token in kept, "a sampled token is always in the nucleus"
+    return math.log(probs[token] / sum(probs[i] for i in kept))
+
+
+def teacher_forced(model, g: Generation, temperature: float, top_p: float = 1.0) -> list[float]:
     ids = torch.tensor([g.prompt_ids + g.token_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+        logits = model(ids).logits[0].double()
     p = len(g.prompt_ids)
-    return [logp[p - 1 + i, t].item() for i, t in enumerate(g.token_ids)]
+    return [nucleus_logprob(logits[p - 1 + i].tolist(), t, temperature, top_p)
+            for i, t in enumerate(g.token_ids)]
 
 
 # --- engine ------------------------------------------------------------------------------
@@ -91,8 +110,11 @@ def test_engine_logprobs_equal_teacher_forced_forward(engine):
             assert g.finish_reason in ("stop", "length")
             if g.finish_reason == "length":
                 assert len(g.token_ids) == 24
-            ref = teacher_forced(engine.model, g, 0.7)
+            # the distribution sampled from: tempered, renormalised over the top-0.9 nucleus
+            ref = teacher_forced(engine.model, g, 0.7, top_p=0.9)
             assert max(abs(a - b) for a, b in zip(ref, g.logprobs)) < 1e-4
+            untruncated = teacher_forced(engine.model, g, 0.7)
+            assert min(a - b for a, b in zip(g.logprobs, untruncated)) > 1e-3
     # the same seed gives the same samples
     again = engine.generate(prompts, params)
     assert [[g.token_ids for g in o] for o in again] == [[g.token_ids for g in o] for o in out]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,23 @@ def test_max_staleness_has_one_default_and_reaches_the_processors():
          "policies.actor.warm_start.levels"),
         ({"policies": {"actor": {"model": "m", "max_staleness": -1}}},
          "policies.actor.max_staleness"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"loss": "ppo_typo"}}}},
+         "policies.actor.trainer.loss: unknown loss 'ppo_typo'"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"m2_threshold": 0.1}}}},
+         "policies.actor.trainer.m2_threshold: not read by loss clipped_tis"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"loss": "m2po", "tis_cap": 3}}}},
+         "policies.actor.trainer.tis_cap: not read by loss m2po"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"loss": "m2po",
+                                                           "m2_threshold": 0}}}},
+         "policies.actor.trainer.m2_threshold"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"tis_cap": 1.2}}}},
+         "policies.actor.trainer.tis_cap: 1.2 must be > 1 + clip_high (1.28)"),
+        ({"policies": {"actor": {"model": "m", "top_p": 0}}}, "policies.actor.top_p"),
+        ({"pools": {"local": {"workflows": {"single_turn": {"top_p": 0.9}}}}},
+         "pools.local.workflows.single_turn: samples at temperature 1, top_p 0.9"),
+        ({"pools": {"local": {"workflows": {"solve_verify": {
+            "verifier_sampling": {"temperature": 0.5}}}}}},
+         "pools.local.workflows.solve_verify.verifier_sampling: samples at temperature 0.5"),
         ({"feeder": {"workflow": "nope"}}, "feeder.workflow"),
         ({"feeder": {"epochs": -1}}, "feeder.epochs"),
         ({"eval": {"reward": {"name": "nope"}}}, "eval.reward"),
@@ -215,6 +233,42 @@ def test_typed_fields_are_checked_with_file_and_key(tmp_path, change, key):
     with pytest.raises(TopologyError) as e:
         load_topology(path)
     assert str(e.value).startswith(f"{path}:") and key in str(e.value), str(e.value)
+
+
+def test_losses_of_the_topology_are_the_trainers():
+    from astraflow.topology import LOSS_HYPERPARAMETERS, TrainerSpec
+    from astraflow.trainer.loss import BATCH_STATS, LOSSES
+    from astraflow.trainer.trainer import TrainerConfig
+
+    assert set(LOSS_HYPERPARAMETERS) == {k for k in LOSSES if not k.startswith("test_")}
+    for names in LOSS_HYPERPARAMETERS.values():  # each a TrainerSpec and trainer setting
+        assert set(names) <= set(TrainerSpec.model_fields) & {
+            f.name for f in dataclasses.fields(TrainerConfig)}
+    assert set(BATCH_STATS) == {"m2po"}
+    # each loss takes its own hyperparameters; decoupled_ppo has no tis_cap > 1 + clip_high
+    for loss, extra in (("decoupled_ppo", {"tis_cap": 1.2, "clip_high": 0.3}),
+                        ("m2po", {"m2_threshold": 0.02}), ("clipped_tis", {"tis_cap": 3})):
+        topo = parse_topology(typed(policies={"actor": {"model": "m", "trainer": {
+            "loss": loss, **extra}}}))
+        assert topo.policies["actor"].trainer.loss == loss
+
+
+def test_top_p_reaches_the_trainer_and_the_workflows():
+    from astraflow import launcher
+
+    data = typed(policies={"actor": {"model": "m", "temperature": 0.7, "top_p": 0.9}},
+                 pools={"local": {"workflows": {"single_turn": {"max_new_tokens": 8}}}})
+    plan = launcher.plan_processes(parse_topology(data), "t.yaml")
+    trainer = plan["trainer-actor"]
+    assert trainer[trainer.index("--temperature") + 1] == "0.7"
+    assert trainer[trainer.index("--top-p") + 1] == "0.9"
+    raas = plan["raas-local-0"]
+    options = raas[raas.index("--workflow-options") + 1]
+    assert options == 'single_turn={"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 8}'
+    # a workflow may repeat the policies' own sampling; greedy is reported at T 1, top-p 1
+    data["pools"]["local"]["workflows"]["single_turn"].update(top_p=0.9, temperature=0.7)
+    parse_topology(data)
+    parse_topology(typed(pools={"local": {"workflows": {"single_turn": {"temperature": 0}}}}))
 
 
 def test_typed_workflow_and_engine_options_keep_only_what_the_file_sets():

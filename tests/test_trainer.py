@@ -321,10 +321,12 @@ def _backward(tr, batch: Batch) -> float:
     return tr._accumulate(rows, total)["loss"]
 
 
-def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_temperature(
+def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_sampling(
     tiny_model,
 ):
-    """TorchEngine records log_softmax(logits / T)[token]; the trainer recomputes it."""
+    """TorchEngine records the log-prob of the distribution it sampled from (temperature,
+    top-p nucleus renormalised); the trainer recomputes it on the same weights, and a
+    trainer at another temperature or top-p does not."""
     from transformers import AutoModelForCausalLM
 
     from astraflow.raas.engine import SamplingParams, TorchEngine
@@ -336,9 +338,9 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_tempera
         prefix_cache_bytes=0,
     )
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14]]
-    for temp in (0.7, 0.0):
+    for temp, top_p in ((1.0, 1.0), (1.0, 0.9), (0.7, 1.0), (0.7, 0.9), (0.0, 1.0)):
         gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=temp,
-                                                       n=2, seed=1))
+                                                       top_p=top_p, n=2, seed=1))
         seqs = [
             Sequence(policy="actor", token_ids=g.prompt_ids + g.token_ids,
                      loss_mask=[0] * len(g.prompt_ids) + [1] * len(g.token_ids),
@@ -347,10 +349,13 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_tempera
                      sample_index=0, finish_reason=g.finish_reason)
             for per_prompt in gens for g in per_prompt
         ]
-        for trained_t, same in ((temp, True), (1.3, False)):
+        other_p = 0.9 if top_p == 1.0 else 1.0
+        for trained, same in (((temp, top_p), True), ((1.3, top_p), False),
+                              ((temp, other_p), False)):
             # the engine runs the fp32 model itself: the trainer computes on it unrounded
-            tr = Trainer(tiny_model, TrainerConfig(temperature=trained_t, publish_dtype="same"),
-                         policy="actor")
+            config = TrainerConfig(temperature=trained[0], top_p=trained[1],
+                                   publish_dtype="same")
+            tr = Trainer(tiny_model, config, policy="actor")
             rows = [_Row(s, 1.0) for s in seqs]
             ids, attn, behaviour, mask, _ = tr._tensors(rows)
             with torch.no_grad():
@@ -358,9 +363,9 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_tempera
                 new = tr.token_logprobs(ids, attn, start=start)
             diff = float(((new - behaviour).abs() * mask).max())
             if same:  # greedy (0) reports, and the trainer computes, temperature 1
-                assert diff < 1e-4, (temp, diff)
+                assert diff < 1e-4, (temp, top_p, trained, diff)
             else:
-                assert diff > 1e-2, (temp, trained_t, diff)
+                assert diff > 1e-2, (temp, top_p, trained, diff)
 
 
 def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
@@ -397,6 +402,41 @@ def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
     # as ~1e-6 of the lr-1e-3 update, so 1 % of the step size
     for (k, a), b in zip(tr.state_dict().items(), one.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), k
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "m2po"])
+def test_off_policy_objectives_give_the_full_batch_update_in_micro_batches(tiny_model, loss):
+    """m2po's mask is taken over the whole batch (a no-grad pass first), so micro-batching
+    changes nothing; decoupled_ppo needs no extra pass (one step per batch)."""
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(5, groups=3, samples=4)
+    extra = {"m2_threshold": 0.005} if loss == "m2po" else {}
+    small, one = (Trainer(tiny_model, TrainerConfig(lr=1e-3, loss=loss, micro_batch_size=n,
+                                                    share_prompt=False, **extra),
+                          policy="actor") for n in (1, 100))
+    assert _backward(small, batch) == pytest.approx(_backward(one, batch), rel=1e-5)
+    g_small, g_one = _grads(small), _grads(one)
+    for k, g in g_one.items():
+        assert torch.allclose(g_small[k], g, rtol=1e-4, atol=1e-7), k
+    m = small.train_step(batch)
+    assert m["trainer/grad_norm"] > 0 and math.isfinite(m["trainer/loss"])
+    masked = m["trainer/m2_masked_frac"]
+    assert (0 < masked < 1) if loss == "m2po" else masked == 0.0
+    assert m["trainer/m2"] > 0 and m["trainer/outside_nucleus_frac"] == 0.0
+
+
+def test_tokens_outside_the_trainers_nucleus_keep_the_loss_finite(tiny_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(4)  # random tokens: many outside a top-0.3 nucleus
+    for loss in ("clipped_tis", "decoupled_ppo", "m2po"):
+        tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, loss=loss, top_p=0.3), policy="actor")
+        m = tr.train_step(batch)
+        assert 0 < m["trainer/outside_nucleus_frac"] < 1, loss
+        assert all(math.isfinite(v) for v in m.values()), (loss, m)
 
 
 @pytest.fixture(scope="module")
@@ -504,7 +544,7 @@ def test_a_registered_loss_is_picked_by_name(tiny_model):
         torch.set_num_threads(1)
         tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, loss="test_reinforce"), policy="actor")
         m = tr.train_step(make_batch(2))
-        assert calls and calls[0] == ["clip_high", "clip_low", "tis_cap"]
+        assert calls and calls[0] == ["clip_high", "clip_low", "m2_threshold", "tis_cap"]
         assert m["trainer/grad_norm"] > 0 and m["trainer/pg_tokens"] == 1.0
         assert m["trainer/clip_frac"] == 0.0  # the default loss's figures stay reported
     finally:
@@ -519,6 +559,11 @@ def test_config_errors_name_the_flag(tiny_model):
         (TrainerConfig(micro_batch_tokens=0), "--micro-batch-tokens"),
         (TrainerConfig(micro_batch_size=0), "--micro-batch-size"),
         (TrainerConfig(temperature=-1.0), "--temperature"),
+        (TrainerConfig(top_p=0.0), "--top-p"),
+        (TrainerConfig(top_p=1.5), "--top-p"),
+        (TrainerConfig(m2_threshold=0.0), "--m2-threshold"),
+        (TrainerConfig(tis_cap=1.2), "--tis-cap"),
+        (TrainerConfig(loss="decoupled_ppo", tis_cap=0.0), "--tis-cap"),
         (TrainerConfig(autocast="fp16"), "--autocast"),
         (ServiceOptions(policy="a", model_path="m", state_interval=0), "--state-interval"),
         (ServiceOptions(policy="a", model_path="m", keep_optimizer=0), "--keep-optimizer"),
@@ -528,6 +573,7 @@ def test_config_errors_name_the_flag(tiny_model):
         with pytest.raises(ValueError, match=flag):
             obj.validate()
     TrainerConfig(micro_batch_tokens=1, temperature=0.0).validate()
+    TrainerConfig(loss="decoupled_ppo", tis_cap=1.2).validate()  # no clip-higher bound there
     cli = subprocess.run(
         [sys.executable, "-m", "astraflow.cli", "trainer", "run", "--topology",
          str(REPO / "topology" / "default.yaml"), "--policy", "actor", "--model", tiny_model,

@@ -6,6 +6,8 @@
 * ``examples``: supervised examples (prompt, answer, eos) as token ids and loss masks.
 * ``warm_start``: the short supervised fine-tune before RL.
 * ``evaluation``: greedy, batched generation and accuracy.
+* ``sampling``: the sampling distribution (temperature, top-p) the engines sample from and
+  the trainer computes its log-probs of.
 * ``recipe``: what made a model (``astraflow_init.json``), for ``astraflow up``.
 * ``cli``: the ``model init`` and ``model import`` commands.
 """

@@ -8,12 +8,12 @@ purpose so that other backends (vLLM, OpenAI-compatible servers) can plug in lat
 KV cache over a left-padded batch, and a prefix cache (``prefix_cache.py``) that keeps the
 keys and values of earlier calls' rows for prompts that continue them.
 
-Log-probabilities: for every sampled token the engine reports
-``log_softmax(logits / temperature)[token]``, i.e. the log-probability under the
-*tempered, untruncated* distribution (top-p truncation is applied for sampling only, it is
-not renormalised into the reported value). This is what a trainer recomputes with a
-teacher-forced forward pass at the same temperature. With ``temperature == 0`` (greedy)
-the reported value is ``log_softmax(logits)[token]`` (temperature 1).
+Log-probabilities: for every sampled token the engine reports its log-probability under
+the distribution it was sampled from (``astraflow.models.sampling``): the softmax of
+``logits / temperature``, renormalised over the top-p nucleus when ``top_p < 1``. The
+trainer recomputes the same value (same temperature, same top-p, its own logits) with a
+teacher-forced forward pass. With ``temperature == 0`` (greedy) the reported value is
+``log_softmax(logits)[token]`` (temperature 1, no truncation).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from astraflow.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
+from astraflow.models.sampling import check_top_p, sampling_logprobs
 from astraflow.raas.prefix_cache import PrefixCache
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -55,8 +56,7 @@ class SamplingParams:
             raise ValueError("max_new_tokens must be at least 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        check_top_p(self.top_p)
         if self.n < 1:
             raise ValueError("n must be at least 1")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -336,15 +336,8 @@ def _pick(
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(dim=-1)
-        drop = (cum - sorted_p) > top_p  # keep the smallest prefix reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    logp = sampling_logprobs(logits, temperature, top_p)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 

@@ -8,10 +8,12 @@ log-probability). The generated token ids come from the response's ``token_ids``
 ``return_tokens_as_token_ids``); a server that returns neither is refused with a clear
 error, since re-tokenising text does not give back the sampled ids.
 
-Log-probabilities are what the server reports. For the ``log_softmax(logits / T)`` of
-``TorchEngine`` and the trainer, start vLLM with ``--logprobs-mode processed_logprobs``
-(its default, ``raw_logprobs``, ignores the temperature). Sampling settings the server
-would take from the model's ``generation_config`` (top-k, penalties) are sent neutral.
+Log-probabilities are what the server reports. For the convention of ``TorchEngine`` and
+the trainer (the sampled distribution: ``softmax(logits / T)``, renormalised over the
+top-p nucleus; ``astraflow.models.sampling``), start vLLM with ``--logprobs-mode
+processed_logprobs`` (its default, ``raw_logprobs``, ignores temperature and top-p).
+Sampling settings the server would take from the model's ``generation_config`` (top-k,
+penalties) are sent neutral.
 
 The policy is frozen: every token carries the fixed ``version``, and new weights are
 ignored (with one warning), unless a reload hook is configured. ``reload``: a URL that

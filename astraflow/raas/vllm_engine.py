@@ -15,11 +15,13 @@ a weight update hands the worker the tensors themselves, with no copy through a 
 * vLLM's prefix cache is not keyed by weights: it is reset after every update.
 
 Log-probabilities: vLLM runs with ``logprobs_mode="processed_logprobs"``, i.e. the
-log-softmax of the logits after temperature scaling, so each token's value is
-``log_softmax(logits / T)[token]`` as ``TorchEngine`` reports it and the trainer recomputes
-it; greedy (``T == 0``) reports ``log_softmax(logits)``. One difference: with ``top_p < 1``
-vLLM's value is renormalised over the kept tokens (``TorchEngine`` reports the
-untruncated one); the engine warns once when asked for that.
+log-softmax of the logits after temperature scaling and top-p truncation (the tokens
+outside the nucleus set to ``-inf``), so each token's value is its log-probability under
+the distribution sampled from, renormalised over the nucleus when ``top_p < 1``: the
+convention of ``TorchEngine`` and of the trainer (``astraflow.models.sampling``); greedy
+(``T == 0``) reports ``log_softmax(logits)``. vLLM orders tokens tied at the nucleus
+boundary by its sort, where ``astraflow.models.sampling`` keeps them all: a difference
+only for exactly equal probabilities at the boundary.
 
 Sampling follows ``TorchEngine``: a sample stops only at ``params.stop_token_ids`` or a
 ``params.stop`` string (the model's eos is not implied: workflows pass it), the stop token
@@ -171,7 +173,6 @@ class VLLMEngine(HFText):
         self.tokens_generated = 0
         self.seconds_generating = 0.0
         self.last_load_s = 0.0
-        self._warned_top_p = False
         self.start_seconds = 0.0  # set by load_vllm_engine
 
     # --- weights ---------------------------------------------------------------------------
@@ -209,10 +210,6 @@ class VLLMEngine(HFText):
         """vLLM's ``SamplingParams`` for ours."""
         from vllm import SamplingParams as VSamplingParams
 
-        if params.top_p < 1 and not self._warned_top_p:
-            log.warning("%s: top_p < 1: vLLM reports log-probs renormalised over the "
-                        "top-p tokens, not the untruncated tempered ones", self.policy)
-            self._warned_top_p = True
         return VSamplingParams(
             n=params.n,
             temperature=params.temperature,

@@ -42,12 +42,16 @@ _OPTIMIZER: list[Option] = [
 
 _LOSS: list[Option] = [
     (("--loss",), dict(default="clipped_tis", metavar="NAME", help="policy loss, by its name in "
-                       "astraflow.trainer.loss.LOSSES (default clipped_tis)")),
+                       "astraflow.trainer.loss.LOSSES: clipped_tis (default), decoupled_ppo, "
+                       "m2po (docs/trainer.md)")),
     (("--clip-low",), dict(type=float, default=0.2, help="PPO ratio clip below 1 (default 0.2)")),
     (("--clip-high",), dict(type=float, default=0.28,
                             help="PPO ratio clip above 1 (default 0.28)")),
     (("--tis-cap",), dict(type=float, default=2.0, help="truncation of the importance weight "
-                          "against the behaviour policy")),
+                          "against the behaviour policy (clipped_tis, decoupled_ppo)")),
+    (("--m2-threshold",), dict(type=float, default=0.04, metavar="TAU", help="m2po: tokens "
+                               "with the largest (log pi/mu)^2 are masked until the mean over "
+                               "the rest is at most TAU (default 0.04)")),
     (("--max-staleness",), dict(type=int, default=None, metavar="K", help="drop groups whose "
                                 "oldest token is > K versions behind the trained version")),
     (("--no-std-normalize",), dict(action="store_true",
@@ -55,6 +59,9 @@ _LOSS: list[Option] = [
     (("--temperature",), dict(type=float, default=1.0, metavar="T", help="the rollouts' "
                               "sampling temperature: log-probs are log_softmax(logits / T), as "
                               "the engines record them (0, greedy: 1)")),
+    (("--top-p",), dict(type=float, default=1.0, metavar="P", help="the rollouts' top-p: "
+                        "log-probs are renormalised over the nucleus of the trainer's own "
+                        "logits, as the engines record them (default 1.0: no truncation)")),
 ]
 
 _COMPUTE: list[Option] = [
@@ -243,6 +250,7 @@ def _options(args: argparse.Namespace) -> Any:
             clip_low=args.clip_low,
             clip_high=args.clip_high,
             tis_cap=args.tis_cap,
+            m2_threshold=args.m2_threshold,
             normalize_std=not args.no_std_normalize,
             micro_batch_size=args.micro_batch_size if args.micro_batch_size is not None else 8,
             micro_batch_tokens=args.micro_batch_tokens,
@@ -253,6 +261,7 @@ def _options(args: argparse.Namespace) -> Any:
             share_prompt=not args.no_share_prompt,
             forward_on=args.forward_on,
             temperature=args.temperature,
+            top_p=args.top_p,
             device=args.device,
             backend=args.backend,
             max_staleness=args.max_staleness,

@@ -1,5 +1,6 @@
-"""Policy-gradient maths of the trainer: group advantages, the clipped, truncated loss, and
-the registry of losses the trainer picks from by name (``register_loss``, ``get_loss``).
+"""Policy-gradient maths of the trainer: group advantages, the off-policy objectives, and
+the registry of losses the trainer picks from by name (``register_loss``, ``get_loss``):
+``clipped_tis`` (the default, below), ``decoupled_ppo`` and ``m2po`` (at the end).
 
 Pure torch, no Kafka, no model: everything here is unit-tested on hand-computed numbers.
 
@@ -42,6 +43,35 @@ Aggregation is token-level: the loss is ``-sum_t J_t`` over loss tokens divided 
 number of loss tokens **in the whole batch** (``num_tokens``; pass it when the batch is
 split into micro-batches so that gradient accumulation gives exactly the full-batch
 gradient).
+
+The other objectives
+--------------------
+``decoupled_ppo`` (AReaL's decoupled PPO) separates the *proximal* policy ``pi_prox``, the
+trust-region centre, from the behaviour policy ``mu``::
+
+    r_t = pi_theta(y_t) / pi_prox(y_t)
+    w_t = stopgrad(min(pi_prox(y_t) / mu(y_t), tis_cap))
+    J_t = w_t * min(r_t * A_t, clip(r_t) * A_t)
+
+``pi_prox`` is the policy before this optimizer step. The trainer takes exactly one AdamW
+step per batch (micro-batches only accumulate gradients), so ``pi_prox`` is the current
+policy at the forward pass: its log-probs are ``stopgrad(log pi_theta)``, with no forward
+pass of its own. ``r_t`` is then 1 (its gradient ``grad log pi``) and the clip never binds:
+with one step per batch the objective is the policy gradient weighted by the truncated
+importance weight ``min(pi_theta / mu, tis_cap)``; unlike ``clipped_tis`` it keeps the
+gradient of tokens whose ratio to ``mu`` left the clip range. (A caller training several
+steps on one batch passes ``logprobs_proximal``, the log-probs before its first step.)
+
+``m2po`` (second-moment trust policy optimization) bounds the second moment of the
+log importance ratio ``log r_t = log pi_theta(y_t) - log mu(y_t)`` instead of clipping each
+ratio: the tokens with the largest ``(log r_t)^2`` are masked, largest first, until the
+mean of ``(log r_t)^2`` over the tokens left is at most ``m2_threshold``; those tokens get
+the unclipped importance-weighted policy gradient ``J_t = r_t * A_t`` (gradient
+``r_t * A_t * grad log pi``). The mean is taken over the whole batch: the trainer computes
+the cut (``m2_keep_below``) from a no-grad forward pass over the batch before the first
+backward pass (registered as the loss's ``batch_stats``) and passes it to every
+micro-batch as ``m2_cut``; a call without ``m2_cut`` takes the cut over its own tokens.
+``m2_masked_frac`` reports the share of trained tokens masked.
 """
 
 from __future__ import annotations
@@ -100,6 +130,8 @@ SUM_KEYS = (
     "ratio_mean",
     "truncated_frac",
     "objective",
+    "m2",
+    "m2_masked_frac",
 )
 
 
@@ -110,7 +142,8 @@ class PolicyLoss(Protocol):
     tokens of the whole batch) and its metric ``sums`` out (the trainer reports each sum
     divided by the trained tokens as ``trainer/<key>``, and ``ratio_max`` as is). The
     keyword arguments are the trainer's hyperparameters (``clip_low``, ``clip_high``,
-    ``tis_cap``); a loss ignores those it has no use for.
+    ``tis_cap``, ``m2_threshold``) and whatever the loss's ``batch_stats`` returned; a loss
+    ignores those it has no use for.
     """
 
     def __call__(self, logprobs_new: torch.Tensor, logprobs_behaviour: torch.Tensor,
@@ -118,15 +151,28 @@ class PolicyLoss(Protocol):
                  num_tokens: int | float | None = None, **hyper: float) -> LossOutput: ...
 
 
+# what a loss needs from the whole batch before the first backward pass: a function of the
+# log ratios log(pi_theta / mu) of every trained token (1-D, no grad) and the
+# hyperparameters, returning extra keyword arguments for every call of the loss
+BatchStats = Callable[..., dict[str, float]]
+
 LOSSES: dict[str, PolicyLoss] = {}
+BATCH_STATS: dict[str, BatchStats] = {}
 DEFAULT_LOSS = "clipped_tis"
 
 
-def register_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: make a loss function selectable as ``name`` (the one place a loss plugs in)."""
+def register_loss(name: str, *, batch_stats: BatchStats | None = None,
+                  ) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: make a loss function selectable as ``name`` (the one place a loss plugs
+    in); ``batch_stats``: see ``BATCH_STATS`` (the trainer then runs a no-grad forward
+    pass over the batch first)."""
 
     def wrap(fn: PolicyLoss) -> PolicyLoss:
         LOSSES[name] = fn
+        if batch_stats is not None:
+            BATCH_STATS[name] = batch_stats
+        else:
+            BATCH_STATS.pop(name, None)
         return fn
 
     return wrap
@@ -140,6 +186,63 @@ def get_loss(name: str) -> PolicyLoss:
         raise ValueError(f"unknown loss {name!r} (known: {sorted(LOSSES)})") from None
 
 
+@dataclass
+class _Tokens:
+    """The common inputs of a loss: float mask, advantages and log ratio to ``mu`` (0 on
+    masked positions, which may hold padding)."""
+
+    mask: torch.Tensor
+    on: torch.Tensor
+    adv: torch.Tensor
+    log_ratio: torch.Tensor
+    n: float
+
+
+def _tokens(logprobs_new: torch.Tensor, logprobs_behaviour: torch.Tensor,
+            advantages: torch.Tensor, loss_mask: torch.Tensor) -> _Tokens:
+    mask = loss_mask.to(logprobs_new.dtype)
+    adv = torch.broadcast_to(advantages.to(logprobs_new.dtype), logprobs_new.shape)
+    behaviour = logprobs_behaviour.to(logprobs_new.dtype)
+    log_ratio = torch.where(mask > 0, logprobs_new - behaviour, torch.zeros_like(logprobs_new))
+    return _Tokens(mask, mask > 0, adv, log_ratio, float(mask.sum().item()))
+
+
+def _output(t: _Tokens, objective: torch.Tensor, num_tokens: int | float | None,
+            sums: dict[str, float]) -> LossOutput:
+    """The loss ``-sum(objective)/num_tokens`` (objective 0 off the mask) with the metrics
+    every loss reports about the ratio to ``mu``, besides its own ``sums``."""
+    denom = float(num_tokens) if num_tokens is not None else t.n
+    loss = -torch.where(t.on, objective, torch.zeros_like(objective)).sum() / max(denom, 1.0)
+    with torch.no_grad():
+        lr = t.log_ratio.detach()
+        r = torch.exp(lr)
+        sums = {
+            **dict.fromkeys(("clip_frac_low", "clip_frac_high", "truncated_frac",
+                             "m2_masked_frac"), 0.0),
+            # k3 estimator of KL(mu || pi_theta) on the sampled tokens
+            "approx_kl": float((((r - 1.0) - lr) * t.mask).sum()),
+            "ratio_mean": float((r * t.mask).sum()),
+            "m2": float((lr.square() * t.mask).sum()),
+            "objective": float(torch.where(t.on, objective.detach(), 0.0).sum()),
+            **sums,
+        }
+        sums["clip_frac"] = sums["clip_frac_low"] + sums["clip_frac_high"]
+        ratio_max = float(r[t.on].max()) if t.n > 0 else 0.0
+    metrics = {k: (v / t.n if t.n else 0.0) for k, v in sums.items()}
+    metrics["ratio_max"] = ratio_max
+    return LossOutput(loss=loss, tokens=int(t.n), metrics=metrics,
+                      sums={**sums, "ratio_max": ratio_max})
+
+
+def _clip_sums(t: _Tokens, ratio: torch.Tensor, clip_low: float,
+               clip_high: float) -> dict[str, float]:
+    """Tokens whose clipped branch is chosen (zero gradient), below and above."""
+    r = ratio.detach()
+    low = (t.adv < 0) & (r < 1.0 - clip_low) & t.on
+    high = (t.adv > 0) & (r > 1.0 + clip_high) & t.on
+    return {"clip_frac_low": float(low.sum()), "clip_frac_high": float(high.sum())}
+
+
 @register_loss(DEFAULT_LOSS)
 def policy_loss(
     logprobs_new: torch.Tensor,
@@ -150,6 +253,7 @@ def policy_loss(
     clip_high: float = 0.28,
     tis_cap: float = 2.0,
     num_tokens: int | float | None = None,
+    **_unused: float,
 ) -> LossOutput:
     """Clipped policy-gradient loss against the behaviour log-probs (see the module doc).
 
@@ -163,42 +267,103 @@ def policy_loss(
         raise ValueError("clip_low and clip_high must be >= 0")
     if tis_cap <= 1.0 + clip_high:
         raise ValueError(f"tis_cap ({tis_cap}) must be > 1 + clip_high ({1 + clip_high})")
-    mask = loss_mask.to(logprobs_new.dtype)
-    adv = torch.broadcast_to(advantages.to(logprobs_new.dtype), logprobs_new.shape)
-    behaviour = logprobs_behaviour.to(logprobs_new.dtype)
-    # masked positions may hold garbage (padding): keep them out of exp()
-    log_ratio = torch.where(mask > 0, logprobs_new - behaviour, torch.zeros_like(logprobs_new))
-    ratio = torch.exp(log_ratio)
+    t = _tokens(logprobs_new, logprobs_behaviour, advantages, loss_mask)
+    ratio = torch.exp(t.log_ratio)
     truncated_w = torch.clamp(ratio.detach(), max=tis_cap)
     ratio_tis = truncated_w * torch.exp(logprobs_new - logprobs_new.detach())
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    objective = torch.minimum(ratio_tis * adv, clipped * adv)
-    n_local = float(mask.sum().item())
-    denom = float(num_tokens) if num_tokens is not None else n_local
-    loss = -(objective * mask).sum() / max(denom, 1.0)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        low = (adv < 0) & (r < 1.0 - clip_low)  # clipped branch chosen (zero gradient)
-        high = (adv > 0) & (r > 1.0 + clip_high)
-        on = mask > 0
-        sums = {
-            "clip_frac_low": float((low & on).sum()),
-            "clip_frac_high": float((high & on).sum()),
-            "truncated_frac": float(((r > tis_cap) & on).sum()),
-            # k3 estimator of KL(mu || pi_theta) on the sampled tokens
-            "approx_kl": float((((r - 1.0) - log_ratio.detach()) * mask).sum()),
-            "ratio_mean": float((r * mask).sum()),
-            "objective": float((objective.detach() * mask).sum()),
-        }
-        sums["clip_frac"] = sums["clip_frac_low"] + sums["clip_frac_high"]
-        ratio_max = float(r[on].max()) if n_local > 0 else 0.0
-    metrics = {k: (v / n_local if n_local else 0.0) for k, v in sums.items()}
-    metrics["ratio_max"] = ratio_max
-    return LossOutput(
-        loss=loss, tokens=int(n_local), metrics=metrics, sums={**sums, "ratio_max": ratio_max}
-    )
+    objective = torch.minimum(ratio_tis * t.adv, clipped * t.adv)
+    sums = _clip_sums(t, ratio, clip_low, clip_high)
+    sums["truncated_frac"] = float(((ratio.detach() > tis_cap) & t.on).sum())
+    return _output(t, objective, num_tokens, sums)
 
 
-__all__ = ["DEFAULT_LOSS", "LOSSES", "LossOutput", "PolicyLoss", "SUM_KEYS", "get_loss",
-           "group_advantages", "policy_loss", "register_loss"]
+@register_loss("decoupled_ppo")
+def decoupled_ppo_loss(
+    logprobs_new: torch.Tensor,
+    logprobs_behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    tis_cap: float = 2.0,
+    num_tokens: int | float | None = None,
+    logprobs_proximal: torch.Tensor | None = None,
+    **_unused: float,
+) -> LossOutput:
+    """Decoupled PPO (see the module doc): PPO clip around ``pi_prox``, behaviour weight
+    ``min(pi_prox / mu, tis_cap)`` (no gradient). ``logprobs_proximal``: log pi_prox of the
+    tokens; None (the trainer's one step per batch): ``stopgrad(logprobs_new)``."""
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError("clip_low and clip_high must be >= 0")
+    if tis_cap <= 0:
+        raise ValueError(f"tis_cap ({tis_cap}) must be > 0")
+    t = _tokens(logprobs_new, logprobs_behaviour, advantages, loss_mask)
+    prox = (logprobs_new if logprobs_proximal is None else
+            logprobs_proximal.to(logprobs_new.dtype)).detach()
+    zero = torch.zeros_like(logprobs_new)
+    ratio = torch.exp(torch.where(t.on, logprobs_new - prox, zero))
+    behaviour_w = torch.exp(torch.where(t.on, prox - logprobs_behaviour.to(prox.dtype), zero))
+    weight = torch.clamp(behaviour_w, max=tis_cap)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    objective = weight * torch.minimum(ratio * t.adv, clipped * t.adv)
+    sums = _clip_sums(t, ratio, clip_low, clip_high)
+    sums["truncated_frac"] = float(((behaviour_w > tis_cap) & t.on).sum())
+    return _output(t, objective, num_tokens, sums)
+
+
+def m2_keep_below(log_ratio: torch.Tensor, m2_threshold: float) -> float:
+    """The M2PO cut over the tokens of ``log_ratio`` (1-D): a token is kept iff its
+    ``(log r)^2`` is below the value returned (``inf``: every token).
+
+    The kept tokens are the most of the smallest ``(log r)^2`` whose mean is at most
+    ``m2_threshold`` (masking the largest first until the mean of the rest is within the
+    threshold); tokens tied with the smallest masked value are masked too, so the set does
+    not depend on how a sort orders ties. Every token masked (0 kept) when even the
+    smallest exceeds the threshold."""
+    v = log_ratio.detach().double().reshape(-1).square().sort().values
+    n = v.numel()
+    if n == 0:
+        return float("inf")
+    means = v.cumsum(0) / torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
+    kept = int((means <= m2_threshold).sum())  # prefix means only grow along v
+    return float("inf") if kept == n else float(v[kept])
+
+
+def m2po_batch_cut(log_ratio: torch.Tensor, m2_threshold: float = 0.04,
+                   **_unused: float) -> dict[str, float]:
+    """``batch_stats`` of ``m2po``: the cut over all the batch's trained tokens."""
+    return {"m2_cut": m2_keep_below(log_ratio, m2_threshold)}
+
+
+@register_loss("m2po", batch_stats=m2po_batch_cut)
+def m2po_loss(
+    logprobs_new: torch.Tensor,
+    logprobs_behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    m2_threshold: float = 0.04,
+    num_tokens: int | float | None = None,
+    m2_cut: float | None = None,
+    **_unused: float,
+) -> LossOutput:
+    """M2PO (see the module doc): the tokens whose ``(log r)^2`` is at least ``m2_cut``
+    are masked (default: the cut over this call's tokens), the others get the unclipped
+    importance-weighted policy gradient ``r * A``."""
+    if m2_threshold <= 0:
+        raise ValueError(f"m2_threshold ({m2_threshold}) must be > 0")
+    t = _tokens(logprobs_new, logprobs_behaviour, advantages, loss_mask)
+    if m2_cut is None:
+        m2_cut = m2_keep_below(t.log_ratio[t.on], m2_threshold)
+    # in float64, as the cut was computed: the token at the cut must compare equal to it
+    kept = t.on & (t.log_ratio.detach().double().square() < m2_cut)
+    # masked tokens may have huge ratios: keep them out of exp() (inf * 0 is nan)
+    ratio = torch.exp(torch.where(kept, t.log_ratio, torch.zeros_like(t.log_ratio)))
+    objective = torch.where(kept, ratio * t.adv, torch.zeros_like(ratio))
+    return _output(t, objective, num_tokens,
+                   {"m2_masked_frac": float((t.on & ~kept).sum())})
+
+
+__all__ = ["BATCH_STATS", "DEFAULT_LOSS", "LOSSES", "LossOutput", "PolicyLoss", "SUM_KEYS",
+           "decoupled_ppo_loss", "get_loss", "group_advantages", "m2_keep_below",
+           "m2po_batch_cut", "m2po_loss", "policy_loss", "register_loss"]

@@ -16,8 +16,12 @@ per batch, the same step as one full-batch pass, because the loss is normalised 
 token count of the whole batch. The model computes logits only from the first column a
 micro-batch trains (``logits_to_keep``): prompt positions need none.
 
-Log-probs are ``log_softmax(logits / temperature)``, the rollouts' sampling temperature, as
-the engines record the behaviour log-probs (``astraflow.raas.engine``).
+Log-probs are those of the distribution the rollouts sample from
+(``astraflow.models.sampling``): ``log_softmax(logits / temperature)``, renormalised over
+the top-p nucleus when ``top_p < 1``, as the engines record the behaviour log-probs. The
+nucleus is taken on the trainer's own logits; a trained token outside it (its probability
+under the trained policy is 0) gets ``LOGPROB_FLOOR`` (-50) instead of ``-inf``, so its
+ratio is about 0 and the loss stays finite (``trainer/outside_nucleus_frac`` counts them).
 
 Real models: ``autocast="bf16"`` runs forward and backward under ``torch.autocast`` in
 bfloat16 while the master weights, gradients, optimizer and the log-softmax/loss stay fp32;
@@ -54,9 +58,17 @@ from typing import Any
 
 import torch
 
+from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
 from astraflow.records import Batch, Sequence
 from astraflow.trainer.backend import BACKENDS, PolicyModel, make_policy_model
-from astraflow.trainer.loss import DEFAULT_LOSS, LOSSES, SUM_KEYS, get_loss, group_advantages
+from astraflow.trainer.loss import (
+    BATCH_STATS,
+    DEFAULT_LOSS,
+    LOSSES,
+    SUM_KEYS,
+    get_loss,
+    group_advantages,
+)
 from astraflow.trainer.state import StateSnapshot
 
 log = logging.getLogger("astraflow.trainer")
@@ -84,7 +96,11 @@ class TrainerConfig:
     loss: str = DEFAULT_LOSS
     clip_low: float = 0.2
     clip_high: float = 0.28
+    # truncation of the importance weight against the behaviour policy (clipped_tis,
+    # decoupled_ppo)
     tis_cap: float = 2.0
+    # m2po: the most the mean (log pi_theta/mu)^2 of the trained tokens may be
+    m2_threshold: float = 0.04
     normalize_std: bool = True
     micro_batch_size: int = 8  # sequences per forward/backward
     # padded tokens per forward/backward (sequences sorted by length); replaces
@@ -107,9 +123,11 @@ class TrainerConfig:
     # weights, whose small AdamW steps the published rounding mostly drops: the trainer
     # then drifts from the policy the engines sample (a steady KL, many clipped tokens)
     forward_on: str = "published"
-    # the sampling temperature of the rollouts: log-probs are log_softmax(logits / T), as
-    # the engines record them; 0 (greedy) means 1, as the engines report greedy tokens
+    # the sampling temperature and top-p of the rollouts: log-probs are those of the
+    # distribution sampled from (astraflow.models.sampling), as the engines record them;
+    # temperature 0 (greedy) means 1, as the engines report greedy tokens
     temperature: float = 1.0
+    top_p: float = 1.0
     device: str = "cpu"
     # the model implementation (astraflow.trainer.backend): "torch" (transformers) or
     # "megatron" (megatron-core GPTModel, Llama-family models)
@@ -130,6 +148,14 @@ class TrainerConfig:
              self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
              "must be at least 1"),
             ("temperature", "--temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", "--top-p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("clip_low", "--clip-low", self.clip_low >= 0, "must be >= 0"),
+            ("clip_high", "--clip-high", self.clip_high >= 0, "must be >= 0"),
+            ("tis_cap", "--tis-cap", self.tis_cap > 0, "must be > 0"),
+            ("tis_cap", "--tis-cap",
+             self.loss != DEFAULT_LOSS or self.tis_cap > 1 + self.clip_high,
+             f"must be > 1 + clip_high ({1 + self.clip_high:g}) with loss {DEFAULT_LOSS}"),
+            ("m2_threshold", "--m2-threshold", self.m2_threshold > 0, "must be > 0"),
             ("max_grad_norm", "--max-grad-norm", self.max_grad_norm > 0, "must be > 0"),
             ("max_staleness", "--max-staleness",
              self.max_staleness is None or self.max_staleness >= 0, "must be >= 0"),
@@ -382,9 +408,10 @@ class Trainer:
     def token_logprobs(
         self, ids: torch.Tensor, attn: torch.Tensor, start: int = 0
     ) -> torch.Tensor:
-        """``log_softmax(logits / temperature)`` of each token given its prefix, in float32,
-        for tokens ``t > start``; columns ``0..start`` are 0. ``start`` lets the model
-        compute logits only from that column on (``logits_to_keep``): prompts need none."""
+        """The sampling distribution's log-prob of each token given its prefix (temperature,
+        top-p; see the module doc), in float32, for tokens ``t > start``; columns
+        ``0..start`` are 0. ``start`` lets the model compute logits only from that column on
+        (``logits_to_keep``): prompts need none."""
         n = ids.shape[1]
         start = max(0, min(start, n - 1))
         with self._autocast():
@@ -393,44 +420,70 @@ class Trainer:
         return torch.cat([lp.new_zeros((lp.shape[0], start + 1)), lp], dim=1)
 
     def _picked_logprobs(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """``log_softmax(logits / temperature)`` at ``target``, in float32 (the loss side
-        stays in float32, outside autocast)."""
-        logits = logits.float() / self.config.logit_temperature
-        picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
+        """The sampling distribution's log-prob at ``target`` (temperature, top-p; see the
+        module doc), in float32 (the loss side stays in float32, outside autocast)."""
+        c = self.config
+        return picked_logprobs(logits, target, c.logit_temperature, c.top_p)
+
+    def _pass_logprobs(self, prompt_len: int, part: list[_Row],
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(new log-probs, behaviour, loss mask, advantages)`` of one pass on the
+        device, or None when it has no loss token."""
+        ids, attn, behaviour, mask, adv = self._tensors(part)
+        cols = mask.any(0).nonzero()
+        if len(cols) == 0:
+            return None
+        if 0 < prompt_len < ids.shape[1]:
+            new = self.shared_prompt_logprobs(ids, attn, prompt_len)
+        else:
+            new = self.token_logprobs(ids, attn, start=int(cols[0]) - 1)
+        dev = self.device
+        return new, behaviour.to(dev), mask.to(dev), adv.to(dev)
+
+    def _loss_options(self, live: list[_Row]) -> dict[str, float]:
+        """The keyword arguments of every loss call: the hyperparameters, and what the
+        loss's ``batch_stats`` computes from the whole batch (``m2po``'s cut). That takes a
+        no-grad forward pass over ``live`` first: the gradient of the first micro-batch
+        already depends on the tokens of all of them."""
+        c = self.config
+        options = {"clip_low": c.clip_low, "clip_high": c.clip_high, "tis_cap": c.tis_cap,
+                   "m2_threshold": c.m2_threshold}
+        stats = BATCH_STATS.get(c.loss)
+        if stats is None:
+            return options
+        ratios = []
+        with torch.no_grad():
+            for prompt_len, part in self.passes(live):
+                got = self._pass_logprobs(prompt_len, part)
+                if got is not None:
+                    new, behaviour, mask, _ = got
+                    ratios.append((new - behaviour)[mask > 0])
+        log_ratio = torch.cat(ratios) if ratios else torch.zeros(0, device=self.device)
+        return {**options, **stats(log_ratio, **options)}
 
     def _accumulate(self, live: list[_Row], total_tokens: int) -> dict[str, Any]:
         """Forward/backward of every micro-batch of ``live``, gradients summed."""
-        c = self.config
+        loss_fn = get_loss(self.config.loss)
+        options = self._loss_options(live)
         acc: dict[str, Any] = {"loss": 0.0, "ratio_max": 0.0, "micro_batches": 0,
                                "padded_tokens": 0, "sums": dict.fromkeys(SUM_KEYS, 0.0)}
+        acc["sums"]["outside_nucleus_frac"] = 0.0
         for prompt_len, part in self.passes(live):
-            ids, attn, behaviour, mask, adv = self._tensors(part)
-            cols = mask.any(0).nonzero()
-            if len(cols) == 0:
+            got = self._pass_logprobs(prompt_len, part)
+            if got is None:
                 continue
-            if 0 < prompt_len < ids.shape[1]:
-                new = self.shared_prompt_logprobs(ids, attn, prompt_len)
-            else:
-                new = self.token_logprobs(ids, attn, start=int(cols[0]) - 1)
-            out = get_loss(c.loss)(
-                new,
-                behaviour.to(self.device),
-                adv.to(self.device),
-                mask.to(self.device),
-                clip_low=c.clip_low,
-                clip_high=c.clip_high,
-                tis_cap=c.tis_cap,
-                num_tokens=total_tokens,
-            )
+            new, behaviour, mask, adv = got
+            out = loss_fn(new, behaviour, adv, mask, num_tokens=total_tokens, **options)
             out.loss.backward()
             acc["loss"] += float(out.loss.detach())
             acc["micro_batches"] += 1
-            acc["padded_tokens"] += ids.numel()
+            acc["padded_tokens"] += new.numel()
             for k, v in out.sums.items():
                 if k != "ratio_max":
                     acc["sums"][k] = acc["sums"].get(k, 0.0) + v
             acc["ratio_max"] = max(acc["ratio_max"], out.sums.get("ratio_max", 0.0))
+            outside = (new.detach() <= LOGPROB_FLOOR) & (mask > 0)
+            acc["sums"]["outside_nucleus_frac"] += float(outside.sum())
         return acc
 
     def _optimizer_step(self, total_tokens: int) -> float:
