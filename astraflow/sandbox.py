@@ -1,7 +1,7 @@
 """Run untrusted Python code in a separate, limited process.
 
 ``run_python(code, stdin=...)`` runs ``code`` as a script and returns a ``SandboxResult``
-(``status`` is ``ok``, ``error``, ``timeout``, ``killed`` or ``memory``);
+(``status`` is ``ok``, ``error``, ``timeout``, ``killed``, ``memory`` or ``limit``);
 ``run_function(code, "f", inputs)`` calls a function the code defines on each input inside
 one sandboxed process, and ``check_cases(code, "f", cases)`` compares those outputs with
 expected values (the expected values never enter the sandbox, so printing cannot fake a
@@ -13,14 +13,32 @@ What is enforced, in layers (``SandboxResult.isolation`` names those in force on
   when the output limit is exceeded the whole process group is killed with SIGKILL.
 * **resource limits** (``setrlimit``, set before the user code runs, soft = hard so they
   cannot be raised again): CPU time (``RLIMIT_CPU``, whole seconds; SIGXCPU, then SIGKILL
-  one second later), address space (``RLIMIT_AS``: allocations beyond ``mem_mb`` fail
-  with ``MemoryError``), file size (``RLIMIT_FSIZE``), open files (``RLIMIT_NOFILE``), no
-  core dumps.
+  one second later), address space (``RLIMIT_AS``, always set: allocations beyond
+  ``mem_mb`` fail with ``MemoryError``, status ``memory``), file size (``RLIMIT_FSIZE``),
+  open files (``RLIMIT_NOFILE``), no core dumps, and processes + threads
+  (``RLIMIT_NPROC``, ``max_procs`` tasks, the main thread included: a fork beyond fails
+  with EAGAIN, a thread with "can't start new thread"; uncaught, in any thread or call,
+  either ends the run with status ``limit``, reason ``process limit``; a thread whose
+  stack no longer fits in ``mem_mb`` gives ``memory``). The kernel counts this limit per
+  real uid *and user namespace* (ucounts, Linux >= 5.14): with namespaces the count
+  starts empty in the run's own namespace (limit ``max_procs`` + 1, the ``unshare``
+  process; isolation ``nproc-userns``) and nothing else of the uid shares it. Without
+  them it counts every task of the uid, so the limit is the uid's tasks at the start +
+  ``max_procs`` (isolation ``nproc-uid``; approximate: other processes of the uid, other
+  runs among them, that start or end meanwhile shrink or widen the room). uid 0 is
+  exempt (no ``nproc-*`` entry): only a root caller that keeps its uid
+  (``drop_user=False``, or ``nobody`` cannot run Python) runs without it. At the default
+  256 MiB a thread bomb runs out of address space first (8 MiB stacks plus a glibc malloc
+  arena per thread: about 5 threads), status ``memory``; the process limit is what stops
+  forks, and threads when ``mem_mb`` is larger.
 * **namespaces** when ``unshare`` works unprivileged (probed once; it does on this
   machine): a new user, network and PID namespace (``unshare -c -n -p -f --kill-child``).
   The network namespace has only a down loopback device: no connection to anything,
   127.0.0.1 included. The PID namespace dies with its first process, so nothing forked
   can outlive the run.
+* **a final sweep** after every run: processes still in the run's session, or of the
+  run's uid with its directory as cwd or ``HOME`` (one that left the session), are
+  killed (through pidfds) until none is left; their number is ``SandboxResult.strays``.
 * **an unprivileged user** when the caller is root: the code runs as ``nobody`` (65534).
   If ``sys.executable`` is not executable by ``nobody`` (e.g. under ``/root``),
   ``/usr/bin/python3`` is used; when neither works the code keeps the caller's uid.
@@ -43,10 +61,13 @@ What is NOT enforced: the audit hook is a best-effort layer in the same interpre
 security boundary (a bug in CPython or a C extension could get around it); without working
 namespaces the network is blocked only by that hook. Reading files the uid may read is
 allowed (no mount namespace or chroot); without a uid drop (caller not root) the code may
-read everything the caller can. There is no limit on the number of threads or on CPU
-time spent in threads beyond ``RLIMIT_CPU`` (which counts them), none on disk use other
-than the file-size limit per file, and no seccomp filter. For hostile code use a
-container or VM as well.
+read everything the caller can. ``RLIMIT_AS`` and ``RLIMIT_CPU`` hold per process: with
+the audit hook off (or bypassed) a fork bomb may use up to ``max_procs`` times each
+until the wall-clock timeout. Code that catches the fork/thread error itself goes on (its
+status is then whatever it ends with). Without a PID namespace the sweep misses a
+process that left the session, changed directory and replaced its environment (exec, which
+the hook refuses). No limit on disk use other than the file-size limit per file, no
+cgroup, no seccomp filter. For hostile code use a container or VM as well.
 """
 
 from __future__ import annotations
@@ -71,24 +92,40 @@ from typing import Any
 CPU_EXIT = 86
 MEMORY_EXIT = 87
 SETUP_EXIT = 88
+LIMIT_EXIT = 89
 
 NOBODY = 65534
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 MAX_CODE_BYTES = 1 << 20
 
-STATUSES = ("ok", "error", "timeout", "killed", "memory")
+STATUSES = ("ok", "error", "timeout", "killed", "memory", "limit")
 
 # The program the sandboxed interpreter runs first (python -c PREAMBLE CONFIG_JSON). It sets
 # the limits, installs the audit hook, then runs main.py (script mode) or main.py plus the
 # calls of one function on JSON inputs read from stdin (function mode). Python 3.8 syntax.
 _PREAMBLE = r"""
-import json, os, resource, signal, sys, traceback, types
+import errno, json, os, resource, signal, sys, threading, traceback, types
 
 cfg = json.loads(sys.argv[1])
 
 def _fail(msg, code):
     os.write(2, ("sandbox: " + msg + "\n").encode())
     os._exit(code)
+
+def _uid_tasks():
+    # without a user namespace RLIMIT_NPROC counts every task of the real uid
+    uid, n = str(os.getuid()), 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/status" % name) as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        except (OSError, ValueError):
+            continue
+        if fields.get("Uid", "").split()[:1] == [uid]:
+            n += int(fields.get("Threads", "1"))
+    return n
 
 def _limit(which, soft, hard=None):
     hard = soft if hard is None else hard
@@ -107,6 +144,9 @@ _limit(resource.RLIMIT_AS, cfg["mem"])
 _limit(resource.RLIMIT_FSIZE, cfg["fsize"])
 _limit(resource.RLIMIT_NOFILE, cfg["nofile"])
 _limit(resource.RLIMIT_CORE, 0)
+# the unshare process is the one other task of the user namespace
+_limit(resource.RLIMIT_NPROC,
+       cfg["procs"] + (1 if cfg["procs_base"] == "userns" else _uid_tasks() - 1))
 
 ROOT = os.path.realpath(cfg["root"])
 with open(cfg["main"], encoding="utf-8") as fh:
@@ -156,6 +196,51 @@ def _inside(path, dir_fd=None, strict_relative=False):
         if p != "/dev/null" and p != ROOT and not p.startswith(ROOT + os.sep):
             return False
     return True
+
+_forked = [False]
+os.register_at_fork(before=lambda: _forked.__setitem__(0, True))
+
+def _no_room_for_a_stack():
+    # pthread_create fails with EAGAIN both when the stack mmap hits RLIMIT_AS and when
+    # clone hits RLIMIT_NPROC: the address space left tells them apart
+    size = threading.stack_size() or resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if size <= 0 or size == resource.RLIM_INFINITY:
+        size = 32 << 20
+    try:
+        with open("/proc/self/status") as fh:
+            vm = [int(l.split()[1]) << 10 for l in fh if l.startswith("VmSize:")][0]
+    except (OSError, IndexError, ValueError):
+        return False
+    return vm + size + (1 << 20) > cfg["mem"]
+
+def _limit_kind(e):
+    if isinstance(e, MemoryError):
+        return "memory"
+    if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+        return "memory" if _no_room_for_a_stack() else "process"
+    if isinstance(e, BlockingIOError) and e.errno == errno.EAGAIN and _forked[0]:
+        return "process"
+    return None
+
+def _stop_if_limit(e):
+    kind = _limit_kind(e)
+    if kind == "process":
+        _fail("process limit: " + _short(e), cfg["limit_exit"])
+    if kind == "memory":
+        what = "" if isinstance(e, MemoryError) else " (no room for a thread stack)"
+        _fail("MemoryError" + what, cfg["memory_exit"])
+
+def _thread_hook(args, _default=threading.excepthook):
+    _stop_if_limit(args.exc_value)
+    _default(args)
+
+def _unraisable_hook(u, _default=sys.unraisablehook):
+    _stop_if_limit(u.exc_value)
+    _default(u)
+
+# a thread that cannot start a thread (or allocate) ends the run, as the main thread does
+threading.excepthook = _thread_hook
+sys.unraisablehook = _unraisable_hook
 
 def _deny(event):
     raise PermissionError("sandbox: %s is not allowed" % event)
@@ -226,9 +311,9 @@ try:
         for i, args in enumerate(INPUTS):
             try:
                 value = fn(*args)
-            except MemoryError:
-                raise
             except BaseException as e:
+                if _limit_kind(e):
+                    raise
                 _emit(json.dumps([i, "error", _short(e)]))
                 continue
             try:
@@ -242,6 +327,7 @@ except MemoryError:
 except SystemExit:
     raise
 except BaseException as e:
+    _stop_if_limit(e)
     tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
     traceback.print_exception(type(e), e, tb)
     sys.exit(1)
@@ -254,10 +340,13 @@ class SandboxResult:
 
     ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception),
     ``timeout`` (CPU-time limit or wall-clock timeout; ``reason`` says which), ``killed``
-    (killed by a signal, or for exceeding the output limit) or ``memory`` (the memory
-    limit was hit). ``seconds``: wall clock; ``cpu_seconds``: user + system CPU of the
-    process tree. ``truncated``: stdout or stderr was cut at the output limit.
-    ``isolation``: the layers that were in force (see the module docstring).
+    (killed by a signal, or for exceeding the output limit), ``memory`` (the memory
+    limit was hit, ``reason`` ``memory limit``) or ``limit`` (the process/thread limit
+    was hit: a fork failed with EAGAIN or a thread could not start; ``reason`` ``process
+    limit``). ``seconds``: wall clock; ``cpu_seconds``: user + system CPU of the process
+    tree. ``truncated``: stdout or stderr was cut at the output limit. ``isolation``: the
+    layers that were in force (see the module docstring). ``strays``: processes of the
+    run still alive after it ended, killed by the final sweep (dying ones included).
     """
 
     status: str
@@ -269,6 +358,7 @@ class SandboxResult:
     reason: str = ""
     truncated: bool = False
     isolation: list[str] = field(default_factory=list)
+    strays: int = 0
 
     @property
     def ok(self) -> bool:
@@ -285,6 +375,7 @@ class SandboxLimits:
     max_output: int = 64 * 1024
     fsize_mb: int = 16
     nofile: int = 64
+    max_procs: int = 32
 
 
 class SandboxError(RuntimeError):
@@ -452,6 +543,8 @@ def _run(
     python: str | None,
     drop_user: bool,
 ) -> SandboxResult:
+    if int(limits.mem_mb) < 1 or int(limits.max_procs) < 1:
+        raise ValueError("mem_mb and max_procs must be at least 1 (they cannot be turned off)")
     if len(source.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
         return SandboxResult("error", "", "sandbox: code too large", None, 0.0, reason="too large")
     interp, user = interpreter_and_user(python)
@@ -469,10 +562,15 @@ def _run(
         os.chmod(main, 0o644)  # readable by the sandbox user whatever the caller's umask
         if user is not None:
             os.chown(root, user, user)
-        cfg = _child_config(mode, func, nonce, limits, audit, root, main)
+        cfg = _child_config(mode, func, nonce, limits, audit, root, main, bool(prefix))
         cmd = [*prefix, interp, "-I", "-S", "-B", "-X", "utf8", "-c", _PREAMBLE, json.dumps(cfg)]
         proc, t0 = _spawn(cmd, root, stdin, user)
-        return _wait(proc, t0, limits, isolation)
+        try:
+            result = _wait(proc, t0, limits, isolation)
+        finally:
+            strays = _sweep(proc.pid, root, os.getuid() if user is None else user)
+        result.strays = strays
+        return result
     finally:
         _rmtree(root)
 
@@ -482,6 +580,9 @@ def _isolation(prefix: Sequence[str], user: int | None, audit: bool) -> list[str
     isolation = ["process-group", "rlimits", "tmpdir", "env", "isolated-python"]
     if prefix:
         isolation += ["userns", "netns", "pidns"]
+    # the kernel exempts uid 0 from RLIMIT_NPROC, in a user namespace too
+    if (os.getuid() if user is None else user) != 0:
+        isolation.append("nproc-userns" if prefix else "nproc-uid")
     if user is not None:
         isolation.append("uid=nobody")
     if audit:
@@ -495,8 +596,9 @@ def _cpu_limit(limits: SandboxLimits) -> int:
 
 
 def _child_config(mode: str, func: str, nonce: str, limits: SandboxLimits, audit: bool,
-                  root: str, main: str) -> dict[str, Any]:
-    """What the preamble in the child reads: what to run and the limits to set."""
+                  root: str, main: str, userns: bool) -> dict[str, Any]:
+    """What the preamble in the child reads: what to run and the limits to set
+    (``userns``: it runs in a user namespace of its own)."""
     return {
         "mode": mode,
         "func": func,
@@ -505,12 +607,15 @@ def _child_config(mode: str, func: str, nonce: str, limits: SandboxLimits, audit
         "mem": int(limits.mem_mb) << 20,
         "fsize": int(limits.fsize_mb) << 20,
         "nofile": int(limits.nofile),
+        "procs": int(limits.max_procs),
+        "procs_base": "userns" if userns else "uid",
         "audit": bool(audit),
         "root": root,
         "main": main,
         "cpu_exit": CPU_EXIT,
         "memory_exit": MEMORY_EXIT,
         "setup_exit": SETUP_EXIT,
+        "limit_exit": LIMIT_EXIT,
     }
 
 
@@ -605,6 +710,71 @@ def _wait_exit(proc: subprocess.Popen, pipes: _Pipes, deadline: float) -> tuple[
     return status, usage, killed_for
 
 
+def _belongs(pid: int, sid: int, root: str, uid: int) -> bool:
+    """Whether ``pid`` is a live process of the run: in its session ``sid``, or owned by
+    ``uid`` with the run's directory ``root`` as cwd or ``HOME`` (one that left the
+    session: without a PID namespace nothing else kills it)."""
+    base = f"/proc/{pid}"
+    try:
+        with open(f"{base}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):
+            return False
+        if int(fields[3]) == sid:
+            return True
+        if os.stat(base).st_uid != uid:
+            return False
+        cwd = os.readlink(f"{base}/cwd")
+        if cwd == root or cwd.startswith(root + os.sep):
+            return True
+        with open(f"{base}/environ", "rb") as fh:
+            return b"\0HOME=" + os.fsencode(root) + b"\0" in b"\0" + fh.read()
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _kill_if_still(pid: int, sid: int, root: str, uid: int) -> None:
+    """SIGKILL ``pid`` if it still belongs to the run (checked through a pidfd, so a
+    reused pid is never hit)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # no pidfds on this kernel: a plain kill, after the same check
+        try:
+            if _belongs(pid, sid, root, uid):
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        return
+    try:
+        if _belongs(pid, sid, root, uid):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sweep(sid: int, root: str, uid: int, max_s: float = 2.0) -> int:
+    """Kill the run's processes still alive after it ended (``_belongs``) and wait until
+    none is left (or ``max_s`` passed); how many there were."""
+    seen: set[int] = set()
+    me = os.getpid()
+    end = time.monotonic() + max_s
+    while True:
+        pids = [
+            int(n) for n in os.listdir("/proc")
+            if n.isdigit() and int(n) != me and _belongs(int(n), sid, root, uid)
+        ]
+        if not pids or time.monotonic() >= end:
+            return len(seen)
+        for pid in pids:
+            _kill_if_still(pid, sid, root, uid)
+        seen.update(pids)
+        time.sleep(0.002)
+
+
 def _outcome(rc: int, cpu: float, err: str, killed_for: str,
              cpu_limit: int) -> tuple[str, str]:
     """``(status, reason)`` of a run from its exit code, CPU time and stderr."""
@@ -614,6 +784,8 @@ def _outcome(rc: int, cpu: float, err: str, killed_for: str,
         return "killed", killed_for
     if rc == CPU_EXIT or rc == -signal.SIGXCPU or (rc == -signal.SIGKILL and cpu >= cpu_limit):
         return "timeout", "cpu time limit"
+    if rc == LIMIT_EXIT:
+        return "limit", "process limit"
     if rc == MEMORY_EXIT or (rc != 0 and "MemoryError" in err[-2000:]):
         return "memory", "memory limit"
     if rc == SETUP_EXIT:
@@ -639,6 +811,7 @@ def run_python(
     max_output: int = 64 * 1024,
     fsize_mb: int = 16,
     nofile: int = 64,
+    max_procs: int = 32,
     namespaces: bool | None = None,
     audit: bool = True,
     python: str | None = None,
@@ -648,13 +821,15 @@ def run_python(
 
     ``cpu_s``: CPU-time limit (rounded up to whole seconds); ``mem_mb``: address-space
     limit; ``timeout_s``: wall-clock limit; ``max_output``: bytes kept of stdout and of
-    stderr (beyond: killed). ``namespaces``: None uses user/network/PID namespaces when
-    they work here, True requires them (``SandboxError`` otherwise), False turns them off.
+    stderr (beyond: killed); ``max_procs``: processes + threads the code may have, its
+    main thread included (``RLIMIT_NPROC``, see the module docstring). ``namespaces``:
+    None uses user/network/PID namespaces when they work here, True requires them
+    (``SandboxError`` otherwise), False turns them off.
     ``audit``: install the audit hook. ``python``: interpreter (default
     ``sys.executable``). ``drop_user``: run as ``nobody`` when the caller is root.
     ``namespaces=False`` / ``audit=False`` exist to test each layer on its own.
     """
-    limits = SandboxLimits(cpu_s, mem_mb, timeout_s, max_output, fsize_mb, nofile)
+    limits = SandboxLimits(cpu_s, mem_mb, timeout_s, max_output, fsize_mb, nofile, max_procs)
     data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
     return _run(code, data, "script", "", "", limits, namespaces, audit, python, drop_user)
 

@@ -115,6 +115,7 @@ class SandboxOptions(_Options):
     max_output: int | None = Field(default=None, ge=1)
     fsize_mb: int | None = Field(default=None, ge=0)
     nofile: int | None = Field(default=None, ge=1)
+    max_procs: int | None = Field(default=None, ge=1, description="default 32")
     namespaces: bool | None = None
     audit: bool | None = None
     python: str | None = None

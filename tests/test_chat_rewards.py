@@ -4,6 +4,7 @@ topology fields that carry them to the components (no broker needed)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from astraflow.launcher import plan_processes
 from astraflow.models.evaluation import evaluate
 from astraflow.models.tiny import build_tokenizer
 from astraflow.raas.workflows import make_workflow
+from astraflow.sandbox import interpreter_and_user
 from astraflow.tasks import make_task
 from astraflow.tasks.datasets import DatasetError, load_dataset_file
 from astraflow.tasks.generate import addition_rows, multistep_rows
@@ -101,6 +103,17 @@ def test_code_tests_reward_runs_the_tests_in_the_sandbox():
     payload = {"answer": "", "func": "f", "tests": [[[2], 5], [[0], 1], [[3], 7]]}
     assert reward("def f(x):\n    return 2*x+1\n", payload) == 1.0
     assert reward("def f(x):\n    return x+3\n", payload) == pytest.approx(1 / 3)
+    # passes the first test, then a thread bomb: the process limit makes the reward 0
+    bomb = (
+        "import threading, time\n"
+        "def f(x):\n"
+        "    while x != 2:\n"
+        "        threading.Thread(target=time.sleep, args=(9,)).start()\n"
+        "    return 5\n"
+    )
+    if (interpreter_and_user()[1] or os.getuid()) != 0:  # uid 0 has no RLIMIT_NPROC
+        bombed = make_reward({"name": "code_tests", "mem_mb": 1024, "max_procs": 8})
+        assert bombed(bomb, payload) == 0.0
     with pytest.raises(RewardError, match="no 'tests'"):
         reward("def f(x): return x", {"answer": ""})
 

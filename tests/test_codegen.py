@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
 from astraflow.raas.workflows import WORKFLOWS, TaskError, make_workflow
 from astraflow.raas.workflows.code_tests import CodeTests, parse_tests, solver_expression
 from astraflow.records import Task
-from astraflow.sandbox import check_cases
+from astraflow.sandbox import check_cases, interpreter_and_user
 from astraflow.tasks.code import (
     LEVELS,
     CodeProblem,
@@ -21,6 +22,9 @@ from astraflow.tasks.code import (
 )
 
 from . import fakes
+
+# the kernel exempts uid 0 from RLIMIT_NPROC: the process limit needs a sandbox uid != 0
+HAVE_NPROC = (interpreter_and_user()[1] or os.getuid()) != 0
 
 
 class ScriptedEngine(fakes.ScriptedEngine):
@@ -287,6 +291,34 @@ def test_bad_payloads_and_options_are_rejected():
     ]:
         with pytest.raises(ValueError):
             make_workflow("code_tests", **bad)
+
+
+@pytest.mark.skipif(not HAVE_NPROC, reason="the sandbox runs as uid 0, exempt from RLIMIT_NPROC")
+def test_bombs_in_solver_code_get_reward_0_with_the_reason():
+    sleeper = "__import__('threading').Thread(target=__import__('time').sleep,args=(9,))"
+    bomb = f"[{sleeper}.start() for _ in range(99)]"
+    solver = ScriptedEngine(
+        "solver",
+        solver=[
+            f"x*x+9 if x==0 else {bomb}\n",  # passes f(0), then a thread bomb
+            "bytearray(2**40)\n",  # a memory bomb
+            "__import__('os').fork()\n",  # refused by the audit hook in every call
+            "x*x+9\n",
+        ],
+    )
+    generator = ScriptedEngine("generator")
+    wf = make_workflow("code_tests", n_generator=0, sandbox={"mem_mb": 1024, "max_procs": 8})
+    seqs = wf.run(code_task(), {"solver": solver, "generator": generator}, 4)
+    assert [s.reward for s in seqs] == [0.0, 0.0, 0.0, 1.0]
+    assert [s.meta["passed"] for s in seqs] == ["1", "0", "0", "4"]
+    assert [s.meta["status"] for s in seqs] == ["limit", "memory", "ok", "ok"]
+    assert [s.meta["reason"] for s in seqs] == [
+        "process limit",
+        "memory limit",
+        "PermissionError: sandbox: os.fork is not allowed",
+        "",
+    ]
+    assert CodeTests.group_metrics(seqs)["code/solver_error_rate"] == 0.5
 
 
 # --- feeder -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from astraflow.sandbox import (
+    STATUSES,
     check_cases,
     interpreter_and_user,
     namespace_prefix,
@@ -25,6 +26,14 @@ from astraflow.sandbox import (
 from .conftest import wait_for
 
 HAVE_NAMESPACES = bool(namespace_prefix(*interpreter_and_user()))
+# the kernel exempts uid 0 from RLIMIT_NPROC: the process limit needs a sandbox uid != 0
+SANDBOX_UID = interpreter_and_user()[1]
+HAVE_NPROC = (os.getuid() if SANDBOX_UID is None else SANDBOX_UID) != 0
+NS_MODES = [
+    pytest.param(True, id="userns", marks=pytest.mark.skipif(
+        not HAVE_NAMESPACES, reason="unshare does not work unprivileged here")),
+    pytest.param(False, id="no-namespaces"),
+]
 
 
 def test_normal_code_runs_with_stdin_and_a_scrubbed_environment(monkeypatch):
@@ -237,3 +246,166 @@ def test_function_against_cases():
     assert slow.cases[1] is None and slow.cases[2] is None
     missing = run_function("g = 1", "f", [[1]])
     assert missing.result.status == "error" and missing.cases == [None]
+
+
+# --- bombs: process, thread and memory limits, and no survivors ----------------------------
+def _procs_in(directory: str) -> list[int]:
+    """Live processes whose working directory is (or was, before its removal) ``directory``:
+    the code of a run, whatever session or PID namespace it is in."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{name}/cwd").removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if (cwd == directory or cwd.startswith(directory + "/")) and _alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def _caller_keeps_working() -> None:
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    r = run_python("print(6 * 7)")
+    assert r.status == "ok" and r.stdout == "42\n", r
+
+
+FORK_BOMB = "import os\nprint(os.getcwd(), flush=True)\nwhile True:\n    os.fork()\n"
+THREAD_BOMB = (
+    "import os, threading\n"
+    "print(os.getcwd(), flush=True)\n"
+    "stop = threading.Event()\n"
+    "n = 0\n"
+    "try:\n"
+    "    while True:\n"
+    "        threading.Thread(target=stop.wait).start()\n"
+    "        n += 1\n"
+    "finally:\n"
+    "    print(n, flush=True)\n"
+)
+
+
+def test_limits_are_on_by_default_and_cannot_be_turned_off():
+    code = (
+        "import resource\n"
+        "print(resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_NPROC))"
+    )
+    r = run_python(code)
+    assert r.status == "ok", r
+    as_limit, nproc = r.stdout.strip().split(") (")
+    assert as_limit == f"({256 << 20}, {256 << 20}"
+    if HAVE_NAMESPACES:  # max_procs + the unshare process, counted in the run's namespace
+        assert nproc == "33, 33)"
+    assert "limit" in STATUSES
+    for bad in ({"mem_mb": 0}, {"max_procs": 0}):
+        with pytest.raises(ValueError, match="at least 1"):
+            run_python("pass", **bad)
+
+
+def test_fork_bomb_is_refused_by_the_audit_hook():
+    r = run_python(FORK_BOMB, timeout_s=5)
+    assert r.status == "error" and "os.fork is not allowed" in r.stderr, r
+    assert _procs_in(r.stdout.split()[0]) == []
+
+
+@pytest.mark.skipif(not HAVE_NPROC, reason="the sandbox runs as uid 0, exempt from RLIMIT_NPROC")
+@pytest.mark.parametrize("namespaces", NS_MODES)
+def test_fork_bomb_is_stopped_by_the_kernel_process_limit(namespaces):
+    # the audit hook off: only RLIMIT_NPROC stands between the bomb and the machine
+    t0 = time.monotonic()
+    r = run_python(FORK_BOMB, audit=False, namespaces=namespaces, max_procs=8, timeout_s=10)
+    assert r.status == "limit" and r.reason == "process limit", r
+    assert "sandbox: process limit: BlockingIOError" in r.stderr
+    assert time.monotonic() - t0 < 5
+    assert ("nproc-userns" if namespaces else "nproc-uid") in r.isolation
+    assert _procs_in(r.stdout.split()[0]) == []
+    _caller_keeps_working()
+
+
+@pytest.mark.skipif(not HAVE_NPROC, reason="the sandbox runs as uid 0, exempt from RLIMIT_NPROC")
+@pytest.mark.parametrize("namespaces", NS_MODES)
+def test_thread_bomb_is_stopped_at_the_process_limit(namespaces):
+    # the audit hook does not refuse threads; memory enough for 8 thread stacks
+    t0 = time.monotonic()
+    r = run_python(THREAD_BOMB, namespaces=namespaces, max_procs=8, mem_mb=1024, timeout_s=10)
+    assert r.status == "limit" and r.reason == "process limit", r
+    assert "can't start new thread" in r.stderr
+    assert time.monotonic() - t0 < 5
+    cwd, started = r.stdout.split()
+    if namespaces:
+        assert int(started) == 7  # max_procs tasks: the main thread and 7 more
+    else:
+        assert 0 <= int(started) <= 7  # the uid's other tasks may take some of the room
+    assert _procs_in(cwd) == []
+    _caller_keeps_working()
+
+
+def test_thread_bomb_against_the_memory_limit_is_a_memory_stop():
+    # 8 MiB stacks (or more) do not fit in 64 MiB for long: memory, not the process limit
+    r = run_python(THREAD_BOMB, max_procs=1000, mem_mb=64, timeout_s=10)
+    assert r.status == "memory" and r.reason == "memory limit", r
+    assert "no room for a thread stack" in r.stderr
+    assert int(r.stdout.split()[1]) < 8
+    assert _procs_in(r.stdout.split()[0]) == []
+
+
+def test_memory_bomb_is_stopped():
+    code = (
+        "import os\nprint(os.getcwd(), flush=True)\n"
+        "x = []\nwhile True:\n    x.append(bytearray(2 ** 20))"
+    )
+    t0 = time.monotonic()
+    r = run_python(code, mem_mb=128, timeout_s=10)
+    assert r.status == "memory" and r.reason == "memory limit", r
+    assert time.monotonic() - t0 < 5
+    assert _procs_in(r.stdout.split()[0]) == []
+    _caller_keeps_working()
+
+
+def test_bombs_in_function_calls_stop_the_run():
+    # a per-call error would let the next call go on; a bomb ends the run instead
+    code = (
+        "import threading\n"
+        "def f(x):\n"
+        "    if x == 1:\n"
+        "        while True:\n"
+        "            threading.Thread(target=threading.Event().wait).start()\n"
+        "    if x == 2:\n"
+        "        return bytearray(2 ** 40)\n"
+        "    return x\n"
+    )
+    thread = run_function(code, "f", [[0], [1], [0]], max_procs=4, mem_mb=1024)
+    memory = run_function(code, "f", [[0], [2], [0]])
+    if HAVE_NPROC:
+        assert thread.result.status == "limit", thread.result
+    else:
+        assert thread.result.status in ("limit", "memory"), thread.result
+    assert memory.result.status == "memory", memory.result
+    for run in (thread, memory):
+        assert run.cases[0] is not None and run.cases[0].value == 0
+        assert run.cases[1] is None and run.cases[2] is None
+
+
+def test_sweep_kills_a_process_that_left_the_session_without_namespaces():
+    # no PID namespace, and the child is out of the process group killpg reaches
+    code = (
+        "import os, time\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.close(1)\n"
+        "    os.close(2)\n"
+        "    os.write(w, str(os.getpid()).encode())\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(os.read(r, 100).decode(), flush=True)\n"
+    )
+    r = run_python(code, audit=False, namespaces=False)
+    assert r.status == "ok" and r.strays == 1, r
+    child = int(r.stdout.split()[0])
+    assert not _alive(child)  # dead when run_python returns, not later
+    clean = run_python("print(1)")
+    assert clean.status == "ok" and clean.strays == 0, clean

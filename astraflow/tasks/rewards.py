@@ -14,7 +14,8 @@ options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
   exact answer is rarely sampled.
 * ``format``: 1 when the stripped completion fully matches ``pattern`` (a regex).
 * ``code_tests``: the fraction of ``payload["tests"]`` (``[[args, expected], ...]``) that
-  the completion's function ``payload["func"]`` (default ``f``) passes in the sandbox.
+  the completion's function ``payload["func"]`` (default ``f``) passes in the sandbox; 0
+  when its run hit the sandbox's process/thread limit (``max_procs``).
 * ``sum``: ``terms`` (a list of reward specs, each with an optional ``weight``) added up;
   for instance correctness plus a small format bonus.
 
@@ -127,7 +128,8 @@ def format_match(pattern: str = r"-?\d+") -> Reward:
 
 
 @register_reward("code_tests")
-def code_tests(cpu_s: int = 2, mem_mb: int = 256, timeout_s: float = 5.0) -> Reward:
+def code_tests(cpu_s: int = 2, mem_mb: int = 256, timeout_s: float = 5.0,
+               max_procs: int = 32) -> Reward:
     def reward(completion: str, payload: Mapping[str, Any]) -> float:
         from astraflow.sandbox import check_cases
 
@@ -136,8 +138,9 @@ def code_tests(cpu_s: int = 2, mem_mb: int = 256, timeout_s: float = 5.0) -> Rew
             raise RewardError("reward code_tests: the payload has no 'tests' list")
         cases = [(list(args), expected) for args, expected in tests]
         report = check_cases(cut_at_stop(completion), str(payload.get("func", "f")), cases,
-                             cpu_s=cpu_s, mem_mb=mem_mb, timeout_s=timeout_s)
-        return report.fraction
+                             cpu_s=cpu_s, mem_mb=mem_mb, timeout_s=timeout_s,
+                             max_procs=max_procs)
+        return 0.0 if report.run.result.status == "limit" else report.fraction
 
     return reward
 

@@ -17,7 +17,11 @@ values never enter the sandbox.
 Rewards:
 
 * solver: the fraction of the hidden tests its function passes (``solver_reward:
-  all``: 1 only when it passes all of them). An attempt that does not pass all hidden
+  all``: 1 only when it passes all of them); 0 whatever it passed when its process hit
+  the sandbox's process/thread limit (status ``limit``: a fork or thread bomb). Each
+  solver sequence's ``meta`` has the run's ``status`` and ``reason`` (the sandbox's
+  reason when the run did not end ``ok``, else the first call's error, e.g. a refused
+  ``os.fork``; empty when there is none). An attempt that does not pass all hidden
   tests is a *failing attempt*.
 * generator: 0 when its completion is unparseable (any item not of the form above, a
   wrong number of arguments, no item at all); 0 when the tests are not *valid* (the
@@ -39,7 +43,7 @@ instead.
 Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS node):
 ``code/solver_pass_rate`` (attempts passing all hidden tests), ``code/solver_case_rate``
 (hidden tests passed), ``code/solver_error_rate`` (attempts whose process did not end
-normally: syntax error, timeout, memory, empty), ``code/tests_parse_rate``,
+normally: syntax error, timeout, memory, process limit, empty), ``code/tests_parse_rate``,
 ``code/tests_valid_rate``, ``code/tests_discriminating_rate`` (all over the generator's
 samples), ``code/failing_caught_rate`` (failing attempts that returned values and that
 some valid test set fails; only when there are such attempts), ``code/solver_reward_mean``,
@@ -53,7 +57,7 @@ solver alone); the sampling options of ``single_turn`` for the solver (default
 ``max_new_tokens`` 48); ``solver_reward`` (``fraction``/``all``), ``no_failures_reward``,
 ``max_tests`` (items read per generator completion, default 8; more are ignored);
 ``sandbox`` (keyword arguments of ``astraflow.sandbox.run_function``: ``cpu_s`` default 1,
-``mem_mb`` 256, ``timeout_s`` 5, ...); ``sandbox_workers`` (default 2).
+``mem_mb`` 256, ``timeout_s`` 5, ``max_procs`` 32, ...); ``sandbox_workers`` (default 2).
 """
 
 from __future__ import annotations
@@ -89,11 +93,14 @@ SANDBOX_KEYS = {
     "max_output",
     "fsize_mb",
     "nofile",
+    "max_procs",
     "namespaces",
     "audit",
     "python",
     "drop_user",
 }
+# a run that hit the process/thread limit earns nothing for the calls before the bomb
+ZERO_REWARD_STATUSES = frozenset({"limit"})
 MAX_ITEM_CHARS = 200
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -167,6 +174,14 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
+def _reason(run: FunctionRun) -> str:
+    """Why an attempt's run failed: the sandbox's reason, else the first call's error."""
+    if run.result.reason:
+        return run.result.reason
+    errors = [c.error for c in run.cases if c is not None and not c.ok]
+    return errors[0][:200] if errors else ""
+
+
 
 
 def _distinct_inputs(hidden: list[Test], suites: list[list[Test] | None]
@@ -192,6 +207,7 @@ class _Judged:
     sandbox_runs: int
     outputs: list[dict[str, CaseResult | None]] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)  # hidden tests passed, per attempt
     catchable: list[int] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
@@ -204,9 +220,11 @@ class _Judged:
             if e in runs:
                 self.outputs.append(dict(zip(order, runs[e].cases)))
                 self.statuses.append(runs[e].result.status)
+                self.reasons.append(_reason(runs[e]))
             else:
                 self.outputs.append({})
                 self.statuses.append("empty")
+                self.reasons.append("")
             self.passed.append(
                 sum(_passes(self.outputs[-1].get(_key(a)), normalise(x)) for a, x in hidden)
             )
@@ -409,6 +427,8 @@ class CodeTests:
             passed = judged.passed[i]
             frac = passed / n_tests
             reward = frac if self.solver_reward == "fraction" else float(passed == n_tests)
+            if judged.statuses[i] in ZERO_REWARD_STATUSES:
+                reward = 0.0
             out.append(
                 role_sequence(
                     policy,
@@ -422,6 +442,7 @@ class CodeTests:
                     tests=str(n_tests),
                     all_passed=_flag(passed == n_tests),
                     status=judged.statuses[i],
+                    reason=judged.reasons[i],
                     catchable=_flag(i in judged.catchable),
                     caught=_flag(i in judged.caught_any),
                     sandbox_s=f"{judged.sandbox_s:.4f}" if i == 0 else "0",
