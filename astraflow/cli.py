@@ -187,7 +187,8 @@ def cmd_processor_run(args: argparse.Namespace) -> int:
     from astraflow.kafka.runtime import ProcessorRuntime
 
     topo: Topology = args.loaded_topology
-    runtime = ProcessorRuntime(topo, args.name, instance=args.instance, config=kafka_config(args))
+    runtime = ProcessorRuntime(topo, args.name, instance=args.instance, config=kafka_config(
+        args, topo.component_kafka(f"processor.{args.name}")))
 
     stop_on_signals(runtime.stop, logging.getLogger("astraflow"), "finishing the open transaction")
     counters = runtime.run()

@@ -151,7 +151,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
 
     scorer, n_prompts = held_out_scorer(args)
     topo = args.loaded_topology
-    config = kafka_config(args)
+    config = kafka_config(args, topo.component_kafka(f"eval.{args.policy}"))
     torch.set_num_threads(1)
     path = ensure_model(args.model, config, topo, args.policy)
     model, tokenizer = load_policy(path, dtype=args.dtype)

@@ -351,7 +351,8 @@ class PoolSpec(_Strict):
         try:
             KafkaConfig(**v)
         except ValidationError as e:
-            raise ValueError("." + _format_errors(e)) from None
+            msg = _format_errors(e)
+            raise ValueError(msg if msg.startswith(".") else "." + msg) from None
         return v
 
     def engine_settings(self) -> Any:
@@ -439,7 +440,16 @@ class Topology(_Strict):
         self._check_processors()
         self._resolve_staleness()
         self._check_task_partitions()
+        self._check_principals()
         return self
+
+    def _check_principals(self) -> None:
+        """Every ``kafka.security.principals`` key names a component of this topology."""
+        known = self.component_keys()
+        for key in self.kafka.security.principals:
+            if key not in known:
+                raise ValueError(f"kafka.security.principals.{key}: no such component "
+                                 f"(known: {', '.join(known)})")
 
     def _check_task_partitions(self) -> None:
         """Nodes beyond the partitions of ``tasks`` in one group would get none: refuse."""
@@ -525,6 +535,22 @@ class Topology(_Strict):
         merged = {k: {**base[k], **v} if isinstance(v, dict) else v
                   for k, v in spec.kafka.items()}
         return KafkaConfig(**{**base, **merged})
+
+    def component_keys(self) -> list[str]:
+        """The key of every component (its principal under ``kafka.security``): ``feeder``,
+        ``processor.<name>``, ``pool.<pool>``, ``trainer.<policy>``, ``eval.<policy>``."""
+        keys = ["feeder"] if self.feeder is not None else []
+        keys += [f"processor.{name}" for name in self.processors]
+        keys += [f"pool.{name}" for name in self.pools]
+        keys += [f"trainer.{policy}" for policy in self.policies]
+        if self.eval is not None:
+            keys += [f"eval.{policy}" for policy in self.policies]
+        return keys
+
+    def component_kafka(self, key: str, base: KafkaConfig | None = None) -> KafkaConfig:
+        """The client settings of component ``key`` (``base``: default the topology's
+        ``kafka:``) with that component's credentials (``kafka.security.principals``)."""
+        return (base or self.kafka).for_component(key, self.run)
 
     def topic(self, name: str) -> ResolvedTopic:
         if name not in self.topics:

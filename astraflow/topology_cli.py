@@ -1,9 +1,10 @@
-"""``astraflow topology explain|validate``: a topology as a graph of topics and components.
+"""``astraflow topology explain|validate|acls``: a topology as a graph of topics and components.
 
 ``explain`` lists every topic in the order records flow through it (partitions, record
 type, which components write and read it) and every component with its typed settings;
 ``validate`` loads the file (every error names the file and key) and says what ``up``
-would start. ``graph(topo)`` is the decision logic, with no Kafka.
+would start; ``acls`` prints each component's principal and least-privilege ACLs
+(``astraflow.acls``). ``graph(topo)`` is the decision logic, with no Kafka.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def explain(topo: Topology) -> str:
     comps = graph(topo)
     lines = [f"run {topo.run} ({topo.source}); topic names get the prefix {topo.run}.",
              "", "topics, in the order records flow:"]
+    if topo.kafka.security.enabled:  # where passwords come from, never a password
+        lines[1:1] = [f"kafka security: {topo.kafka.security.describe()}"]
     width = max(len(t) for t in topo.topics)
     for name in flow_order(topo, comps):
         t = topo.topic(name)
@@ -139,11 +142,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_acls(args: argparse.Namespace) -> int:
+    """``astraflow topology acls``: each component's principal and the ACLs it needs."""
+    from astraflow.acls import component_acls, format_table, to_json
+
+    topo: Topology = args.loaded_topology
+    comps = component_acls(topo)
+    print(to_json(topo, comps) if args.json else format_table(topo, comps))
+    return 0
+
+
 def register(subparsers: Any) -> None:
-    """Add ``topology explain|validate`` to ``subparsers``."""
+    """Add ``topology explain|validate|acls`` to ``subparsers``."""
     from astraflow.cliargs import add_command, add_group, add_run_options
 
-    verbs = add_group(subparsers, "topology", help="inspect a topology file: explain, validate",
+    verbs = add_group(subparsers, "topology",
+                      help="inspect a topology file: explain, validate, acls",
                       dest="topology_command",
                       examples=["astraflow topology explain topology/default.yaml"])
     for name, func, help_text in (
@@ -155,3 +169,10 @@ def register(subparsers: Any) -> None:
                                   f"astraflow topology {name} -t topology/default.yaml"])
         add_run_options(p, positional=True, bootstrap=False)
         p.set_defaults(func=func)
+    p = add_command(verbs, "acls", help="print each component's principal and the Kafka ACLs "
+                    "it needs, and nothing more",
+                    examples=["astraflow topology acls topology/default.yaml",
+                              "astraflow topology acls -t topology/default.yaml --json"])
+    add_run_options(p, positional=True, bootstrap=False)
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.set_defaults(func=cmd_acls)

@@ -7,20 +7,37 @@ import os
 import socket
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from astraflow.kafka.security import (
+    SECURITY_OPTIONS,
+    KafkaSecurity,
+    check_no_secrets,
+    client_settings,
+)
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+# group ids of readers that assign partitions and never join a group nor commit; the broker
+# still wants DESCRIBE on them (the least-privilege ACLs of ``astraflow.acls`` grant it)
+TABLE_GROUP = "astraflow-table"  # TopicReader, TopicTable: weights, status, followed topics
+ADMISSION_GROUP = "astraflow-admission"  # the admission processor's record counters
+REPLAY_GROUP = "astraflow-replay"  # replay copies (an operator command)
+TRAINER_REPLAY_GROUP_PREFIX = "astraflow-trainer-replay-"  # + random: batches on resume
+BLOB_READER_GROUP_PREFIX = "astraflow-blob-reader-"  # + random: weights.blobs chunks
 LIBRDKAFKA_LOG = logging.getLogger("astraflow.librdkafka")
 if os.environ.get("ASTRAFLOW_LIBRDKAFKA_LOG", "").lower() not in ("1", "debug", "on"):
     LIBRDKAFKA_LOG.setLevel(logging.CRITICAL)
 
 
 class KafkaConfig(BaseModel):
-    """Bootstrap servers, client id, and librdkafka options passed through untouched.
+    """Bootstrap servers, client id, security, and librdkafka options passed through.
 
-    ``options`` takes any librdkafka property (``security.protocol``, ``sasl.mechanism``,
-    ``sasl.username``, ``ssl.ca.location`` ...) and is applied to producers, consumers and
-    admin clients alike; the per-role dicts are applied on top of it.
+    ``security`` (``astraflow.kafka.security.KafkaSecurity``) holds TLS, SASL and the
+    credentials of each component; ``for_component`` picks one component's. ``options``
+    takes any other librdkafka property and is applied to producers, consumers and admin
+    clients alike; the per-role dicts are applied on top of it. No option may hold a secret
+    (``sasl.password``, ``ssl.key.password`` ...): that fails at load naming the key, and a
+    password is read from an environment variable or a file instead.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -38,6 +55,25 @@ class KafkaConfig(BaseModel):
     # how long one transaction may stay open (its records and offsets, not the work
     # before it); at most the broker's transaction.max.timeout.ms (15 min by default)
     transaction_timeout_ms: int = Field(default=60_000, ge=1000)
+    security: KafkaSecurity = Field(default_factory=KafkaSecurity)
+
+    @model_validator(mode="after")
+    def _no_secrets(self) -> KafkaConfig:
+        for name in ("options", "producer_options", "consumer_options",
+                     "schema_registry_options"):
+            check_no_secrets(getattr(self, name), f".{name}")
+        if self.security.enabled:
+            for name in ("options", "producer_options", "consumer_options"):
+                clash = sorted(SECURITY_OPTIONS & set(getattr(self, name)))
+                if clash:
+                    raise ValueError(f".{name}.{clash[0]}: set by kafka.security; give it "
+                                     "there, not as a librdkafka option")
+        return self
+
+    def for_component(self, key: str, run: str) -> KafkaConfig:
+        """This config with the credentials of component ``key`` (``trainer.actor``,
+        ``pool.local`` ...; see ``KafkaSecurity``) of run ``run``."""
+        return self.model_copy(update={"security": self.security.for_component(key, run)})
 
     @classmethod
     def from_env(cls, **overrides: Any) -> KafkaConfig:
@@ -65,6 +101,8 @@ class KafkaConfig(BaseModel):
             # quiet unless asked for; what matters reaches us as errors and error_cb
             "logger": LIBRDKAFKA_LOG,
             **self.options,
+            # TLS and SASL, the password read now (never held by this object)
+            **client_settings(self.security),
         }
 
     def admin_conf(self, **extra: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
-from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.config import TABLE_GROUP, KafkaConfig
 from astraflow.records import Record
 
 log = logging.getLogger("astraflow.kafka.table")
@@ -158,7 +158,7 @@ class TopicReader(Generic[V]):
         self.progress = CatchUp()
         self._log_interval_s = config.outage_log_interval_s
         self._last_log = -math.inf
-        self.consumer = Consumer(config.consumer_conf("astraflow-table", **{
+        self.consumer = Consumer(config.consumer_conf(TABLE_GROUP, **{
             "enable.auto.commit": False, "enable.partition.eof": True,
             "isolation.level": isolation, "client.id": client_id or f"table-{topic}"}))
         try:

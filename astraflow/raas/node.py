@@ -83,7 +83,8 @@ class RaaSNode:
             raise ValueError("a RaaS node needs at least one engine")
         self.topology = topology
         self.options = options or NodeOptions()
-        self.config = (config or topology.kafka).effective()
+        self.config = (config or topology.kafka).effective(
+        ).for_component(f"pool.{self.options.pool}", topology.run)
         self.engines: dict[str, Engine] = dict(engines)
         self.instance = (
             self.options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or socket.gethostname()

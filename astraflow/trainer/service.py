@@ -157,7 +157,8 @@ class TrainerService:
         self.topology = topology
         self.options = options
         self.policy = options.policy
-        self.config = (config or topology.kafka).effective()
+        self.config = (config or topology.kafka).effective().for_component(
+            f"trainer.{self.policy}", topology.run)
         self.instance = options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or "0"
         self.group = topology.trainer_group(self.policy)
         self.transactional_id = f"{self.group}.{self.instance}"
