@@ -413,6 +413,23 @@ class EvalSpec(_Strict):
         return check_reward(v)
 
 
+class WeightSigningSpec(_Strict):
+    """Signed weights (``astraflow.weights.signing``): each trainer signs its manifests with
+    ``private_key``; RaaS nodes and evaluators refuse manifests not signed by the key of
+    ``public_key``. Paths of PEM files (``astraflow weights keygen``), never keys;
+    ``ASTRAFLOW_WEIGHTS_SIGNING_KEY`` and ``ASTRAFLOW_WEIGHTS_PUBLIC_KEY`` override them."""
+
+    public_key: str | None = None
+    private_key: str | None = None
+
+    @field_validator("public_key", "private_key")
+    @classmethod
+    def _a_path(cls, v: str | None) -> str | None:
+        if v is not None and "-----BEGIN" in v:
+            raise ValueError("the path of a PEM file, not the key itself")
+        return v
+
+
 class Topology(_Strict):
     """A whole run definition."""
 
@@ -429,6 +446,7 @@ class Topology(_Strict):
     pools: dict[str, PoolSpec] = Field(default_factory=dict)
     feeder: FeederSpec | None = None
     eval: EvalSpec | None = None
+    weight_signing: WeightSigningSpec = Field(default_factory=WeightSigningSpec)
 
     source: str = Field(default="<memory>", exclude=True)
 
