@@ -103,6 +103,10 @@ def explain(topo: Topology) -> str:
              "", "topics, in the order records flow:"]
     if topo.kafka.security.enabled:  # where passwords come from, never a password
         lines[1:1] = [f"kafka security: {topo.kafka.security.describe()}"]
+    signing = topo.weight_signing
+    if signing.public_key or signing.private_key:
+        lines[1:1] = [f"weight signing: trainers sign with {signing.private_key or '(no key)'}"
+                      f", readers verify with {signing.public_key or '(nothing)'}"]
     width = max(len(t) for t in topo.topics)
     for name in flow_order(topo, comps):
         t = topo.topic(name)

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from astraflow.errors import AstraflowError
+
 REDACTED = "[redacted]"
 # librdkafka and schema-registry properties that hold a secret (besides every key that
 # contains "password" or "secret")
@@ -53,8 +55,9 @@ INLINE_SECRET = ("a password is never written in the topology: name an environme
                  "variable (password_env) or a file (password_file) that holds it")
 
 
-class SecurityConfigError(ValueError):
-    """Security settings that cannot make a client; the message names the key, not a secret."""
+class SecurityConfigError(AstraflowError, ValueError):
+    """Security settings that cannot make a client; the message names the key, not a secret
+    (the CLI prints it as one line)."""
 
 
 def is_secret_option(key: str) -> bool:

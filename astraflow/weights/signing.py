@@ -31,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from astraflow.errors import AstraflowError
 from astraflow.records import Record, WeightManifest
 from astraflow.weights.errors import ManifestSignatureError, WeightsError
 
@@ -43,8 +44,9 @@ ENV_PUBLIC_KEY = "ASTRAFLOW_WEIGHTS_PUBLIC_KEY"  # the readers' public key file
 PRIVATE_FILE, PUBLIC_FILE = "weights-signing.key", "weights-signing.pub"
 
 
-class SigningKeyError(WeightsError):
-    """A key file is missing, unreadable or not an ed25519 key (named, never shown)."""
+class SigningKeyError(WeightsError, AstraflowError):
+    """A key file is missing, unreadable or not an ed25519 key (named, never shown); the
+    CLI prints it as one line."""
 
 
 def _plain(value: Any, top: bool = False) -> Any:
