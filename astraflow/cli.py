@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from astraflow.broker import BrokerError, EmbeddedBroker, parse_remote_listener
 from astraflow.cliargs import add_command, add_group, add_run_options, examples_epilog, fill
 from astraflow.errors import AstraflowError
+from astraflow.kafka.access import EXIT_REFUSED, KafkaAccessError, refusal
 from astraflow.kafka.config import KafkaConfig
 from astraflow.topology import Topology, TopologyError, load_topology
 
@@ -57,7 +58,8 @@ def cmd_broker_start(args: argparse.Namespace) -> int:
         return 0
     broker = EmbeddedBroker()
     before = broker.status()
-    st = broker.start(port=args.port, remote_listener=args.remote_listener)
+    st = broker.start(port=args.port, remote_listener=args.remote_listener,
+                      secure=True if args.secure else None)
     if before.running:
         print(f"already running: {st.describe()}")
     else:
@@ -257,7 +259,8 @@ def _add_broker(sub: Any) -> None:
                       dest="action", examples=["astraflow broker start",
                                                "astraflow broker stop --purge"])
     p = add_command(verbs, "start", help="start it (fetching the jars on first use)",
-                    examples=["astraflow broker start", "astraflow broker start --port 29092"])
+                    examples=["astraflow broker start", "astraflow broker start --port 29092",
+                              "astraflow broker start --secure"])
     p.add_argument("--port", type=int, default=None, help="listener port (default 19092)")
     p.add_argument("--remote-listener", type=_remote_listener, default=None,
                    metavar="PORT=HOST:PORT",
@@ -265,6 +268,10 @@ def _add_broker(sub: Any) -> None:
                    "HOST:PORT, for clients that reach the broker through a proxy there "
                    "(kept across restarts; docs/operations.md, \"A remote pool over a slow "
                    "link\")")
+    p.add_argument("--secure", action="store_true",
+                   help="SASL_SSL (SCRAM-SHA-512) with a generated CA, and ACLs enforced "
+                   "(nothing allowed without one); prints the CA and the admin credentials "
+                   "file (docs/security.md)")
     p.set_defaults(func=cmd_broker_start)
     p = add_command(verbs, "stop", help="stop it",
                     examples=["astraflow broker stop", "astraflow broker stop --purge"])
@@ -429,6 +436,13 @@ def _exported_run(run: str | None) -> Iterator[None]:
             os.environ["ASTRAFLOW_RUN"] = before
 
 
+def _principal(args: argparse.Namespace) -> str:
+    try:
+        return kafka_config(args).principal()
+    except (AstraflowError, ValueError):
+        return "this client"
+
+
 def _one_line(code: object) -> str:
     text = str(code)
     return text if text.startswith("astraflow") else f"astraflow: {text}"
@@ -451,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         args.loaded_topology = load_run_topology(args)
         with _exported_run(getattr(args, "run", None)):
             return args.func(args)
+    except KafkaAccessError as e:  # denied, bad credentials, a certificate: no restart helps
+        if args.debug:
+            raise
+        print(_one_line(e), file=sys.stderr)
+        return EXIT_REFUSED
     except (TopologyError, BrokerError, AstraflowError) as e:
         if args.debug:
             raise
@@ -460,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         err = e.args[0] if e.args else e
+        refused = refusal(err if isinstance(err, KafkaError) else None,
+                          _principal(args), "an operation")
+        if refused is not None:
+            print(_one_line(refused), file=sys.stderr)
+            return EXIT_REFUSED
         print(f"astraflow: Kafka at {kafka_config(args).bootstrap_servers}: "
               f"{err.str() if hasattr(err, 'str') else err}", file=sys.stderr)
         return 2

@@ -151,8 +151,25 @@ def cmd_acls(args: argparse.Namespace) -> int:
     from astraflow.acls import component_acls, format_table, to_json
 
     topo: Topology = args.loaded_topology
+    if args.apply:
+        return _apply(args, topo)
     comps = component_acls(topo)
     print(to_json(topo, comps) if args.json else format_table(topo, comps))
+    return 0
+
+
+def _apply(args: argparse.Namespace, topo: Topology) -> int:
+    """``topology acls --apply``: make the users and ACLs as the operator."""
+    from pathlib import Path
+
+    from astraflow.acls_apply import apply
+    from astraflow.cli import kafka_config
+
+    config = kafka_config(args)
+    cred_dir = Path(args.credentials_dir).expanduser() if args.credentials_dir else None
+    done = apply(topo, config, cred_dir)
+    print(f"run {topo.run} on {config.bootstrap_servers} as {config.principal()}")
+    print(done.summary())
     return 0
 
 
@@ -176,7 +193,16 @@ def register(subparsers: Any) -> None:
     p = add_command(verbs, "acls", help="print each component's principal and the Kafka ACLs "
                     "it needs, and nothing more",
                     examples=["astraflow topology acls topology/default.yaml",
-                              "astraflow topology acls -t topology/default.yaml --json"])
-    add_run_options(p, positional=True, bootstrap=False)
+                              "astraflow topology acls -t topology/default.yaml --json",
+                              "astraflow topology acls topology/default.yaml --apply "
+                              "--credentials-dir ~/.config/astraflow/credentials"])
+    add_run_options(p, positional=True, bootstrap=True)
     p.add_argument("--json", action="store_true", help="print as JSON")
+    p.add_argument("--apply", action="store_true",
+                   help="create the components' SCRAM users and these ACLs on the cluster "
+                   "(as the operator: the topology's default credentials or ASTRAFLOW_SASL_*; "
+                   "safe to run again)")
+    p.add_argument("--credentials-dir", default=None, metavar="DIR",
+                   help="with --apply: write each component's password to DIR/<key>.password "
+                   "(mode 0600; default kafka.security.credentials_dir)")
     p.set_defaults(func=cmd_acls)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from astraflow.kafka.access import check_login, guarded_error_cb, principal_of_conf
 from astraflow.kafka.security import (
     SECURITY_OPTIONS,
     KafkaSecurity,
@@ -85,16 +86,24 @@ class KafkaConfig(BaseModel):
         return cls(**data)
 
     def effective(self) -> KafkaConfig:
-        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins) or the embedded broker filled in."""
+        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins) or the embedded broker filled
+        in; a secured embedded broker's admin credentials too when nothing (topology or
+        environment) sets any."""
         env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
         if env:
             return self.model_copy(update={"bootstrap_servers": env})
         if self.bootstrap_servers:
             return self
-        return self.model_copy(update={"bootstrap_servers": resolve_bootstrap()})
+        from astraflow.broker import EmbeddedBroker
+
+        embedded = EmbeddedBroker().status()
+        update: dict[str, Any] = {"bootstrap_servers": embedded.bootstrap or DEFAULT_BOOTSTRAP}
+        if embedded.secure is not None and not self.security.with_env().enabled:
+            update["security"] = embedded.secure.client_security()
+        return self.model_copy(update=update)
 
     def _base(self) -> dict[str, Any]:
-        return {
+        conf = {
             "bootstrap.servers": self.bootstrap_servers or resolve_bootstrap(),
             "client.id": self.client_id,
             # librdkafka's own log lines (one per failed reconnect) go to Python logging,
@@ -104,9 +113,24 @@ class KafkaConfig(BaseModel):
             # TLS and SASL, the password read now (never held by this object)
             **client_settings(self.security),
         }
+        return conf
+
+    @staticmethod
+    def _guarded(conf: dict[str, Any]) -> dict[str, Any]:
+        """``conf`` with its ``error_cb`` wrapped: a refused login or a failed TLS
+        handshake raises ``KafkaAccessError`` instead of being retried forever. Under SASL
+        or TLS, the first configuration made for a set of credentials checks them against
+        the broker (``check_login``): a wrong password fails here, at once."""
+        check_login(conf)
+        conf["error_cb"] = guarded_error_cb(conf, conf.get("error_cb"))
+        return conf
+
+    def principal(self) -> str:
+        """``User:<name>`` the clients made from this config authenticate as."""
+        return principal_of_conf(client_settings(self.security))
 
     def admin_conf(self, **extra: Any) -> dict[str, Any]:
-        return {**self._base(), **extra}
+        return self._guarded({**self._base(), **extra})
 
     def producer_conf(self, **extra: Any) -> dict[str, Any]:
         conf = {
@@ -118,7 +142,7 @@ class KafkaConfig(BaseModel):
             **self.producer_options,
         }
         conf.update(extra)
-        return conf
+        return self._guarded(conf)
 
     def consumer_conf(self, group_id: str, **extra: Any) -> dict[str, Any]:
         conf = {
@@ -130,7 +154,7 @@ class KafkaConfig(BaseModel):
             **self.consumer_options,
         }
         conf.update(extra)
-        return conf
+        return self._guarded(conf)
 
 
 def resolve_bootstrap() -> str:

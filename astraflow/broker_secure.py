@@ -1,0 +1,122 @@
+"""The embedded broker's secured mode (``astraflow broker start --secure``).
+
+The client listener speaks SASL_SSL with SCRAM-SHA-512; the controller listener SASL
+PLAIN with its own ``controller`` user (a PLAINTEXT controller listener would make
+``User:ANONYMOUS`` a super user, open to anyone on the host); ``StandardAuthorizer``
+refuses whatever no ACL allows. ``admin`` is the super user the operator commands use: it
+is created when the storage is formatted, because the broker logs in to itself with it.
+Everything lives in the state directory, kept across restarts: ``tls/`` (CA and broker
+certificate, ``astraflow.kafka.tls``), ``admin.password`` and ``controller.password``
+(mode 0600). No password is ever printed; only the files that hold them are named.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from astraflow.kafka.security import KafkaSecurity
+from astraflow.kafka.tls import TlsFiles, ensure_broker_tls, tls_files, write_private
+
+ADMIN_USER = "admin"
+CONTROLLER_USER = "controller"
+MECHANISM = "SCRAM-SHA-512"
+AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+@dataclass(frozen=True)
+class SecureFiles:
+    """A secured broker's files in its state directory."""
+
+    tls: TlsFiles
+    admin_password: Path
+    controller_password: Path
+
+    def client_security(self) -> KafkaSecurity:
+        """The admin's client settings: SASL_SSL, SCRAM-SHA-512, this CA."""
+        return KafkaSecurity(protocol="SASL_SSL", sasl_mechanism=MECHANISM,
+                             username=ADMIN_USER, password_file=str(self.admin_password),
+                             ca_location=str(self.tls.ca))
+
+    def client_conf(self) -> dict[str, str]:
+        """librdkafka properties of an admin client (the password read now)."""
+        return {"security.protocol": "SASL_SSL", "sasl.mechanism": MECHANISM,
+                "sasl.username": ADMIN_USER, "sasl.password": _read(self.admin_password),
+                "ssl.ca.location": str(self.tls.ca)}
+
+
+def secure_files(state: Path) -> SecureFiles:
+    return SecureFiles(tls_files(state / "tls"), state / "admin.password",
+                       state / "controller.password")
+
+
+def _read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def _password(path: Path) -> str:
+    """The password kept in ``path``; a new random one (written mode 0600) if none."""
+    if path.exists() and _read(path):
+        return _read(path)
+    value = secrets.token_urlsafe(24)  # letters, digits, - and _: safe inside JAAS quotes
+    write_private(path, value + "\n")
+    return value
+
+
+def prepare(state: Path, log=print) -> SecureFiles:
+    """Make what a secured broker needs in ``state`` unless it is there (kept otherwise)."""
+    files = secure_files(state)
+    ensure_broker_tls(state / "tls", log=log)
+    _password(files.admin_password)
+    _password(files.controller_password)
+    return files
+
+
+def scram_bootstrap(files: SecureFiles) -> list[str]:
+    """The ``--add-scram`` values of the storage format: the admin user."""
+    return [f"{MECHANISM}=[name={ADMIN_USER},password={_read(files.admin_password)}]"]
+
+
+def secure_properties(port: int, controller_port: int, files: SecureFiles) -> str:
+    """The listener, SASL, TLS and authorizer part of a secured broker's config."""
+    admin, ctl = _read(files.admin_password), _read(files.controller_password)
+    scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
+    plain = "org.apache.kafka.common.security.plain.PlainLoginModule"
+    return f"""listeners=SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
+advertised.listeners=SASL_SSL://127.0.0.1:{port}
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=SASL_SSL
+listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SASL_PLAINTEXT
+sasl.enabled.mechanisms={MECHANISM}
+sasl.mechanism.inter.broker.protocol={MECHANISM}
+sasl.mechanism.controller.protocol=PLAIN
+listener.name.sasl_ssl.sasl.enabled.mechanisms={MECHANISM}
+listener.name.sasl_ssl.{MECHANISM.lower()}.sasl.jaas.config={scram} required \\
+  username="{ADMIN_USER}" password="{admin}";
+listener.name.controller.sasl.enabled.mechanisms=PLAIN
+listener.name.controller.plain.sasl.jaas.config={plain} required \\
+  username="{CONTROLLER_USER}" password="{ctl}" user_{CONTROLLER_USER}="{ctl}";
+ssl.keystore.type=PEM
+ssl.keystore.location={files.tls.broker}
+ssl.truststore.type=PEM
+ssl.truststore.location={files.tls.ca}
+ssl.client.auth=none
+authorizer.class.name={AUTHORIZER}
+allow.everyone.if.no.acl.found=false
+super.users=User:{ADMIN_USER};User:{CONTROLLER_USER}
+"""
+
+
+def describe(bootstrap: str, files: SecureFiles) -> str:
+    """What a client needs, without a secret: bootstrap, CA, admin credentials file."""
+    return (f"  bootstrap {bootstrap} (SASL_SSL, {MECHANISM})\n"
+            f"  CA certificate {files.tls.ca}\n"
+            f"  admin user {ADMIN_USER}, password in {files.admin_password} (mode 0600)\n"
+            f"  clients: ASTRAFLOW_SECURITY_PROTOCOL=SASL_SSL "
+            f"ASTRAFLOW_SSL_CA_LOCATION={files.tls.ca} ASTRAFLOW_SASL_USERNAME={ADMIN_USER} "
+            f"ASTRAFLOW_SASL_PASSWORD_FILE={files.admin_password}")
+
+
+__all__ = ["ADMIN_USER", "SecureFiles", "describe", "prepare", "scram_bootstrap",
+           "secure_files", "secure_properties"]
