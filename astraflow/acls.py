@@ -10,6 +10,7 @@ operator commands, the principal it connects as (``kafka.security``; by default
 - READ on the topics it reads without a group (weights manifests and blobs, a followed
   topic), and DESCRIBE on the groups whose lag it reads;
 - WRITE on the topics it produces to, ``status`` and ``dlq`` included;
+- DELETE on a trainer's blob topic (it deletes the records of blobs no version needs);
 - WRITE and DESCRIBE on its transactional-id prefix (``<group>.`` for a processor,
   ``<run>.raas.<pool>.``, ``<run>.trainer.<policy>.``);
 - DESCRIBE on the assign-only reader groups its readers name (``astraflow.kafka.config``).
@@ -76,6 +77,7 @@ class _Access:
     reads: list[str] = field(default_factory=list)  # without a group
     writes: list[str] = field(default_factory=list)
     transactional_prefix: str | None = None
+    deletes: list[str] = field(default_factory=list)  # DeleteRecords (pruning old blobs)
     lag_groups: list[str] = field(default_factory=list)
     reader_groups: list[str] = field(default_factory=list)  # assign-only group ids
 
@@ -147,6 +149,7 @@ def _accesses(topo: Topology) -> dict[str, _Access]:
         out[f"trainer.{policy}"] = _Access(
             consumes=[f"batches.{policy}"], group=topo.trainer_group(policy), reads=own,
             writes=_declared(topo, [*own, "status", "dlq"]),
+            deletes=_blob_topics(topo, policy),
             transactional_prefix=f"{topo.trainer_group(policy)}.",
             reader_groups=[*blobs_readers, TRAINER_REPLAY_GROUP_PREFIX])
     if topo.eval is not None:
@@ -165,6 +168,8 @@ def _acls(topo: Topology, a: _Access) -> list[Acl]:
     acls += [Acl("TOPIC", "LITERAL", full(t), "READ", "reads without a group")
              for t in a.reads if t not in a.consumes]
     acls += [Acl("TOPIC", "LITERAL", full(t), "WRITE", "produces") for t in a.writes]
+    acls += [Acl("TOPIC", "LITERAL", full(t), "DELETE", "prunes blobs no version needs")
+             for t in a.deletes]
     if a.transactional_prefix:
         acls += [Acl("TRANSACTIONAL_ID", "PREFIXED", a.transactional_prefix, op,
                      "its transactions") for op in ("WRITE", "DESCRIBE")]

@@ -564,6 +564,9 @@ logger.apache.name = org.apache.kafka
 logger.apache.level = WARN
 logger.started.name = kafka.server.KafkaRaftServer
 logger.started.level = INFO
+# a secured broker's denials (allowed operations log at DEBUG): "Principal = ... is Denied"
+logger.authorizer.name = kafka.authorizer.logger
+logger.authorizer.level = INFO
 """
 
 

@@ -307,3 +307,129 @@ def test_every_shipped_topologys_processors_run_with_exactly_their_acls(secure_b
                 rt.stop()
                 t.join(30)
             assert "e" not in box, f"{source.name}: {name}: {box.get('e')!r}"
+
+
+def _denials(broker, run: str) -> list[str]:
+    """The broker's log lines that deny one of ``run``'s principals."""
+    log = broker.log_file.read_text(errors="replace")
+    return [ln for ln in log.splitlines() if "Denied" in ln and f"User:{run}." in ln]
+
+
+def _all_bytes(config: KafkaConfig, topo: Topology) -> bytes:
+    """Every record (key and value, aborted ones too) of every topic of the run."""
+    from confluent_kafka import OFFSET_BEGINNING
+
+    c = Consumer(config.consumer_conf("astraflow-table", **{
+        "isolation.level": "read_uncommitted", "enable.partition.eof": True}))
+    parts = [TopicPartition(t.full_name, p, OFFSET_BEGINNING)
+             for t in topo.resolved_topics() for p in range(t.partitions)]
+    c.assign(parts)
+    out, ended = [], 0
+    deadline = time.monotonic() + 120
+    while ended < len(parts) and time.monotonic() < deadline:
+        for m in c.consume(500, 1.0):
+            if m.error() is not None:
+                ended += 1
+                continue
+            out += [m.key() or b"", m.value() or b""]
+    c.close()
+    return b"\n".join(out)
+
+
+def _forge(topo: Topology, broker, tmp_path: Path) -> int:
+    """As the trainer's principal (the one writer the ACLs let through), publish the
+    newest manifest again as a far newer version, signed with a key of its own."""
+    from astraflow.kafka.clients import read_all
+    from astraflow.records import WeightManifest
+    from astraflow.weights.signing import ManifestSigner, keygen
+
+    config = admin_config(broker)
+    manifests = [r.record for r in read_all(config, topo.full_name("weights.actor"),
+                                            expect=WeightManifest)]
+    forged = manifests[-1]
+    forged.version += 100
+    forged.signature = forged.signing_key = None
+    private, _ = keygen(tmp_path / "rogue-keys")
+    forged = ManifestSigner.from_file(private).sign(forged)
+    producer = RecordProducer(topo.component_kafka("trainer.actor").model_copy(update={
+        "security": KafkaConfig().security.model_copy(update={
+            "protocol": "SASL_SSL", "ca_location": config.security.ca_location,
+            "username": f"{topo.run}.trainer.actor",
+            "password_file": str(tmp_path / "runs" / topo.run / "credentials"
+                                 / "trainer.actor.password")})}))
+    producer.produce(topo.full_name("weights.actor"), forged, key="actor")
+    producer.flush(30)
+    return forged.version
+
+
+@pytest.mark.slow
+def test_up_secure_trains_with_one_principal_per_component_and_no_secret_leaks(
+        secure_broker, tmp_path):
+    """`up --secure`: every component as its own principal with exactly its ACLs (the
+    broker denies none of them anything), training reaches a few versions, a manifest
+    signed with another key is refused (dead-lettered), and no password appears in any
+    log or topic."""
+    from astraflow.kafka.clients import read_all
+    from astraflow.records import DeadLetter
+
+    data = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
+    run = data["run"] = random_name("up-sec")
+    data["policies"]["actor"].update(
+        model=str(tmp_path / "model"),
+        warm_start={"steps": 200, "slip": 0.7, "levels": "1", "until": 0.9})
+    data["feeder"] = {"epochs": 0, "rate": 60, "levels": "1"}
+    data["eval"] = {"every_versions": 2, "size": 20, "levels": "1"}
+    path = tmp_path / "sec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
+    env.update(ASTRAFLOW_STATE=str(secure_broker.state), PYTHONUNBUFFERED="1")
+    out = tmp_path / "up.log"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "astraflow.cli", "up", str(path), "--secure",
+             "--duration", "150", "--runs-dir", str(tmp_path / "runs")],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        topo = parse_topology(data, source=str(path))
+        config = admin_config(secure_broker)
+        weights = topo.full_name("weights.actor")
+
+        def versions() -> int:
+            if proc.poll() is not None:
+                raise AssertionError(out.read_text()[-3000:])
+            try:
+                return len(read_all(config, weights, timeout_s=10, idle_s=0.5))
+            except Exception:  # noqa: BLE001 - not created yet
+                return 0
+
+        wait_for(lambda: versions() >= 3, 300, "three weight versions", step=2)
+        forged = _forge(topo, secure_broker, tmp_path)
+
+        def refused() -> list:
+            return [d.record for d in read_all(config, topo.full_name("dlq"), timeout_s=10,
+                                               idle_s=0.5, expect=DeadLetter)
+                    if f"v{forged}" in d.record.error and "refused" in d.record.error]
+
+        letters = wait_for(refused, 60, "the forged manifest dead-lettered", step=1)
+        assert any("raas" in d.component_id or "local" in d.component_id
+                   for d in letters), [d.component_id for d in letters]
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    text = out.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    run_dir = tmp_path / "runs" / run
+    assert "Traceback" not in text
+    for log_file in (run_dir / "logs").glob("*.log"):
+        assert "Traceback" not in log_file.read_text(), log_file
+        assert "was denied" not in log_file.read_text(), log_file
+    assert _denials(secure_broker, run) == []
+    secrets = [p.read_text().strip() for p in (run_dir / "credentials").glob("*.password")]
+    secrets.append(secure_broker.status().secure.admin_password.read_text().strip())
+    assert len(secrets) == len(topo.component_keys()) + 1
+    logs = text + "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    topics = _all_bytes(config, topo)
+    for secret in secrets:
+        assert secret not in logs and secret.encode() not in topics
