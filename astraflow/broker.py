@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astraflow.broker_secure import (
+    PROTOCOLS,
     SecureFiles,
     describe,
     prepare,
@@ -324,7 +325,10 @@ class EmbeddedBroker:
     def secure_files(self) -> SecureFiles | None:
         """The secured broker's files (CA, admin password) if this state is a secured
         broker's, else None."""
-        return secure_files(self.state) if self._ports().get("secure") else None
+        mode = self._ports().get("secure")
+        if not mode:
+            return None
+        return secure_files(self.state, mode if isinstance(mode, str) else "SASL_SSL")
 
     def _mode(self, secure: bool | None) -> bool:
         """Whether to start secured: as asked, else as the state was made; a state
@@ -360,7 +364,7 @@ class EmbeddedBroker:
         if remote is not None:
             ports["remote"] = list(remote)
         if secure is not None:
-            ports["secure"] = True
+            ports["secure"] = secure.protocol
         (self.state / "ports.json").write_text(json.dumps(ports))
         write_private(self.state / "server.properties", _server_properties(
             port, controller_port, self.state / "data", remote, secure))
@@ -368,14 +372,15 @@ class EmbeddedBroker:
 
     def start(self, port: int | None = None, timeout: float = 90.0, log=print,
               remote_listener: RemoteListener | None = None,
-              secure: bool | None = None) -> BrokerStatus:
+              secure: bool | None = None, protocol: str = "SASL_SSL") -> BrokerStatus:
         """Start the broker unless it runs already; returns once metadata is served.
 
         ``remote_listener`` ``(port, "host:port")``: a second PLAINTEXT listener named
         REMOTE on ``127.0.0.1:port`` that advertises ``host:port`` (a proxy in front of
         it) to the clients that bootstrap through it; kept across restarts.
         ``secure``: SASL_SSL, SCRAM users and ACLs (``astraflow.broker_secure``); None:
-        as the state directory was made (unsecured when new).
+        as the state directory was made (unsecured when new). ``protocol``
+        ``SASL_PLAINTEXT``: a secured broker without TLS (benches only).
         """
         st = self.status()
         if st.running:
@@ -392,10 +397,14 @@ class EmbeddedBroker:
         data = self.state / "data"
         files = None
         if self._mode(secure):
+            if protocol not in PROTOCOLS:
+                raise BrokerError(f"secured broker protocol {protocol}: one of {PROTOCOLS}")
             if remote_listener is not None or self._ports().get("remote"):
                 raise BrokerError("--remote-listener is not available on a secured broker")
             os.chmod(self.state, 0o700)
-            files = prepare(self.state, log=log)
+            kept = self.secure_files()
+            files = prepare(self.state, log=log,
+                            protocol=kept.protocol if kept is not None else protocol)
         port, controller_port, remote = self._write_config(port, remote_listener, files)
         props = self.state / "server.properties"
         log4j = self.state / "log4j2.properties"

@@ -32,23 +32,34 @@ class SecureFiles:
     tls: TlsFiles
     admin_password: Path
     controller_password: Path
+    # the client listener's: SASL_SSL, or SASL_PLAINTEXT (benches: SASL without TLS)
+    protocol: str = "SASL_SSL"
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.protocol == "SASL_SSL"
 
     def client_security(self) -> KafkaSecurity:
-        """The admin's client settings: SASL_SSL, SCRAM-SHA-512, this CA."""
-        return KafkaSecurity(protocol="SASL_SSL", sasl_mechanism=MECHANISM,
+        """The admin's client settings: SASL_SSL (this CA), SCRAM-SHA-512."""
+        return KafkaSecurity(protocol=self.protocol, sasl_mechanism=MECHANISM,
                              username=ADMIN_USER, password_file=str(self.admin_password),
-                             ca_location=str(self.tls.ca))
+                             ca_location=str(self.tls.ca) if self.uses_tls else None)
 
     def client_conf(self) -> dict[str, str]:
         """librdkafka properties of an admin client (the password read now)."""
-        return {"security.protocol": "SASL_SSL", "sasl.mechanism": MECHANISM,
-                "sasl.username": ADMIN_USER, "sasl.password": _read(self.admin_password),
-                "ssl.ca.location": str(self.tls.ca)}
+        conf = {"security.protocol": self.protocol, "sasl.mechanism": MECHANISM,
+                "sasl.username": ADMIN_USER, "sasl.password": _read(self.admin_password)}
+        if self.uses_tls:
+            conf["ssl.ca.location"] = str(self.tls.ca)
+        return conf
 
 
-def secure_files(state: Path) -> SecureFiles:
+PROTOCOLS = ("SASL_SSL", "SASL_PLAINTEXT")
+
+
+def secure_files(state: Path, protocol: str = "SASL_SSL") -> SecureFiles:
     return SecureFiles(tls_files(state / "tls"), state / "admin.password",
-                       state / "controller.password")
+                       state / "controller.password", protocol)
 
 
 def _read(path: Path) -> str:
@@ -64,9 +75,9 @@ def _password(path: Path) -> str:
     return value
 
 
-def prepare(state: Path, log=print) -> SecureFiles:
+def prepare(state: Path, log=print, protocol: str = "SASL_SSL") -> SecureFiles:
     """Make what a secured broker needs in ``state`` unless it is there (kept otherwise)."""
-    files = secure_files(state)
+    files = secure_files(state, protocol)
     ensure_broker_tls(state / "tls", log=log)
     _password(files.admin_password)
     _password(files.controller_password)
@@ -83,16 +94,17 @@ def secure_properties(port: int, controller_port: int, files: SecureFiles) -> st
     admin, ctl = _read(files.admin_password), _read(files.controller_password)
     scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
     plain = "org.apache.kafka.common.security.plain.PlainLoginModule"
-    return f"""listeners=SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
-advertised.listeners=SASL_SSL://127.0.0.1:{port}
+    name = files.protocol  # the client listener is named after its protocol
+    return f"""listeners={name}://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
+advertised.listeners={name}://127.0.0.1:{port}
 controller.listener.names=CONTROLLER
-inter.broker.listener.name=SASL_SSL
-listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SASL_PLAINTEXT
+inter.broker.listener.name={name}
+listener.security.protocol.map={name}:{name},CONTROLLER:SASL_PLAINTEXT
 sasl.enabled.mechanisms={MECHANISM}
 sasl.mechanism.inter.broker.protocol={MECHANISM}
 sasl.mechanism.controller.protocol=PLAIN
-listener.name.sasl_ssl.sasl.enabled.mechanisms={MECHANISM}
-listener.name.sasl_ssl.{MECHANISM.lower()}.sasl.jaas.config={scram} required \\
+listener.name.{name.lower()}.sasl.enabled.mechanisms={MECHANISM}
+listener.name.{name.lower()}.{MECHANISM.lower()}.sasl.jaas.config={scram} required \\
   username="{ADMIN_USER}" password="{admin}";
 listener.name.controller.sasl.enabled.mechanisms=PLAIN
 listener.name.controller.plain.sasl.jaas.config={plain} required \\
@@ -110,13 +122,14 @@ super.users=User:{ADMIN_USER};User:{CONTROLLER_USER}
 
 def describe(bootstrap: str, files: SecureFiles) -> str:
     """What a client needs, without a secret: bootstrap, CA, admin credentials file."""
-    return (f"  bootstrap {bootstrap} (SASL_SSL, {MECHANISM})\n"
-            f"  CA certificate {files.tls.ca}\n"
-            f"  admin user {ADMIN_USER}, password in {files.admin_password} (mode 0600)\n"
-            f"  clients: ASTRAFLOW_SECURITY_PROTOCOL=SASL_SSL "
-            f"ASTRAFLOW_SSL_CA_LOCATION={files.tls.ca} ASTRAFLOW_SASL_USERNAME={ADMIN_USER} "
+    ca = f"ASTRAFLOW_SSL_CA_LOCATION={files.tls.ca} " if files.uses_tls else ""
+    return (f"  bootstrap {bootstrap} ({files.protocol}, {MECHANISM})\n"
+            + (f"  CA certificate {files.tls.ca}\n" if files.uses_tls else "")
+            + f"  admin user {ADMIN_USER}, password in {files.admin_password} (mode 0600)\n"
+            f"  clients: ASTRAFLOW_SECURITY_PROTOCOL={files.protocol} {ca}"
+            f"ASTRAFLOW_SASL_USERNAME={ADMIN_USER} "
             f"ASTRAFLOW_SASL_PASSWORD_FILE={files.admin_password}")
 
 
-__all__ = ["ADMIN_USER", "SecureFiles", "describe", "prepare", "scram_bootstrap",
+__all__ = ["ADMIN_USER", "PROTOCOLS", "SecureFiles", "describe", "prepare", "scram_bootstrap",
            "secure_files", "secure_properties"]

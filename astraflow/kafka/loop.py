@@ -540,6 +540,8 @@ class TransactionalLoop:
             self._refused_writes.append((msg.topic(), err))
 
     def _on_client_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+            self._refuse_read(err, None)  # raises out of the consume that served it
         if transient(err):
             self._tainted = True
             self.outage.failed(err.str())
