@@ -33,7 +33,6 @@ from astraflow.acls_apply import apply
 from astraflow.broker import EmbeddedBroker, free_port
 from astraflow.codec import SingleObjectCodec
 from astraflow.kafka.clients import make_admin
-from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import apply_topics
 from astraflow.topology import Topology, parse_topology
 
