@@ -395,16 +395,7 @@ class EmbeddedBroker:
         self.state.mkdir(parents=True, exist_ok=True)
         (self.state / "logs").mkdir(exist_ok=True)
         data = self.state / "data"
-        files = None
-        if self._mode(secure):
-            if protocol not in PROTOCOLS:
-                raise BrokerError(f"secured broker protocol {protocol}: one of {PROTOCOLS}")
-            if remote_listener is not None or self._ports().get("remote"):
-                raise BrokerError("--remote-listener is not available on a secured broker")
-            os.chmod(self.state, 0o700)
-            kept = self.secure_files()
-            files = prepare(self.state, log=log,
-                            protocol=kept.protocol if kept is not None else protocol)
+        files = self._secure_setup(secure, protocol, remote_listener, log)
         port, controller_port, remote = self._write_config(port, remote_listener, files)
         props = self.state / "server.properties"
         log4j = self.state / "log4j2.properties"
@@ -422,25 +413,31 @@ class EmbeddedBroker:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        self.info_file.write_text(
-            json.dumps(
-                {
-                    "pid": proc.pid,
-                    "port": port,
-                    "controller_port": controller_port,
-                    "version": version,
-                    "started_at": time.time(),
-                    **({"remote": list(remote)} if remote else {}),
-                    **({"secure": True} if files is not None else {}),
-                }
-            )
-        )
+        self.info_file.write_text(json.dumps({
+            "pid": proc.pid, "port": port, "controller_port": controller_port,
+            "version": version, "started_at": time.time(),
+            **({"remote": list(remote)} if remote else {}),
+            **({"secure": True} if files is not None else {})}))
         self._await_metadata(proc, port, timeout, files)
         log(
             f"embedded Apache Kafka {version} up on 127.0.0.1:{port} "
             f"in {time.time() - t0:.1f}s (pid {proc.pid})"
         )
         return self.status()
+
+    def _secure_setup(self, secure: bool | None, protocol: str,
+                      remote_listener: RemoteListener | None, log) -> SecureFiles | None:
+        """The secured broker's files (made or kept), or None for an unsecured start."""
+        if not self._mode(secure):
+            return None
+        if protocol not in PROTOCOLS:
+            raise BrokerError(f"secured broker protocol {protocol}: one of {PROTOCOLS}")
+        if remote_listener is not None or self._ports().get("remote"):
+            raise BrokerError("--remote-listener is not available on a secured broker")
+        os.chmod(self.state, 0o700)
+        kept = self.secure_files()
+        return prepare(self.state, log=log,
+                       protocol=kept.protocol if kept is not None else protocol)
 
     def _await_metadata(self, proc: subprocess.Popen, port: int, timeout: float,
                         secure: SecureFiles | None = None) -> None:

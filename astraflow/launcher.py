@@ -403,22 +403,12 @@ def trainer_backend_problem(topo: Topology) -> str | None:
 
 
 def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
-    from astraflow.broker import EmbeddedBroker
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
     from astraflow.supervisor import Supervisor
 
     secure = getattr(args, "secure", False)
-    if secure:
-        from astraflow.secure_up import check_embedded
-
-        check_embedded(topo)
-    broker = None  # the embedded broker when this `up` starts it and must stop it
-    if not os.environ.get("ASTRAFLOW_BOOTSTRAP") and not topo.kafka.bootstrap_servers:
-        embedded = EmbeddedBroker()
-        if not embedded.status().running and not args.keep_broker:
-            broker = embedded
-        print(embedded.start(secure=True if secure else None).describe())
+    broker = _embedded_broker(args, topo, secure)  # when this `up` must stop it
     config = topo.kafka.effective()  # a secured embedded broker: as its admin
     admin = make_admin(config)
     try:
@@ -464,6 +454,23 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
                              {n: k for n, k in sup.restarts.items() if k})
     print(closing_lines(summary, run_dir))
     return code
+
+
+def _embedded_broker(args: argparse.Namespace, topo: Topology, secure: bool):
+    """Start the embedded broker (secured for ``--secure``) unless the run has a cluster
+    of its own; the broker when this ``up`` started it (and stops it at the end)."""
+    from astraflow.broker import EmbeddedBroker
+
+    if secure:
+        from astraflow.secure_up import check_embedded
+
+        check_embedded(topo)
+    if os.environ.get("ASTRAFLOW_BOOTSTRAP") or topo.kafka.bootstrap_servers:
+        return None
+    embedded = EmbeddedBroker()
+    started_here = not embedded.status().running and not args.keep_broker
+    print(embedded.start(secure=True if secure else None).describe())
+    return embedded if started_here else None
 
 
 def closing_lines(summary: dict[str, Any], run_dir: Path) -> str:
