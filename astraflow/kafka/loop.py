@@ -38,7 +38,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from astraflow.codec import Codec
 from astraflow.errors import AstraflowError
-from astraflow.kafka.access import KafkaAccessError, refusal
+from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
@@ -517,14 +517,14 @@ class TransactionalLoop:
     def _denied(self, err: KafkaError | None, stage: str) -> KafkaAccessError | None:
         """The refusal behind a failed transaction, if it was one: a record refused by a
         topic (from the delivery reports), the transactional id, the group's offsets."""
+        code = err.code() if err is not None else None
+        if code not in AUTHORIZATION and code != KafkaError._INCONSISTENT:
+            return None  # not a denial (a refused record makes the commit inconsistent)
         self.producer.producer.poll(0)  # serve the delivery reports that name the topic
         principal = self.config.principal()
         if self._refused_writes:
             topic, topic_err = self._refused_writes[0]
             return refusal(topic_err, principal, "WRITE", f"topic {topic}")
-        if err is None:
-            return None
-        code = err.code()
         if code == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
             return refusal(err, principal, "WRITE",
                            f"transactional id {self.spec.transactional_id}")
