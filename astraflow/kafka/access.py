@@ -20,6 +20,7 @@ principal, the operation and the resource, and exit non-zero without being resta
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import ssl
@@ -152,19 +153,21 @@ def guarded_error_cb(conf: Mapping[str, Any],
     return on_error
 
 
-_checked: set[tuple[str, str, str]] = set()
+_checked: set[tuple[str, ...]] = set()  # a password only as its sha256
 _lock = threading.Lock()
 
 
 def check_login(conf: Mapping[str, Any], timeout_s: float = LOGIN_TIMEOUT_S) -> None:
     """Make sure ``conf``'s credentials and TLS settings get a client in: once per process
-    and (bootstrap, protocol, user). Raises ``KafkaAccessError`` on a refused login or a
-    certificate problem; returns quietly when the broker does not answer (the clients'
+    and (bootstrap, protocol, user, password, CA). Raises ``KafkaAccessError`` on a refused
+    login or a certificate problem; returns quietly when the broker does not answer (the clients'
     outage handling waits for it) or after ``timeout_s``."""
     protocol = str(conf.get("security.protocol", "PLAINTEXT")).upper()
     if protocol == "PLAINTEXT":
         return
-    key = (str(conf.get("bootstrap.servers")), protocol, str(conf.get("sasl.username")))
+    secret = hashlib.sha256(str(conf.get("sasl.password")).encode()).hexdigest()
+    key = (str(conf.get("bootstrap.servers")), protocol, str(conf.get("sasl.username")),
+           secret, str(conf.get("ssl.ca.location")))
     with _lock:
         if key in _checked:
             return
