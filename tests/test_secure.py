@@ -47,6 +47,7 @@ def secured(broker, tmp_path: Path, source: str = "default.yaml") -> tuple[Topol
         "protocol": "SASL_SSL", "ca_location": str(st.secure.tls.ca), "username": "admin",
         "password_file": str(st.secure.admin_password),
         "credentials_dir": str(tmp_path / "creds")}}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{data['run']}.yaml"
     path.write_text(yaml.safe_dump(data))
     return parse_topology(data, source=str(path)), path

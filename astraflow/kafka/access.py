@@ -153,6 +153,36 @@ def guarded_error_cb(conf: Mapping[str, Any],
     return on_error
 
 
+def without_write(admin_conf: Mapping[str, Any], topics: list[str],
+                  timeout_s: float = 10.0) -> list[str]:
+    """Those of ``topics`` the principal of ``admin_conf`` may not WRITE, as the broker
+    says (DescribeTopics with the authorized operations). A transaction refused by a topic
+    does not say which one (librdkafka: "Failed to add partition(s) to transaction");
+    this names it. Empty when the broker cannot say."""
+    from confluent_kafka import KafkaException, TopicCollection
+    from confluent_kafka.admin import AclOperation, AdminClient
+
+    allowed = {AclOperation.WRITE, AclOperation.ALL}
+    out = []
+    admin = AdminClient(dict(admin_conf))  # held until the futures are done
+    try:
+        futures = admin.describe_topics(
+            TopicCollection(list(topics)), include_authorized_operations=True,
+            request_timeout=timeout_s)
+    except KafkaException as e:
+        return []
+    for topic, future in futures.items():
+        try:
+            ops = set(future.result().authorized_operations or [])
+        except KafkaException as e:  # not even DESCRIBE: no WRITE either
+            if e.args and getattr(e.args[0], "code", lambda: None)() in AUTHORIZATION:
+                out.append(topic)
+            continue
+        if not ops & allowed:
+            out.append(topic)
+    return [t for t in topics if t in out]
+
+
 _checked: set[tuple[str, ...]] = set()  # a password only as its sha256
 _lock = threading.Lock()
 
@@ -208,4 +238,4 @@ def _try_login(conf: Mapping[str, Any], timeout_s: float) -> bool:
 
 
 __all__ = ["EXIT_REFUSED", "KafkaAccessError", "access_failure", "certificate_problem",
-           "check_login", "guarded_error_cb", "principal_of_conf", "refusal"]
+           "check_login", "guarded_error_cb", "principal_of_conf", "refusal", "without_write"]

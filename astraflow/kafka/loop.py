@@ -38,7 +38,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from astraflow.codec import Codec
 from astraflow.errors import AstraflowError
-from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal
+from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal, without_write
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
@@ -520,7 +520,9 @@ class TransactionalLoop:
         code = err.code() if err is not None else None
         if code not in AUTHORIZATION and code != KafkaError._INCONSISTENT:
             return None  # not a denial (a refused record makes the commit inconsistent)
-        self.producer.producer.poll(0)  # serve the delivery reports that name the topic
+        deadline = time.monotonic() + 2.0  # serve the delivery reports that name the topic
+        while not self._refused_writes and time.monotonic() < deadline:
+            self.producer.producer.poll(0.1)
         principal = self.config.principal()
         if self._refused_writes:
             topic, topic_err = self._refused_writes[0]
@@ -530,9 +532,12 @@ class TransactionalLoop:
                            f"transactional id {self.spec.transactional_id}")
         if code == KafkaError.GROUP_AUTHORIZATION_FAILED:
             return refusal(err, principal, "READ", f"group {self.spec.group}")
-        outputs = ", ".join([*self.spec.outputs, self.spec.dlq, self.spec.status_topic])
-        return refusal(err, principal, "WRITE" if stage == "producing" else stage,
-                       f"one of topics {outputs}")
+        produced = [*self.spec.outputs, self.spec.dlq, self.spec.status_topic]
+        if code == KafkaError.TOPIC_AUTHORIZATION_FAILED:  # which topic: ask the broker
+            refused = without_write(self.config.admin_conf(), produced)
+            if refused:
+                return refusal(err, principal, "WRITE", f"topic {refused[0]}")
+        return refusal(err, principal, "WRITE", f"one of topics {', '.join(produced)}")
 
     def _on_refused_delivery(self, err: KafkaError | None, msg: Message) -> None:
         """Delivery reports of errors only: remember the topics that refused a record."""
