@@ -234,6 +234,8 @@ def test_a_raas_principal_may_not_write_weights(secure_broker, tmp_path):
     assert "\n" not in str(e)
     # aborted: the task's offset was not committed, so nothing is lost
     assert _committed(topo, secure_broker, group, "tasks") < 0
+    # the broker logged the denial (what the other tests check is absent)
+    wait_for(lambda: _denials(secure_broker, topo.run), 10, "the broker's denial line")
 
 
 def test_a_processor_principal_may_not_read_a_pools_group(secure_broker, tmp_path):
@@ -308,6 +310,7 @@ def test_every_shipped_topologys_processors_run_with_exactly_their_acls(secure_b
                 rt.stop()
                 t.join(30)
             assert "e" not in box, f"{source.name}: {name}: {box.get('e')!r}"
+        assert _denials(secure_broker, topo.run) == [], source.name  # nothing refused
 
 
 def _denials(broker, run: str) -> list[str]:
