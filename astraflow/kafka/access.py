@@ -169,7 +169,7 @@ def without_write(admin_conf: Mapping[str, Any], topics: list[str],
         futures = admin.describe_topics(
             TopicCollection(list(topics)), include_authorized_operations=True,
             request_timeout=timeout_s)
-    except KafkaException as e:
+    except KafkaException:
         return []
     for topic, future in futures.items():
         try:
