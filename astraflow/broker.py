@@ -526,19 +526,21 @@ listener.security.protocol.map={protocols}
 """
 
 
-def _server_properties(port: int, controller_port: int, data: Path,
+def _server_properties(port: int, controller_port: int, data: Path | str,
                        remote: RemoteListener | None = None,
-                       secure: SecureFiles | None = None) -> str:
+                       secure: SecureFiles | None = None, host: str = "127.0.0.1",
+                       bind: str = "127.0.0.1") -> str:
     """The broker's config. ``remote``: a REMOTE listener (PLAINTEXT) bound on
     ``127.0.0.1:remote[0]`` and advertising ``remote[1]``, for clients behind a proxy.
     ``secure``: SASL_SSL, SASL controller listener and an authorizer instead of
-    PLAINTEXT (``astraflow.broker_secure``)."""
-    listeners = (secure_properties(port, controller_port, secure) if secure is not None
-                 else _listeners(port, controller_port, remote))
+    PLAINTEXT (``astraflow.broker_secure``), listening on ``bind`` and advertised as
+    ``host`` (``broker secure-config``: a broker of its own, e.g. in docker compose)."""
+    listeners = (secure_properties(port, controller_port, secure, host, bind)
+                 if secure is not None else _listeners(port, controller_port, remote))
     return f"""# written by astraflow broker start
 process.roles=broker,controller
 node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}
+controller.quorum.bootstrap.servers={host}:{controller_port}
 {listeners}log.dirs={data}
 num.partitions=1
 auto.create.topics.enable=false

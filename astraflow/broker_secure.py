@@ -75,10 +75,12 @@ def _password(path: Path) -> str:
     return value
 
 
-def prepare(state: Path, log=print, protocol: str = "SASL_SSL") -> SecureFiles:
-    """Make what a secured broker needs in ``state`` unless it is there (kept otherwise)."""
+def prepare(state: Path, log=print, protocol: str = "SASL_SSL",
+            dns: tuple[str, ...] = ("localhost",)) -> SecureFiles:
+    """Make what a secured broker needs in ``state`` unless it is there (kept otherwise);
+    ``dns``: the names its certificate holds (besides ``IP:127.0.0.1``)."""
     files = secure_files(state, protocol)
-    ensure_broker_tls(state / "tls", log=log)
+    ensure_broker_tls(state / "tls", log=log, dns=dns)
     _password(files.admin_password)
     _password(files.controller_password)
     return files
@@ -89,14 +91,16 @@ def scram_bootstrap(files: SecureFiles) -> list[str]:
     return [f"{MECHANISM}=[name={ADMIN_USER},password={_read(files.admin_password)}]"]
 
 
-def secure_properties(port: int, controller_port: int, files: SecureFiles) -> str:
-    """The listener, SASL, TLS and authorizer part of a secured broker's config."""
+def secure_properties(port: int, controller_port: int, files: SecureFiles,
+                      host: str = "127.0.0.1", bind: str = "127.0.0.1") -> str:
+    """The listener, SASL, TLS and authorizer part of a secured broker's config: bound on
+    ``bind``, advertised as ``host``."""
     admin, ctl = _read(files.admin_password), _read(files.controller_password)
     scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
     plain = "org.apache.kafka.common.security.plain.PlainLoginModule"
     name = files.protocol  # the client listener is named after its protocol
-    return f"""listeners={name}://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
-advertised.listeners={name}://127.0.0.1:{port}
+    return f"""listeners={name}://{bind}:{port},CONTROLLER://{bind}:{controller_port}
+advertised.listeners={name}://{host}:{port}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name={name}
 listener.security.protocol.map={name}:{name},CONTROLLER:SASL_PLAINTEXT
@@ -132,4 +136,36 @@ def describe(bootstrap: str, files: SecureFiles) -> str:
 
 
 __all__ = ["ADMIN_USER", "PROTOCOLS", "SecureFiles", "describe", "prepare", "scram_bootstrap",
-           "secure_files", "secure_properties"]
+           "secure_files", "secure_properties", "write_cluster_config"]
+
+
+def write_cluster_config(out: Path, host: str, port: int, controller_port: int,
+                         data_dir: str, weights_keys: bool = False, log=print) -> SecureFiles:
+    """Everything a secured single-node Kafka of its own needs (``astraflow broker
+    secure-config``, the docker-compose ``secure`` profile): the CA and a certificate for
+    ``host``, the admin and controller passwords, ``server.properties`` (listening on all
+    interfaces, advertised as ``host``), ``cluster.id``, ``admin-client.properties`` (for
+    Kafka's own tools) and, with ``weights_keys``, a weight-signing key pair in ``keys/``.
+    What exists is kept; run it again safely."""
+    from astraflow.broker import _cluster_id, _server_properties
+
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    files = prepare(out, log=log, dns=(host, "localhost"))
+    write_private(out / "server.properties", _server_properties(
+        port, controller_port, data_dir, None, files, host=host, bind="0.0.0.0"))
+    if not (out / "cluster.id").exists():
+        (out / "cluster.id").write_text(_cluster_id() + "\n")
+    scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
+    write_private(out / "admin-client.properties", (
+        f"security.protocol=SASL_SSL\nsasl.mechanism={MECHANISM}\n"
+        f'sasl.jaas.config={scram} required username="{ADMIN_USER}" '
+        f'password="{_read(files.admin_password)}";\n'
+        f"ssl.truststore.type=PEM\nssl.truststore.location={files.tls.ca}\n"))
+    if weights_keys and not (out / "keys" / "weights-signing.pub").exists():
+        from astraflow.weights.signing import keygen
+
+        keygen(out / "keys")
+    log(f"secured Kafka config for {host}:{port} in {out}: server.properties, CA "
+        f"{files.tls.ca}, admin password in {files.admin_password} (0600)")
+    return files

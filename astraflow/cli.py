@@ -67,6 +67,17 @@ def cmd_broker_start(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_broker_secure_config(args: argparse.Namespace) -> int:
+    """``astraflow broker secure-config``: a secured Kafka's files, never a password shown."""
+    from pathlib import Path
+
+    from astraflow.broker_secure import write_cluster_config
+
+    write_cluster_config(Path(args.out), args.host, args.port, args.controller_port,
+                         args.data, weights_keys=args.weights_keys)
+    return 0
+
+
 def cmd_broker_stop(args: argparse.Namespace) -> int:
     broker = EmbeddedBroker()
     if args.purge:
@@ -273,6 +284,19 @@ def _add_broker(sub: Any) -> None:
                    "(nothing allowed without one); prints the CA and the admin credentials "
                    "file (docs/security.md)")
     p.set_defaults(func=cmd_broker_start)
+    p = add_command(verbs, "secure-config", help="write the config, CA, certificate and "
+                    "passwords of a secured Kafka of its own (docker compose --profile secure)",
+                    examples=["astraflow broker secure-config --host kafka-secure --out "
+                              "/secrets --weights-keys"])
+    p.add_argument("--host", required=True, help="the broker's host name (its certificate "
+                   "names it, and it is advertised)")
+    p.add_argument("--port", type=int, default=9094, help="SASL_SSL client port (9094)")
+    p.add_argument("--controller-port", type=int, default=9095, help="controller port (9095)")
+    p.add_argument("--out", required=True, help="where the files go (kept when present)")
+    p.add_argument("--data", default="/var/lib/kafka/data", help="the broker's log.dirs")
+    p.add_argument("--weights-keys", action="store_true",
+                   help="also a weight-signing key pair in OUT/keys")
+    p.set_defaults(func=cmd_broker_secure_config)
     p = add_command(verbs, "stop", help="stop it",
                     examples=["astraflow broker stop", "astraflow broker stop --purge"])
     p.add_argument("--purge", action="store_true", help="also delete its data and logs")

@@ -437,3 +437,45 @@ def test_up_secure_trains_with_one_principal_per_component_and_no_secret_leaks(
     topics = _all_bytes(config, topo)
     for secret in secrets:
         assert secret not in logs and secret.encode() not in topics
+
+
+@pytest.mark.kafka
+@pytest.mark.secure
+def test_secure_config_makes_a_broker_of_its_own_that_lets_its_admin_in(tmp_path):
+    """`astraflow broker secure-config` (what the compose profile's kafka-secure runs
+    with) started as a plain Kafka: SASL_SSL on the named host, the admin gets in."""
+    from astraflow.broker import _format_storage, ensure_jars, free_port
+    from astraflow.broker_secure import scram_bootstrap, secure_files
+
+    port, cport = free_port(), free_port()
+    out = tmp_path / "secrets"
+    res = cli("broker", "secure-config", "--host", "localhost", "--port", str(port),
+              "--controller-port", str(cport), "--out", str(out), "--data",
+              str(tmp_path / "data"), "--weights-keys")
+    assert res.returncode == 0, res.stderr
+    files = secure_files(out)
+    assert files.admin_password.read_text().strip() not in res.stdout + res.stderr
+    assert private(out / "admin-client.properties") and (out / "keys").is_dir()
+    jvm = ["java", "-Xmx512m"]
+    classpath = f"{ensure_jars(log=lambda _m: None)}/*"
+    _format_storage(jvm, classpath, out / "server.properties", tmp_path / "data",
+                    scram_bootstrap(files))
+    with open(tmp_path / "kafka.log", "wb") as log:
+        proc = subprocess.Popen([*jvm, "-cp", classpath, "kafka.Kafka",
+                                 str(out / "server.properties")], stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        conf = KafkaConfig(bootstrap_servers=f"localhost:{port}",
+                           security=files.client_security())
+
+        def admin_in() -> bool:
+            assert proc.poll() is None, (tmp_path / "kafka.log").read_text()[-3000:]
+            try:
+                return bool(make_admin(conf).list_topics(timeout=2).brokers)
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+
+        wait_for(admin_in, 90, "the secured broker to let its admin in", step=0.5)
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -123,16 +123,18 @@ def expires_in_days(pem_file: Path) -> float:
     return (cert.not_valid_after_utc - _now()).total_seconds() / 86400
 
 
-def ensure_broker_tls(folder: Path, log=print) -> TlsFiles:
-    """The CA and broker certificate in ``folder``: kept when they exist (clients trust
-    that CA), made when missing; the broker certificate again when it nears expiry."""
+def ensure_broker_tls(folder: Path, log=print, dns: tuple[str, ...] = ("localhost",)
+                      ) -> TlsFiles:
+    """The CA and broker certificate (for ``dns`` and ``IP:127.0.0.1``) in ``folder``:
+    kept when they exist (clients trust that CA), made when missing; the broker
+    certificate again when it nears expiry."""
     files = tls_files(folder)
     if not (files.ca.exists() and files.ca_key.exists()):
         make_ca(files)
         log(f"made a certificate authority for the embedded broker: {files.ca}")
         files.broker.unlink(missing_ok=True)
     if not files.broker.exists() or expires_in_days(files.broker) < RENEW_BEFORE_DAYS:
-        make_leaf(files, files.broker)
+        make_leaf(files, files.broker, common=dns[0], dns=dns)
     return files
 
 
