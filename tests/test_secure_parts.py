@@ -124,3 +124,72 @@ def test_tls_files_layout(tmp_path):
     files = tls_files(tmp_path)
     assert (files.ca.name, files.ca_key.name, files.broker.name) == (
         "ca.pem", "ca.key", "broker.pem")
+
+
+def _tls_server(cert_file: Path):
+    """A TLS server on a free loopback port that completes handshakes with ``cert_file``
+    (key then chain); (port, stop)."""
+    import socket
+    import ssl
+    import threading
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert_file)
+    sock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            try:
+                with ctx.wrap_socket(conn, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError):
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+    return sock.getsockname()[1], close
+
+
+@pytest.mark.parametrize("case", ["expired", "untrusted", "misnamed"])
+def test_certificate_problems_are_named(tmp_path, case):
+    import datetime as dt
+
+    from astraflow.kafka.access import certificate_problem
+    from astraflow.kafka.tls import make_ca, make_leaf
+
+    files = tls_files(tmp_path / "ca")
+    make_ca(files)
+    served = tmp_path / "served.pem"
+    if case == "expired":
+        make_leaf(files, served, not_before=dt.datetime.now(dt.timezone.utc)
+                  - dt.timedelta(days=10), days=1)
+    elif case == "misnamed":
+        make_leaf(files, served, dns=("elsewhere",), ips=("10.9.9.9",))
+    else:
+        make_leaf(files, served)
+    trusted = files.ca
+    if case == "untrusted":
+        other = tls_files(tmp_path / "other")
+        make_ca(other)
+        trusted = other.ca
+    port, close = _tls_server(served)
+    try:
+        problem = certificate_problem(f"127.0.0.1:{port}", str(trusted))
+    finally:
+        close()
+    expected = {"expired": "certificate has expired",
+                "untrusted": "certificate", "misnamed": "mismatch"}[case]
+    assert problem is not None and expected in problem, problem
+    assert f"does not verify against the CA in {trusted}" in problem
