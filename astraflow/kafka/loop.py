@@ -743,7 +743,7 @@ class TransactionalLoop:
         cid = self.spec.component_id
         denied = self._denied(err, stage)
         if denied is not None:  # aborted, its offsets not committed: nothing is lost
-            log.error("%s: aborting the transaction (%s): %s", cid, stage, denied)
+            log.debug("%s: aborting the transaction (%s) after a denial", cid, stage)
             self._abort_quietly()
             raise denied
         if err is not None and err.txn_requires_abort() and not transient(err):
