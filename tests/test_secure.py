@@ -479,3 +479,24 @@ def test_secure_config_makes_a_broker_of_its_own_that_lets_its_admin_in(tmp_path
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_component_run_as_a_principal_without_its_acls_stops_with_one_line(
+        secure_broker, tmp_path):
+    """`processor run batcher` as the router's user: the batcher's output is not even
+    visible to it; it stops at once, exit 77, one line naming principal, operation and
+    topic."""
+    topo = applied(secure_broker, tmp_path)
+    creds = tmp_path / "creds"
+    start = time.monotonic()
+    res = cli("processor", "run", "batcher", "--topology", str(topo.source), env={
+        "ASTRAFLOW_SASL_USERNAME": f"{topo.run}.processor.router",
+        "ASTRAFLOW_SASL_PASSWORD_FILE": str(creds / "processor.router.password")},
+        timeout=60)
+    assert res.returncode == EXIT_REFUSED, res.stdout + res.stderr
+    assert time.monotonic() - start < 20
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    assert lines == [f"astraflow: User:{topo.run}.processor.router was denied DESCRIBE on "
+                     f"topic {topo.run}.batches.actor (TOPIC_AUTHORIZATION_FAILED); grant it "
+                     "(`astraflow topology acls FILE --apply`, or the cluster's operator), "
+                     "or run it as a principal that has it"], lines

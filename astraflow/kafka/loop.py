@@ -938,12 +938,23 @@ class TransactionalLoop:
         admin = make_admin(self.config)
         missing = self._retrying("listing topics", lambda: missing_topics(admin, needed))
         if missing:
-            unseen = (f" (or not visible to {self.config.principal()}: it may not DESCRIBE "
-                      "them)" if self.config.security.with_env().enabled else "")
+            self._refuse_unseen(admin, missing)
             raise MissingTopicsError(
-                f"topics missing on {self.config.bootstrap_servers}{unseen}: "
+                f"topics missing on {self.config.bootstrap_servers}: "
                 f"{', '.join(missing)}; create them with `astraflow topics apply "
                 f"{s.topology_source}`")
+
+    def _refuse_unseen(self, admin, topics: list[str]) -> None:
+        """A topic the principal may not even DESCRIBE is hidden from the topic list:
+        asked for by name, the broker says so, and the loop stops naming it."""
+        if not self.config.security.with_env().enabled:
+            return
+        for topic in topics:
+            md = admin.list_topics(topic, timeout=10).topics.get(topic)
+            denied = refusal(md.error if md is not None else None, self.config.principal(),
+                             "DESCRIBE", f"topic {topic}")
+            if denied is not None:
+                raise denied
 
     # --- rebalance and pause bookkeeping (run on the loop's thread, inside consume) ------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
