@@ -17,7 +17,7 @@ operator commands, the principal it connects as (``kafka.security``; by default
 
 Only ``trainer.<policy>`` may WRITE ``weights.<policy>`` and its blob topic. READ and WRITE
 imply DESCRIBE on a topic (Kafka's rule), so no topic DESCRIBE is listed beside them.
-Applying them to a broker (``--apply``) is not built yet: docs/security.md.
+``astraflow.acls_apply`` makes them on a cluster (``topology acls FILE --apply``).
 """
 
 from __future__ import annotations
