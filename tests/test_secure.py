@@ -500,3 +500,41 @@ def test_a_component_run_as_a_principal_without_its_acls_stops_with_one_line(
                      f"topic {topo.run}.batches.actor (TOPIC_AUTHORIZATION_FAILED); grant it "
                      "(`astraflow topology acls FILE --apply`, or the cluster's operator), "
                      "or run it as a principal that has it"], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["solver-verifier.yaml", "data-algorithms.yaml",
+                                    "replay.yaml"])
+def test_up_secure_runs_every_component_of_a_shipped_topology_undenied(
+        secure_broker, tmp_path, source):
+    """Each other shipped topology (the real-model ones aside: they need SmolLM2) under
+    `up --secure` for a short while: every component (feeder, processors, pools, trainers,
+    evaluators) runs as its own principal with exactly the ACLs `topology acls` prints,
+    the broker denies none of them anything, and each trainer publishes."""
+    from astraflow.kafka.clients import read_all
+
+    data = yaml.safe_load((REPO / "topology" / source).read_text())
+    run = data["run"] = random_name("up-sec")
+    for policy, spec in data["policies"].items():
+        spec["model"] = str(tmp_path / policy)
+        spec["warm_start"] = {**(spec.get("warm_start") or {}), "steps": 30}
+        spec["warm_start"].pop("until", None)
+    path = tmp_path / source
+    path.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
+    env.update(ASTRAFLOW_STATE=str(secure_broker.state), PYTHONUNBUFFERED="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "astraflow.cli", "up", str(path), "--secure", "--duration",
+         "45", "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    logs = tmp_path / "runs" / run / "logs"
+    for log_file in logs.glob("*.log"):
+        text = log_file.read_text()
+        assert "was denied" not in text and "refused the login" not in text, log_file
+        assert "Traceback" not in text, (log_file, text[-2000:])
+    assert _denials(secure_broker, run) == []
+    topo = parse_topology(data, source=str(path))
+    config = admin_config(secure_broker)
+    for policy in topo.policies:
+        assert read_all(config, topo.full_name(f"weights.{policy}"), timeout_s=20), policy
