@@ -135,8 +135,6 @@ def describe(bootstrap: str, files: SecureFiles) -> str:
             f"ASTRAFLOW_SASL_PASSWORD_FILE={files.admin_password}")
 
 
-__all__ = ["ADMIN_USER", "PROTOCOLS", "SecureFiles", "describe", "prepare", "scram_bootstrap",
-           "secure_files", "secure_properties", "write_cluster_config"]
 
 
 def write_cluster_config(out: Path, host: str, port: int, controller_port: int,
@@ -169,3 +167,7 @@ def write_cluster_config(out: Path, host: str, port: int, controller_port: int,
     log(f"secured Kafka config for {host}:{port} in {out}: server.properties, CA "
         f"{files.tls.ca}, admin password in {files.admin_password} (0600)")
     return files
+
+
+__all__ = ["ADMIN_USER", "PROTOCOLS", "SecureFiles", "describe", "prepare", "scram_bootstrap",
+           "secure_files", "secure_properties", "write_cluster_config"]

@@ -193,3 +193,18 @@ def test_certificate_problems_are_named(tmp_path, case):
                 "untrusted": "certificate", "misnamed": "mismatch"}[case]
     assert problem is not None and expected in problem, problem
     assert f"does not verify against the CA in {trusted}" in problem
+
+
+def test_acls_apply_without_a_credentials_dir_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "astraflow.cli", "topology", "acls",
+                          "topology/default.yaml", "--apply"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "ASTRAFLOW_STATE": str(tmp_path),
+                              "ASTRAFLOW_BOOTSTRAP": "127.0.0.1:9", "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "astraflow: topology acls --apply: give --credentials-dir DIR (or set "
+        "kafka.security.credentials_dir): the components' passwords are written there"]
