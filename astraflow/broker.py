@@ -21,6 +21,17 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from astraflow.broker_secure import (
+    PROTOCOLS,
+    SecureFiles,
+    describe,
+    prepare,
+    scram_bootstrap,
+    secure_files,
+    secure_properties,
+)
+from astraflow.kafka.tls import write_private
+
 DEFAULT_KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 19092
 LOG4J_VERSION = "2.24.3"
@@ -169,9 +180,12 @@ def kept_port(port: int, what: str, wait_s: float = 15.0) -> int:
     return port
 
 
-def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path) -> None:
-    """Format fresh KRaft storage in ``data`` (wiped first) for the config ``props``."""
+def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path,
+                    scram: list[str] | None = None) -> None:
+    """Format fresh KRaft storage in ``data`` (wiped first) for the config ``props``;
+    ``scram``: ``--add-scram`` values (users the broker needs before it serves anyone)."""
     shutil.rmtree(data, ignore_errors=True)
+    extra = [arg for value in scram or [] for arg in ("--add-scram", value)]
     fmt = subprocess.run(
         [
             *jvm,
@@ -183,12 +197,16 @@ def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path) -> 
             "-c",
             str(props),
             "--standalone",
+            *extra,
         ],
         capture_output=True,
         text=True,
     )
-    if fmt.returncode != 0:
-        raise BrokerError(f"formatting broker storage failed:\n{fmt.stdout}{fmt.stderr}")
+    if fmt.returncode != 0:  # never echo the command: it holds the admin password
+        out = fmt.stdout + fmt.stderr
+        for value in scram or []:
+            out = out.replace(value, "[redacted]")
+        raise BrokerError(f"formatting broker storage failed:\n{out}")
 
 
 def _port_open(port: int) -> bool:
@@ -235,16 +253,21 @@ class BrokerStatus:
     state_dir: str
     # the REMOTE listener: (port bound here, address advertised to its clients)
     remote: RemoteListener | None = None
+    secure: SecureFiles | None = None  # SASL_SSL and ACLs (``start(secure=True)``)
 
     def describe(self) -> str:
         if not self.running:
             return f"embedded broker: stopped (state {self.state_dir})"
         remote = (f", remote listener 127.0.0.1:{self.remote[0]} advertised as "
                   f"{self.remote[1]}" if self.remote else "")
-        return (
-            f"embedded broker: running, Apache Kafka {self.version}, pid {self.pid}, "
+        mode = ", secured (SASL_SSL, ACLs)" if self.secure else ""
+        line = (
+            f"embedded broker: running{mode}, Apache Kafka {self.version}, pid {self.pid}, "
             f"bootstrap {self.bootstrap}{remote} (state {self.state_dir})"
         )
+        if self.secure is not None and self.bootstrap:
+            line += "\n" + describe(self.bootstrap, self.secure)
+        return line
 
 
 class EmbeddedBroker:
@@ -296,17 +319,43 @@ class EmbeddedBroker:
             version=info.get("version") if info else None,
             state_dir=str(self.state),
             remote=(int(remote[0]), str(remote[1])) if remote else None,
+            secure=self.secure_files() if info and running and info.get("secure") else None,
         )
+
+    def secure_files(self) -> SecureFiles | None:
+        """The secured broker's files (CA, admin password) if this state is a secured
+        broker's, else None."""
+        mode = self._ports().get("secure")
+        if not mode:
+            return None
+        return secure_files(self.state, mode if isinstance(mode, str) else "SASL_SSL")
+
+    def _mode(self, secure: bool | None) -> bool:
+        """Whether to start secured: as asked, else as the state was made; a state
+        formatted without security cannot become secured (its admin user is made at
+        format time)."""
+        recorded = bool(self._ports().get("secure"))
+        formatted = (self.state / "data" / "meta.properties").exists()
+        if secure is None:
+            return recorded
+        if formatted and secure != recorded:
+            kind = "a secured" if recorded else "an unsecured"
+            raise BrokerError(
+                f"the broker state {self.state} holds {kind} broker: `astraflow broker stop "
+                "--purge` first to start afresh, or use another ASTRAFLOW_STATE")
+        return secure
 
     def bootstrap(self) -> str | None:
         """The running broker's bootstrap address, or None."""
         return self.status().bootstrap
 
-    def _write_config(self, port: int | None,
-                      remote: RemoteListener | None) -> tuple[int, int, RemoteListener | None]:
-        """Choose the ports, record them and write ``server.properties``; the client and
-        controller ports and the REMOTE listener (that of the previous start when
-        ``remote`` is None: its clients remember the address too)."""
+    def _write_config(self, port: int | None, remote: RemoteListener | None,
+                      secure: SecureFiles | None = None,
+                      ) -> tuple[int, int, RemoteListener | None]:
+        """Choose the ports, record them and write ``server.properties`` (mode 0600 when
+        ``secure``: it holds the broker's own passwords); the client and controller
+        ports and the REMOTE listener (that of the previous start when ``remote`` is
+        None: its clients remember the address too)."""
         if remote is None and self._ports().get("remote"):
             prev = self._ports()["remote"]
             remote = (kept_port(int(prev[0]), "remote listener"), str(prev[1]))
@@ -314,21 +363,30 @@ class EmbeddedBroker:
         ports: dict = {"port": port, "controller_port": controller_port}
         if remote is not None:
             ports["remote"] = list(remote)
+        if secure is not None:
+            ports["secure"] = secure.protocol
         (self.state / "ports.json").write_text(json.dumps(ports))
-        (self.state / "server.properties").write_text(
-            _server_properties(port, controller_port, self.state / "data", remote))
+        write_private(self.state / "server.properties", _server_properties(
+            port, controller_port, self.state / "data", remote, secure))
         return port, controller_port, remote
 
     def start(self, port: int | None = None, timeout: float = 90.0, log=print,
-              remote_listener: RemoteListener | None = None) -> BrokerStatus:
+              remote_listener: RemoteListener | None = None,
+              secure: bool | None = None, protocol: str = "SASL_SSL") -> BrokerStatus:
         """Start the broker unless it runs already; returns once metadata is served.
 
         ``remote_listener`` ``(port, "host:port")``: a second PLAINTEXT listener named
         REMOTE on ``127.0.0.1:port`` that advertises ``host:port`` (a proxy in front of
         it) to the clients that bootstrap through it; kept across restarts.
+        ``secure``: SASL_SSL, SCRAM users and ACLs (``astraflow.broker_secure``); None:
+        as the state directory was made (unsecured when new). ``protocol``
+        ``SASL_PLAINTEXT``: a secured broker without TLS (benches only).
         """
         st = self.status()
         if st.running:
+            if secure and st.secure is None:
+                raise BrokerError(f"the embedded broker runs unsecured ({st.bootstrap}): "
+                                  "`astraflow broker stop` it first")
             return st
         java = _require("java", JAVA_HINT)
         libs = ensure_jars(log=log)
@@ -337,14 +395,16 @@ class EmbeddedBroker:
         self.state.mkdir(parents=True, exist_ok=True)
         (self.state / "logs").mkdir(exist_ok=True)
         data = self.state / "data"
-        port, controller_port, remote = self._write_config(port, remote_listener)
+        files = self._secure_setup(secure, protocol, remote_listener, log)
+        port, controller_port, remote = self._write_config(port, remote_listener, files)
         props = self.state / "server.properties"
         log4j = self.state / "log4j2.properties"
         log4j.write_text(_LOG4J2)
         classpath = f"{libs}/*"
         jvm = [java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", f"-Dlog4j2.configurationFile={log4j}"]
         if not (data / "meta.properties").exists():
-            _format_storage(jvm, classpath, props, data)
+            _format_storage(jvm, classpath, props, data,
+                            scram_bootstrap(files) if files is not None else None)
         with open(self.log_file, "ab") as out:
             proc = subprocess.Popen(
                 [*jvm, "-cp", classpath, "kafka.Kafka", str(props)],
@@ -353,28 +413,38 @@ class EmbeddedBroker:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        self.info_file.write_text(
-            json.dumps(
-                {
-                    "pid": proc.pid,
-                    "port": port,
-                    "controller_port": controller_port,
-                    "version": version,
-                    "started_at": time.time(),
-                    **({"remote": list(remote)} if remote else {}),
-                }
-            )
-        )
-        self._await_metadata(proc, port, timeout)
+        self.info_file.write_text(json.dumps({
+            "pid": proc.pid, "port": port, "controller_port": controller_port,
+            "version": version, "started_at": time.time(),
+            **({"remote": list(remote)} if remote else {}),
+            **({"secure": True} if files is not None else {})}))
+        self._await_metadata(proc, port, timeout, files)
         log(
             f"embedded Apache Kafka {version} up on 127.0.0.1:{port} "
             f"in {time.time() - t0:.1f}s (pid {proc.pid})"
         )
         return self.status()
 
-    def _await_metadata(self, proc: subprocess.Popen, port: int, timeout: float) -> None:
-        """Return once the broker started as ``proc`` serves metadata on ``port``; stop it
-        and raise ``BrokerError`` when it exits first or ``timeout`` passes."""
+    def _secure_setup(self, secure: bool | None, protocol: str,
+                      remote_listener: RemoteListener | None, log) -> SecureFiles | None:
+        """The secured broker's files (made or kept), or None for an unsecured start."""
+        if not self._mode(secure):
+            return None
+        if protocol not in PROTOCOLS:
+            raise BrokerError(f"secured broker protocol {protocol}: one of {PROTOCOLS}")
+        if remote_listener is not None or self._ports().get("remote"):
+            raise BrokerError("--remote-listener is not available on a secured broker")
+        os.chmod(self.state, 0o700)
+        kept = self.secure_files()
+        return prepare(self.state, log=log,
+                       protocol=kept.protocol if kept is not None else protocol)
+
+    def _await_metadata(self, proc: subprocess.Popen, port: int, timeout: float,
+                        secure: SecureFiles | None = None) -> None:
+        """Return once the broker started as ``proc`` serves metadata on ``port`` (to the
+        admin user when ``secure``); stop it and raise ``BrokerError`` when it exits first
+        or ``timeout`` passes."""
+        conf = secure.client_conf() if secure is not None else None
         deadline = time.time() + timeout
         while time.time() < deadline:
             if proc.poll() is not None:
@@ -382,7 +452,7 @@ class EmbeddedBroker:
                     f"the broker exited with code {proc.returncode} during start-up; "
                     f"last log lines:\n{self.tail(40)}"
                 )
-            if _port_open(port) and _metadata_served(f"127.0.0.1:{port}"):
+            if _port_open(port) and _metadata_served(f"127.0.0.1:{port}", conf):
                 return
             time.sleep(0.2)
         self.stop()
@@ -428,10 +498,10 @@ def _cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
-def _metadata_served(bootstrap: str) -> bool:
+def _metadata_served(bootstrap: str, conf: dict | None = None) -> bool:
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, **(conf or {})})
     try:
         md = admin.list_topics(timeout=2)
         return len(md.brokers) > 0
@@ -439,10 +509,8 @@ def _metadata_served(bootstrap: str) -> bool:
         return False
 
 
-def _server_properties(port: int, controller_port: int, data: Path,
-                       remote: RemoteListener | None = None) -> str:
-    """The broker's config. ``remote``: a REMOTE listener (PLAINTEXT) bound on
-    ``127.0.0.1:remote[0]`` and advertising ``remote[1]``, for clients behind a proxy."""
+def _listeners(port: int, controller_port: int, remote: RemoteListener | None) -> str:
+    """The PLAINTEXT listeners' part of the config."""
     listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"
     advertised = f"PLAINTEXT://127.0.0.1:{port}"
     protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
@@ -450,16 +518,30 @@ def _server_properties(port: int, controller_port: int, data: Path,
         listeners += f",REMOTE://127.0.0.1:{remote[0]}"
         advertised += f",REMOTE://{remote[1]}"
         protocols += ",REMOTE:PLAINTEXT"
-    return f"""# written by astraflow broker start
-process.roles=broker,controller
-node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}
-listeners={listeners}
+    return f"""listeners={listeners}
 advertised.listeners={advertised}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map={protocols}
-log.dirs={data}
+"""
+
+
+def _server_properties(port: int, controller_port: int, data: Path | str,
+                       remote: RemoteListener | None = None,
+                       secure: SecureFiles | None = None, host: str = "127.0.0.1",
+                       bind: str = "127.0.0.1") -> str:
+    """The broker's config. ``remote``: a REMOTE listener (PLAINTEXT) bound on
+    ``127.0.0.1:remote[0]`` and advertising ``remote[1]``, for clients behind a proxy.
+    ``secure``: SASL_SSL, SASL controller listener and an authorizer instead of
+    PLAINTEXT (``astraflow.broker_secure``), listening on ``bind`` and advertised as
+    ``host`` (``broker secure-config``: a broker of its own, e.g. in docker compose)."""
+    listeners = (secure_properties(port, controller_port, secure, host, bind)
+                 if secure is not None else _listeners(port, controller_port, remote))
+    return f"""# written by astraflow broker start
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers={host}:{controller_port}
+{listeners}log.dirs={data}
 num.partitions=1
 auto.create.topics.enable=false
 offsets.topic.replication.factor=1
@@ -490,6 +572,9 @@ logger.apache.name = org.apache.kafka
 logger.apache.level = WARN
 logger.started.name = kafka.server.KafkaRaftServer
 logger.started.level = INFO
+# a secured broker's denials (allowed operations log at DEBUG): "Principal = ... is Denied"
+logger.authorizer.name = kafka.authorizer.logger
+logger.authorizer.level = INFO
 """
 
 

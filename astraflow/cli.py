@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 
 from astraflow.broker import BrokerError, EmbeddedBroker, parse_remote_listener
 from astraflow.cliargs import add_command, add_group, add_run_options, examples_epilog, fill
 from astraflow.errors import AstraflowError
+from astraflow.kafka.access import EXIT_REFUSED, KafkaAccessError, refusal
 from astraflow.kafka.config import KafkaConfig
 from astraflow.topology import Topology, TopologyError, load_topology
 
@@ -57,11 +58,23 @@ def cmd_broker_start(args: argparse.Namespace) -> int:
         return 0
     broker = EmbeddedBroker()
     before = broker.status()
-    st = broker.start(port=args.port, remote_listener=args.remote_listener)
+    st = broker.start(port=args.port, remote_listener=args.remote_listener,
+                      secure=True if args.secure else None)
     if before.running:
         print(f"already running: {st.describe()}")
     else:
         print(st.describe())
+    return 0
+
+
+def cmd_broker_secure_config(args: argparse.Namespace) -> int:
+    """``astraflow broker secure-config``: a secured Kafka's files, never a password shown."""
+    from pathlib import Path
+
+    from astraflow.broker_secure import write_cluster_config
+
+    write_cluster_config(Path(args.out), args.host, args.port, args.controller_port,
+                         args.data, weights_keys=args.weights_keys)
     return 0
 
 
@@ -187,7 +200,8 @@ def cmd_processor_run(args: argparse.Namespace) -> int:
     from astraflow.kafka.runtime import ProcessorRuntime
 
     topo: Topology = args.loaded_topology
-    runtime = ProcessorRuntime(topo, args.name, instance=args.instance, config=kafka_config(args))
+    runtime = ProcessorRuntime(topo, args.name, instance=args.instance, config=kafka_config(
+        args, topo.component_kafka(f"processor.{args.name}")))
 
     stop_on_signals(runtime.stop, logging.getLogger("astraflow"), "finishing the open transaction")
     counters = runtime.run()
@@ -256,7 +270,8 @@ def _add_broker(sub: Any) -> None:
                       dest="action", examples=["astraflow broker start",
                                                "astraflow broker stop --purge"])
     p = add_command(verbs, "start", help="start it (fetching the jars on first use)",
-                    examples=["astraflow broker start", "astraflow broker start --port 29092"])
+                    examples=["astraflow broker start", "astraflow broker start --port 29092",
+                              "astraflow broker start --secure"])
     p.add_argument("--port", type=int, default=None, help="listener port (default 19092)")
     p.add_argument("--remote-listener", type=_remote_listener, default=None,
                    metavar="PORT=HOST:PORT",
@@ -264,7 +279,24 @@ def _add_broker(sub: Any) -> None:
                    "HOST:PORT, for clients that reach the broker through a proxy there "
                    "(kept across restarts; docs/operations.md, \"A remote pool over a slow "
                    "link\")")
+    p.add_argument("--secure", action="store_true",
+                   help="SASL_SSL (SCRAM-SHA-512) with a generated CA, and ACLs enforced "
+                   "(nothing allowed without one); prints the CA and the admin credentials "
+                   "file (docs/security.md)")
     p.set_defaults(func=cmd_broker_start)
+    p = add_command(verbs, "secure-config", help="write the config, CA, certificate and "
+                    "passwords of a secured Kafka of its own (docker compose --profile secure)",
+                    examples=["astraflow broker secure-config --host kafka-secure --out "
+                              "/secrets --weights-keys"])
+    p.add_argument("--host", required=True, help="the broker's host name (its certificate "
+                   "names it, and it is advertised)")
+    p.add_argument("--port", type=int, default=9094, help="SASL_SSL client port (9094)")
+    p.add_argument("--controller-port", type=int, default=9095, help="controller port (9095)")
+    p.add_argument("--out", required=True, help="where the files go (kept when present)")
+    p.add_argument("--data", default="/var/lib/kafka/data", help="the broker's log.dirs")
+    p.add_argument("--weights-keys", action="store_true",
+                   help="also a weight-signing key pair in OUT/keys")
+    p.set_defaults(func=cmd_broker_secure_config)
     p = add_command(verbs, "stop", help="stop it",
                     examples=["astraflow broker stop", "astraflow broker stop --purge"])
     p.add_argument("--purge", action="store_true", help="also delete its data and logs")
@@ -428,6 +460,13 @@ def _exported_run(run: str | None) -> Iterator[None]:
             os.environ["ASTRAFLOW_RUN"] = before
 
 
+def _principal(args: argparse.Namespace) -> str:
+    try:
+        return kafka_config(args).principal()
+    except (AstraflowError, ValueError):
+        return "this client"
+
+
 def _one_line(code: object) -> str:
     text = str(code)
     return text if text.startswith("astraflow") else f"astraflow: {text}"
@@ -450,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
         args.loaded_topology = load_run_topology(args)
         with _exported_run(getattr(args, "run", None)):
             return args.func(args)
+    except KafkaAccessError as e:  # denied, bad credentials, a certificate: no restart helps
+        if args.debug:
+            raise
+        print(_one_line(e), file=sys.stderr)
+        return EXIT_REFUSED
     except (TopologyError, BrokerError, AstraflowError) as e:
         if args.debug:
             raise
@@ -459,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         err = e.args[0] if e.args else e
+        refused = refusal(err if isinstance(err, KafkaError) else None,
+                          _principal(args), "an operation")
+        if refused is not None:
+            print(_one_line(refused), file=sys.stderr)
+            return EXIT_REFUSED
         print(f"astraflow: Kafka at {kafka_config(args).bootstrap_servers}: "
               f"{err.str() if hasattr(err, 'str') else err}", file=sys.stderr)
         return 2

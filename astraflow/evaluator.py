@@ -21,6 +21,7 @@ from confluent_kafka import KafkaException
 
 from astraflow.kafka.loop import kafka_error, transient
 from astraflow.metrics import StatusSink
+from astraflow.weights.signing import verifier_from
 
 log = logging.getLogger("astraflow.evaluator")
 
@@ -151,7 +152,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
 
     scorer, n_prompts = held_out_scorer(args)
     topo = args.loaded_topology
-    config = kafka_config(args)
+    config = kafka_config(args, topo.component_kafka(f"eval.{args.policy}"))
     torch.set_num_threads(1)
     path = ensure_model(args.model, config, topo, args.policy)
     model, tokenizer = load_policy(path, dtype=args.dtype)
@@ -180,8 +181,9 @@ def _history(args, topo, config, model, score) -> list[tuple[int, float]]:
     manifests = [m for m in read_manifests(config, topic) if m.policy == args.policy]
     versions = sorted({m.version for m in manifests if m.version % args.every == 0})
     curve = dict(_curve_so_far(args.history, args.every, topo.run, args.policy))
-    follower = WeightFollower(policy=args.policy, kafka_config=config)
-    follower.observe(manifests)
+    follower = WeightFollower(policy=args.policy, kafka_config=config,
+                              verifier=verifier_from(topo.weight_signing))
+    follower.observe(manifests)  # a refused manifest is logged and never evaluated
     t0 = time.time()
     try:
         for i, v in enumerate(versions):
@@ -257,7 +259,8 @@ def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
     from astraflow.weights import WeightFollower
     from astraflow.weights.history import manifest_key
 
-    follower = WeightFollower(policy=args.policy, kafka_config=config)
+    follower = WeightFollower(policy=args.policy, kafka_config=config,
+                              verifier=verifier_from(topo.weight_signing))
     producer = RecordProducer(config)
     component = f"eval-{args.policy}/{socket.gethostname()}"
     outage = Outage(component, config.bootstrap_servers or "?", config.outage_limit_s,
@@ -273,7 +276,8 @@ def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
     while manifests is not None and not stop.is_set():
         try:
             manifests.poll(1.0)
-            versions = sorted({m.version for m in manifests.values()})
+            _dead_letter_refused(follower, producer, topo, component)
+            versions = sorted({m.version for m in follower.manifests})  # trusted ones
             if args.once:
                 if not versions:  # nothing read yet: the topic may still be arriving
                     continue
@@ -296,6 +300,17 @@ def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
         stop.wait(2.0)
     if manifests is not None:
         manifests.close()
+
+
+def _dead_letter_refused(follower, producer, topo, component: str) -> None:
+    """Manifests the follower refused (signed weights) go to ``dlq`` with the reason."""
+    from astraflow.records import DeadLetter
+
+    topic = topo.full_name(f"weights.{follower.policy}")
+    for m, reason in follower.take_refused():
+        producer.produce(topo.full_name("dlq"), DeadLetter(
+            source_topic=topic, partition=-1, offset=-1, component_id=component,
+            error=f"refused: {reason}", raw=producer.codec.encode(m, topic)))
 
 
 def _answered(outage, stop, make):

@@ -328,7 +328,7 @@ def cmd_feeder_run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    config = topo.kafka.effective()
+    config = topo.component_kafka("feeder").effective()
     producer = RecordProducer(config)
     tasks = iter_tasks(
         payloads,

@@ -30,6 +30,7 @@ _UP_EXAMPLES = [
     "astraflow run up -t topology/default.yaml --duration 0        # until Ctrl-C",
     "astraflow run up -t topology/default.yaml --run trial2 --fresh",
     "astraflow up topology/default.yaml --versions 20             # the shortcut",
+    "astraflow up topology/default.yaml --secure     # SASL_SSL, one principal per component",
 ]
 _DOWN_EXAMPLES = ["astraflow run down -t topology/default.yaml",
                   "astraflow down topology/default.yaml   # the shortcut"]
@@ -67,6 +68,10 @@ def _add_up(subparsers: Any, shortcut: bool) -> None:
     p.add_argument("--keep-broker", action="store_true",
                    help="leave the embedded broker running when the run ends (default: stop "
                    "it if this `up` started it)")
+    p.add_argument("--secure", action="store_true",
+                   help="run on the secured embedded broker (SASL_SSL, ACLs enforced), each "
+                   "component as its own principal with exactly the ACLs `topology acls` "
+                   "prints, weights signed and verified (docs/security.md)")
     p.set_defaults(func=cmd_up)
 
 
@@ -412,18 +417,13 @@ def trainer_backend_problem(topo: Topology) -> str | None:
 
 
 def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
-    from astraflow.broker import EmbeddedBroker
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
     from astraflow.supervisor import Supervisor
 
-    broker = None  # the embedded broker when this `up` starts it and must stop it
-    if not os.environ.get("ASTRAFLOW_BOOTSTRAP") and not topo.kafka.bootstrap_servers:
-        embedded = EmbeddedBroker()
-        if not embedded.status().running and not args.keep_broker:
-            broker = embedded
-        print(embedded.start().describe())
-    config = topo.kafka.effective()
+    secure = getattr(args, "secure", False)
+    broker = _embedded_broker(args, topo, secure)  # when this `up` must stop it
+    config = topo.kafka.effective()  # a secured embedded broker: as its admin
     admin = make_admin(config)
     try:
         # a rewritten model starts a fresh run: the run's weight stream belongs to the old
@@ -439,7 +439,13 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
     for c in apply_topics(admin, topo.resolved_topics()):
         if c.action != "unchanged":
             print(f"topic {c.action}: {c.topic}")
-    sup = Supervisor(plan_processes(topo, args.topology), _spawner(topo, config, run_dir))
+    secured = None
+    if secure:
+        from astraflow.secure_up import prepare
+
+        secured = prepare(topo, config, run_dir)
+    sup = Supervisor(plan_processes(topo, args.topology),
+                     _spawner(topo, config, run_dir, secured))
     pids = _pids_file(topo, args.runs_dir)
     progress = Progress()
     try:
@@ -462,6 +468,23 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
                              {n: k for n, k in sup.restarts.items() if k})
     print(closing_lines(summary, run_dir))
     return code
+
+
+def _embedded_broker(args: argparse.Namespace, topo: Topology, secure: bool):
+    """Start the embedded broker (secured for ``--secure``) unless the run has a cluster
+    of its own; the broker when this ``up`` started it (and stops it at the end)."""
+    from astraflow.broker import EmbeddedBroker
+
+    if secure:
+        from astraflow.secure_up import check_embedded
+
+        check_embedded(topo)
+    if os.environ.get("ASTRAFLOW_BOOTSTRAP") or topo.kafka.bootstrap_servers:
+        return None
+    embedded = EmbeddedBroker()
+    started_here = not embedded.status().running and not args.keep_broker
+    print(embedded.start(secure=True if secure else None).describe())
+    return embedded if started_here else None
 
 
 def closing_lines(summary: dict[str, Any], run_dir: Path) -> str:
@@ -509,8 +532,9 @@ def pool_bootstrap(topo: Topology, name: str) -> str | None:
     return None
 
 
-def _spawner(topo: Topology, config, run_dir: Path):
-    """``spawn(name, cmd)``: a component's process, logging to ``logs/<name>.log``."""
+def _spawner(topo: Topology, config, run_dir: Path, secured=None):
+    """``spawn(name, cmd)``: a component's process, logging to ``logs/<name>.log``;
+    ``secured`` (``astraflow.secure_up.SecureRun``): each as its own principal."""
     # one intra-op thread per process: several processes share the cores, and torch's
     # default (all cores each) makes them thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers,
@@ -523,12 +547,26 @@ def _spawner(topo: Topology, config, run_dir: Path):
         own = {**env, "ASTRAFLOW_METRICS_PORT": str(ports[name])} if name in ports else env
         bootstrap = pool_bootstrap(topo, name)
         own = {**own, "ASTRAFLOW_BOOTSTRAP": bootstrap} if bootstrap else own
+        if secured is not None:
+            own = _secured_env(topo, secured, name, own)
         with open(run_dir / "logs" / f"{name}.log", "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
                                     start_new_session=True,
                                     preexec_fn=(lambda k=nice: os.nice(k)) if nice else None)
 
     return spawn
+
+
+def _secured_env(topo: Topology, secured, name: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for process ``name`` of a secured run: its own credentials only (a password
+    or signing key that ``up`` itself was given does not pass on)."""
+    from astraflow.kafka.security import ENV_PASSWORD, ENV_SSL_KEYS
+    from astraflow.secure_up import component_env
+    from astraflow.weights.signing import ENV_SIGNING_KEY
+
+    dropped = {ENV_PASSWORD, ENV_SIGNING_KEY, *ENV_SSL_KEYS}
+    return {**{k: v for k, v in env.items() if k not in dropped},
+            **component_env(topo, secured, name)}
 
 
 def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Progress,

@@ -15,6 +15,7 @@ import logging
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
@@ -68,15 +69,22 @@ def files_ref(m: WeightManifest) -> BlobRef | None:
 
 
 def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str | Path,
-                wait_s: float = 600.0, version: int | None = None) -> Path:
+                wait_s: float = 600.0, version: int | None = None,
+                verifier: Any = None) -> Path:
     """Build the model directory ``dest`` from ``weights_topic``: the newest model files and
     the weights of the newest reachable version (or of ``version`` and the newest files up
-    to it). Waits up to ``wait_s`` for a trainer to publish its first version."""
+    to it). Waits up to ``wait_s`` for a trainer to publish its first version. With a
+    ``verifier`` (signed weights) only trusted manifests, and the files they name, are used."""
     from astraflow.weights.history import WeightFollower
 
-    manifests = _published_manifests(config, weights_topic, policy, wait_s)
-    follower = WeightFollower(policy=policy, kafka_config=config, inplace=False)
-    follower.observe(manifests)
+    published = _published_manifests(config, weights_topic, policy, wait_s)
+    follower = WeightFollower(policy=policy, kafka_config=config, inplace=False,
+                              verifier=verifier)
+    follower.observe(published)
+    manifests = follower.manifests  # the trusted ones
+    if not manifests and follower.refused:
+        raise ModelNotPublished(f"every manifest on {weights_topic} was refused: "
+                                f"{next(iter(follower.refused.values()))}")
     res = follower.update_reachable() if version is None else follower.update(version)
     with_files = sorted((m for m in manifests if files_ref(m)
                          and (version is None or m.version <= version)),
@@ -142,7 +150,10 @@ def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -
         md = AdminClient(config.admin_conf()).list_topics(full, timeout=5).topics.get(full)
         if md is None or md.error is not None:
             raise ModelNotPublished(f"no topic {full}")
-        return fetch_model(config, full, policy, p)
+        from astraflow.weights.signing import verifier_from
+
+        return fetch_model(config, full, policy, p,
+                           verifier=verifier_from(topology.weight_signing))
     except (KafkaException, ModelNotPublished, WeightsError) as e:
         from astraflow.models.errors import ModelError
 

@@ -293,6 +293,9 @@ class WeightManifest(Record):
     created_at_ms: int = field(default_factory=now_ms)
     codec: str = ""
     meta: dict[str, str] = field(default_factory=dict)
+    # ed25519 over the canonical bytes (astraflow.weights.signing); None: unsigned
+    signature: bytes | None = None
+    signing_key: str | None = None  # the signing key's id
 
 
 @record("BlobChunk")

@@ -31,7 +31,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from astraflow.errors import AstraflowError
-from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.config import REPLAY_GROUP, KafkaConfig
 from astraflow.kafka.offsets import Offsets
 
 log = logging.getLogger("astraflow.replay")
@@ -143,7 +143,7 @@ def copy_range(config: KafkaConfig, src: str, dst: str, rng: Range,
     done = sum(high for _, high in marks.values())  # the copy is dst's only writer
     if not todo:
         return done
-    consumer = Consumer(config.consumer_conf("astraflow-replay", **{
+    consumer = Consumer(config.consumer_conf(REPLAY_GROUP, **{
         "enable.auto.commit": False, "enable.partition.eof": True,
         "receive.message.max.bytes": max(max_bytes, 52_428_800) + 1_048_576}))
     failed: list[str] = []
@@ -200,7 +200,7 @@ def copied_up_to(config: KafkaConfig, dst: str, marks: dict[int, tuple[int, int]
     """Per partition of ``dst`` (its watermarks ``marks``), the source offset of the last
     record copied there."""
     out: dict[int, int] = {}
-    consumer = Consumer(config.consumer_conf("astraflow-replay", **{
+    consumer = Consumer(config.consumer_conf(REPLAY_GROUP, **{
         "enable.auto.commit": False, "isolation.level": "read_uncommitted"}))
     try:
         for p, (low, high) in marks.items():

@@ -4,7 +4,9 @@ A component that exits with code 0 has finished (a feeder at the end of its epoc
 trainer at ``--max-steps``) and is left alone. One that fails is started again after a
 backoff that doubles with each failure (``backoff_s`` up to ``backoff_max_s``); one that
 fails more than ``max_restarts`` times within ``window_s`` seconds keeps failing for a
-reason a restart does not fix, and the run stops with a non-zero exit naming it.
+reason a restart does not fix, and the run stops with a non-zero exit naming it. One
+that Kafka refused (exit ``EXIT_REFUSED``: an operation denied, a wrong password, a
+certificate problem) is never restarted: the run stops at once, pointing at its log.
 
 ``RestartPolicy`` is the decision alone (no processes, a clock passed in); ``Supervisor``
 applies it to ``subprocess.Popen`` children. ``run_lock`` keeps a second ``up`` of the same
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astraflow.errors import AstraflowError
+from astraflow.kafka.access import EXIT_REFUSED
 
 
 class GaveUp(AstraflowError):
@@ -48,6 +51,10 @@ class RestartPolicy:
         or None when it finished (code 0). Raises ``GaveUp`` when it keeps failing."""
         if code == 0:
             return None
+        if code == EXIT_REFUSED:
+            raise GaveUp(f"{name}: Kafka refused it (exit code {code}: denied, bad "
+                         f"credentials or a certificate problem; its log says which); "
+                         "stopping the run")
         recent = [t for t in self.failures.get(name, []) if now - t <= self.window_s]
         recent.append(now)
         self.failures[name] = recent

@@ -391,7 +391,8 @@ class PoolSpec(_Strict):
         try:
             KafkaConfig(**v)
         except ValidationError as e:
-            raise ValueError("." + _format_errors(e)) from None
+            msg = _format_errors(e)
+            raise ValueError(msg if msg.startswith(".") else "." + msg) from None
         return v
 
     def engine_settings(self) -> Any:
@@ -463,6 +464,23 @@ class EvalSpec(_Strict):
         return check_reward(v)
 
 
+class WeightSigningSpec(_Strict):
+    """Signed weights (``astraflow.weights.signing``): each trainer signs its manifests with
+    ``private_key``; RaaS nodes and evaluators refuse manifests not signed by the key of
+    ``public_key``. Paths of PEM files (``astraflow weights keygen``), never keys;
+    ``ASTRAFLOW_WEIGHTS_SIGNING_KEY`` and ``ASTRAFLOW_WEIGHTS_PUBLIC_KEY`` override them."""
+
+    public_key: str | None = None
+    private_key: str | None = None
+
+    @field_validator("public_key", "private_key")
+    @classmethod
+    def _a_path(cls, v: str | None) -> str | None:
+        if v is not None and "-----BEGIN" in v:
+            raise ValueError("the path of a PEM file, not the key itself")
+        return v
+
+
 class Topology(_Strict):
     """A whole run definition."""
 
@@ -479,6 +497,7 @@ class Topology(_Strict):
     pools: dict[str, PoolSpec] = Field(default_factory=dict)
     feeder: FeederSpec | None = None
     eval: EvalSpec | None = None
+    weight_signing: WeightSigningSpec = Field(default_factory=WeightSigningSpec)
 
     source: str = Field(default="<memory>", exclude=True)
 
@@ -491,6 +510,7 @@ class Topology(_Strict):
         self._resolve_staleness()
         self._check_task_partitions()
         self._check_sampling()
+        self._check_principals()
         return self
 
     def _check_sampling(self) -> None:
@@ -514,6 +534,14 @@ class Topology(_Strict):
                             f"trainers compute log-probs at the policies' temperature "
                             f"{temperature:g}, top_p {top_p:g}: set the sampling under "
                             "policies.<name> (temperature, top_p) instead")
+
+    def _check_principals(self) -> None:
+        """Every ``kafka.security.principals`` key names a component of this topology."""
+        known = self.component_keys()
+        for key in self.kafka.security.principals:
+            if key not in known:
+                raise ValueError(f"kafka.security.principals.{key}: no such component "
+                                 f"(known: {', '.join(known)})")
 
     def _check_task_partitions(self) -> None:
         """Nodes beyond the partitions of ``tasks`` in one group would get none: refuse."""
@@ -599,6 +627,22 @@ class Topology(_Strict):
         merged = {k: {**base[k], **v} if isinstance(v, dict) else v
                   for k, v in spec.kafka.items()}
         return KafkaConfig(**{**base, **merged})
+
+    def component_keys(self) -> list[str]:
+        """The key of every component (its principal under ``kafka.security``): ``feeder``,
+        ``processor.<name>``, ``pool.<pool>``, ``trainer.<policy>``, ``eval.<policy>``."""
+        keys = ["feeder"] if self.feeder is not None else []
+        keys += [f"processor.{name}" for name in self.processors]
+        keys += [f"pool.{name}" for name in self.pools]
+        keys += [f"trainer.{policy}" for policy in self.policies]
+        if self.eval is not None:
+            keys += [f"eval.{policy}" for policy in self.policies]
+        return keys
+
+    def component_kafka(self, key: str, base: KafkaConfig | None = None) -> KafkaConfig:
+        """The client settings of component ``key`` (``base``: default the topology's
+        ``kafka:``) with that component's credentials (``kafka.security.principals``)."""
+        return (base or self.kafka).for_component(key, self.run)
 
     def topic(self, name: str) -> ResolvedTopic:
         if name not in self.topics:

@@ -1,9 +1,10 @@
-"""``astraflow topology explain|validate``: a topology as a graph of topics and components.
+"""``astraflow topology explain|validate|acls``: a topology as a graph of topics and components.
 
 ``explain`` lists every topic in the order records flow through it (partitions, record
 type, which components write and read it) and every component with its typed settings;
 ``validate`` loads the file (every error names the file and key) and says what ``up``
-would start. ``graph(topo)`` is the decision logic, with no Kafka.
+would start; ``acls`` prints each component's principal and least-privilege ACLs
+(``astraflow.acls``). ``graph(topo)`` is the decision logic, with no Kafka.
 """
 
 from __future__ import annotations
@@ -101,6 +102,12 @@ def explain(topo: Topology) -> str:
     comps = graph(topo)
     lines = [f"run {topo.run} ({topo.source}); topic names get the prefix {topo.run}.",
              "", "topics, in the order records flow:"]
+    if topo.kafka.security.enabled:  # where passwords come from, never a password
+        lines[1:1] = [f"kafka security: {topo.kafka.security.describe()}"]
+    signing = topo.weight_signing
+    if signing.public_key or signing.private_key:
+        lines[1:1] = [f"weight signing: trainers sign with {signing.private_key or '(no key)'}"
+                      f", readers verify with {signing.public_key or '(nothing)'}"]
     width = max(len(t) for t in topo.topics)
     for name in flow_order(topo, comps):
         t = topo.topic(name)
@@ -140,11 +147,39 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_acls(args: argparse.Namespace) -> int:
+    """``astraflow topology acls``: each component's principal and the ACLs it needs."""
+    from astraflow.acls import component_acls, format_table, to_json
+
+    topo: Topology = args.loaded_topology
+    if args.apply:
+        return _apply(args, topo)
+    comps = component_acls(topo)
+    print(to_json(topo, comps) if args.json else format_table(topo, comps))
+    return 0
+
+
+def _apply(args: argparse.Namespace, topo: Topology) -> int:
+    """``topology acls --apply``: make the users and ACLs as the operator."""
+    from pathlib import Path
+
+    from astraflow.acls_apply import apply
+    from astraflow.cli import kafka_config
+
+    config = kafka_config(args)
+    cred_dir = Path(args.credentials_dir).expanduser() if args.credentials_dir else None
+    done = apply(topo, config, cred_dir)
+    print(f"run {topo.run} on {config.bootstrap_servers} as {config.principal()}")
+    print(done.summary())
+    return 0
+
+
 def register(subparsers: Any) -> None:
-    """Add ``topology explain|validate`` to ``subparsers``."""
+    """Add ``topology explain|validate|acls`` to ``subparsers``."""
     from astraflow.cliargs import add_command, add_group, add_run_options
 
-    verbs = add_group(subparsers, "topology", help="inspect a topology file: explain, validate",
+    verbs = add_group(subparsers, "topology",
+                      help="inspect a topology file: explain, validate, acls",
                       dest="topology_command",
                       examples=["astraflow topology explain topology/default.yaml"])
     for name, func, help_text in (
@@ -156,3 +191,19 @@ def register(subparsers: Any) -> None:
                                   f"astraflow topology {name} -t topology/default.yaml"])
         add_run_options(p, positional=True, bootstrap=False)
         p.set_defaults(func=func)
+    p = add_command(verbs, "acls", help="print each component's principal and the Kafka ACLs "
+                    "it needs, and nothing more",
+                    examples=["astraflow topology acls topology/default.yaml",
+                              "astraflow topology acls -t topology/default.yaml --json",
+                              "astraflow topology acls topology/default.yaml --apply "
+                              "--credentials-dir ~/.config/astraflow/credentials"])
+    add_run_options(p, positional=True, bootstrap=True)
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.add_argument("--apply", action="store_true",
+                   help="create the components' SCRAM users and these ACLs on the cluster "
+                   "(as the operator: the topology's default credentials or ASTRAFLOW_SASL_*; "
+                   "safe to run again)")
+    p.add_argument("--credentials-dir", default=None, metavar="DIR",
+                   help="with --apply: write each component's password to DIR/<key>.password "
+                   "(mode 0600; default kafka.security.credentials_dir)")
+    p.set_defaults(func=cmd_acls)

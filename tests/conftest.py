@@ -6,8 +6,10 @@ temporary state directory and removed afterwards.
 
 Markers: every test whose fixtures (directly or through another fixture) include
 ``kafka_bootstrap`` is marked ``kafka`` here, at collection, so ``pytest -m "not kafka"``
-never starts a broker (tests/test_markers.py checks it). ``slow``, ``chaos`` and ``vllm``
-are written on the tests. Tests wait with ``wait_for`` (a condition), never a bare sleep.
+never starts a broker (tests/test_markers.py checks it). A test that uses
+``secure_broker`` (the secured embedded broker: SASL_SSL, SCRAM, ACLs enforced) is marked
+``secure`` and ``kafka``. ``slow``, ``chaos`` and ``vllm`` are written on the tests.
+Tests wait with ``wait_for`` (a condition), never a bare sleep.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from astraflow.topology import Topology, parse_topology
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 BROKER_FIXTURE = "kafka_bootstrap"  # every fixture that reaches the broker goes through it
+SECURE_FIXTURE = "secure_broker"  # the secured embedded broker (SASL_SSL, ACLs): marks secure
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -43,8 +46,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``kafka_bootstrap`` (``kafka_config``, ``new_topic``, ``make_topology``,
     ``astraflow_cli`` all depend on it)."""
     for item in items:
-        if BROKER_FIXTURE in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if BROKER_FIXTURE in fixtures or SECURE_FIXTURE in fixtures:
             item.add_marker(pytest.mark.kafka)
+        if SECURE_FIXTURE in fixtures:
+            item.add_marker(pytest.mark.secure)
 
 
 def _docker_answers() -> bool:
@@ -85,6 +91,22 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     status = broker.start(port=free_port(), log=lambda m: print(f"[broker] {m}"))
     try:
         yield status.bootstrap
+    finally:
+        broker.destroy()
+
+
+@pytest.fixture(scope="session")
+def secure_broker(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded broker started with ``secure=True`` (SASL_SSL with SCRAM-SHA-512, a
+    SASL controller listener, StandardAuthorizer without fallback) in a temporary state
+    directory, once per session; its ``EmbeddedBroker`` (``status().secure`` has the CA
+    and the admin password file). Always the embedded one: the security is its own."""
+    from astraflow.broker import EmbeddedBroker, free_port
+
+    broker = EmbeddedBroker(state=tmp_path_factory.mktemp("secure-broker"))
+    broker.start(port=free_port(), secure=True, log=lambda m: print(f"[secure broker] {m}"))
+    try:
+        yield broker
     finally:
         broker.destroy()
 

@@ -22,7 +22,15 @@ def test_kafka_service_is_apache_kafka_with_healthcheck():
     assert kafka["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
 
 
-@pytest.mark.parametrize("name", [n for n in SERVICES if n != "kafka"])
+KAFKA_SERVICES = {n for n, s in SERVICES.items() if s.get("image", "").startswith("apache/kafka")}
+SECURE = "secure"  # the profile of the default run on a secured Kafka
+
+
+def _secure(service: dict) -> bool:
+    return SECURE in (service.get("profiles") or [])
+
+
+@pytest.mark.parametrize("name", [n for n in SERVICES if n not in KAFKA_SERVICES])
 def test_service_command_is_an_astraflow_subcommand(name):
     command = SERVICES[name]["command"]
     assert isinstance(command, list) and command[0] == "astraflow", command
@@ -67,6 +75,8 @@ def _processor_services(services: dict) -> dict[tuple[str, str], list[str]]:
     out: dict[tuple[str, str], list[str]] = {}
     for name, service in services.items():
         args = _parsed(service)
+        if _secure(service):  # the same processors again, on the secured Kafka
+            continue
         if args is not None and args.command == "processor" and args.action == "run":
             out.setdefault((args.topology, args.name), []).append(name)
     return out
@@ -111,7 +121,7 @@ def test_only_default_run_services_start_without_a_profile(name):
     if topology is None:  # model init: judged by the services that use its model
         return
     if topology == DEFAULT_TOPOLOGY:
-        assert not service.get("profiles"), f"{name} runs the default topology"
+        assert service.get("profiles") in (None, [SECURE]), f"{name} runs the default topology"
     else:
         assert service.get("profiles"), f"{name} runs {topology} but has no profile"
 
@@ -351,3 +361,42 @@ def test_the_default_services_train_sharing_nothing_but_kafka(kafka_bootstrap, k
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+SECURE_SERVICES = {n: s for n, s in SERVICES.items() if _secure(s)}
+
+
+def test_the_secure_profile_runs_the_default_components_each_as_its_own_user():
+    """`docker compose --profile secure`: what `astraflow up --secure` does, on a Kafka of
+    its own (parsed here: no Docker engine on the test machines)."""
+    from astraflow.secure_up import component_key
+
+    topo = load_topology(REPO / DEFAULT_TOPOLOGY)
+    default = {tuple(s["command"]) for s in _default_services().values()}
+    keys = set()
+    for name, service in SECURE_SERVICES.items():
+        args = _parsed(service)
+        if args is None or args.command not in COMPONENTS:
+            continue
+        assert tuple(service["command"]) in default, name  # the same command
+        process = {"processor": f"processor-{getattr(args, 'name', '')}",
+                   "trainer": f"trainer-{getattr(args, 'policy', '')}",
+                   "eval": f"eval-{getattr(args, 'policy', '')}", "feeder": "feeder",
+                   "raas": f"raas-{getattr(args, 'pool', '')}-0"}[args.command]
+        key = component_key(topo, process)
+        env = service["environment"]
+        assert env["ASTRAFLOW_SASL_USERNAME"] == f"{topo.run}.{key}", name
+        assert env["ASTRAFLOW_SASL_PASSWORD_FILE"] == f"/secrets/creds/{key}.password", name
+        assert env["ASTRAFLOW_SECURITY_PROTOCOL"] == "SASL_SSL"
+        assert ("ASTRAFLOW_WEIGHTS_SIGNING_KEY" in env) == (args.command == "trainer"), name
+        assert env["ASTRAFLOW_WEIGHTS_PUBLIC_KEY"].startswith("/secrets/keys/")
+        assert "secure-acls" in service["depends_on"], name
+        assert all(v.endswith(":ro") for v in service["volumes"]), name
+        keys.add(key)
+    assert keys == set(topo.component_keys())  # every component, once
+    acls = _parsed(SECURE_SERVICES["secure-acls"])
+    assert acls.apply and acls.credentials_dir == "/secrets/creds"
+    config = _parsed(SECURE_SERVICES["secure-config"])
+    kafka = SECURE_SERVICES["kafka-secure"]
+    assert kafka["hostname"] == config.host and "--add-scram" in kafka["command"][-1]
+    assert "secure-config" in kafka["depends_on"] and "healthcheck" in kafka

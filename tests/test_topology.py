@@ -105,7 +105,7 @@ def test_librdkafka_options_pass_through_untouched(monkeypatch):
     cfg = KafkaConfig(
         bootstrap_servers="b1:9093,b2:9093",
         options={"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
-                 "sasl.username": "u", "sasl.password": "p", "ssl.ca.location": "/ca.pem"},
+                 "sasl.username": "u", "ssl.ca.location": "/ca.pem"},
         producer_options={"linger.ms": 50},
         consumer_options={"fetch.min.bytes": 1024},
     )

@@ -51,8 +51,15 @@ from typing import Any, Literal, Protocol
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
+from astraflow.dataflow.base import (
+    Incoming,
+    Outgoing,
+    Processor,
+    ProcessorContext,
+    SideAccess,
+)
 from astraflow.dataflow.lag_target import LagTargets, route_by_wait
+from astraflow.kafka.config import ADMISSION_GROUP
 from astraflow.kafka.lag import LagReader, PartitionLag
 
 log = logging.getLogger("astraflow.admission")
@@ -257,7 +264,7 @@ class RecordCounter:
 
     def __init__(self, config: Any, client_id: str):
         self.consumer = Consumer(config.consumer_conf(
-            "astraflow-admission", **{"enable.auto.commit": False, "client.id": client_id,
+            ADMISSION_GROUP, **{"enable.auto.commit": False, "client.id": client_id,
                                       "enable.partition.eof": False}))
         self._floor: dict[tuple[str, int], int] = {}
         self._seen: dict[tuple[str, int], list[int]] = {}
@@ -479,6 +486,21 @@ class Admission(Processor):
         self._expected_end: dict[int, int] = {}
         self._expected_total = 0
         self._next_read_ms = 0
+
+    def side_access(self, topology: Any) -> SideAccess:
+        """It counts the records of its output (``tasks``) and of the watched trainers'
+        ``batches.<policy>``, and reads the lag of the pools' and those trainers' groups."""
+        policy = self.policy or AdmissionPolicy(pool_bounds(topology, self.options),
+                                                trainer_bounds(topology, self.options),
+                                                self.options.route)
+        groups = {g.label: g.group for g in task_groups(topology, self.options)}
+        trainers = list(policy.trainer_bounds)
+        return SideAccess(
+            reads=(self.outputs[0], *(f"batches.{p}" for p in trainers)),
+            lag_groups=(*dict.fromkeys(groups.get(label, topology.raas_group(label))
+                                       for label in policy.pool_bounds),
+                        *(topology.trainer_group(p) for p in trainers)),
+            reader_groups=(ADMISSION_GROUP,))
 
     def open(self, context: ProcessorContext) -> None:
         topo = context.topology

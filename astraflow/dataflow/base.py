@@ -57,6 +57,18 @@ class ProcessorContext:
     control: ProcessorControl | None = None  # pause/resume of the inputs (logical names)
 
 
+@dataclass(frozen=True)
+class SideAccess:
+    """What a processor reaches beside consuming its inputs and producing its outputs, for
+    least-privilege ACLs (``astraflow.acls``): topics it reads without a consumer group
+    (logical names), consumer groups whose committed offsets it reads (full ids: lag), and
+    the assign-only reader groups its readers name (``astraflow.kafka.config``)."""
+
+    reads: tuple[str, ...] = ()
+    lag_groups: tuple[str, ...] = ()
+    reader_groups: tuple[str, ...] = ()
+
+
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -112,3 +124,9 @@ class Processor:
         """Policy -> the newest weight version this processor judges by (reported on
         ``status`` and as ``astraflow_weight_version``); none by default."""
         return {}
+
+    def side_access(self, topology: Any) -> SideAccess:
+        """What ``open`` and the side readers reach beside the inputs and outputs (a
+        subclass that reads another topic, or a group's lag, says so here); none by
+        default."""
+        return SideAccess()

@@ -24,9 +24,10 @@ from typing import Literal
 from confluent_kafka import KafkaError, KafkaException
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
+from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext, SideAccess
 from astraflow.dataflow.staleness import staleness
 from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
+from astraflow.kafka.config import TABLE_GROUP
 from astraflow.kafka.table import TopicReader
 from astraflow.records import Batch, OffsetRange, TrajectoryGroup, now_ms
 
@@ -173,6 +174,16 @@ class Batcher(Processor):
 
     def weight_versions(self) -> dict[str, int]:
         return known_versions(self.versions, [self.options.policy])
+
+    def side_access(self, topology) -> SideAccess:
+        """It follows ``weights.<policy>`` (with a staleness bound) and reads back its own
+        last batches to refill the replay buffer (``replay_rebuild``)."""
+        reads = []
+        if self.options.max_staleness is not None:
+            reads.append(f"weights.{self.options.policy}")
+        if self.replay is not None and self.options.replay_rebuild:
+            reads.append(f"batches.{self.options.policy}")
+        return SideAccess(reads=tuple(reads), reader_groups=(TABLE_GROUP,) if reads else ())
 
     def open(self, context: ProcessorContext) -> None:
         if self.versions is None and self.options.max_staleness is not None:

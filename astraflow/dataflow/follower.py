@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from astraflow.dataflow.base import Processor, ProcessorContext
+from astraflow.dataflow.base import Processor, ProcessorContext, SideAccess
+from astraflow.kafka.config import TABLE_GROUP
 from astraflow.kafka.table import Entry, TopicReader
 from astraflow.records import Record, TrajectoryGroup
 
@@ -115,6 +116,10 @@ class ObservingProcessor(Processor):
     def close(self) -> None:
         if isinstance(self.observations, TopicFollower):
             self.observations.close()
+
+    def side_access(self, topology: Any) -> SideAccess:
+        """It follows ``options.observe_topic`` without a group."""
+        return SideAccess(reads=(self.options.observe_topic,), reader_groups=(TABLE_GROUP,))
 
     def drain(self) -> None:
         """Feed every newly observed record to ``observe``."""

@@ -6,8 +6,9 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
+from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext, SideAccess
 from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
+from astraflow.kafka.config import TABLE_GROUP
 from astraflow.metrics import observe_staleness
 from astraflow.records import TrajectoryGroup
 
@@ -55,6 +56,11 @@ class StalenessFilter(Processor):
     def close(self) -> None:
         if isinstance(self.versions, LatestVersions):
             self.versions.close()
+
+    def side_access(self, topology) -> SideAccess:
+        """It follows ``weights.<policy>`` of its policies (``LatestVersions``)."""
+        return SideAccess(reads=tuple(f"weights.{p}" for p in self.options.policies),
+                          reader_groups=(TABLE_GROUP,))
 
     def process(self, msg: Incoming) -> Iterable[Outgoing]:
         self.versions.refresh()

@@ -12,6 +12,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from confluent_kafka.admin import AdminClient
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
+from astraflow.kafka.access import refusal
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.table import TopicReader
 from astraflow.records import DeadLetter, Record
@@ -70,6 +71,8 @@ class RecordProducer:
         self.producer = Producer(conf)
         self.codec = codec or make_codec_for(config)
         self.errors: list[KafkaError] = []
+        self.refused: list[tuple[str, KafkaError]] = []  # topics that refused a record
+        self.principal = config.principal()
         self.delivered = 0
         if transactional_id and init:
             self.producer.init_transactions(30)
@@ -77,6 +80,8 @@ class RecordProducer:
     def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:
             self.errors.append(err)
+            if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                self.refused.append((_msg.topic(), err))
         else:
             self.delivered += 1
 
@@ -116,6 +121,9 @@ class RecordProducer:
         remaining = flush_waiting(self.producer, limit, "records")
         if remaining:
             raise KafkaException(f"{remaining} messages still undelivered after {limit:.0f}s")
+        if self.refused:  # denied: say who was refused what, and stop
+            topic, err = self.refused[0]
+            raise refusal(err, self.principal, "WRITE", f"topic {topic}")
         if self.errors:
             errs, self.errors = self.errors, []
             raise KafkaException(errs[0])

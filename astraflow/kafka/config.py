@@ -7,20 +7,38 @@ import os
 import socket
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from astraflow.kafka.access import check_login, guarded_error_cb, principal_of_conf
+from astraflow.kafka.security import (
+    SECURITY_OPTIONS,
+    KafkaSecurity,
+    check_no_secrets,
+    client_settings,
+)
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+# group ids of readers that assign partitions and never join a group nor commit; the broker
+# still wants DESCRIBE on them (the least-privilege ACLs of ``astraflow.acls`` grant it)
+TABLE_GROUP = "astraflow-table"  # TopicReader, TopicTable: weights, status, followed topics
+ADMISSION_GROUP = "astraflow-admission"  # the admission processor's record counters
+REPLAY_GROUP = "astraflow-replay"  # replay copies (an operator command)
+TRAINER_REPLAY_GROUP_PREFIX = "astraflow-trainer-replay-"  # + random: batches on resume
+BLOB_READER_GROUP_PREFIX = "astraflow-blob-reader-"  # + random: weights.blobs chunks
 LIBRDKAFKA_LOG = logging.getLogger("astraflow.librdkafka")
 if os.environ.get("ASTRAFLOW_LIBRDKAFKA_LOG", "").lower() not in ("1", "debug", "on"):
     LIBRDKAFKA_LOG.setLevel(logging.CRITICAL)
 
 
 class KafkaConfig(BaseModel):
-    """Bootstrap servers, client id, and librdkafka options passed through untouched.
+    """Bootstrap servers, client id, security, and librdkafka options passed through.
 
-    ``options`` takes any librdkafka property (``security.protocol``, ``sasl.mechanism``,
-    ``sasl.username``, ``ssl.ca.location`` ...) and is applied to producers, consumers and
-    admin clients alike; the per-role dicts are applied on top of it.
+    ``security`` (``astraflow.kafka.security.KafkaSecurity``) holds TLS, SASL and the
+    credentials of each component; ``for_component`` picks one component's. ``options``
+    takes any other librdkafka property and is applied to producers, consumers and admin
+    clients alike; the per-role dicts are applied on top of it. No option may hold a secret
+    (``sasl.password``, ``ssl.key.password`` ...): that fails at load naming the key, and a
+    password is read from an environment variable or a file instead.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -38,6 +56,25 @@ class KafkaConfig(BaseModel):
     # how long one transaction may stay open (its records and offsets, not the work
     # before it); at most the broker's transaction.max.timeout.ms (15 min by default)
     transaction_timeout_ms: int = Field(default=60_000, ge=1000)
+    security: KafkaSecurity = Field(default_factory=KafkaSecurity)
+
+    @model_validator(mode="after")
+    def _no_secrets(self) -> KafkaConfig:
+        for name in ("options", "producer_options", "consumer_options",
+                     "schema_registry_options"):
+            check_no_secrets(getattr(self, name), f".{name}")
+        if self.security.enabled:
+            for name in ("options", "producer_options", "consumer_options"):
+                clash = sorted(SECURITY_OPTIONS & set(getattr(self, name)))
+                if clash:
+                    raise ValueError(f".{name}.{clash[0]}: set by kafka.security; give it "
+                                     "there, not as a librdkafka option")
+        return self
+
+    def for_component(self, key: str, run: str) -> KafkaConfig:
+        """This config with the credentials of component ``key`` (``trainer.actor``,
+        ``pool.local`` ...; see ``KafkaSecurity``) of run ``run``."""
+        return self.model_copy(update={"security": self.security.for_component(key, run)})
 
     @classmethod
     def from_env(cls, **overrides: Any) -> KafkaConfig:
@@ -49,26 +86,51 @@ class KafkaConfig(BaseModel):
         return cls(**data)
 
     def effective(self) -> KafkaConfig:
-        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins) or the embedded broker filled in."""
+        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins) or the embedded broker filled
+        in; a secured embedded broker's admin credentials too when nothing (topology or
+        environment) sets any."""
         env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
         if env:
             return self.model_copy(update={"bootstrap_servers": env})
         if self.bootstrap_servers:
             return self
-        return self.model_copy(update={"bootstrap_servers": resolve_bootstrap()})
+        from astraflow.broker import EmbeddedBroker
+
+        embedded = EmbeddedBroker().status()
+        update: dict[str, Any] = {"bootstrap_servers": embedded.bootstrap or DEFAULT_BOOTSTRAP}
+        if embedded.secure is not None and not self.security.with_env().enabled:
+            update["security"] = embedded.secure.client_security()
+        return self.model_copy(update=update)
 
     def _base(self) -> dict[str, Any]:
-        return {
+        conf = {
             "bootstrap.servers": self.bootstrap_servers or resolve_bootstrap(),
             "client.id": self.client_id,
             # librdkafka's own log lines (one per failed reconnect) go to Python logging,
             # quiet unless asked for; what matters reaches us as errors and error_cb
             "logger": LIBRDKAFKA_LOG,
             **self.options,
+            # TLS and SASL, the password read now (never held by this object)
+            **client_settings(self.security),
         }
+        return conf
+
+    @staticmethod
+    def _guarded(conf: dict[str, Any]) -> dict[str, Any]:
+        """``conf`` with its ``error_cb`` wrapped: a refused login or a failed TLS
+        handshake raises ``KafkaAccessError`` instead of being retried forever. Under SASL
+        or TLS, the first configuration made for a set of credentials checks them against
+        the broker (``check_login``): a wrong password fails here, at once."""
+        check_login(conf)
+        conf["error_cb"] = guarded_error_cb(conf, conf.get("error_cb"))
+        return conf
+
+    def principal(self) -> str:
+        """``User:<name>`` the clients made from this config authenticate as."""
+        return principal_of_conf(client_settings(self.security))
 
     def admin_conf(self, **extra: Any) -> dict[str, Any]:
-        return {**self._base(), **extra}
+        return self._guarded({**self._base(), **extra})
 
     def producer_conf(self, **extra: Any) -> dict[str, Any]:
         conf = {
@@ -80,7 +142,7 @@ class KafkaConfig(BaseModel):
             **self.producer_options,
         }
         conf.update(extra)
-        return conf
+        return self._guarded(conf)
 
     def consumer_conf(self, group_id: str, **extra: Any) -> dict[str, Any]:
         conf = {
@@ -92,7 +154,7 @@ class KafkaConfig(BaseModel):
             **self.consumer_options,
         }
         conf.update(extra)
-        return conf
+        return self._guarded(conf)
 
 
 def resolve_bootstrap() -> str:

@@ -38,6 +38,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from astraflow.codec import Codec
 from astraflow.errors import AstraflowError
+from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal, without_write
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
@@ -342,6 +343,7 @@ class TransactionalLoop:
         # broker completes a commit (a work that keeps its position waits for each one)
         self._pipelined = spec.commit_interval_s is not None and not spec.keeps_position
         self._abandoned: list[RecordProducer] = []
+        self._refused_writes: list[tuple[str, KafkaError]] = []  # topic, error
         self.exporter: PrometheusExporter | None = None  # $ASTRAFLOW_METRICS_PORT
 
     # --- control, callable from any thread -------------------------------------------
@@ -494,6 +496,7 @@ class TransactionalLoop:
                     continue
                 if err.fatal():
                     raise KafkaException(err)
+                self._refuse_read(err, m.topic())
                 self._on_client_error(err)
                 continue
             positions[(m.topic(), m.partition())] = m.offset() + 1
@@ -501,7 +504,49 @@ class TransactionalLoop:
         self.counters.consumed += len(out)
         return out
 
+    def _refuse_read(self, err: KafkaError, topic: str | None) -> None:
+        """Stop on a denied read (no retrying): one line naming the principal, the
+        operation and the resource."""
+        group = err.code() == KafkaError.GROUP_AUTHORIZATION_FAILED
+        resource = f"group {self.spec.group}" if group else (
+            f"topic {topic}" if topic else f"one of topics {', '.join(self.spec.inputs)}")
+        denied = refusal(err, self.config.principal(), "READ", resource)
+        if denied is not None:
+            raise denied
+
+    def _denied(self, err: KafkaError | None, stage: str) -> KafkaAccessError | None:
+        """The refusal behind a failed transaction, if it was one: a record refused by a
+        topic (from the delivery reports), the transactional id, the group's offsets."""
+        code = err.code() if err is not None else None
+        if code not in AUTHORIZATION and code != KafkaError._INCONSISTENT:
+            return None  # not a denial (a refused record makes the commit inconsistent)
+        deadline = time.monotonic() + 2.0  # serve the delivery reports that name the topic
+        while not self._refused_writes and time.monotonic() < deadline:
+            self.producer.producer.poll(0.1)
+        principal = self.config.principal()
+        if self._refused_writes:
+            topic, topic_err = self._refused_writes[0]
+            return refusal(topic_err, principal, "WRITE", f"topic {topic}")
+        if code == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            return refusal(err, principal, "WRITE",
+                           f"transactional id {self.spec.transactional_id}")
+        if code == KafkaError.GROUP_AUTHORIZATION_FAILED:
+            return refusal(err, principal, "READ", f"group {self.spec.group}")
+        produced = [*self.spec.outputs, self.spec.dlq, self.spec.status_topic]
+        if code == KafkaError.TOPIC_AUTHORIZATION_FAILED:  # which topic: ask the broker
+            refused = without_write(self.config.admin_conf(), produced)
+            if refused:
+                return refusal(err, principal, "WRITE", f"topic {refused[0]}")
+        return refusal(err, principal, "WRITE", f"one of topics {', '.join(produced)}")
+
+    def _on_refused_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        """Delivery reports of errors only: remember the topics that refused a record."""
+        if err is not None and err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            self._refused_writes.append((msg.topic(), err))
+
     def _on_client_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+            self._refuse_read(err, None)  # raises out of the consume that served it
         if transient(err):
             self._tainted = True
             self.outage.failed(err.str())
@@ -696,6 +741,11 @@ class TransactionalLoop:
         aborted; raises what cannot be recovered from."""
         err = kafka_error(e)
         cid = self.spec.component_id
+        denied = self._denied(err, stage)
+        if denied is not None:  # aborted, its offsets not committed: nothing is lost
+            log.debug("%s: aborting the transaction (%s) after a denial", cid, stage)
+            self._abort_quietly()
+            raise denied
         if err is not None and err.txn_requires_abort() and not transient(err):
             log.warning("%s: aborting the transaction (%s): %s", cid, stage, err.str())
             try:
@@ -866,11 +916,18 @@ class TransactionalLoop:
         tuned = {k: v for k, v in _TXN_PRODUCER.items() if k not in self.config.producer_options}
         producer = RecordProducer(
             self.config, self.codec, transactional_id=self.spec.transactional_id, init=False,
-            error_cb=self._on_client_error,
+            error_cb=self._on_client_error, on_delivery=self._on_refused_delivery,
             **{**tuned, "transaction.timeout.ms": self.config.transaction_timeout_ms,
-               **self.spec.producer_options})
-        self._retrying("initialising transactions",
-                       lambda: producer.producer.init_transactions(self._call_timeout_s))
+               "delivery.report.only.error": True, **self.spec.producer_options})
+        try:
+            self._retrying("initialising transactions",
+                           lambda: producer.producer.init_transactions(self._call_timeout_s))
+        except KafkaException as e:
+            denied = refusal(kafka_error(e), self.config.principal(), "WRITE",
+                             f"transactional id {self.spec.transactional_id}")
+            if denied is not None:
+                raise denied from None
+            raise
         self._tainted = False
         self.outage.ok()
         return producer
@@ -881,9 +938,23 @@ class TransactionalLoop:
         admin = make_admin(self.config)
         missing = self._retrying("listing topics", lambda: missing_topics(admin, needed))
         if missing:
+            self._refuse_unseen(admin, missing)
             raise MissingTopicsError(
-                f"topics missing on {self.config.bootstrap_servers}: {', '.join(missing)}; "
-                f"create them with `astraflow topics apply {s.topology_source}`")
+                f"topics missing on {self.config.bootstrap_servers}: "
+                f"{', '.join(missing)}; create them with `astraflow topics apply "
+                f"{s.topology_source}`")
+
+    def _refuse_unseen(self, admin, topics: list[str]) -> None:
+        """A topic the principal may not even DESCRIBE is hidden from the topic list:
+        asked for by name, the broker says so, and the loop stops naming it."""
+        if not self.config.security.with_env().enabled:
+            return
+        for topic in topics:
+            md = admin.list_topics(topic, timeout=10).topics.get(topic)
+            denied = refusal(md.error if md is not None else None, self.config.principal(),
+                             "DESCRIBE", f"topic {topic}")
+            if denied is not None:
+                raise denied
 
     # --- rebalance and pause bookkeeping (run on the loop's thread, inside consume) ------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:

@@ -87,7 +87,8 @@ class ProcessorRuntime:
         self.topology = topology
         self.name = name
         self.spec = topology.processors[name]
-        self.config = (config or topology.kafka).effective()
+        self.config = (config or topology.kafka).effective().for_component(
+            f"processor.{name}", topology.run)
         cls = PROCESSOR_KINDS[self.spec.kind]
         self.processor = processor or cls(
             name, self.spec.inputs, self.spec.outputs, cls.Options(**self.spec.options)

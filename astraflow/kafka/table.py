@@ -30,7 +30,8 @@ from typing import Generic, Literal, Protocol, TypeVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
-from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.access import refusal
+from astraflow.kafka.config import TABLE_GROUP, KafkaConfig
 from astraflow.records import Record
 
 log = logging.getLogger("astraflow.kafka.table")
@@ -158,7 +159,8 @@ class TopicReader(Generic[V]):
         self.progress = CatchUp()
         self._log_interval_s = config.outage_log_interval_s
         self._last_log = -math.inf
-        self.consumer = Consumer(config.consumer_conf("astraflow-table", **{
+        self.principal = config.principal()
+        self.consumer = Consumer(config.consumer_conf(TABLE_GROUP, **{
             "enable.auto.commit": False, "enable.partition.eof": True,
             "isolation.level": isolation, "client.id": client_id or f"table-{topic}"}))
         try:
@@ -175,6 +177,10 @@ class TopicReader(Generic[V]):
 
     def _partitions(self, timeout: float) -> list[int]:
         md = self.consumer.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
+        denied = refusal(md.error if md is not None else None, self.principal, "DESCRIBE",
+                         f"topic {self.topic}")
+        if denied is not None:
+            raise denied
         if md is None or md.error is not None or not md.partitions:
             raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART,
                                             f"topic {self.topic} does not exist"))
@@ -244,6 +250,9 @@ class TopicReader(Generic[V]):
     def _error(self, err: KafkaError | None, text: str) -> None:
         self.errors += 1
         self.last_error = err
+        denied = refusal(err, self.principal, "READ", f"topic {self.topic}")
+        if denied is not None:  # never retried: one line naming who, what, where
+            raise denied
         if err is not None and err.fatal():
             raise KafkaException(err)
         now = time.monotonic()

@@ -154,7 +154,9 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     topo = args.loaded_topology = (
         getattr(args, "loaded_topology", None) or load_topology(args.topology)
     )
-    config = kafka_config(args, topo.pool_kafka(args.pool))  # the pool's `kafka:` applied
+    # the pool's `kafka:` applied, then the pool's own credentials
+    config = kafka_config(args, topo.component_kafka(f"pool.{args.pool}",
+                                                     topo.pool_kafka(args.pool)))
     workflow_options = dict(args.workflow_options or [])
     _check_workflows(workflow_options)
     chats = dict(args.chat or [])

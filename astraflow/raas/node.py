@@ -41,6 +41,7 @@ from astraflow.raas.workflows import Workflow, make_workflow
 from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
 from astraflow.topology import Topology
 from astraflow.validate import check_record
+from astraflow.weights.signing import verifier_from
 
 log = logging.getLogger("astraflow.raas")
 
@@ -83,7 +84,8 @@ class RaaSNode:
             raise ValueError("a RaaS node needs at least one engine")
         self.topology = topology
         self.options = options or NodeOptions()
-        self.config = (config or topology.kafka).effective()
+        self.config = (config or topology.kafka).effective(
+        ).for_component(f"pool.{self.options.pool}", topology.run)
         self.engines: dict[str, Engine] = dict(engines)
         self.instance = (
             self.options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or socket.gethostname()
@@ -94,6 +96,8 @@ class RaaSNode:
         # per pool and instance: pools sharing the group may run instances of one name
         self.transactional_id = f"{topology.run}.raas.{self.pool}.{self.instance}"
         self.codec = make_codec_for(self.config)
+        # signed weights: manifests not signed by the trusted key are refused (None: all taken)
+        self.verifier = verifier_from(topology.weight_signing)
         self.counters = NodeCounters()
         self._out = topology.full_name("trajectories.raw")
         self._workflows: dict[str, Workflow] = {}
@@ -139,14 +143,19 @@ class RaaSNode:
                     policy,
                 )
                 continue
-            watcher = WeightWatcher(self.config, topic, engine, self.codec)
+            watcher = WeightWatcher(self.config, topic, engine, self.codec,
+                                    verifier=self.verifier)
             watcher.catch_up(self.options.weights_catchup_s)
             self._watchers[policy] = watcher
             self.engines[policy] = FollowingEngine(engine, watcher)  # type: ignore[assignment]
 
-    def refresh_weights(self) -> None:
+    def refresh_weights(self, cp: Checkpoint | None = None) -> None:
+        """Bring every engine to its newest trusted version; manifests refused since the
+        last call (signed weights) are dead-lettered in ``cp``."""
         for w in self._watchers.values():
             w.refresh()
+            for letter in w.dead_letters(self.component_id) if cp is not None else ():
+                cp.dead_letter(letter)
 
     # --- the Work the transactional loop runs -----------------------------------------
     def run(self) -> NodeCounters:
@@ -159,7 +168,7 @@ class RaaSNode:
                  ", ".join(f"{p}@v{e.version}" for p, e in self.engines.items()))
 
     def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
-        self.refresh_weights()
+        self.refresh_weights(cp)
         if not msgs:
             return
         t0 = time.monotonic()

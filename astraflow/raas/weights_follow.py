@@ -10,6 +10,10 @@ trainer: without a newer version the engine keeps generating with what it has.
 The follower starts holding nothing; the first update takes a full checkpoint plus deltas,
 later ones deltas from the follower's own copy (one extra CPU copy of the weights). The
 engine's initial weights (loaded from disk) count as version 0.
+
+With a ``verifier`` (signed weights, ``astraflow.weights.signing``) a manifest not signed by
+a trusted key is refused: the engine keeps its version, and ``dead_letters`` hands the
+refusals to the node, which dead-letters them in its next transaction.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from astraflow.codec import Codec
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.table import TopicTable
 from astraflow.raas.engine import Engine
-from astraflow.records import WeightManifest
+from astraflow.records import DeadLetter, WeightManifest
 
 log = logging.getLogger("astraflow.raas.weights")
 
@@ -40,23 +44,49 @@ class WeightWatcher:
         engine: Engine,
         codec: Codec,
         stores: tuple[Any, ...] = (),
+        verifier: Any = None,
     ):
         from astraflow.weights import WeightFollower
-        from astraflow.weights.history import manifest_key
 
         self.topic = topic
         self.engine = engine
         self.codec = codec
-        self.follower = WeightFollower(policy=engine.policy, stores=stores, kafka_config=config)
+        self.follower = WeightFollower(policy=engine.policy, stores=stores, kafka_config=config,
+                                       verifier=verifier)
+        # where each manifest was read (partition, offset), to name it in a dead letter
+        self._where: dict[tuple[Any, bytes], tuple[int, int]] = {}
         self.manifests: TopicTable[Any, WeightManifest] = TopicTable.open(
-            config, topic, WeightManifest, codec=codec, key=lambda e: manifest_key(e.value)
-            if e.value is not None else None, client_id=f"raas-weights-{engine.policy}")
+            config, topic, WeightManifest, codec=codec, key=self._key,
+            client_id=f"raas-weights-{engine.policy}")
         self.manifests.on_change(self._observe)
         self._failed_target: int | None = None
         self.updates = 0
         self.manifests_seen = 0
         self.last_update_s = 0.0
         self.update_s = 0.0  # seconds of every update: fetch, apply and load
+
+    def _key(self, entry: Any) -> Any:
+        """The table key of a manifest (its identity); its place is noted when verifying."""
+        from astraflow.weights.history import manifest_key
+
+        m = entry.value
+        if m is None:
+            return None
+        if self.follower.verifier is not None:
+            self._where[(manifest_key(m), m.signature or b"")] = (entry.partition, entry.offset)
+        return manifest_key(m)
+
+    def dead_letters(self, component_id: str) -> list[DeadLetter]:
+        """A ``DeadLetter`` for each manifest refused since the last call, with the reason."""
+        from astraflow.weights.history import manifest_key
+
+        out = []
+        for m, reason in self.follower.take_refused():
+            where = self._where.get((manifest_key(m), m.signature or b""), (-1, -1))
+            out.append(DeadLetter(source_topic=self.topic, partition=where[0], offset=where[1],
+                                  component_id=component_id, error=f"refused: {reason}",
+                                  raw=self.codec.encode(m, self.topic)))
+        return out
 
     def _observe(self, _key: Any, _old: WeightManifest | None, new: WeightManifest | None) -> None:
         if new is not None:

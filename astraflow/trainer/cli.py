@@ -191,7 +191,7 @@ def handler(args: argparse.Namespace) -> int:
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     args.loaded_topology = topo
-    config = kafka_config(args)
+    config = kafka_config(args, topo.component_kafka(f"trainer.{opts.policy}"))
     service = TrainerService(topo, opts, config=config)
 
     stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),

@@ -19,7 +19,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.config import TRAINER_REPLAY_GROUP_PREFIX, KafkaConfig
 from astraflow.records import Batch, BlobRef, WeightManifest
 from astraflow.trainer.state import recorded_state_version
 from astraflow.weights.delta import state_bytes_equal
@@ -72,7 +72,7 @@ class BatchReader:
         self.codec = codec
         self.timeout_s = timeout_s
         self.consumer = Consumer(config.consumer_conf(
-            f"astraflow-trainer-replay-{uuid.uuid4().hex[:8]}",
+            f"{TRAINER_REPLAY_GROUP_PREFIX}{uuid.uuid4().hex[:8]}",
             **{"enable.partition.eof": True}))
 
     def read(self, partition: int, offset: int) -> Batch:

@@ -72,6 +72,7 @@ from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.validate import check_record
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
+from astraflow.weights.signing import signer_from
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -157,7 +158,8 @@ class TrainerService:
         self.topology = topology
         self.options = options
         self.policy = options.policy
-        self.config = (config or topology.kafka).effective()
+        self.config = (config or topology.kafka).effective().for_component(
+            f"trainer.{self.policy}", topology.run)
         self.instance = options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or "0"
         self.group = topology.trainer_group(self.policy)
         self.transactional_id = f"{self.group}.{self.instance}"
@@ -171,6 +173,8 @@ class TrainerService:
         )
         self.blob_uri = options.blob_store or default_blob_store(topology, self.state_dir)
         self.codec = make_codec_for(self.config)
+        # signed weights: every manifest published is signed when a key is configured
+        self.signer = signer_from(topology.weight_signing)
         self.counters = ServiceCounters()
         self.trainer = trainer
         self.version: int | None = None
@@ -271,6 +275,13 @@ class TrainerService:
             _fmt_positions(self.positions) or "the group's committed offsets",
         )
 
+    def _signed(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
+        """``manifests``, signed (in place) when this trainer has a signing key."""
+        if self.signer is not None:
+            for m in manifests:
+                self.signer.sign(m)
+        return manifests
+
     def _publish_initial(self) -> None:
         """Version 0: the model as it is, a full checkpoint with the model's files."""
         from astraflow.weights.history import WeightPublisher
@@ -281,7 +292,7 @@ class TrainerService:
         self._add_model_files(ms)
         self._history = list(ms)
         cp = self.loop.checkpoint()
-        for m in ms:
+        for m in self._signed(ms):
             cp.add(self.weights_topic, m, key=self.policy)
         self.loop.commit(cp, offsets=False)
         self.version = 0
@@ -513,7 +524,7 @@ class TrainerService:
         newest = written.version if written is not None else self.state_version
         metrics["trainer/state_version"] = float(newest if newest is not None else -1)
         self.last_metrics = metrics
-        for m in manifests:
+        for m in self._signed(manifests):
             cp.add(self.weights_topic, m, key=self.policy)
         self._committing = version
 

@@ -1,4 +1,4 @@
-"""``astraflow weights ...``: inspect blobs, plan updates, collect garbage.
+"""``astraflow weights ...``: inspect blobs, plan updates, collect garbage, make a signing key.
 
 ``register(subparsers)`` adds the ``weights`` command group to an argparse CLI (each
 subcommand's ``func`` is ``run``); ``run(args) -> int`` executes a parsed command;
@@ -81,6 +81,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     pl.add_argument("--policy", help="only manifests of this policy")
     pl.add_argument("--bootstrap", help="Kafka bootstrap servers (default ASTRAFLOW_BOOTSTRAP)")
     pl.set_defaults(func=run)
+    kg = add_command(
+        wsub, "keygen", help="make an ed25519 key pair for signed weights",
+        examples=["astraflow weights keygen --out ~/.config/astraflow/keys"],
+        description=(
+            "Write a new ed25519 key pair into DIR: weights-signing.key (the trainers' "
+            "private key, mode 0600) and weights-signing.pub (the public key RaaS nodes and "
+            "evaluators verify with). Point the topology's weight_signing.private_key and "
+            "weight_signing.public_key at them (docs/security.md). Existing keys are never "
+            "overwritten."),
+    )
+    kg.add_argument("--out", required=True, metavar="DIR", help="folder for the two files")
+    kg.set_defaults(func=run)
     return subparsers.choices["weights"]
 
 
@@ -265,9 +277,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from astraflow.weights.signing import key_id as id_of
+    from astraflow.weights.signing import keygen, load_public_key
+
+    private, public = keygen(args.out)
+    print(f"wrote {private} (private, mode 0600: only trainers need it) and {public} "
+          f"(public); key id {id_of(load_public_key(public))}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``weights`` command; returns the exit status."""
-    handlers = {"gc": _cmd_gc, "inspect": _cmd_inspect, "plan": _cmd_plan}
+    handlers = {"gc": _cmd_gc, "inspect": _cmd_inspect, "plan": _cmd_plan,
+                "keygen": _cmd_keygen}
     try:
         return handlers[args.weights_command](args)
     except (WeightsError, OSError, ValueError) as e:

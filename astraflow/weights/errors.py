@@ -33,5 +33,10 @@ class BaseMismatchError(WeightsError):
     """A delta was applied to a state that is not the version it was computed against."""
 
 
+class ManifestSignatureError(WeightsError):
+    """A manifest is unsigned, signed by an untrusted key, or its signature does not match:
+    it is refused (``astraflow.weights.signing``)."""
+
+
 class NoPlanError(WeightsError):
     """No chain of known, usable manifests leads from the held version to the target."""

@@ -41,11 +41,18 @@ from astraflow.weights.delta import (
     iter_encode_delta,
     iter_encode_full,
 )
-from astraflow.weights.errors import BaseMismatchError, BlobError, NoPlanError, WeightsError
+from astraflow.weights.errors import (
+    BaseMismatchError,
+    BlobError,
+    ManifestSignatureError,
+    NoPlanError,
+    WeightsError,
+)
 from astraflow.weights.store import BlobStore, StoreResolver, blob_id_of, new_blob_id
 
 if TYPE_CHECKING:
     from astraflow.kafka.config import KafkaConfig
+    from astraflow.weights.signing import ManifestVerifier
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +315,11 @@ class WeightFollower:
 
     ``inplace`` updates the tensors of ``state`` (the engine's weights, if they live on
     the CPU); otherwise each step produces new tensors.
+
+    With a ``verifier`` (``astraflow.weights.signing.ManifestVerifier``) a manifest that is
+    not signed by a trusted key is refused by ``observe``: it is never planned with, so the
+    held version stays in use; ``take_refused`` hands each refusal over once (to be
+    dead-lettered).
     """
 
     def __init__(
@@ -320,9 +332,14 @@ class WeightFollower:
         kafka_config: KafkaConfig | None = None,
         threads: int | None = None,
         inplace: bool = True,
+        verifier: ManifestVerifier | None = None,
     ):
         if (state is None) != (version is None):
             raise ValueError("pass both state and version, or neither")
+        self.verifier = verifier
+        # every refusal: (manifest key, its signature) -> reason
+        self.refused: dict[tuple[ManifestKey, bytes], str] = {}
+        self._unreported: list[tuple[WeightManifest, str]] = []
         self.state: dict[str, torch.Tensor] | None = dict(state) if state is not None else None
         self.version = version
         self.policy = policy
@@ -339,8 +356,29 @@ class WeightFollower:
         for m in manifests:
             if self.policy is None:
                 self.policy = m.policy
-            if m.policy == self.policy:
+            if m.policy == self.policy and self._trusted(m):
                 self._manifests[manifest_key(m)] = m
+
+    def _trusted(self, m: WeightManifest) -> bool:
+        """Whether ``m`` passes the verifier (always, without one); a refusal is logged
+        and kept for ``take_refused``."""
+        if self.verifier is None:
+            return True
+        try:  # every time: a forged copy of a key must not shadow the signed one
+            self.verifier.verify(m)
+        except ManifestSignatureError as e:
+            seen = (manifest_key(m), m.signature or b"")
+            if seen not in self.refused:
+                log.warning("weights: refused: %s; the held version stays in use", e)
+                self.refused[seen] = str(e)
+                self._unreported.append((m, str(e)))
+            return False
+        return True
+
+    def take_refused(self) -> list[tuple[WeightManifest, str]]:
+        """The manifests refused since the last call, with the reason."""
+        out, self._unreported = self._unreported, []
+        return out
 
     @property
     def manifests(self) -> list[WeightManifest]:

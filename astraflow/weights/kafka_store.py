@@ -40,7 +40,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.clients import flush_waiting
-from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.config import BLOB_READER_GROUP_PREFIX, KafkaConfig
 from astraflow.kafka.loop import kafka_error
 from astraflow.kafka.table import TopicReader
 from astraflow.records import BlobChunk, BlobRef, WeightManifest
@@ -147,7 +147,7 @@ class KafkaBlobStore:
             size = max(self._max_message(), 1 << 20)
             self._consumer = Consumer(
                 self.config.consumer_conf(
-                    f"astraflow-blob-reader-{uuid.uuid4().hex[:8]}",
+                    f"{BLOB_READER_GROUP_PREFIX}{uuid.uuid4().hex[:8]}",
                     **{
                         "enable.partition.eof": True,
                         "max.partition.fetch.bytes": size,
