@@ -389,7 +389,11 @@ def test_interrupted_model_init_leaves_no_model_and_a_finished_one_has_its_recip
     out = tmp_path / "model"
     cmd = [sys.executable, "-u", "-m", "astraflow.cli", "model", "init", str(out),
            "--warm-start-steps", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as a terminal sends it: the child starts with SIGINT's default action even if
+    # the test process ignores it (an ignored SIGINT is inherited across exec, and Python
+    # then installs no KeyboardInterrupt handler)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     for line in proc.stdout:  # the config and weights are written: the warm start runs
         if line.startswith("wrote tiny model"):

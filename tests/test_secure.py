@@ -61,6 +61,13 @@ def applied(broker, tmp_path: Path, source: str = "default.yaml") -> Topology:
     return topo
 
 
+@pytest.fixture(autouse=True)
+def _no_bootstrap_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The topologies here name the secured broker; ``ASTRAFLOW_BOOTSTRAP`` (set when the
+    suite runs against a broker of its own) would override it for every client."""
+    monkeypatch.delenv("ASTRAFLOW_BOOTSTRAP", raising=False)
+
+
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
     return subprocess.run([sys.executable, "-m", "astraflow.cli", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=timeout,
