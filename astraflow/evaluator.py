@@ -21,7 +21,7 @@ from confluent_kafka import KafkaException
 
 from astraflow.kafka.loop import kafka_error, transient
 from astraflow.metrics import StatusSink
-from astraflow.weights.signing import verifier_from
+from astraflow.weights.signing import split_trusted, verifier_for
 
 log = logging.getLogger("astraflow.evaluator")
 
@@ -55,6 +55,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="evaluate every --every-th version already published, write the "
                    "accuracy-versus-version curve to OUT.json (and OUT.png) and exit; nothing "
                    "is published (`astraflow replay eval`)")
+    r.add_argument("--public-key", metavar="FILE", help="verify the weights with this public "
+                   "key (PEM): a manifest it did not sign is refused (default: "
+                   "$ASTRAFLOW_WEIGHTS_PUBLIC_KEY, else the topology's weight_signing)")
     r.add_argument("--levels", default="1,2", help="synthetic arithmetic levels (no --dataset)")
     r.add_argument("--dataset", metavar="FILE", help="held-out .jsonl/.parquet file (default: "
                    "the synthetic arithmetic eval split)")
@@ -154,36 +157,40 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     topo = args.loaded_topology
     config = kafka_config(args, topo.component_kafka(f"eval.{args.policy}"))
     torch.set_num_threads(1)
-    path = ensure_model(args.model, config, topo, args.policy)
+    verifier = verifier_for(topo.weight_signing, getattr(args, "public_key", None))
+    path = ensure_model(args.model, config, topo, args.policy, verifier=verifier)
     model, tokenizer = load_policy(path, dtype=args.dtype)
 
     def score() -> float:
         return scorer(model, tokenizer)
 
     if args.history:
-        curve = _history(args, topo, config, model, score)
+        curve = _history(args, topo, config, model, score, verifier)
         print(f"{len(curve)} versions evaluated: {args.history}")
         return 0
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    _follow(args, topo, config, stop, model, score, n_prompts)
+    _follow(args, topo, config, stop, model, score, n_prompts, verifier)
     return 0
 
 
-def _history(args, topo, config, model, score) -> list[tuple[int, float]]:
+def _history(args, topo, config, model, score, verifier=None) -> list[tuple[int, float]]:
     """Accuracy of every ``--every``-th published version, oldest first (versions whose
-    blobs were pruned are skipped, said in the log)."""
+    blobs were pruned are skipped, said in the log). With a ``verifier`` (signed weights)
+    a manifest it refuses is never used: each refusal is printed with the reason."""
     from astraflow.weights import WeightFollower
     from astraflow.weights.kafka_store import read_manifests
 
     topic = topo.full_name(f"weights.{args.policy}")
-    manifests = [m for m in read_manifests(config, topic) if m.policy == args.policy]
+    manifests, refused = split_trusted(
+        [m for m in read_manifests(config, topic) if m.policy == args.policy], verifier)
+    for _, why in refused:
+        print(f"refused: {why}; not used", flush=True)
     versions = sorted({m.version for m in manifests if m.version % args.every == 0})
     curve = dict(_curve_so_far(args.history, args.every, topo.run, args.policy))
-    follower = WeightFollower(policy=args.policy, kafka_config=config,
-                              verifier=verifier_from(topo.weight_signing))
-    follower.observe(manifests)  # a refused manifest is logged and never evaluated
+    follower = WeightFollower(policy=args.policy, kafka_config=config, verifier=verifier)
+    follower.observe(manifests)  # the trusted ones only
     t0 = time.time()
     try:
         for i, v in enumerate(versions):
@@ -249,7 +256,7 @@ def write_curve(path: str, run: str, policy: str, every: int,
     plt.close(fig)
 
 
-def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
+def _follow(args, topo, config, stop, model, score, n_prompts: int, verifier=None) -> None:
     """Evaluate every ``--every``-th version as it is published (the newest due one),
     waiting out broker outages up to the outage limit."""
     from astraflow.kafka.clients import RecordProducer
@@ -259,8 +266,7 @@ def _follow(args, topo, config, stop, model, score, n_prompts: int) -> None:
     from astraflow.weights import WeightFollower
     from astraflow.weights.history import manifest_key
 
-    follower = WeightFollower(policy=args.policy, kafka_config=config,
-                              verifier=verifier_from(topo.weight_signing))
+    follower = WeightFollower(policy=args.policy, kafka_config=config, verifier=verifier)
     producer = RecordProducer(config)
     component = f"eval-{args.policy}/{socket.gethostname()}"
     outage = Outage(component, config.bootstrap_servers or "?", config.outage_limit_s,

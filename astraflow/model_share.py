@@ -134,9 +134,14 @@ def _published_manifests(config: KafkaConfig, weights_topic: str, policy: str,
         return table.values()
 
 
-def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -> Path:
+_FROM_TOPOLOGY: Any = object()  # ensure_model's verifier: the topology's weight_signing
+
+
+def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str,
+                 verifier: Any = _FROM_TOPOLOGY) -> Path:
     """``path`` when it holds a model; else the model fetched there from the policy's
-    weight stream (``fetch_model``)."""
+    weight stream (``fetch_model``), using only manifests ``verifier`` trusts (default:
+    the topology's ``weight_signing``; None: every manifest)."""
     p = Path(path)
     if (p / "config.json").is_file():
         return p
@@ -152,8 +157,9 @@ def ensure_model(path: str | Path, config: KafkaConfig, topology, policy: str) -
             raise ModelNotPublished(f"no topic {full}")
         from astraflow.weights.signing import verifier_from
 
-        return fetch_model(config, full, policy, p,
-                           verifier=verifier_from(topology.weight_signing))
+        if verifier is _FROM_TOPOLOGY:
+            verifier = verifier_from(topology.weight_signing)
+        return fetch_model(config, full, policy, p, verifier=verifier)
     except (KafkaException, ModelNotPublished, WeightsError) as e:
         from astraflow.models.errors import ModelError
 

@@ -11,6 +11,12 @@ rollouts:
   ``--``: another learning rate, loss, ...) it is an ablation on identical data.
 * ``replay export``: a topic's records as JSON lines (or Parquet, with pyarrow).
 
+Signed weights: with a public key (``--public-key``, else ``$ASTRAFLOW_WEIGHTS_PUBLIC_KEY``,
+else the topology's ``weight_signing.public_key``) every manifest of the source run that a
+replay uses is verified first. One that is unsigned or not signed by the key is never used
+(``trusted_manifests``): the replay prints the reason and dead-letters it to the new run's
+``dlq`` when it has one.
+
 Copies resume where they stopped: a copy's progress is its destination's end offsets (it is
 the destination's only writer), so running the same command again continues it.
 """
@@ -238,12 +244,15 @@ def weights_digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def digest_at(config: KafkaConfig, weights_topic: str, policy: str, version: int) -> str:
-    """The ``weights_digest`` of ``policy``'s published weights at ``version``."""
+def digest_at(config: KafkaConfig, weights_topic: str, policy: str, version: int,
+              verifier: Any = None) -> str:
+    """The ``weights_digest`` of ``policy``'s published weights at ``version`` (from the
+    manifests ``verifier`` trusts, when one is given)."""
     from astraflow.weights.history import WeightFollower
     from astraflow.weights.kafka_store import read_manifests
 
-    follower = WeightFollower(policy=policy, kafka_config=config, inplace=False)
+    follower = WeightFollower(policy=policy, kafka_config=config, inplace=False,
+                              verifier=verifier)
     try:
         follower.observe([m for m in read_manifests(config, weights_topic)
                           if m.policy == policy])
@@ -251,6 +260,47 @@ def digest_at(config: KafkaConfig, weights_topic: str, policy: str, version: int
         return weights_digest(follower.state)
     finally:
         follower.close()
+
+
+# --- signed weights ------------------------------------------------------------------------
+# refused manifests: each with the reason and where it was read (partition, offset; -1: not
+# known)
+Refusals = list[tuple[Any, str, tuple[int, int]]]
+
+
+def trusted_manifests(manifests: list[Any], verifier: Any, topic: str,
+                      config: KafkaConfig | None = None, dlq: str | None = None) -> list[Any]:
+    """The manifests of ``manifests`` (read from ``topic``) that ``verifier`` trusts (all
+    without one); the refused ones are reported (``report_refused``). ``ReplayError`` when
+    every one is refused."""
+    from astraflow.weights.signing import split_trusted
+
+    kept, refused = split_trusted(manifests, verifier)
+    if refused:
+        report_refused(config, topic, [(m, why, (-1, -1)) for m, why in refused], dlq)
+    if refused and not kept:
+        raise ReplayError(f"every manifest on {topic} is refused ({refused[-1][1]}); give "
+                          "the public key the run was signed with (--public-key FILE)")
+    return kept
+
+
+def report_refused(config: KafkaConfig | None, topic: str, refused: Refusals,
+                   dlq: str | None = None) -> None:
+    """Say why each refused manifest of ``topic`` is not used and, given a ``dlq`` topic
+    (and ``config``), dead-letter it there with the reason."""
+    for _, why, _ in refused:
+        print(f"replay: refused: {why}; not used", file=sys.stderr, flush=True)
+    if dlq is None or config is None or not refused:
+        return
+    from astraflow.kafka.clients import RecordProducer
+    from astraflow.weights.signing import refusal_letter
+
+    producer = RecordProducer(config)
+    for m, why, where in refused:
+        producer.produce(dlq, refusal_letter(m, why, topic, "replay", producer.codec, where))
+    producer.flush(60)
+    print(f"replay: {len(refused)} refused manifest(s) dead-lettered to {dlq}",
+          file=sys.stderr, flush=True)
 
 
 def print_progress(label: str) -> Callable[[int, int], None]:
@@ -316,5 +366,6 @@ def run_trainer(cmd: list[str], env: dict[str, str], log_path: Path) -> subproce
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-__all__ = ["Range", "ReplayError", "clamp_range", "copy_range", "digest_at",
-           "export_topic", "parse_offsets", "parse_time", "version_ends", "weights_digest"]
+__all__ = ["Range", "ReplayError", "clamp_range", "copy_range", "digest_at", "export_topic",
+           "parse_offsets", "parse_time", "report_refused", "trusted_manifests",
+           "version_ends", "weights_digest"]

@@ -54,6 +54,7 @@ def register(subparsers: Any) -> None:
                    "weight stream)")
     p.add_argument("--runs-dir", default="runs", help="where the trainer's log goes")
     _range_options(p, versions=True)
+    _key_option(p)
     p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
                    help="after --: `astraflow trainer run` flags that override the topology's")
     p.set_defaults(func=cmd_replay_train)
@@ -69,6 +70,7 @@ def register(subparsers: Any) -> None:
                    "eval every_versions)")
     v.add_argument("--out", help="the curve's file (default RUNS_DIR/RUN/replay-eval.json)")
     v.add_argument("--runs-dir", default="runs")
+    _key_option(v)
     v.set_defaults(func=cmd_replay_eval)
     _register_process(verbs)
     e = add_command(verbs, "export", help="a topic's records to JSON lines or Parquet",
@@ -103,7 +105,20 @@ def _register_process(verbs: Any) -> None:
                    "same command again continues it)")
     _range_options(p, versions=True, what="the trajectories recorded before version N+1 "
                    "was published")
+    _key_option(p)
     p.set_defaults(func=cmd_replay_process)
+
+
+def _key_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--public-key", metavar="FILE", help="verify RUN's weight manifests with "
+                   "this public key (PEM): one it did not sign is refused, said and never used "
+                   "(default: $ASTRAFLOW_WEIGHTS_PUBLIC_KEY, else the topology's "
+                   "weight_signing.public_key; none: nothing is verified)")
+
+
+def _dlq(topo) -> str | None:
+    """The full name of ``topo``'s dlq topic, None when it has none."""
+    return topo.full_name("dlq") if "dlq" in topo.topics else None
 
 
 def _range_options(p: argparse.ArgumentParser, versions: bool,
@@ -149,6 +164,8 @@ def cmd_replay_eval(args: argparse.Namespace) -> int:
         argv += ["--every", str(args.every)]
     if getattr(args, "bootstrap", None):
         argv += ["--bootstrap", args.bootstrap]
+    if args.public_key:
+        argv += ["--public-key", args.public_key]
     ns = build_parser().parse_args(argv)
     ns.loaded_topology = load_run_topology(ns)
     return cmd_eval_run(ns)
@@ -182,18 +199,21 @@ def cmd_replay_process(args: argparse.Namespace) -> int:
         report,
         version_history,
     )
+    from astraflow.weights.signing import verifier_for
 
     src, config = args.loaded_topology, kafka_config(args)
+    verifier = verifier_for(src.weight_signing, args.public_key)  # a bad key file: now
     into = args.into or f"{src.run}-process"  # again: the same run continues
     if into == src.run:
         raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
     new = load_chain_topology(args.chain or args.topology, args.set, into)
     chain = chain_of(new)
-    history = version_history(config, src, sorted(set(new.policies) | set(src.policies)))
+    apply_topics(make_admin(config), new.resolved_topics())
+    history = version_history(config, src, sorted(set(new.policies) | set(src.policies)),
+                              verifier, _dlq(new))
     src_raw = src.full_name(ROOT)
     if args.to_version is not None:
         args.until = _until_version(history, args.to_version, args.until)
-    apply_topics(make_admin(config), new.resolved_topics())
     rng = _range(config, src_raw, args, by_batches=False)
     print(f"replay process: {' -> '.join(chain)} over offsets {_fmt_range(rng)} of "
           f"{src_raw} into run {into}", flush=True)
@@ -231,13 +251,15 @@ def cmd_replay_train(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, with_overrides
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
-    from astraflow.replay import ReplayError, copy_range, print_progress
+    from astraflow.replay import ReplayError, copy_range, print_progress, trusted_manifests
     from astraflow.weights.kafka_store import read_manifests
+    from astraflow.weights.signing import verifier_for
 
     topo, config = args.loaded_topology, kafka_config(args)
     policy = _policy(topo, args.policy)
     src_batches, src_weights = (topo.full_name(f"batches.{policy}"),
                                 topo.full_name(f"weights.{policy}"))
+    verifier = verifier_for(topo.weight_signing, args.public_key)
     manifests = [m for m in read_manifests(config, src_weights) if m.policy == policy]
     if not manifests:
         raise ReplayError(f"run {topo.run} published no weights on {src_weights}")
@@ -246,6 +268,7 @@ def cmd_replay_train(args: argparse.Namespace) -> int:
         raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
     new = with_overrides(topo, into)
     apply_topics(make_admin(config), new.resolved_topics())
+    manifests = trusted_manifests(manifests, verifier, src_weights, config, _dlq(new))
     rng = _range(config, src_batches, args, manifests)
     dst = new.full_name(f"batches.{policy}")
     print(f"replay train: offsets {_fmt_range(rng)} of {src_batches} into run {into}")
@@ -254,10 +277,10 @@ def cmd_replay_train(args: argparse.Namespace) -> int:
     if not copied:
         raise ReplayError(f"nothing to train: the range of {src_batches} is empty")
     model = args.model or _start_model(topo, policy, config, src_weights,
-                                       Path(args.runs_dir) / into / "model-v0")
+                                       Path(args.runs_dir) / into / "model-v0", verifier)
     versions = _train(new, args, policy, model, config, dst)
     _compare(config, policy, (topo.run, src_weights, manifests),
-             (into, new.full_name(f"weights.{policy}")), versions)
+             (into, new.full_name(f"weights.{policy}")), versions, verifier)
     return 0
 
 
@@ -277,26 +300,30 @@ def _fmt_range(rng) -> str:
     return ", ".join(f"[{p}] {rng.start[p]}..{rng.end[p]}" for p in sorted(rng.start))
 
 
-def _start_model(topo, policy: str, config, weights_topic: str, dest: Path) -> str:
+def _start_model(topo, policy: str, config, weights_topic: str, dest: Path,
+                 verifier: Any = None) -> str:
     """The model the source run's trainer started from: the topology's model directory
     when it is there (its fp32 weights, as the trainer loaded them; version 0 is checked
     against the source's after training), else version 0 rebuilt from the weight stream
-    (bf16 when the run published bf16: the replay then starts from the rounded weights)."""
+    (bf16 when the run published bf16: the replay then starts from the rounded weights),
+    from the manifests ``verifier`` trusts."""
     spec_model = Path(topo.policies[policy].model)
     if (spec_model / "config.json").is_file():
         return str(spec_model)
     print(f"no model at {spec_model}: starting from version 0 of {weights_topic}")
-    return str(_version0_model(config, weights_topic, policy, dest))
+    return str(_version0_model(config, weights_topic, policy, dest, verifier))
 
 
-def _version0_model(config, weights_topic: str, policy: str, dest: Path) -> Path:
+def _version0_model(config, weights_topic: str, policy: str, dest: Path,
+                    verifier: Any = None) -> Path:
     from astraflow.model_share import fetch_model
     from astraflow.replay import ReplayError
 
     if (dest / "config.json").is_file():
         return dest
     try:
-        return fetch_model(config, weights_topic, policy, dest, wait_s=30, version=0)
+        return fetch_model(config, weights_topic, policy, dest, wait_s=30, version=0,
+                           verifier=verifier)
     except Exception as e:  # noqa: BLE001 - pruned blobs, a missing topic: say what to do
         raise ReplayError(f"cannot rebuild version 0 from {weights_topic} ({e}); give the "
                           "model it was trained from with --model DIR") from None
@@ -357,7 +384,10 @@ def _wait_trained(config, group: str, dst: str, proc, log_path: Path) -> None:
         reader.close()
 
 
-def _compare(config, policy: str, source: tuple, replay: tuple, replay_latest: int) -> None:
+def _compare(config, policy: str, source: tuple, replay: tuple, replay_latest: int,
+             verifier: Any = None) -> None:
+    """Print the sha256 of both runs' weights at version 0 and at the last version they
+    have in common (the source run's from the manifests ``verifier`` trusts)."""
     from astraflow.replay import digest_at
 
     src_run, src_weights, manifests = source
@@ -365,7 +395,7 @@ def _compare(config, policy: str, source: tuple, replay: tuple, replay_latest: i
     common = min(max(m.version for m in manifests), replay_latest)
     for v in sorted({0, common}):
         try:
-            a = digest_at(config, src_weights, policy, v)
+            a = digest_at(config, src_weights, policy, v, verifier)
             b = digest_at(config, new_weights, policy, v)
         except Exception as e:  # noqa: BLE001 - e.g. a version whose blobs were pruned
             print(f"cannot compare the weights at version {v}: {e}")

@@ -8,7 +8,8 @@ the ordinary transactional runtime, writing the new run's topics exactly once.
 
 The processors run in event time: each record is judged as of its recorded timestamp, which
 its outputs keep, and the weight versions come from the source run's ``weights.<policy>``
-as they stood at that time (``astraflow.dataflow.event_time``). A processor stops once every
+as they stood at that time (``astraflow.dataflow.event_time``; with a public key, only the
+manifests signed by its key: see ``astraflow.replay``). A processor stops once every
 processor upstream of it has stopped and it has read its inputs to their end; what it holds
 then (a batcher's unfinished batch) stays uncommitted, as it would in a live run.
 """
@@ -32,7 +33,7 @@ from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.lag import LagReader
 from astraflow.kafka.offsets import Offsets
 from astraflow.kafka.runtime import ProcessorRuntime
-from astraflow.replay import ReplayError
+from astraflow.replay import ReplayError, report_refused
 from astraflow.topology import Topology, TopologyError, parse_topology
 
 ROOT = "trajectories.raw"
@@ -131,11 +132,15 @@ class Figures:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def version_history(config: KafkaConfig, src: Topology, policies: list[str]
+def version_history(config: KafkaConfig, src: Topology, policies: list[str],
+                    verifier: Any = None, dlq: str | None = None
                     ) -> dict[str, list[tuple[int, int]]]:
-    """Per policy, ``(timestamp_ms, version)`` of each manifest the source run recorded."""
+    """Per policy, ``(timestamp_ms, version)`` of each manifest the source run recorded.
+    With a ``verifier`` (signed weights) a manifest it refuses is left out: printed with
+    the reason and, given a ``dlq`` topic, dead-lettered there with where it was read."""
     from astraflow.kafka.table import TopicReader
     from astraflow.records import WeightManifest
+    from astraflow.weights.signing import refusal
 
     out: dict[str, list[tuple[int, int]]] = {}
     offsets = Offsets(config)
@@ -147,10 +152,15 @@ def version_history(config: KafkaConfig, src: Topology, policies: list[str]
             continue
         reader = TopicReader(config, topic, WeightManifest, client_id="replay-versions")
         try:
-            out[policy] = [(e.timestamp_ms, e.value.version) for e in reader.catch_up(60.0)
-                           if e.value is not None and e.value.policy == policy]
+            entries = [e for e in reader.catch_up(60.0)
+                       if e.value is not None and e.value.policy == policy]
         finally:
             reader.close()
+        refused = {id(e): why for e in entries if (why := refusal(verifier, e.value))}
+        report_refused(config, topic, [(e.value, refused[id(e)], (e.partition, e.offset))
+                                       for e in entries if id(e) in refused], dlq)
+        out[policy] = [(e.timestamp_ms, e.value.version) for e in entries
+                       if id(e) not in refused]
     return out
 
 

@@ -132,3 +132,82 @@ def test_replay_train_reproduces_the_weights_bit_for_bit(
     rows = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert [r["batch_id"] for r in rows] == ["batch-1", "batch-2"]
     assert [r["_offset"] for r in rows] == [1, 2]
+
+
+def _forge(kafka_config, weights: str, forger) -> tuple:
+    """Produce to ``weights`` a copy of version 2 with version 1's blobs and a version 3,
+    both signed by ``forger``; both."""
+    import copy
+
+    published = read_manifests(kafka_config, weights)
+    v1, v2 = (next(m for m in published if m.version == v) for v in (1, 2))
+    forged = copy.deepcopy(v2)
+    forged.blobs = v1.blobs  # version 2's identity, other weights
+    later = copy.deepcopy(v2)
+    later.version, later.base_version = 3, 2
+    producer = RecordProducer(kafka_config)
+    for m in (forger.sign(forged), forger.sign(later)):
+        producer.produce(weights, m, key="actor")
+    producer.flush()
+    return forged, later
+
+
+@pytest.mark.slow
+def test_replay_refuses_manifests_another_key_signed_and_uses_the_good_ones(
+        kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, capsys,  # noqa: F811
+        monkeypatch):
+    """A signed run whose weights topic also holds a forged copy of version 2 and a
+    version 3, both signed by another key: `replay train` says why each is refused,
+    dead-letters both to the new run's dlq and trains and compares with the signed ones
+    only; `replay process` leaves them out of the version history; a --public-key that
+    signed none of the run refuses the replay."""
+    from astraflow.replay_process import version_history
+    from astraflow.weights.signing import (
+        ENV_PUBLIC_KEY,
+        ENV_SIGNING_KEY,
+        ManifestSigner,
+        ManifestVerifier,
+        keygen,
+    )
+
+    from .test_signing import dead_letters
+
+    monkeypatch.delenv(ENV_SIGNING_KEY, raising=False)
+    monkeypatch.delenv(ENV_PUBLIC_KEY, raising=False)
+    private, public = keygen(tmp_path / "keys")
+    other, _ = keygen(tmp_path / "other")
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1},
+                "weights.blobs": {"partitions": 1}, "dlq": {"partitions": 1}},
+        policies={"actor": {"model": tiny_model,
+                            "trainer": {"lr": 1e-4, "anchor_interval": 2}}},
+        weight_signing={"private_key": str(private), "public_key": str(public)})
+    _train_source(kafka_config, kafka_bootstrap, path, topo, tiny_model, tmp_path, n=2)
+    weights = topo.full_name("weights.actor")
+    forger = ManifestSigner.from_file(other)
+    forged, later = _forge(kafka_config, weights, forger)
+    common = ["-t", str(path), "--bootstrap", kafka_bootstrap, "--runs-dir", str(tmp_path)]
+
+    into = f"{topo.run}-signed"
+    assert main(["replay", "train", *common, "--into", into]) == 0
+    out, err = capsys.readouterr()
+    untrusted = f"is signed by key {forger.key_id}, which is not trusted"
+    assert f"replay: refused: manifest actor v2 ({forged.kind}) {untrusted}" in err, err
+    assert f"v3 ({later.kind}) {untrusted}" in err, err
+    assert "version 2: sha256" in out and "version 3" not in out, out
+    assert out.count("the same weights, bit for bit") == 2, out  # versions 0 and 2
+    letters = dead_letters(kafka_config, f"{into}.dlq")
+    assert sorted(d.error.split(" (")[0] for d in letters) == [
+        "refused: manifest actor v2", "refused: manifest actor v3"]
+    assert {d.source_topic for d in letters} == {weights}
+
+    verifier = ManifestVerifier.from_files([public])
+    history = version_history(kafka_config, topo, ["actor"], verifier)
+    assert {v for _, v in history["actor"]} == {0, 1, 2}
+    assert "refused: manifest actor v3" in capsys.readouterr().err
+
+    _, third = keygen(tmp_path / "third")
+    assert main(["replay", "train", *common, "--into", f"{topo.run}-foreign",
+                 "--public-key", str(third)]) == 2
+    err = capsys.readouterr().err
+    assert f"every manifest on {weights} is refused" in err and "--public-key" in err, err

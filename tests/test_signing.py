@@ -23,9 +23,15 @@ from astraflow.weights.signing import (
     keygen,
     load_private_key,
     load_public_key,
+    refusal,
+    refusal_letter,
     signer_from,
+    split_trusted,
+    verifier_for,
     verifier_from,
 )
+
+from .test_trainer import tiny_model  # noqa: F401 - a fixture
 
 
 @pytest.fixture(autouse=True)
@@ -222,3 +228,137 @@ def test_keygen_command(tmp_path, capsys):
     assert "weights-signing.key" in out and "key id" in out
     assert main(["weights", "keygen", "--out", str(tmp_path)]) == 2
     assert Path(tmp_path / "weights-signing.pub").is_file()
+
+
+# --- the helpers the trainer's resume and replay use ---------------------------------------
+def test_manifests_are_split_into_trusted_and_refused_with_the_reason(keys, tmp_path,
+                                                                       monkeypatch):
+    signer, verifier, _, public = keys
+    other, other_public = keygen(tmp_path / "other")
+    good = signer.sign(manifest(version=1))
+    foreign = ManifestSigner.from_file(other).sign(manifest(version=2))
+    unsigned = manifest(version=3)
+    kept, refused = split_trusted([good, foreign, unsigned], verifier)
+    assert kept == [good]
+    assert [(m.version, why.split(",")[0].split(";")[0]) for m, why in refused] == [
+        (2, f"manifest actor v2 (delta) is signed by key {foreign.signing_key}"),
+        (3, "manifest actor v3 (delta) is unsigned")]
+    assert refusal(verifier, good) is None and refusal(None, unsigned) is None
+    assert split_trusted([good, unsigned], None) == ([good, unsigned], [])
+    codec = make_codec()
+    letter = refusal_letter(foreign, refused[0][1], "r.weights.actor", "trainer.actor/0",
+                            codec, (0, 12))
+    assert (letter.source_topic, letter.partition, letter.offset) == ("r.weights.actor", 0, 12)
+    assert letter.error == f"refused: {refused[0][1]}"
+    assert codec.decode(letter.raw).version == 2
+    # a command's --public-key comes before the environment and the topology
+    monkeypatch.setenv(ENV_PUBLIC_KEY, str(public))
+    spec = WeightSigningSpec(public_key=str(public))
+    assert verifier_for(spec).keys.keys() == verifier.keys.keys()
+    chosen = verifier_for(spec, other_public)
+    assert refusal(chosen, foreign) is None and refusal(chosen, good) is not None
+    monkeypatch.delenv(ENV_PUBLIC_KEY)
+    assert verifier_for(WeightSigningSpec()) is None
+
+
+def _forge_after(newest: WeightManifest, key: Path, producer, topic: str
+                 ) -> tuple[WeightManifest, WeightManifest]:
+    """Produce to ``topic`` the next version after ``newest`` signed with ``key`` and the
+    one after it unsigned; both."""
+    forged = copy.deepcopy(newest)
+    forged.version, forged.base_version = newest.version + 1, newest.version
+    ManifestSigner.from_file(key).sign(forged)
+    unsigned = copy.deepcopy(forged)
+    unsigned.version, unsigned.base_version, unsigned.signature = forged.version + 1, \
+        forged.version, None
+    producer.produce(topic, forged, key="actor")
+    producer.produce(topic, unsigned, key="actor")
+    producer.flush()
+    return forged, unsigned
+
+
+def dead_letters(config, topic: str) -> list:
+    """The ``DeadLetter``s on ``topic``, once there is one."""
+    from astraflow.kafka.table import TopicReader
+    from astraflow.records import DeadLetter
+
+    from .conftest import wait_for
+
+    reader = TopicReader(config, topic, DeadLetter, client_id="dlq")
+    try:
+        return wait_for(lambda: [e.value for e in reader.catch_up(5.0) if e.value], 30,
+                        f"dead letters on {topic}")
+    finally:
+        reader.close()
+
+
+@pytest.mark.slow
+def test_the_trainers_resume_refuses_a_badly_signed_newest_manifest(
+        keys, kafka_config, make_topology, tiny_model, tmp_path):  # noqa: F811 - the fixture
+    """The newest manifests on weights.actor are signed by another key and unsigned: the
+    trainer resumes from the newest one its key signed, dead-letters the others with the
+    reason, never loads them, and publishes its own next version. When every manifest is
+    refused it does not start (nor publish version 0 over them)."""
+    import torch
+
+    from astraflow.kafka.clients import RecordProducer
+    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.weights.kafka_store import read_manifests
+
+    from .test_trainer import make_batch
+
+    signer, verifier, private, public = keys
+    other, _ = keygen(tmp_path / "other")
+    topo, _ = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1},
+                "dlq": {"partitions": 1}},
+        weight_signing={"private_key": str(private), "public_key": str(public)})
+    weights, producer = topo.full_name("weights.actor"), RecordProducer(kafka_config)
+    for i in range(3):
+        producer.produce(topo.full_name("batches.actor"), make_batch(i), key="actor")
+    producer.flush()
+    torch.set_num_threads(1)
+
+    def service(topology, steps: int) -> TrainerService:
+        return TrainerService(topology, ServiceOptions(
+            policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
+            poll_timeout_s=0.2, max_steps=steps,
+            trainer=TrainerConfig(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+
+    service(topo, 2).run()
+    published = read_manifests(kafka_config, weights)
+    assert {m.version for m in published} == {0, 1, 2}
+    assert split_trusted(published, verifier)[1] == []  # the trainer signs each one
+    forged, _ = _forge_after(max(published, key=lambda m: m.version), other, producer,
+                             weights)
+
+    resumed = service(topo, 1)
+    resumed.run()
+    assert (resumed.resumed_from, resumed.version) == (2, 3)
+    letters = dead_letters(kafka_config, topo.full_name("dlq"))
+    assert [(d.source_topic, d.component_id) for d in letters] == [
+        (weights, "trainer.actor/0")] * 2
+    assert letters[0].error == (
+        f"refused: manifest actor v3 ({forged.kind}) is signed by key {forged.signing_key}, "
+        f"which is not trusted (trusted: {signer.key_id})")
+    assert letters[1].error.startswith(f"refused: manifest actor v4 ({forged.kind}) is "
+                                       "unsigned")
+    mine = [m for m in read_manifests(kafka_config, weights) if m.version == 3][-1]
+    assert refusal(verifier, mine) is None and mine.signature != forged.signature
+
+    _, third = keygen(tmp_path / "third")  # signed none of them
+    _refuses_every_manifest(service(topo.model_copy(update={
+        "weight_signing": WeightSigningSpec(public_key=str(third))}), 1))
+
+
+def _refuses_every_manifest(svc) -> None:
+    """``svc`` (a trainer service whose public key signed none of its weights topic) does
+    not resume, nor publish version 0."""
+    svc._open()
+    try:
+        with pytest.raises(RuntimeError, match="every manifest of actor is refused .*not "
+                           "resuming from any, nor publishing version 0"):
+            svc._restore()
+    finally:
+        svc.store.close()

@@ -21,7 +21,9 @@ Restart (after SIGKILL, anywhere):
 1. the transactional producer (id ``<run>.trainer.<policy>.<instance>``) is created first:
    ``init_transactions`` fences a dead predecessor and aborts its open transaction, so
    ``read_committed`` readers are not held up by it;
-2. every manifest on ``weights.<policy>`` is read. The newest recorded state (version k;
+2. every manifest on ``weights.<policy>`` is read; with a public key configured (signed
+   weights) one not signed by its key is refused, logged and dead-lettered, and never
+   used (the newest trusted version is L then). The newest recorded state (version k;
    none: version 0, the model directory) is loaded, sha256-verified, and its master weights
    must round to version k's published weights (rebuilt with a ``WeightFollower``) bit for
    bit. With ``publish_dtype`` ``same`` the published weights are the trained ones;
@@ -72,7 +74,7 @@ from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.validate import check_record
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
-from astraflow.weights.signing import signer_from
+from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -175,6 +177,9 @@ class TrainerService:
         self.codec = make_codec_for(self.config)
         # signed weights: every manifest published is signed when a key is configured
         self.signer = signer_from(topology.weight_signing)
+        # ... and with a public key, a resume uses only manifests signed by its key
+        self.verifier = verifier_from(topology.weight_signing)
+        self._refused: list[tuple[WeightManifest, str]] = []  # dead-lettered at start
         self.counters = ServiceCounters()
         self.trainer = trainer
         self.version: int | None = None
@@ -220,9 +225,9 @@ class TrainerService:
         from astraflow.weights.history import WeightFollower, WeightPublisher
         from astraflow.weights.kafka_store import read_manifests
 
-        manifests = [
+        manifests = self._trusted([
             m for m in read_manifests(self.config, self.weights_topic) if m.policy == self.policy
-        ]
+        ])
         self._history = list(manifests)
         o = self.options
         if not manifests:
@@ -274,6 +279,36 @@ class TrainerService:
             time.perf_counter() - t0,
             _fmt_positions(self.positions) or "the group's committed offsets",
         )
+
+    def _trusted(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
+        """The manifests a resume may use: with a public key configured, those signed by
+        its key. Each refused one is logged (and dead-lettered at start), never loaded; the
+        resume goes on from the trusted ones. When every manifest is refused there is
+        nothing to resume from, and publishing version 0 over them would restart the run:
+        ``RuntimeError``."""
+        kept, refused = split_trusted(manifests, self.verifier)
+        for m, why in refused:
+            log.warning("%s: not resuming from %s v%d (%s): refused: %s", self.component_id,
+                        self.weights_topic, m.version, m.kind, why)
+        self._refused = refused
+        if refused and not kept:
+            raise RuntimeError(
+                f"{self.weights_topic}: every manifest of {self.policy} is refused "
+                f"({refused[-1][1]}); not resuming from any, nor publishing version 0 over "
+                "them: check weight_signing.public_key, or train into a new run")
+        return kept
+
+    def _dead_letter_refused(self) -> None:
+        """Dead-letter the manifests the resume refused, with the reason, in a transaction
+        of their own."""
+        if not self._refused:
+            return
+        cp = self.loop.checkpoint()
+        for m, why in self._refused:
+            cp.dead_letter(refusal_letter(m, why, self.weights_topic, self.component_id,
+                                          self.codec))
+        self.loop.commit(cp, offsets=False)  # counted by the loop
+        self._refused = []
 
     def _signed(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
         """``manifests``, signed (in place) when this trainer has a signing key."""
@@ -431,6 +466,7 @@ class TrainerService:
         """Restore (or publish version 0) once the producer has fenced a predecessor."""
         self._open()
         self._restore()
+        self._dead_letter_refused()
         log.info("%s: blobs in %s", self.component_id, self.store.uri)
         self._loop_start = time.monotonic()
 

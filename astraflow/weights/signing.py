@@ -23,7 +23,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from astraflow.errors import AstraflowError
-from astraflow.records import Record, WeightManifest
+from astraflow.records import DeadLetter, Record, WeightManifest
 from astraflow.weights.errors import ManifestSignatureError, WeightsError
 
 log = logging.getLogger(__name__)
@@ -224,6 +224,49 @@ def verifier_from(spec: Any) -> ManifestVerifier | None:
     return ManifestVerifier.from_files([path]) if path else None
 
 
+def verifier_for(spec: Any, public_key: str | os.PathLike[str] | None = None
+                 ) -> ManifestVerifier | None:
+    """``verifier_from(spec)``, unless a command was given a public key file
+    (``--public-key``): that one then, before the environment and the topology."""
+    return ManifestVerifier.from_files([public_key]) if public_key else verifier_from(spec)
+
+
+def refusal(verifier: ManifestVerifier | None, manifest: WeightManifest) -> str | None:
+    """Why ``verifier`` refuses ``manifest`` (one line); None when it is trusted, or when
+    there is no verifier (nothing is verified)."""
+    if verifier is None:
+        return None
+    try:
+        verifier.verify(manifest)
+    except ManifestSignatureError as e:
+        return str(e)
+    return None
+
+
+def split_trusted(manifests: Iterable[WeightManifest], verifier: ManifestVerifier | None
+                  ) -> tuple[list[WeightManifest], list[tuple[WeightManifest, str]]]:
+    """``manifests`` as (the trusted ones, the refused ones with the reason), each in the
+    order given; all trusted without a verifier."""
+    kept: list[WeightManifest] = []
+    refused: list[tuple[WeightManifest, str]] = []
+    for m in manifests:
+        why = refusal(verifier, m)
+        if why is None:
+            kept.append(m)
+        else:
+            refused.append((m, why))
+    return kept, refused
+
+
+def refusal_letter(manifest: WeightManifest, reason: str, topic: str, component_id: str,
+                   codec: Any, where: tuple[int, int] = (-1, -1)) -> DeadLetter:
+    """The ``DeadLetter`` of a refused manifest read from ``topic`` (at ``where``:
+    partition and offset, -1 when not known): the reason and the manifest's bytes."""
+    return DeadLetter(source_topic=topic, partition=where[0], offset=where[1],
+                      component_id=component_id, error=f"refused: {reason}",
+                      raw=codec.encode(manifest, topic))
+
+
 __all__ = [
     "ManifestSigner",
     "ManifestVerifier",
@@ -233,6 +276,10 @@ __all__ = [
     "keygen",
     "load_private_key",
     "load_public_key",
+    "refusal",
+    "refusal_letter",
     "signer_from",
+    "split_trusted",
+    "verifier_for",
     "verifier_from",
 ]
