@@ -85,8 +85,6 @@ def ensure_model(doc: dict[str, Any]) -> Path:
 # --- AstraFlow --------------------------------------------------------------------------
 def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """``astraflow up`` for ``--duration`` s; the newest version at each checkpoint."""
-    from astraflow.kafka.clients import read_all
-    from astraflow.records import WeightManifest
     from astraflow.runs import start_over
     from astraflow.topology import load_topology
 
@@ -101,6 +99,21 @@ def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         for line in proc.stdout:
             if not line.startswith((" ", "{", "}")) or "s |" in line:
                 print(f"[astraflow] {line.rstrip()}", flush=True)
+    records, first_at = manifest_times(topo, t0)
+    summary_file = args.runs_dir / RUN / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
+          for t in args.checkpoints}
+    return {"at": at, "versions": max(first_at, default=0), "summary": summary,
+            "_manifests": [r.record for r in records], "_topology": topo}
+
+
+def manifest_times(topo: Any, t0: float) -> tuple[list[Any], dict[int, float]]:
+    """The first policy's weight manifests of a finished run, and the seconds from ``t0``
+    at which each version was first published."""
+    from astraflow.kafka.clients import read_all
+    from astraflow.records import WeightManifest
+
     policy = next(iter(topo.policies))
     records = read_all(topo.kafka.effective(), topo.full_name(f"weights.{policy}"),
                        idle_s=3.0, timeout_s=300.0, expect=WeightManifest)
@@ -108,12 +121,7 @@ def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     for r in records:
         v = r.record.version
         first_at[v] = min(first_at.get(v, 1e18), r.timestamp_ms / 1000 - t0)
-    summary_file = args.runs_dir / RUN / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
-          for t in args.checkpoints}
-    return {"at": at, "versions": max(first_at, default=0), "summary": summary,
-            "_manifests": [r.record for r in records], "_topology": topo}
+    return records, first_at
 
 
 def score_astraflow(result: dict[str, Any], ev: dict[str, Any], doc: dict[str, Any]) -> None:

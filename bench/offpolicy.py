@@ -174,20 +174,12 @@ def versions_at(first_at: dict[int, float], checkpoints: list[float]) -> dict[fl
 
 def run_cell(path: Path, args: argparse.Namespace, label: str) -> dict[str, Any]:
     """``astraflow up`` on one cell; its versions at the checkpoints and trainer figures."""
-    from astraflow.kafka.clients import read_all
-    from astraflow.records import WeightManifest
     from astraflow.topology import load_topology
 
     topo = load_topology(path)
     t0 = time.time()
     rc, wall = da.run_up(path, args, label)
-    policy = next(iter(topo.policies))
-    records = read_all(topo.kafka.effective(), topo.full_name(f"weights.{policy}"),
-                       idle_s=3.0, timeout_s=300.0, expect=WeightManifest)
-    first_at: dict[int, float] = {}
-    for r in records:
-        v = r.record.version
-        first_at[v] = min(first_at.get(v, 1e18), r.timestamp_ms / 1000 - t0)
+    records, first_at = learning.manifest_times(topo, t0)
     summary_file = args.runs_dir / topo.run / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     trainer = next(iter(summary.get("trainer", {}).values()), {})

@@ -106,8 +106,7 @@ def test_the_secured_broker_keeps_its_secrets_private_and_names_only_their_files
 @pytest.mark.secure
 def test_broker_start_secure_prints_what_clients_need_and_keeps_ca_and_port(tmp_path):
     env = {"ASTRAFLOW_STATE": str(tmp_path / "state")}
-    env.pop("ASTRAFLOW_BOOTSTRAP", None)
-    os_env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
+    os_env = dict(os.environ)
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "astraflow.cli", "broker", *a], capture_output=True,
         text=True, cwd=REPO, timeout=180, env={**os_env, **env})
@@ -392,7 +391,7 @@ def test_up_secure_trains_with_one_principal_per_component_and_no_secret_leaks(
     data["eval"] = {"every_versions": 2, "size": 20, "levels": "1"}
     path = tmp_path / "sec.yaml"
     path.write_text(yaml.safe_dump(data))
-    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
+    env = dict(os.environ)
     env.update(ASTRAFLOW_STATE=str(secure_broker.state), PYTHONUNBUFFERED="1")
     out = tmp_path / "up.log"
     with open(out, "wb") as log:
@@ -528,7 +527,7 @@ def test_up_secure_runs_every_component_of_a_shipped_topology_undenied(
         spec["warm_start"].pop("until", None)
     path = tmp_path / source
     path.write_text(yaml.safe_dump(data))
-    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
+    env = dict(os.environ)
     env.update(ASTRAFLOW_STATE=str(secure_broker.state), PYTHONUNBUFFERED="1")
     res = subprocess.run(
         [sys.executable, "-m", "astraflow.cli", "up", str(path), "--secure", "--duration",
