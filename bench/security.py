@@ -18,12 +18,19 @@ minute; the figures in docs/security.md come from the defaults):
 
     python bench/security.py [--records 20000] [--record-bytes 1024] [--light 200]
         [--interval-ms 20] [--hops 3] [--protocols PLAINTEXT,SASL_PLAINTEXT,SASL_SSL]
+        [--repeats 1] [--out bench/results/security.json]
+
+With ``--repeats N`` the protocols are measured in turn N times (round-robin, so a slow
+spell of the shared machine hits each alike); the table gives each figure's median and,
+when N > 1, its range.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import statistics
 import tempfile
 import time
 import uuid
@@ -107,15 +114,29 @@ def measure(protocol: str, args: argparse.Namespace, root: Path) -> dict[str, fl
         broker.destroy()
 
 
-def report(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+ROWS = (("broker start to metadata (s)", "start", "{:.1f}"),
+        ("hop throughput (records/s)", "rate", "{:.0f}"),
+        ("RaaS->trainer latency p50 (ms)", "p50", "{:.1f}"),
+        ("RaaS->trainer latency p99 (ms)", "p99", "{:.1f}"))
+
+
+def cell(values: list[float], fmt: str) -> str:
+    """The median, and the range when there are several values."""
+    mid = fmt.format(statistics.median(values))
+    if len(values) < 2:
+        return mid
+    return f"{mid} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
     print(f"\n{args.records} records of ~{args.record_bytes} B; latency: {args.light} "
-          f"records through {args.hops} processors, one per {args.interval_ms:g} ms")
-    print(f"{'':34}" + "".join(f"{p:>16}" for p in rows))
-    for label, key, fmt in (("broker start to metadata (s)", "start", "{:16.1f}"),
-                            ("hop throughput (records/s)", "rate", "{:16.0f}"),
-                            ("RaaS->trainer latency p50 (ms)", "p50", "{:16.1f}"),
-                            ("RaaS->trainer latency p99 (ms)", "p99", "{:16.1f}")):
-        print(f"{label:34}" + "".join(fmt.format(r[key]) for r in rows.values()))
+          f"records through {args.hops} processors, one per {args.interval_ms:g} ms; "
+          f"{args.repeats} run(s) per protocol")
+    width = 24 if args.repeats > 1 else 16
+    print(f"{'':34}" + "".join(f"{p:>{width}}" for p in runs))
+    for label, key, fmt in ROWS:
+        print(f"{label:34}" + "".join(
+            f"{cell([r[key] for r in rs], fmt):>{width}}" for rs in runs.values()))
 
 
 def main() -> None:
@@ -126,14 +147,24 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=20.0)
     ap.add_argument("--hops", type=int, default=3, help="processors between RaaS and trainer")
     ap.add_argument("--protocols", default=",".join(PROTOCOLS))
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over the protocols")
+    ap.add_argument("--out", type=Path, help="write every run's figures here (JSON)")
     args = ap.parse_args()
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     unknown = sorted(set(protocols) - set(PROTOCOLS))
     if unknown:
         raise SystemExit(f"--protocols: unknown {', '.join(unknown)} (one of {PROTOCOLS})")
-    with tempfile.TemporaryDirectory(prefix="astraflow-bench-security-") as tmp:
-        rows = {p: measure(p, args, Path(tmp)) for p in protocols}
-    report(rows, args)
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in protocols}
+    for round_ in range(args.repeats):
+        for p in protocols:
+            with tempfile.TemporaryDirectory(prefix="astraflow-bench-security-") as tmp:
+                runs[p].append(measure(p, args, Path(tmp)))
+            print(f"round {round_ + 1}/{args.repeats} {p}: {runs[p][-1]}", flush=True)
+    report(runs, args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
