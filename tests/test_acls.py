@@ -66,6 +66,24 @@ def test_shipped_topologies_get_least_privilege_acls(path):
             assert a.name.startswith(f"{topo.run}.") or a.name.startswith("astraflow-"), a
 
 
+def _acls_of_run(path: Path) -> dict[str, list[tuple]]:
+    """Every component's ACLs with the run's name taken out of resource names."""
+    topo = load_topology(path)
+    return {c.key: sorted((a.resource, a.pattern, a.operation,
+                           a.name.replace(topo.run, "<run>", 1)) for a in c.acls)
+            for c in component_acls(topo)}
+
+
+@pytest.mark.parametrize("source", ["smollm2.yaml", "smollm2-vllm.yaml"])
+def test_the_real_model_topologies_need_exactly_the_defaults_acls(source):
+    """The SmolLM2 topologies wire the default's components and topics, so the secured
+    run of the default (tests/test_secure.py, ``up --secure``, every component as its own
+    principal with exactly these ACLs and nothing denied) covers theirs; when they diverge,
+    this fails and they need a secured run of their own."""
+    assert _acls_of_run(REPO / "topology" / source) == _acls_of_run(
+        REPO / "topology" / "default.yaml")
+
+
 def test_each_component_reads_only_its_own_group_and_transactional_prefix():
     topo = load_topology(REPO / "topology" / "solver-verifier.yaml")
     comps = _by_key(topo)

@@ -244,6 +244,30 @@ def test_a_raas_principal_may_not_write_weights(secure_broker, tmp_path):
     wait_for(lambda: _denials(secure_broker, topo.run), 10, "the broker's denial line")
 
 
+def test_a_side_reader_denied_its_topic_stops_with_one_line(secure_broker, tmp_path):
+    """The weights table a RaaS node, trainer or evaluator follows (``TopicTable``, no
+    group), opened as a principal without READ on it (the feeder's): one line naming
+    principal, operation and topic, at once, not a retry loop."""
+    from astraflow.kafka.table import TopicTable
+    from astraflow.records import WeightManifest
+
+    topo = applied(secure_broker, tmp_path)
+    topic = topo.full_name("weights.actor")
+    start = time.monotonic()
+    with pytest.raises(KafkaAccessError) as denied:
+        TopicTable.open(topo.component_kafka("feeder"), topic, WeightManifest,
+                        key=lambda e: e.key)
+    assert time.monotonic() - start < 20
+    assert str(denied.value).startswith(
+        f"User:{topo.run}.feeder was denied DESCRIBE on topic {topic} "
+        "(TOPIC_AUTHORIZATION_FAILED)"), denied.value
+    assert "\n" not in str(denied.value)
+    # the pool's own principal may follow it
+    table = TopicTable.open(topo.component_kafka("pool.local"), topic, WeightManifest,
+                            key=lambda e: e.key)
+    assert table.catch_up(20)
+
+
 def test_a_processor_principal_may_not_read_a_pools_group(secure_broker, tmp_path):
     """Its own input, but in the RaaS pool's consumer group."""
     topo = applied(secure_broker, tmp_path)
