@@ -828,6 +828,7 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
                    restarts: dict[str, int]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "run": topo.run,
+        "started_at": round(progress.started, 3),  # epoch s: eval times count from here
         "seconds": round(time.time() - progress.started, 1),
         "versions": progress.versions,
         "trainer": progress.trainer,

@@ -60,3 +60,65 @@ def test_figures_read_the_curves_at_equal_time():
     assert f["seconds_to_target"] == 70.0 and f["last_version"] == 140
     assert bench.curve_figures(curve, [5.0], 2, 0.99)["at"] == {"5": None}
     assert bench.curve_figures(curve, [5.0], 2, 0.99)["seconds_to_target"] is None
+
+
+def test_seeded_topologies_parse_and_carry_the_seed_everywhere():
+    for doc in (TOGETHER, bench.alone_topology(TOGETHER)):
+        topo = parse_topology(bench.seeded(doc, 7))
+        assert topo.feeder.seed == 7
+        assert {p.trainer.seed for p in topo.policies.values()} == {7}
+        procs = plan_processes(topo, "x.yaml")
+        raas = procs["raas-local-0"]
+        opts = json.loads(next(x for x in raas if "={" in x).split("=", 1)[1])
+        assert opts["seed"] == 7
+    assert "seed" not in (TOGETHER.get("feeder") or {})  # the input is not modified
+
+
+def test_evaluations_are_placed_at_the_training_cpu_seconds_spent_by_then():
+    # epoch 1000: the run's processes start; 1 CPU-s a second before, 2 after
+    series = [(990.0, 0.0, 0.0), (1000.0, 10.0, 12.0), (1010.0, 30.0, 40.0),
+              (1020.0, 50.0, 70.0)]
+    summary = {"started_at": 1000.0, "eval": {"solver": [
+        {"t": 0.0, "version": 0, "accuracy": 0.5}, {"t": 5.0, "version": 3, "accuracy": 0.6},
+        {"t": 20.0, "version": 9, "accuracy": 0.7}]}}
+    out = bench.with_cpu(summary, series)
+    assert [x["cpu"] for x in out["eval"]["solver"]] == [0.0, 10.0, 40.0]
+    assert out["cores_in_use"] == 2.0 and out["cpu_training_s"] == 40.0
+    f = bench.curve_figures(out["eval"]["solver"], [10.0], 1, 0.65, [15.0, 40.0])
+    assert f["at_cpu"] == {"15": 0.6, "40": 0.7} and f["cpu_to_target"] == 40.0
+    # a run that spent less than a checkpoint has no figure there
+    assert bench.curve_figures(out["eval"]["solver"], [], 1, 0.65, [15.0, 41.0],
+                               cpu_spent=40.0)["at_cpu"] == {"15": 0.6}
+
+
+def test_a_process_trees_cpu_counts_children_and_leaves_out_evaluators(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    spin = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin + "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while bench.tree_cpu(child.pid)[0] < 0.3:
+            assert time.monotonic() < deadline, bench.tree_cpu(child.pid)
+        train, total = bench.tree_cpu(child.pid)
+        assert train == total >= 0.3
+    finally:
+        child.kill()
+        child.wait()
+    assert bench.not_training("python -m astraflow.cli eval run --topology t.yaml")
+    assert bench.not_training("/usr/lib/jvm/bin/java -Xmx1g kafka.Kafka p")
+    assert not bench.not_training("python -m astraflow.cli trainer run --policy solver")
+
+
+def test_intervals_over_seeds_and_the_paired_difference():
+    m, h = bench.mean_ci([0.5, 0.6, 0.7])
+    assert m == pytest.approx(0.6) and h == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert bench.mean_ci([0.5]) == (0.5, None)
+    runs = [{"kind": k, "seed": s, "solver": {"final": f}} for k, s, f in
+            [("alone", 0, 0.5), ("together", 0, 0.6), ("alone", 1, 0.7), ("together", 1, 0.7),
+             ("together", 2, 0.9)]]  # seed 2 has no pair: left out
+    alone, together, diff = bench._paired(runs, lambda r: r["solver"]["final"])
+    assert alone == [0.5, 0.7] and together == [0.6, 0.7]
+    assert diff == pytest.approx([0.1, 0.0])
