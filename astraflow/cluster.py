@@ -102,7 +102,10 @@ class ClusterStatus:
             lines.append(f"  node {n.id}: 127.0.0.1:{n.port}, {state}{rack}")
         lines += leader_lines(self.leaders)
         if self.under_replicated:
-            parts = ", ".join(f"{t}[{p}]" for t, p in sorted(self.under_replicated))
+            by_topic: dict[str, list[int]] = {}
+            for t, p in sorted(self.under_replicated):
+                by_topic.setdefault(t, []).append(p)
+            parts = ", ".join(f"{t}[{','.join(map(str, ps))}]" for t, ps in by_topic.items())
             lines.append(f"  under-replicated partitions ({len(self.under_replicated)}): "
                          f"{parts}")
         elif self.running:
@@ -111,8 +114,8 @@ class ClusterStatus:
 
 
 def leader_lines(leaders: dict[tuple[str, int], int]) -> list[str]:
-    """One line a topic (internal ones left out): how many partitions each node leads
-    (``-1``: partitions without a leader)."""
+    """One line a topic (internal ones left out): how many of its partitions each node
+    leads, and how many have no leader (``-1``)."""
     by_topic: dict[str, dict[int, int]] = {}
     for (topic, _p), leader in leaders.items():
         if not topic.startswith("__"):
@@ -121,9 +124,10 @@ def leader_lines(leaders: dict[tuple[str, int], int]) -> list[str]:
     lines = []
     for topic in sorted(by_topic):
         counts = by_topic[topic]
-        led = ", ".join(f"node {n}: {k}" if n >= 0 else f"no leader: {k}"
+        led = ", ".join(f"node {n} leads {k}" if n >= 0 else f"{k} without a leader"
                         for n, k in sorted(counts.items(), key=lambda x: (x[0] < 0, x[0])))
-        lines.append(f"  {topic}: leaders {led}")
+        n = sum(counts.values())
+        lines.append(f"  {topic} ({n} partition{'s' if n > 1 else ''}): {led}")
     return lines
 
 
@@ -272,15 +276,18 @@ class EmbeddedCluster:
         path = Path(state) if state else cluster_state_dir()
         return cls(path, size=int(read_json(path / "cluster.json").get("size", 3)))
 
+    def _check_size(self) -> None:
+        recorded = self._info().get("size")
+        if recorded and int(recorded) != self.size:
+            raise BrokerError(
+                f"the cluster state {self.state} holds {recorded} nodes, not "
+                f"{self.size}: `astraflow broker stop --purge` first to start afresh")
+
     def _prepare(self, base_port: int | None, down: list[int]) -> None:
         """Record the cluster's size, id, racks and ports: those kept from the previous
         start (waiting for the ports of the nodes in ``down`` to be free), else free ones,
         ``base_port`` + i - 1 for node i when that can be bound."""
         info = self._info()
-        if info and int(info.get("size", 0)) != self.size:
-            raise BrokerError(
-                f"the cluster state {self.state} holds {info.get('size')} nodes, not "
-                f"{self.size}: `astraflow broker stop --purge` first to start afresh")
         kept = self._ports()
         nodes = {}
         for i in self.node_ids:
@@ -325,6 +332,7 @@ class EmbeddedCluster:
         ``base_port``: node i's client port is ``base_port + i - 1`` on a first start
         when free (later starts keep the ports of the first)."""
         t0 = time.time()
+        self._check_size()
         down = [i for i in self.node_ids if self.pid(i) is None]
         if not down:
             return self.status()
