@@ -130,7 +130,10 @@ def cmd_broker_logs(args: argparse.Namespace) -> int:
 
     cluster = EmbeddedCluster.recorded()
     if args.node is not None:
-        if args.node not in cluster.node_ids or not cluster.info_file.exists():
+        if not cluster.info_file.exists():
+            raise AstraflowError(f"--node {args.node}: the embedded cluster ({cluster.state}) "
+                                 "has no state: `astraflow broker start --brokers N` first")
+        if args.node not in cluster.node_ids:
             raise AstraflowError(f"--node {args.node}: the embedded cluster "
                                  f"({cluster.state}) has nodes {cluster.node_ids}")
         log_file = cluster.log_file(args.node)

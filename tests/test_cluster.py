@@ -240,3 +240,27 @@ def test_up_brokers_3_trains_the_default_topology_on_the_cluster(embedded_cluste
     # the trainer made each version after the first from batches it consumed
     consumed = [m.consumed_offsets[0].offset for m in manifests if m.kind == "delta"]
     assert consumed and min(consumed) > 0, consumed
+
+
+def test_cluster_options_that_cannot_apply_are_one_line_errors(monkeypatch, tmp_path, capsys):
+    from astraflow.cli import main
+
+    monkeypatch.delenv("ASTRAFLOW_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("ASTRAFLOW_CLUSTER_STATE", str(tmp_path / "cluster"))
+    assert main(["broker", "start", "--brokers", "3", "--secure"]) == 2
+    assert main(["broker", "start", "--brokers", "3", "--racks", "r1,r2"]) == 2
+    assert main(["broker", "logs", "--node", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "astraflow: --secure is available on the single embedded broker only, not with "
+        "--brokers",
+        "astraflow: --racks: 3 rack names, one a node, separated by commas (got 'r1,r2')",
+        f"astraflow: --node 2: the embedded cluster ({tmp_path / 'cluster'}) has no state: "
+        "`astraflow broker start --brokers N` first"]
+    monkeypatch.setenv("ASTRAFLOW_BOOTSTRAP", "elsewhere:9092")
+    assert main(["up", str(REPO / "topology" / "default.yaml"), "--brokers", "3",
+                 "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "astraflow: up --brokers runs on the embedded cluster, but ASTRAFLOW_BOOTSTRAP names "
+        "another: unset it, or run without --brokers")
+    assert not (tmp_path / "cluster").exists()
