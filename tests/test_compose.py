@@ -429,7 +429,8 @@ def _cluster_problems(services: dict) -> list[str]:
     for n, e in envs.items():
         if set(e["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")) != voters:
             out.append(f"{n}: voters {e['KAFKA_CONTROLLER_QUORUM_VOTERS']} != {voters}")
-        if not e["KAFKA_ADVERTISED_LISTENERS"].startswith(f"PLAINTEXT://{services[n]['hostname']}:"):
+        host = services[n]["hostname"]
+        if not e["KAFKA_ADVERTISED_LISTENERS"].startswith(f"PLAINTEXT://{host}:"):
             out.append(f"{n}: advertises {e['KAFKA_ADVERTISED_LISTENERS']}, not its hostname")
         if e["KAFKA_PROCESS_ROLES"] != "broker,controller":
             out.append(f"{n}: roles {e['KAFKA_PROCESS_ROLES']}")
