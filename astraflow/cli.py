@@ -17,7 +17,14 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 
 from astraflow.broker import BrokerError, EmbeddedBroker, parse_remote_listener
-from astraflow.cliargs import add_command, add_group, add_run_options, examples_epilog, fill
+from astraflow.cliargs import (
+    add_cluster_options,
+    add_command,
+    add_group,
+    add_run_options,
+    examples_epilog,
+    fill,
+)
 from astraflow.errors import AstraflowError
 from astraflow.kafka.access import EXIT_REFUSED, KafkaAccessError, refusal
 from astraflow.kafka.config import KafkaConfig
@@ -308,12 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number from 1 on, not {text!r}")
-    return int(text)
-
-
 def _remote_listener(text: str) -> tuple[int, str]:
     try:
         return parse_remote_listener(text)
@@ -366,13 +367,7 @@ def _add_broker_start(verbs: Any) -> None:
                               "astraflow broker start --brokers 3 --racks r1,r2,r3"])
     p.add_argument("--port", type=int, default=None, help="listener port (default 19092; "
                    "with --brokers: node 1's, the next ones count up, default 19192)")
-    p.add_argument("--brokers", type=_positive, default=1, metavar="N",
-                   help="a cluster of N KRaft nodes (broker and controller each, a quorum of "
-                   "N; topics get replication factor min(3, N), min.insync.replicas 2 from "
-                   "3), ports kept across restarts (docs/operations.md)")
-    p.add_argument("--racks", default=None, metavar="R1,R2,...",
-                   help="with --brokers: each node's broker.rack; a consumer that sets "
-                   "client.rack reads from a replica in its rack (RackAwareReplicaSelector)")
+    add_cluster_options(p, "start the embedded cluster, its ports kept across restarts")
     p.add_argument("--timeout", type=float, default=180.0,
                    help="with --brokers: seconds to wait for every node (default 180)")
     p.add_argument("--remote-listener", type=_remote_listener, default=None,

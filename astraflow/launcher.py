@@ -49,7 +49,7 @@ def register(subparsers: Any) -> None:
 
 
 def _add_up(subparsers: Any, shortcut: bool) -> None:
-    from astraflow.cliargs import add_command, add_run_options
+    from astraflow.cliargs import add_cluster_options, add_command, add_run_options
 
     p = add_command(
         subparsers, "up", help="shortcut of `run up`" if shortcut else
@@ -69,12 +69,8 @@ def _add_up(subparsers: Any, shortcut: bool) -> None:
     p.add_argument("--keep-broker", action="store_true",
                    help="leave the embedded broker running when the run ends (default: stop "
                    "it if this `up` started it)")
-    p.add_argument("--brokers", type=int, default=1, metavar="N",
-                   help="run on the embedded cluster of N KRaft nodes (`astraflow broker "
-                   "start --brokers N`; topics replicated min(3, N) times, min.insync.replicas "
-                   "2 from 3), started if needed and stopped at the end if started here")
-    p.add_argument("--racks", default=None, metavar="R1,R2,...",
-                   help="with --brokers: each node's broker.rack")
+    add_cluster_options(p, "run on the embedded cluster (`broker start --brokers N`), "
+                        "started if needed and stopped at the end if started here")
     p.add_argument("--secure", action="store_true",
                    help="run on the secured embedded broker (SASL_SSL, ACLs enforced), each "
                    "component as its own principal with exactly the ACLs `topology acls` "
@@ -429,7 +425,8 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
     from astraflow.supervisor import Supervisor
 
     secure = getattr(args, "secure", False)
-    if getattr(args, "brokers", 1) > 1:
+    on_cluster = getattr(args, "brokers", 1) > 1 or getattr(args, "racks", None)
+    if on_cluster:
         broker, bootstrap = _embedded_cluster(args, topo, secure)
         config = topo.kafka.model_copy(update={"bootstrap_servers": bootstrap})
     else:
@@ -474,8 +471,8 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
         pids.unlink(missing_ok=True)
         if broker is not None:
             broker.stop()
-            what = "cluster" if getattr(args, "brokers", 1) > 1 else "broker"
-            print(f"stopped the embedded {what} (--keep-broker keeps it)")
+            print(f"stopped the embedded {'cluster' if on_cluster else 'broker'} "
+                  "(--keep-broker keeps it)")
     summary = _write_summary(run_dir, topo, progress,
                              {n: k for n, k in sup.restarts.items() if k})
     print(closing_lines(summary, run_dir))
