@@ -264,3 +264,35 @@ def test_cluster_options_that_cannot_apply_are_one_line_errors(monkeypatch, tmp_
         "astraflow: up --brokers runs on the embedded cluster, but ASTRAFLOW_BOOTSTRAP names "
         "another: unset it, or run without --brokers")
     assert not (tmp_path / "cluster").exists()
+
+
+def test_commands_find_the_running_cluster_when_the_broker_does_not_run(monkeypatch,
+                                                                        tmp_path):
+    """``KafkaConfig.effective``: ASTRAFLOW_BOOTSTRAP, else the embedded broker, else the
+    embedded cluster while a node of it runs (its pid's command line names the node's
+    config: a pid reused by another process does not count)."""
+    monkeypatch.delenv("ASTRAFLOW_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("ASTRAFLOW_STATE", str(tmp_path / "broker"))  # no broker there
+    monkeypatch.setenv("ASTRAFLOW_CLUSTER_STATE", str(tmp_path / "cluster"))
+    assert KafkaConfig().effective().bootstrap_servers == "127.0.0.1:19092"  # the default
+    ports = {str(i): {"port": 19300 + i, "controller_port": 19400 + i} for i in (1, 2, 3)}
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "cluster.json").write_text(json.dumps(
+        {"size": 3, "cluster_id": "x", "racks": None, "nodes": ports}))
+    props = tmp_path / "cluster" / "node-2" / "server.properties"
+    props.parent.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    node = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(props)])
+    try:
+        (props.parent / "pid.json").write_text(json.dumps({"pid": other.pid}))
+        assert KafkaConfig().effective().bootstrap_servers == "127.0.0.1:19092"
+        (props.parent / "pid.json").write_text(json.dumps({"pid": node.pid}))
+        assert KafkaConfig().effective().bootstrap_servers == (
+            "127.0.0.1:19301,127.0.0.1:19302,127.0.0.1:19303")
+        assert KafkaConfig(bootstrap_servers="b:1").effective().bootstrap_servers == "b:1"
+        monkeypatch.setenv("ASTRAFLOW_BOOTSTRAP", "env:1")
+        assert KafkaConfig().effective().bootstrap_servers == "env:1"
+    finally:
+        for p in (other, node):
+            p.kill()
+            p.wait(10)
