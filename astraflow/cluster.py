@@ -163,6 +163,15 @@ def cluster_config(node_id: int, ports: dict[int, tuple[int, int]], data: Path |
                            rack=rack)
 
 
+def _unused_port(taken: set[int], preferred: int | None = None) -> int:
+    """A free port none of the cluster's others is (``free_port``), added to ``taken``."""
+    port = free_port(preferred)
+    while port in taken:
+        port = free_port()
+    taken.add(port)
+    return port
+
+
 def parse_racks(text: str | None) -> list[str] | None:
     """``--racks r1,r2,r3`` as a list (None when not given)."""
     return [r.strip() for r in text.split(",")] if text else None
@@ -290,6 +299,7 @@ class EmbeddedCluster:
         info = self._info()
         kept = self._ports()
         nodes = {}
+        taken = {p for pair in kept.values() for p in pair}
         for i in self.node_ids:
             if i in kept:
                 port, controller = kept[i]
@@ -297,8 +307,8 @@ class EmbeddedCluster:
                     kept_port(port, f"node {i} client")
                     kept_port(controller, f"node {i} controller")
             else:
-                port = free_port(base_port + i - 1 if base_port else None)
-                controller = free_port()
+                port = _unused_port(taken, base_port + i - 1 if base_port else None)
+                controller = _unused_port(taken)
             nodes[str(i)] = {"port": port, "controller_port": controller}
         racks = self.racks if self.racks is not None else info.get("racks")
         check_racks(racks, self.size)
