@@ -142,7 +142,7 @@ def _read(config: KafkaConfig, topic: str, expect: int) -> list[bytes]:
 
 @pytest.mark.slow
 def test_a_killed_node_leaves_the_topic_under_replicated_but_writable_and_rejoins(
-        embedded_cluster):
+        embedded_cluster, monkeypatch, tmp_path, capsys):
     c = embedded_cluster
     st = c.status()
     assert c.node_ids == [1, 2, 3]
@@ -176,6 +176,20 @@ def test_a_killed_node_leaves_the_topic_under_replicated_but_writable_and_rejoin
     isrs = make_admin(config).list_topics(topic, timeout=10).topics[topic].partitions
     assert all(sorted(p.isrs) == [1, 2, 3] for p in isrs.values())
     assert all(n.alive for n in c.status().nodes)
+
+    # what `astraflow broker status` and `broker logs --node` show of it
+    from astraflow.cli import main
+
+    monkeypatch.setenv("ASTRAFLOW_STATE", str(tmp_path / "no-broker"))
+    monkeypatch.setenv("ASTRAFLOW_CLUSTER_STATE", str(c.state))
+    capsys.readouterr()
+    assert main(["broker", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "embedded broker: stopped" in out and "3 of 3 nodes running" in out, out
+    assert f"node {victim}: 127.0.0.1:{c.port(victim)}, pid {c.pid(victim)}" in out, out
+    assert f"  {topic} (3 partitions): node " in out, out
+    assert main(["broker", "logs", "--node", str(victim), "-n", "5"]) == 0
+    assert f"--- node {victim} ({c.log_file(victim)})" in capsys.readouterr().out
 
 
 @pytest.mark.slow
