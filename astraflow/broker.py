@@ -181,9 +181,13 @@ def kept_port(port: int, what: str, wait_s: float = 15.0) -> int:
 
 
 def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path,
-                    scram: list[str] | None = None) -> None:
+                    scram: list[str] | None = None, cluster_id: str | None = None,
+                    quorum: tuple[str, ...] = ("--standalone",)) -> None:
     """Format fresh KRaft storage in ``data`` (wiped first) for the config ``props``;
-    ``scram``: ``--add-scram`` values (users the broker needs before it serves anyone)."""
+    ``scram``: ``--add-scram`` values (users the broker needs before it serves anyone);
+    ``cluster_id``: the id every node of a cluster shares (default a new one);
+    ``quorum``: how the controller quorum is made (``--standalone``: a quorum of this
+    node alone; nothing: the config's static ``controller.quorum.voters``)."""
     shutil.rmtree(data, ignore_errors=True)
     extra = [arg for value in scram or [] for arg in ("--add-scram", value)]
     fmt = subprocess.run(
@@ -193,10 +197,10 @@ def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path,
             classpath,
             "kafka.tools.StorageTool",
             "format",
-            f"--cluster-id={_cluster_id()}",
+            f"--cluster-id={cluster_id or _cluster_id()}",
             "-c",
             str(props),
-            "--standalone",
+            *quorum,
             *extra,
         ],
         capture_output=True,
@@ -207,6 +211,73 @@ def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path,
         for value in scram or []:
             out = out.replace(value, "[redacted]")
         raise BrokerError(f"formatting broker storage failed:\n{out}")
+
+
+def server_runtime(log=print) -> tuple[str, str, str]:
+    """``(java, classpath, version)`` of the Kafka server: the jars assembled on first use;
+    a ``BrokerError`` naming what to install when java or mvn is missing."""
+    java = _require("java", JAVA_HINT)
+    libs = ensure_jars(log=log)
+    version = kafka_version() if not os.environ.get("KAFKA_HOME") else "KAFKA_HOME"
+    return java, f"{libs}/*", version
+
+
+def jvm_command(java: str, state: Path, heap_mb: int) -> list[str]:
+    """The JVM's command line up to the class path: heap at most ``heap_mb`` MiB, logging
+    by a log4j2 config written into ``state``."""
+    log4j = state / "log4j2.properties"
+    log4j.write_text(_LOG4J2)
+    return [java, f"-Xms{min(256, heap_mb)}m", f"-Xmx{heap_mb}m", "-XX:+UseG1GC",
+            f"-Dlog4j2.configurationFile={log4j}"]
+
+
+def launch_server(jvm: list[str], classpath: str, props: Path, log_file: Path,
+                  ) -> subprocess.Popen:
+    """Start ``kafka.Kafka props`` in a session of its own, appending to ``log_file``."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as out:
+        return subprocess.Popen(
+            [*jvm, "-cp", classpath, "kafka.Kafka", str(props)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def terminate(pid: int, timeout: float) -> None:
+    """SIGTERM ``pid`` (a broker shuts down cleanly), SIGKILL it after ``timeout``."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout
+    while time.time() < deadline and _pid_alive(pid):
+        time.sleep(0.2)
+    if _pid_alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def tail_file(path: Path, lines: int = 50) -> str:
+    """The last ``lines`` lines of a broker's log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 200 * lines))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError:
+        return "(no broker log yet)"
+
+
+def read_json(path: Path) -> dict:
+    """A state file's content, {} when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _port_open(port: int) -> bool:
@@ -285,16 +356,10 @@ class EmbeddedBroker:
         return self.state / "logs" / "server.log"
 
     def _info(self) -> dict | None:
-        try:
-            return json.loads(self.info_file.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_json(self.info_file) or None
 
     def _ports(self) -> dict:
-        try:
-            return json.loads((self.state / "ports.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_json(self.state / "ports.json")
 
     def _choose_ports(self, port: int | None) -> tuple[int, int]:
         """Client and controller ports: those of the previous start, which clients and the
@@ -388,31 +453,18 @@ class EmbeddedBroker:
                 raise BrokerError(f"the embedded broker runs unsecured ({st.bootstrap}): "
                                   "`astraflow broker stop` it first")
             return st
-        java = _require("java", JAVA_HINT)
-        libs = ensure_jars(log=log)
-        version = kafka_version() if not os.environ.get("KAFKA_HOME") else "KAFKA_HOME"
+        java, classpath, version = server_runtime(log)
         t0 = time.time()
         self.state.mkdir(parents=True, exist_ok=True)
-        (self.state / "logs").mkdir(exist_ok=True)
         data = self.state / "data"
         files = self._secure_setup(secure, protocol, remote_listener, log)
         port, controller_port, remote = self._write_config(port, remote_listener, files)
         props = self.state / "server.properties"
-        log4j = self.state / "log4j2.properties"
-        log4j.write_text(_LOG4J2)
-        classpath = f"{libs}/*"
-        jvm = [java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", f"-Dlog4j2.configurationFile={log4j}"]
+        jvm = jvm_command(java, self.state, heap_mb=1024)
         if not (data / "meta.properties").exists():
             _format_storage(jvm, classpath, props, data,
                             scram_bootstrap(files) if files is not None else None)
-        with open(self.log_file, "ab") as out:
-            proc = subprocess.Popen(
-                [*jvm, "-cp", classpath, "kafka.Kafka", str(props)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        proc = launch_server(jvm, classpath, props, self.log_file)
         self.info_file.write_text(json.dumps({
             "pid": proc.pid, "port": port, "controller_port": controller_port,
             "version": version, "started_at": time.time(),
@@ -445,21 +497,11 @@ class EmbeddedBroker:
         admin user when ``secure``); stop it and raise ``BrokerError`` when it exits first
         or ``timeout`` passes."""
         conf = secure.client_conf() if secure is not None else None
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise BrokerError(
-                    f"the broker exited with code {proc.returncode} during start-up; "
-                    f"last log lines:\n{self.tail(40)}"
-                )
-            if _port_open(port) and _metadata_served(f"127.0.0.1:{port}", conf):
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise BrokerError(
-            f"the broker did not serve metadata within {timeout:.0f}s; "
-            f"last log lines:\n{self.tail(40)}"
-        )
+        try:
+            await_serving([proc], f"127.0.0.1:{port}", timeout, self.tail, conf)
+        except BrokerError:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Stop the broker (SIGTERM, then SIGKILL after ``timeout``); True if one was running."""
@@ -467,13 +509,7 @@ class EmbeddedBroker:
         if not info or not _pid_alive(int(info["pid"])):
             self.info_file.unlink(missing_ok=True)
             return False
-        pid = int(info["pid"])
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.time() + timeout
-        while time.time() < deadline and _pid_alive(pid):
-            time.sleep(0.2)
-        if _pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        terminate(int(info["pid"]), timeout)
         self.info_file.unlink(missing_ok=True)
         return True
 
@@ -483,13 +519,7 @@ class EmbeddedBroker:
         shutil.rmtree(self.state, ignore_errors=True)
 
     def tail(self, lines: int = 50) -> str:
-        try:
-            with open(self.log_file, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 200 * lines))
-                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-        except OSError:
-            return "(no broker log yet)"
+        return tail_file(self.log_file, lines)
 
 
 def _cluster_id() -> str:
@@ -498,15 +528,45 @@ def _cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
-def _metadata_served(bootstrap: str, conf: dict | None = None) -> bool:
+def _metadata_served(bootstrap: str, conf: dict | None = None, brokers: int = 1) -> bool:
+    """True when ``bootstrap`` answers a metadata request listing ``brokers`` brokers."""
+    return len(serving_brokers(bootstrap, conf)) >= brokers
+
+
+def serving_brokers(bootstrap: str, conf: dict | None = None, timeout: float = 2.0,
+                    ) -> set[int]:
+    """The ids of the brokers a metadata request to ``bootstrap`` lists (the registered,
+    unfenced ones); empty when none answers."""
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, **(conf or {})})
     try:
-        md = admin.list_topics(timeout=2)
-        return len(md.brokers) > 0
+        return set(admin.list_topics(timeout=timeout).brokers)
     except Exception:
-        return False
+        return set()
+
+
+def await_serving(procs: list[subprocess.Popen], bootstrap: str, timeout: float,
+                  tail, conf: dict | None = None, brokers: int = 1) -> None:
+    """Return once ``bootstrap`` serves metadata listing ``brokers`` brokers; a
+    ``BrokerError`` with the log's last lines (``tail(n)``) when one of ``procs`` exits
+    first or ``timeout`` passes."""
+    port = int(bootstrap.split(",")[0].rsplit(":", 1)[1])
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise BrokerError(
+                    f"the broker exited with code {proc.returncode} during start-up; "
+                    f"last log lines:\n{tail(40)}"
+                )
+        if _port_open(port) and _metadata_served(bootstrap, conf, brokers):
+            return
+        time.sleep(0.2)
+    raise BrokerError(
+        f"the broker did not serve metadata within {timeout:.0f}s; "
+        f"last log lines:\n{tail(40)}"
+    )
 
 
 def _listeners(port: int, controller_port: int, remote: RemoteListener | None) -> str:
@@ -537,20 +597,36 @@ def _server_properties(port: int, controller_port: int, data: Path | str,
     ``host`` (``broker secure-config``: a broker of its own, e.g. in docker compose)."""
     listeners = (secure_properties(port, controller_port, secure, host, bind)
                  if secure is not None else _listeners(port, controller_port, remote))
+    return node_properties(1, f"controller.quorum.bootstrap.servers={host}:{controller_port}",
+                           listeners, data)
+
+
+def node_properties(node_id: int, quorum: str, listeners: str, data: Path | str,
+                    size: int = 1, rack: str | None = None) -> str:
+    """The config of KRaft node ``node_id`` (broker and controller) of a cluster of
+    ``size``: its ``quorum`` line, ``listeners`` part and ``log.dirs``. Internal topics
+    get replication factor ``size`` capped at 3, and ``min.insync.replicas`` 2 from 3
+    nodes (1 below), as do topics created without either."""
+    replicas = min(3, size)
+    min_isr = 2 if replicas >= 3 else 1
+    racks = (f"broker.rack={rack}\nreplica.selector.class="
+             "org.apache.kafka.common.replica.RackAwareReplicaSelector\n" if rack else "")
     return f"""# written by astraflow broker start
 process.roles=broker,controller
-node.id=1
-controller.quorum.bootstrap.servers={host}:{controller_port}
-{listeners}log.dirs={data}
+node.id={node_id}
+{quorum}
+{listeners}{racks}log.dirs={data}
 num.partitions=1
 auto.create.topics.enable=false
-offsets.topic.replication.factor=1
+default.replication.factor={replicas}
+min.insync.replicas={min_isr}
+offsets.topic.replication.factor={replicas}
 offsets.topic.num.partitions=8
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
+transaction.state.log.replication.factor={replicas}
+transaction.state.log.min.isr={min_isr}
 transaction.state.log.num.partitions=8
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+share.coordinator.state.topic.replication.factor={replicas}
+share.coordinator.state.topic.min.isr={min_isr}
 group.initial.rebalance.delay.ms=0
 message.max.bytes=16777216
 # segments below a log start offset that DeleteRecords moved (pruned weight blobs) are

@@ -81,6 +81,24 @@ def verbs_of(subparsers: Any, name: str) -> Any:
     return next(a for a in noun._actions if isinstance(a, argparse._SubParsersAction))
 
 
+def _node_count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number from 1 on, not {text!r}")
+    return int(text)
+
+
+def add_cluster_options(p: argparse.ArgumentParser, what: str) -> None:
+    """``--brokers N`` and ``--racks``: the embedded cluster (``astraflow.cluster``);
+    ``what``: what ``--brokers`` does in this command."""
+    p.add_argument("--brokers", type=_node_count, default=1, metavar="N",
+                   help=f"{what}: N KRaft nodes on loopback (broker and controller each, one "
+                   "quorum); topics get replication factor min(3, N) and min.insync.replicas "
+                   "2 from 3 (docs/operations.md, \"A cluster of three brokers\")")
+    p.add_argument("--racks", default=None, metavar="R1,R2,...",
+                   help="with --brokers: each node's broker.rack; a consumer that sets "
+                   "client.rack reads from a replica in its rack (RackAwareReplicaSelector)")
+
+
 def add_run_options(
     p: argparse.ArgumentParser,
     *,

@@ -31,6 +31,7 @@ _UP_EXAMPLES = [
     "astraflow run up -t topology/default.yaml --run trial2 --fresh",
     "astraflow up topology/default.yaml --versions 20             # the shortcut",
     "astraflow up topology/default.yaml --secure     # SASL_SSL, one principal per component",
+    "astraflow up topology/default.yaml --brokers 3  # on a 3-node cluster, replication 3",
 ]
 _DOWN_EXAMPLES = ["astraflow run down -t topology/default.yaml",
                   "astraflow down topology/default.yaml   # the shortcut"]
@@ -48,7 +49,7 @@ def register(subparsers: Any) -> None:
 
 
 def _add_up(subparsers: Any, shortcut: bool) -> None:
-    from astraflow.cliargs import add_command, add_run_options
+    from astraflow.cliargs import add_cluster_options, add_command, add_run_options
 
     p = add_command(
         subparsers, "up", help="shortcut of `run up`" if shortcut else
@@ -68,6 +69,8 @@ def _add_up(subparsers: Any, shortcut: bool) -> None:
     p.add_argument("--keep-broker", action="store_true",
                    help="leave the embedded broker running when the run ends (default: stop "
                    "it if this `up` started it)")
+    add_cluster_options(p, "run on the embedded cluster (`broker start --brokers N`), "
+                        "started if needed and stopped at the end if started here")
     p.add_argument("--secure", action="store_true",
                    help="run on the secured embedded broker (SASL_SSL, ACLs enforced), each "
                    "component as its own principal with exactly the ACLs `topology acls` "
@@ -422,8 +425,13 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
     from astraflow.supervisor import Supervisor
 
     secure = getattr(args, "secure", False)
-    broker = _embedded_broker(args, topo, secure)  # when this `up` must stop it
-    config = topo.kafka.effective()  # a secured embedded broker: as its admin
+    on_cluster = getattr(args, "brokers", 1) > 1 or getattr(args, "racks", None)
+    if on_cluster:
+        broker, bootstrap = _embedded_cluster(args, topo, secure)
+        config = topo.kafka.model_copy(update={"bootstrap_servers": bootstrap})
+    else:
+        broker = _embedded_broker(args, topo, secure)  # when this `up` must stop it
+        config = topo.kafka.effective()  # a secured embedded broker: as its admin
     admin = make_admin(config)
     try:
         # a rewritten model starts a fresh run: the run's weight stream belongs to the old
@@ -463,7 +471,8 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
         pids.unlink(missing_ok=True)
         if broker is not None:
             broker.stop()
-            print("stopped the embedded broker (--keep-broker keeps it)")
+            print(f"stopped the embedded {'cluster' if on_cluster else 'broker'} "
+                  "(--keep-broker keeps it)")
     summary = _write_summary(run_dir, topo, progress,
                              {n: k for n, k in sup.restarts.items() if k})
     print(closing_lines(summary, run_dir))
@@ -485,6 +494,25 @@ def _embedded_broker(args: argparse.Namespace, topo: Topology, secure: bool):
     started_here = not embedded.status().running and not args.keep_broker
     print(embedded.start(secure=True if secure else None).describe())
     return embedded if started_here else None
+
+
+def _embedded_cluster(args: argparse.Namespace, topo: Topology, secure: bool):
+    """``up --brokers N``: start the embedded cluster (``astraflow.cluster``) unless it
+    runs; (the cluster when this ``up`` started it, else None; its bootstrap)."""
+    from astraflow.cluster import DEFAULT_CLUSTER_PORT, EmbeddedCluster, parse_racks
+    from astraflow.errors import AstraflowError
+
+    if secure:
+        raise AstraflowError("up --secure runs on the single embedded broker, not --brokers")
+    if os.environ.get("ASTRAFLOW_BOOTSTRAP") or topo.kafka.bootstrap_servers:
+        where = ("ASTRAFLOW_BOOTSTRAP" if os.environ.get("ASTRAFLOW_BOOTSTRAP")
+                 else f"{topo.source}: kafka.bootstrap_servers")
+        raise AstraflowError(f"up --brokers runs on the embedded cluster, but {where} names "
+                             "another: unset it, or run without --brokers")
+    cluster = EmbeddedCluster(size=args.brokers, racks=parse_racks(args.racks))
+    started_here = cluster.running_bootstrap() is None and not args.keep_broker
+    print(cluster.start(timeout=240.0, base_port=DEFAULT_CLUSTER_PORT).describe())
+    return (cluster if started_here else None), cluster.bootstrap
 
 
 def closing_lines(summary: dict[str, Any], run_dir: Path) -> str:

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.replication import replication
 from astraflow.records import (
     Batch,
     BlobChunk,
@@ -107,7 +108,8 @@ class TopicSpec(_Strict):
 
 class TopicDefaults(_Strict):
     partitions: int = Field(default=3, ge=1)
-    replication_factor: int = Field(default=1, ge=1)
+    # None: min(3, brokers of the cluster), astraflow.kafka.replication
+    replication_factor: int | None = Field(default=None, ge=1)
     retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1)
     max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     compression: str = "producer"
@@ -119,12 +121,27 @@ class ResolvedTopic(BaseModel):
     name: str  # logical name, e.g. "tasks"
     full_name: str  # with the run prefix, e.g. "demo.tasks"
     partitions: int
-    replication_factor: int
+    replication_factor: int | None  # None: the cluster's default (``for_cluster``)
     configs: dict[str, str]
     schema_type: Any  # record class
+    replication_key: str = "topic_defaults.replication_factor"  # the key that sets it
 
     def describe(self) -> str:
         return f"{self.full_name} ({self.partitions} partitions, {self.schema_type.__name__})"
+
+    def for_cluster(self, brokers: int, replicas: int | None = None) -> ResolvedTopic:
+        """This topic on a cluster of ``brokers`` brokers: its replication factor set
+        (``min(3, brokers)`` unless the topology gives one) and ``min.insync.replicas``
+        (2 from 3 replicas, unless the topology's configs set it). ``replicas``: those the
+        topic has already (Kafka keeps them), which its ``min.insync.replicas`` follows.
+        A ``ReplicationError`` naming the key when the cluster is too small."""
+        if replicas is not None:  # however many brokers answer now
+            brokers, explicit = replicas, replicas
+        else:
+            explicit = self.replication_factor
+        rf, configs = replication(brokers, explicit, self.replication_key, self.configs,
+                                  f"topics.{self.name}.configs.min.insync.replicas")
+        return self.model_copy(update={"replication_factor": rf, "configs": configs})
 
 
 class ProcessorSpec(_Strict):
@@ -664,6 +681,8 @@ class Topology(_Strict):
             full_name=self.full_name(name),
             partitions=spec.partitions or d.partitions,
             replication_factor=spec.replication_factor or d.replication_factor,
+            replication_key=(f"topics.{name}.replication_factor" if spec.replication_factor
+                             else "topic_defaults.replication_factor"),
             configs=configs,
             schema_type=schema_type,
         )

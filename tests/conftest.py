@@ -8,7 +8,9 @@ Markers: every test whose fixtures (directly or through another fixture) include
 ``kafka_bootstrap`` is marked ``kafka`` here, at collection, so ``pytest -m "not kafka"``
 never starts a broker (tests/test_markers.py checks it). A test that uses
 ``secure_broker`` (the secured embedded broker: SASL_SSL, SCRAM, ACLs enforced) is marked
-``secure`` and ``kafka``. ``slow``, ``chaos`` and ``vllm`` are written on the tests.
+``secure`` and ``kafka``; one that uses ``embedded_cluster`` (the embedded 3-node KRaft
+cluster, ``astraflow.cluster``) ``cluster`` and ``kafka``. ``slow``, ``chaos`` and
+``vllm`` are written on the tests.
 Tests wait with ``wait_for`` (a condition), never a bare sleep.
 """
 
@@ -38,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 BROKER_FIXTURE = "kafka_bootstrap"  # every fixture that reaches the broker goes through it
 SECURE_FIXTURE = "secure_broker"  # the secured embedded broker (SASL_SSL, ACLs): marks secure
+CLUSTER_FIXTURE = "embedded_cluster"  # the embedded 3-node cluster: marks cluster
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -47,10 +50,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``astraflow_cli`` all depend on it)."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if BROKER_FIXTURE in fixtures or SECURE_FIXTURE in fixtures:
+        if {BROKER_FIXTURE, SECURE_FIXTURE, CLUSTER_FIXTURE} & set(fixtures):
             item.add_marker(pytest.mark.kafka)
         if SECURE_FIXTURE in fixtures:
             item.add_marker(pytest.mark.secure)
+        if CLUSTER_FIXTURE in fixtures:
+            item.add_marker(pytest.mark.cluster)
 
 
 def _docker_answers() -> bool:
@@ -109,6 +114,21 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory):
         yield broker
     finally:
         broker.destroy()
+
+
+@pytest.fixture(scope="session")
+def embedded_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded cluster of three KRaft nodes (``astraflow.cluster.EmbeddedCluster``)
+    in a temporary state directory, once per session; always the embedded one, whatever
+    ``ASTRAFLOW_BOOTSTRAP`` says. A test that stops or kills a node starts it again."""
+    from astraflow.cluster import EmbeddedCluster
+
+    cluster = EmbeddedCluster(state=tmp_path_factory.mktemp("cluster"), size=3)
+    cluster.start(timeout=240, log=lambda m: print(f"[cluster] {m}"))
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
 
 
 @pytest.fixture(scope="session")

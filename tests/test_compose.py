@@ -24,10 +24,15 @@ def test_kafka_service_is_apache_kafka_with_healthcheck():
 
 KAFKA_SERVICES = {n for n, s in SERVICES.items() if s.get("image", "").startswith("apache/kafka")}
 SECURE = "secure"  # the profile of the default run on a secured Kafka
+CLUSTER = "cluster"  # the profile of the default run on three Kafka nodes
 
 
 def _secure(service: dict) -> bool:
     return SECURE in (service.get("profiles") or [])
+
+
+def _cluster(service: dict) -> bool:
+    return CLUSTER in (service.get("profiles") or [])
 
 
 @pytest.mark.parametrize("name", [n for n in SERVICES if n not in KAFKA_SERVICES])
@@ -75,7 +80,7 @@ def _processor_services(services: dict) -> dict[tuple[str, str], list[str]]:
     out: dict[tuple[str, str], list[str]] = {}
     for name, service in services.items():
         args = _parsed(service)
-        if _secure(service):  # the same processors again, on the secured Kafka
+        if _secure(service) or _cluster(service):  # the same again, on another Kafka
             continue
         if args is not None and args.command == "processor" and args.action == "run":
             out.setdefault((args.topology, args.name), []).append(name)
@@ -121,7 +126,8 @@ def test_only_default_run_services_start_without_a_profile(name):
     if topology is None:  # model init: judged by the services that use its model
         return
     if topology == DEFAULT_TOPOLOGY:
-        assert service.get("profiles") in (None, [SECURE]), f"{name} runs the default topology"
+        assert service.get("profiles") in (None, [SECURE], [CLUSTER]), \
+            f"{name} runs the default topology"
     else:
         assert service.get("profiles"), f"{name} runs {topology} but has no profile"
 
@@ -400,3 +406,77 @@ def test_the_secure_profile_runs_the_default_components_each_as_its_own_user():
     kafka = SECURE_SERVICES["kafka-secure"]
     assert kafka["hostname"] == config.host and "--add-scram" in kafka["command"][-1]
     assert "secure-config" in kafka["depends_on"] and "healthcheck" in kafka
+
+
+CLUSTER_SERVICES = {n: s for n, s in SERVICES.items() if _cluster(s)}
+
+
+def _cluster_problems(services: dict) -> list[str]:
+    """How the cluster profile's nodes and components disagree: node ids, one quorum of
+    every node's controller, one cluster id, replication 3 with min ISR 2, and components
+    that bootstrap from every node and run the default services' commands."""
+    nodes = {n: s for n, s in services.items() if n in KAFKA_SERVICES and _cluster(s)}
+    envs = {n: s["environment"] for n, s in nodes.items()}
+    out = []
+    ids = sorted(int(e["KAFKA_NODE_ID"]) for e in envs.values())
+    if ids != list(range(1, len(nodes) + 1)) or len(nodes) != 3:
+        out.append(f"node ids {ids}: want 1, 2, 3")
+    voters = {f"{e['KAFKA_NODE_ID']}@{services[n]['hostname']}:"
+              f"{e['KAFKA_LISTENERS'].split('CONTROLLER://:')[1].split(',')[0]}"
+              for n, e in envs.items()}
+    clients = {e["KAFKA_ADVERTISED_LISTENERS"].removeprefix("PLAINTEXT://")
+               for e in envs.values()}
+    for n, e in envs.items():
+        if set(e["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")) != voters:
+            out.append(f"{n}: voters {e['KAFKA_CONTROLLER_QUORUM_VOTERS']} != {voters}")
+        host = services[n]["hostname"]
+        if not e["KAFKA_ADVERTISED_LISTENERS"].startswith(f"PLAINTEXT://{host}:"):
+            out.append(f"{n}: advertises {e['KAFKA_ADVERTISED_LISTENERS']}, not its hostname")
+        if e["KAFKA_PROCESS_ROLES"] != "broker,controller":
+            out.append(f"{n}: roles {e['KAFKA_PROCESS_ROLES']}")
+        for key, want in (("KAFKA_DEFAULT_REPLICATION_FACTOR", 3), ("KAFKA_MIN_INSYNC_REPLICAS", 2),
+                          ("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", 3),
+                          ("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", 3),
+                          ("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", 2)):
+            if int(e.get(key, 0)) != want:
+                out.append(f"{n}: {key} {e.get(key)} != {want}")
+    if len({e.get("CLUSTER_ID") for e in envs.values()}) != 1 or None in {
+            e.get("CLUSTER_ID") for e in envs.values()}:
+        out.append("the nodes must share one CLUSTER_ID")
+    default = {tuple(s["command"]) for s in _default_services().values()}
+    for n, s in services.items():
+        if not _cluster(s) or n in nodes:
+            continue
+        if set(s["environment"]["ASTRAFLOW_BOOTSTRAP"].split(",")) != clients:
+            out.append(f"{n}: bootstraps from {s['environment']['ASTRAFLOW_BOOTSTRAP']}, "
+                       f"not every node ({sorted(clients)})")
+        if tuple(s["command"]) not in default:
+            out.append(f"{n}: {s['command']} is no default service's command")
+        waits = set(s["depends_on"])
+        if _parsed(s).command == "topics" and waits != set(nodes):
+            out.append(f"{n}: waits for {sorted(waits)}, not every node")
+    ran = {tuple(s["command"]) for n, s in services.items() if _cluster(s) and n not in nodes}
+    if ran != default:
+        out.append(f"components missing: {sorted(default - ran)}")
+    return out
+
+
+def test_the_cluster_profile_is_three_kraft_nodes_running_the_default_run():
+    """`docker compose --profile cluster`: what `astraflow up --brokers 3` does (parsed
+    here: no Docker engine on the test machines)."""
+    assert len(CLUSTER_SERVICES) == 3 + 1 + len(_default_services()) - 1
+    assert not _cluster_problems(SERVICES)
+
+
+def test_the_cluster_check_fails_when_the_profile_disagrees():
+    def changed(name: str, **env) -> dict:
+        service = SERVICES[name]
+        return {**SERVICES, name: {**service, "environment": {**service["environment"], **env}}}
+
+    assert _cluster_problems(changed("kafka-2", KAFKA_NODE_ID=1))
+    assert _cluster_problems(changed(
+        "kafka-3", KAFKA_CONTROLLER_QUORUM_VOTERS="1@kafka-1:9093,2@kafka-2:9093"))
+    assert _cluster_problems(changed("kafka-1", CLUSTER_ID="another"))
+    assert _cluster_problems(changed("kafka-1", KAFKA_MIN_INSYNC_REPLICAS=1))
+    assert _cluster_problems(changed("cluster-feeder", ASTRAFLOW_BOOTSTRAP="kafka-1:9092"))
+    assert _cluster_problems({n: s for n, s in SERVICES.items() if n != "cluster-batcher"})

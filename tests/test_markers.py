@@ -30,10 +30,16 @@ def _fixtures_per_test(*args: str) -> dict[str, set[str]]:
     return tests
 
 
-OWN_BROKER = ("EmbeddedBroker(", '"broker", "start"', "chaos_run")
+OWN_BROKER = ("EmbeddedBroker(", "EmbeddedCluster(", '"broker", "start"', "chaos_run")
 NO_BROKER_AFTER_ALL = {  # test -> why its broker never starts
     "tests/test_topology.py::test_missing_java_or_maven_says_what_to_install":
         "java and mvn are off PATH: the start fails, which is the test",
+    "tests/test_cluster.py::test_racks_must_name_one_rack_a_node":
+        "the racks are refused in the constructor, which is the test",
+    "tests/test_cluster.py::test_a_state_of_another_size_is_refused_before_anything_starts":
+        "the recorded size is refused before any node starts, which is the test",
+    "tests/test_cluster.py::test_cluster_options_that_cannot_apply_are_one_line_errors":
+        "every `broker start` there is refused before anything starts, which is the test",
 }
 
 

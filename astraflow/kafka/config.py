@@ -43,7 +43,8 @@ class KafkaConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bootstrap_servers: str | None = None  # None: ASTRAFLOW_BOOTSTRAP, else the embedded broker
+    # None: ASTRAFLOW_BOOTSTRAP, else the embedded broker, else the embedded cluster
+    bootstrap_servers: str | None = None
     client_id: str = Field(default_factory=lambda: f"astraflow-{socket.gethostname()}")
     options: dict[str, Any] = Field(default_factory=dict)
     producer_options: dict[str, Any] = Field(default_factory=dict)
@@ -63,6 +64,12 @@ class KafkaConfig(BaseModel):
         for name in ("options", "producer_options", "consumer_options",
                      "schema_registry_options"):
             check_no_secrets(getattr(self, name), f".{name}")
+        for name in ("options", "producer_options"):
+            acks = getattr(self, name).get("acks", "all")
+            if str(acks) not in ("all", "-1"):
+                raise ValueError(f".{name}.acks: every producer writes with acks=all (an "
+                                 "idempotent producer needs it; with min.insync.replicas "
+                                 f"a write survives a lost broker), not {acks!r}")
         if self.security.enabled:
             for name in ("options", "producer_options", "consumer_options"):
                 clash = sorted(SECURITY_OPTIONS & set(getattr(self, name)))
@@ -86,9 +93,9 @@ class KafkaConfig(BaseModel):
         return cls(**data)
 
     def effective(self) -> KafkaConfig:
-        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins) or the embedded broker filled
-        in; a secured embedded broker's admin credentials too when nothing (topology or
-        environment) sets any."""
+        """This config with ``ASTRAFLOW_BOOTSTRAP`` (it wins), the embedded broker or the
+        embedded cluster (when the broker does not run) filled in; a secured embedded
+        broker's admin credentials too when nothing (topology or environment) sets any."""
         env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
         if env:
             return self.model_copy(update={"bootstrap_servers": env})
@@ -97,7 +104,8 @@ class KafkaConfig(BaseModel):
         from astraflow.broker import EmbeddedBroker
 
         embedded = EmbeddedBroker().status()
-        update: dict[str, Any] = {"bootstrap_servers": embedded.bootstrap or DEFAULT_BOOTSTRAP}
+        update: dict[str, Any] = {
+            "bootstrap_servers": embedded.bootstrap or _cluster_bootstrap() or DEFAULT_BOOTSTRAP}
         if embedded.secure is not None and not self.security.with_env().enabled:
             update["security"] = embedded.secure.client_security()
         return self.model_copy(update=update)
@@ -165,4 +173,12 @@ def resolve_bootstrap() -> str:
     from astraflow.broker import EmbeddedBroker
 
     recorded = EmbeddedBroker().bootstrap()
-    return recorded or DEFAULT_BOOTSTRAP
+    return recorded or _cluster_bootstrap() or DEFAULT_BOOTSTRAP
+
+
+def _cluster_bootstrap() -> str | None:
+    """The embedded cluster's nodes while it runs (``astraflow broker start --brokers N``),
+    else None."""
+    from astraflow.cluster import EmbeddedCluster
+
+    return EmbeddedCluster.recorded().running_bootstrap()

@@ -12,6 +12,7 @@ from confluent_kafka.admin import (
     ConfigResource,
     NewPartitions,
     NewTopic,
+    TopicMetadata,
 )
 
 from astraflow.errors import AstraflowError
@@ -28,57 +29,77 @@ class TopicChange:
 def apply_topics(
     admin: AdminClient, topics: list[ResolvedTopic], timeout: float = 30.0
 ) -> list[TopicChange]:
-    """Create missing topics, grow partition counts and align configs. Safe to re-run."""
-    existing = admin.list_topics(timeout=timeout).topics
-    changes: list[TopicChange] = []
-    to_create = [t for t in topics if t.full_name not in existing]
-    if to_create:
-        futures = admin.create_topics(
-            [
-                NewTopic(t.full_name, t.partitions, t.replication_factor, config=t.configs)
-                for t in to_create
-            ],
-            operation_timeout=timeout,
-        )
-        for name, fut in futures.items():
-            try:
-                fut.result()
-                changes.append(TopicChange(name, "created"))
-            except KafkaException as e:
-                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise
-                changes.append(TopicChange(name, "unchanged", "created concurrently"))
+    """Create missing topics, grow partition counts and align configs. Safe to re-run.
+
+    A topic's replication factor is the topology's, else ``min(3, brokers)``, and its
+    ``min.insync.replicas`` 2 from 3 replicas on (``ResolvedTopic.for_cluster``); an
+    existing topic keeps its replicas (the change's detail says when the topology asks
+    for other)."""
+    md = admin.list_topics(timeout=timeout)
+    existing = md.topics
+    brokers = len(md.brokers)
+    new = [t.for_cluster(brokers) for t in topics if t.full_name not in existing]
+    changes = _create(admin, new, timeout)
     for t in topics:
-        if t.full_name not in existing:
-            continue
-        details = []
-        have = len(existing[t.full_name].partitions)
-        if have < t.partitions:
-            admin.create_partitions([NewPartitions(t.full_name, t.partitions)])[
-                t.full_name
-            ].result()
-            details.append(f"partitions {have} -> {t.partitions}")
-        elif have > t.partitions:
-            details.append(f"has {have} partitions (> {t.partitions}; Kafka cannot shrink)")
-        resource = ConfigResource(ConfigResource.Type.TOPIC, t.full_name)
-        current = admin.describe_configs([resource])[resource].result()
-        differing = {
-            k: v for k, v in t.configs.items() if k not in current or current[k].value != v
-        }
-        if differing:
-            entries = [
-                ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
-                for k, v in differing.items()
-            ]
-            res = ConfigResource(
-                ConfigResource.Type.TOPIC, t.full_name, incremental_configs=entries
-            )
-            admin.incremental_alter_configs([res])[res].result()
-            details.append("configs " + ", ".join(f"{k}={v}" for k, v in differing.items()))
-        changes.append(
-            TopicChange(t.full_name, "updated" if details else "unchanged", "; ".join(details))
-        )
+        if t.full_name in existing:
+            changes.append(_align(admin, t, existing[t.full_name]))
     return changes
+
+
+def _create(admin: AdminClient, topics: list[ResolvedTopic], timeout: float,
+            ) -> list[TopicChange]:
+    if not topics:
+        return []
+    futures = admin.create_topics(
+        [NewTopic(t.full_name, t.partitions, t.replication_factor, config=t.configs)
+         for t in topics],
+        operation_timeout=timeout,
+    )
+    changes = []
+    for name, fut in futures.items():
+        try:
+            fut.result()
+            changes.append(TopicChange(name, "created"))
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+            changes.append(TopicChange(name, "unchanged", "created concurrently"))
+    return changes
+
+
+def _align(admin: AdminClient, wanted: ResolvedTopic, md: TopicMetadata) -> TopicChange:
+    """Grow ``wanted``'s partitions and set its configs on the existing topic ``md``."""
+    details = []
+    replicas = max((len(p.replicas) for p in md.partitions.values()), default=1)
+    note = ([] if wanted.replication_factor in (None, replicas) else [
+        f"has replication factor {replicas} (the topology asks {wanted.replication_factor}; "
+        "Kafka changes it only by reassigning the partitions)"])
+    t = wanted.for_cluster(replicas, replicas=replicas)
+    have = len(md.partitions)
+    if have < t.partitions:
+        admin.create_partitions([NewPartitions(t.full_name, t.partitions)])[
+            t.full_name
+        ].result()
+        details.append(f"partitions {have} -> {t.partitions}")
+    elif have > t.partitions:
+        details.append(f"has {have} partitions (> {t.partitions}; Kafka cannot shrink)")
+    resource = ConfigResource(ConfigResource.Type.TOPIC, t.full_name)
+    current = admin.describe_configs([resource])[resource].result()
+    differing = {
+        k: v for k, v in t.configs.items() if k not in current or current[k].value != v
+    }
+    if differing:
+        entries = [
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+            for k, v in differing.items()
+        ]
+        res = ConfigResource(
+            ConfigResource.Type.TOPIC, t.full_name, incremental_configs=entries
+        )
+        admin.incremental_alter_configs([res])[res].result()
+        details.append("configs " + ", ".join(f"{k}={v}" for k, v in differing.items()))
+    return TopicChange(t.full_name, "updated" if details else "unchanged",
+                       "; ".join(details + note))
 
 
 class MissingTopicsError(AstraflowError, RuntimeError):

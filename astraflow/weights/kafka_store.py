@@ -42,6 +42,7 @@ from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.clients import flush_waiting
 from astraflow.kafka.config import BLOB_READER_GROUP_PREFIX, KafkaConfig
 from astraflow.kafka.loop import kafka_error
+from astraflow.kafka.replication import replication
 from astraflow.kafka.table import TopicReader
 from astraflow.records import BlobChunk, BlobRef, WeightManifest
 from astraflow.weights.errors import CorruptBlobError, MissingBlobError, WeightsError
@@ -66,13 +67,18 @@ def create_blob_topic(
     config: KafkaConfig,
     topic: str,
     partitions: int = 1,
-    replication_factor: int = 1,
+    replication_factor: int | None = None,
     **configs: str,
 ) -> bool:
     """Create a blob topic that takes 4 MiB chunks (8 MiB ``max.message.bytes``, no time
-    retention unless ``configs`` say otherwise). Returns False if it already existed."""
-    conf = {"max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES), "retention.ms": "-1", **configs}
+    retention unless ``configs`` say otherwise), replicated as a topology's topics are
+    (default ``min(3, brokers)``, ``min.insync.replicas`` 2 from 3 replicas:
+    ``astraflow.kafka.replication``). Returns False if it already existed."""
     admin = AdminClient(config.admin_conf())
+    brokers = len(admin.list_topics(timeout=30).brokers)
+    replication_factor, conf = replication(
+        brokers, replication_factor, "replication_factor",
+        {"max.message.bytes": str(TOPIC_MAX_MESSAGE_BYTES), "retention.ms": "-1", **configs})
     fut = admin.create_topics([NewTopic(topic, partitions, replication_factor, config=conf)])
     try:
         fut[topic].result()
