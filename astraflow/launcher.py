@@ -179,7 +179,7 @@ def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
         options = {**sampling, **typed.given()}
         args += ["--workflow-options", f"{name}={json.dumps(options)}"]
     args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms",
-                                   "speed"))
+                                   "speed", "rack"))
     return args + ([] if spec.follow_weights else ["--no-follow-weights"])
 
 

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.config import KafkaConfig, rack_problem
 from astraflow.kafka.replication import replication
 from astraflow.records import (
     Batch,
@@ -379,6 +379,26 @@ class PoolSpec(_Strict):
     # sharing pool, so each task is rolled out once, by whichever pool takes it; false:
     # the pool has a group of its own and rolls out every task (a second engine's pass)
     share_tasks: bool = True
+    # the rack or region of the pool's nodes: every consumer of theirs sets client.rack to
+    # it, and fetches from the replica in that rack (brokers with RackAwareReplicaSelector)
+    rack: str | None = None
+
+    @field_validator("rack")
+    @classmethod
+    def _rack(cls, v: str | None) -> str | None:
+        problem = None if v is None else rack_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _one_rack(self) -> PoolSpec:
+        for key in ("consumer_options", "options"):
+            other = self.kafka.get(key, {}).get("client.rack")
+            if self.rack is not None and other is not None and other != self.rack:
+                raise ValueError(f".rack: {self.rack!r}, but kafka.{key}.client.rack says "
+                                 f"{other!r}: set the pool's rack once, as rack")
+        return self
 
     @field_validator("workflows", mode="before")
     @classmethod
@@ -634,16 +654,19 @@ class Topology(_Strict):
         spec = self.policies.get(policy)
         return spec.max_staleness if spec is not None else DEFAULT_MAX_STALENESS
 
-    def pool_kafka(self, pool: str) -> KafkaConfig:
+    def pool_kafka(self, pool: str, rack: str | None = None) -> KafkaConfig:
         """The client settings of ``pool``'s nodes: its ``kafka:`` over the topology's, the
-        librdkafka option mappings merged key by key (the topology's for an unknown pool)."""
+        librdkafka option mappings merged key by key (the topology's for an unknown pool),
+        and ``client.rack`` on every consumer from ``rack`` (a node's own, ``raas run
+        --rack``), else the pool's ``rack``."""
         spec = self.pools.get(pool)
+        rack = rack if rack is not None else (spec.rack if spec is not None else None)
         if spec is None or not spec.kafka:
-            return self.kafka
+            return self.kafka.with_rack(rack)
         base = self.kafka.model_dump()
         merged = {k: {**base[k], **v} if isinstance(v, dict) else v
                   for k, v in spec.kafka.items()}
-        return KafkaConfig(**{**base, **merged})
+        return KafkaConfig(**{**base, **merged}).with_rack(rack)
 
     def component_keys(self) -> list[str]:
         """The key of every component (its principal under ``kafka.security``): ``feeder``,

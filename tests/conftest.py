@@ -41,6 +41,7 @@ T = TypeVar("T")
 BROKER_FIXTURE = "kafka_bootstrap"  # every fixture that reaches the broker goes through it
 SECURE_FIXTURE = "secure_broker"  # the secured embedded broker (SASL_SSL, ACLs): marks secure
 CLUSTER_FIXTURE = "embedded_cluster"  # the embedded 3-node cluster: marks cluster
+CLUSTER_RACKS = ("r1", "r2", "r3")  # embedded_cluster's node i is in rack r<i>
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -120,10 +121,14 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory):
 def embedded_cluster(tmp_path_factory: pytest.TempPathFactory):
     """The embedded cluster of three KRaft nodes (``astraflow.cluster.EmbeddedCluster``)
     in a temporary state directory, once per session; always the embedded one, whatever
-    ``ASTRAFLOW_BOOTSTRAP`` says. A test that stops or kills a node starts it again."""
+    ``ASTRAFLOW_BOOTSTRAP`` says. Node i is in rack ``r<i>`` (``CLUSTER_RACKS``), with the
+    rack-aware replica selector: a consumer without ``client.rack`` reads from leaders as
+    on any cluster, one with it from the replica in its rack. A test that stops or kills a
+    node starts it again."""
     from astraflow.cluster import EmbeddedCluster
 
-    cluster = EmbeddedCluster(state=tmp_path_factory.mktemp("cluster"), size=3)
+    cluster = EmbeddedCluster(state=tmp_path_factory.mktemp("cluster"), size=3,
+                              racks=list(CLUSTER_RACKS))
     cluster.start(timeout=240, log=lambda m: print(f"[cluster] {m}"))
     try:
         yield cluster

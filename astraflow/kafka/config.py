@@ -26,6 +26,7 @@ REPLAY_GROUP = "astraflow-replay"  # replay copies (an operator command)
 TRAINER_REPLAY_GROUP_PREFIX = "astraflow-trainer-replay-"  # + random: batches on resume
 BLOB_READER_GROUP_PREFIX = "astraflow-blob-reader-"  # + random: weights.blobs chunks
 LIBRDKAFKA_LOG = logging.getLogger("astraflow.librdkafka")
+RACK_ENV = "ASTRAFLOW_RACK"  # a RaaS node's rack when started by hand (`raas run --rack`)
 if os.environ.get("ASTRAFLOW_LIBRDKAFKA_LOG", "").lower() not in ("1", "debug", "on"):
     LIBRDKAFKA_LOG.setLevel(logging.CRITICAL)
 
@@ -110,6 +111,17 @@ class KafkaConfig(BaseModel):
             update["security"] = embedded.secure.client_security()
         return self.model_copy(update=update)
 
+    def with_rack(self, rack: str | None) -> KafkaConfig:
+        """This config with ``client.rack`` = ``rack`` on every consumer made from it, so
+        that a broker with ``RackAwareReplicaSelector`` serves it from the replica in its
+        rack (fetch from follower, KIP-392); unchanged for None. Producers write to the
+        leader whatever their rack, so it is a consumer option only."""
+        if rack is None:
+            return self
+        check_rack(rack, "rack")
+        return self.model_copy(update={
+            "consumer_options": {**self.consumer_options, "client.rack": rack}})
+
     def _base(self) -> dict[str, Any]:
         conf = {
             "bootstrap.servers": self.bootstrap_servers or resolve_bootstrap(),
@@ -163,6 +175,23 @@ class KafkaConfig(BaseModel):
         }
         conf.update(extra)
         return self._guarded(conf)
+
+
+def rack_problem(rack: Any) -> str | None:
+    """What is wrong with ``rack`` as a rack name (not empty, no blank and no comma:
+    ``--racks`` lists them comma-separated), None when nothing is."""
+    if isinstance(rack, str) and rack and not any(c.isspace() or c == "," for c in rack):
+        return None
+    return (f"{rack!r} is no rack name (a non-empty name without blanks or commas, as a "
+            "broker's broker.rack: r1, eu-west-1a ...)")
+
+
+def check_rack(rack: Any, key: str) -> str:
+    """``rack``, or a ``ValueError`` ``key: problem`` unless it is a rack name."""
+    problem = rack_problem(rack)
+    if problem:
+        raise ValueError(f"{key}: {problem}")
+    return rack
 
 
 def resolve_bootstrap() -> str:

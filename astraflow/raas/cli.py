@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -137,6 +138,18 @@ def node_options(args: argparse.Namespace) -> Any:
     )
 
 
+def node_rack(args: argparse.Namespace) -> str | None:
+    """The node's own rack: ``--rack``, else ``$ASTRAFLOW_RACK``, else None (the pool's
+    ``rack`` from the topology then applies); ``ValueError`` naming the flag or variable
+    for a bad name."""
+    from astraflow.kafka.config import RACK_ENV, check_rack
+
+    if args.rack is not None:
+        return check_rack(args.rack, "--rack")
+    env = os.environ.get(RACK_ENV)
+    return check_rack(env, RACK_ENV) if env else None
+
+
 def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.model_share import ensure_model
@@ -154,9 +167,14 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     topo = args.loaded_topology = (
         getattr(args, "loaded_topology", None) or load_topology(args.topology)
     )
-    # the pool's `kafka:` applied, then the pool's own credentials
+    try:
+        rack = node_rack(args)
+    except ValueError as e:
+        print(f"astraflow raas run: {e}", file=sys.stderr)
+        return 2
+    # the pool's `kafka:` and rack applied, then the pool's own credentials
     config = kafka_config(args, topo.component_kafka(f"pool.{args.pool}",
-                                                     topo.pool_kafka(args.pool)))
+                                                     topo.pool_kafka(args.pool, rack)))
     workflow_options = dict(args.workflow_options or [])
     _check_workflows(workflow_options)
     chats = dict(args.chat or [])
@@ -213,6 +231,10 @@ _NODE: list[Option] = [
                        "a pool with share_tasks: false")),
     (("--instance",), dict(help="instance id, unique per running node (default: "
                            "$ASTRAFLOW_INSTANCE or host name)")),
+    (("--rack",), dict(help="the node's rack or region: every consumer of the node sets "
+                       "client.rack to it and fetches from the replica in that rack, on "
+                       "brokers with RackAwareReplicaSelector (default: $ASTRAFLOW_RACK, "
+                       "else the pool's rack in the topology)")),
     (("--n-samples",), dict(type=int, default=4, metavar="N", help="samples per task")),
     (("--tasks-per-transaction",), dict(type=int, default=1, metavar="K")),
     (("--session-timeout-ms",), dict(type=int, default=10_000)),

@@ -71,7 +71,9 @@ class NodeCounters(RuntimeCounters):
 
 
 class RaaSNode:
-    """One rollout node of a pool. ``engines``: policy name -> engine."""
+    """One rollout node of a pool. ``engines``: policy name -> engine. ``config``: the
+    node's client settings, default the pool's (``Topology.pool_kafka``), whose rack sets
+    ``client.rack`` on every consumer of the node: tasks, weight manifests, blobs."""
 
     def __init__(
         self,
@@ -84,7 +86,8 @@ class RaaSNode:
             raise ValueError("a RaaS node needs at least one engine")
         self.topology = topology
         self.options = options or NodeOptions()
-        self.config = (config or topology.kafka).effective(
+        # default: the pool's client settings (its `kafka:` and rack) over the topology's
+        self.config = (config or topology.pool_kafka(self.options.pool)).effective(
         ).for_component(f"pool.{self.options.pool}", topology.run)
         self.engines: dict[str, Engine] = dict(engines)
         self.instance = (
