@@ -96,7 +96,8 @@ def add_cluster_options(p: argparse.ArgumentParser, what: str) -> None:
                    "2 from 3 (docs/operations.md, \"A cluster of three brokers\")")
     p.add_argument("--racks", default=None, metavar="R1,R2,...",
                    help="with --brokers: each node's broker.rack; a consumer that sets "
-                   "client.rack reads from a replica in its rack (RackAwareReplicaSelector)")
+                   "client.rack (a pool's rack: pools.<name>.rack) reads from a replica in its "
+                   "rack (RackAwareReplicaSelector)")
 
 
 def add_run_options(

@@ -75,7 +75,8 @@ def graph(topo: Topology) -> list[Component]:
         comps.append(Component(
             f"pool {name}", ["tasks"], ["trajectories.raw"], weights,
             settings=f"{pool.nodes} node(s), {pool.engine} engine, {pool.n_samples} samples, "
-                     f"workflows {', '.join(pool.workflows) or 'as the tasks name them'}"))
+                     f"workflows {', '.join(pool.workflows) or 'as the tasks name them'}"
+                     + (f", rack {pool.rack}" if pool.rack else "")))
     return comps + _policy_components(topo)
 
 

@@ -440,6 +440,7 @@ def _cluster_problems(services: dict) -> list[str]:
                           ("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", 2)):
             if int(e.get(key, 0)) != want:
                 out.append(f"{n}: {key} {e.get(key)} != {want}")
+    out += _rack_problems(services, envs)
     if len({e.get("CLUSTER_ID") for e in envs.values()}) != 1 or None in {
             e.get("CLUSTER_ID") for e in envs.values()}:
         out.append("the nodes must share one CLUSTER_ID")
@@ -458,6 +459,28 @@ def _cluster_problems(services: dict) -> list[str]:
     ran = {tuple(s["command"]) for n, s in services.items() if _cluster(s) and n not in nodes}
     if ran != default:
         out.append(f"components missing: {sorted(default - ran)}")
+    return out
+
+
+RACK_SELECTOR = "org.apache.kafka.common.replica.RackAwareReplicaSelector"
+
+
+def _rack_problems(services: dict, envs: dict[str, dict]) -> list[str]:
+    """Each node in a rack of its own with the rack-aware replica selector, and every
+    RaaS node of the profile in one of those racks (``ASTRAFLOW_RACK``: its client.rack),
+    so that it fetches from the replica in its rack."""
+    out = []
+    racks = [e.get("KAFKA_BROKER_RACK") for e in envs.values()]
+    if None in racks or len(set(racks)) != len(racks):
+        out.append(f"node racks {racks}: want one rack a node")
+    for n, e in envs.items():
+        if e.get("KAFKA_REPLICA_SELECTOR_CLASS") != RACK_SELECTOR:
+            out.append(f"{n}: replica selector {e.get('KAFKA_REPLICA_SELECTOR_CLASS')}")
+    for n, s in services.items():
+        if _cluster(s) and n not in envs and s["command"][1:3] == ["raas", "run"]:
+            rack = s["environment"].get("ASTRAFLOW_RACK")
+            if rack not in racks:
+                out.append(f"{n}: rack {rack}, not a node's ({racks})")
     return out
 
 
@@ -480,3 +503,6 @@ def test_the_cluster_check_fails_when_the_profile_disagrees():
     assert _cluster_problems(changed("kafka-1", KAFKA_MIN_INSYNC_REPLICAS=1))
     assert _cluster_problems(changed("cluster-feeder", ASTRAFLOW_BOOTSTRAP="kafka-1:9092"))
     assert _cluster_problems({n: s for n, s in SERVICES.items() if n != "cluster-batcher"})
+    assert _cluster_problems(changed("kafka-2", KAFKA_BROKER_RACK="r1"))
+    assert _cluster_problems(changed("kafka-3", KAFKA_REPLICA_SELECTOR_CLASS=""))
+    assert _cluster_problems(changed("cluster-raas-local-0", ASTRAFLOW_RACK="elsewhere"))

@@ -22,6 +22,7 @@ from astraflow.kafka.config import RACK_ENV, TABLE_GROUP, KafkaConfig
 from astraflow.kafka.fetch_stats import partition_fetch
 from astraflow.launcher import _raas_args
 from astraflow.topology import TopologyError, parse_topology
+from astraflow.topology_cli import explain
 
 from .conftest import CLUSTER_RACKS, random_name, wait_for
 
@@ -43,6 +44,8 @@ def test_a_pools_rack_is_client_rack_on_every_consumer_of_its_nodes_only():
     assert "client.rack" not in remote.admin_conf()
     assert "client.rack" not in topo.pool_kafka("local").consumer_conf("g")
     assert "client.rack" not in topo.kafka.consumer_conf("g")
+    shown = explain(topo)  # `astraflow topology explain`
+    assert "as the tasks name them, rack r3" in shown and shown.count("rack ") == 1, shown
     assert topo.pool_kafka("remote", rack="r1").consumer_conf("g")["client.rack"] == "r1"
     with_kafka = _topology({"kafka": {"consumer_options": {"fetch.max.bytes": 1 << 20}}})
     assert with_kafka.pool_kafka("remote").consumer_options == {
@@ -226,8 +229,8 @@ def test_a_racked_pools_node_reads_tasks_and_weights_from_its_racks_replica(
     """A RaaS node of pool ``remote`` (rack r3), built as ``raas run`` builds it, rolls out
     a task after following two weight versions over the Kafka blob store; tasks, manifests
     and blobs are led by node 1. Every consumer the node made carries client.rack r3; the
-    tasks and the manifests came from node 3 (its consumers' statistics), and the blobs'
-    too where their reader's last report was served."""
+    tasks, the manifests and the blobs came from node 3 (the statistics of the node's own
+    consumers: the partition's broker, the connection that holds it, bytes per node)."""
     import torch
 
     from astraflow.kafka import loop, table
@@ -291,4 +294,7 @@ def test_a_racked_pools_node_reads_tasks_and_weights_from_its_racks_replica(
             name, fetches)
         assert all(f.toppar_nodes == [FOLLOWER] for f in fetches), (name, fetches)
     blobs = spy.fetches(topo.full_name("weights.blobs"))
-    assert all((f.leader, f.fetched_from) == (LEADER, FOLLOWER) for f in blobs), blobs
+    assert blobs and all((f.leader, f.fetched_from) == (LEADER, FOLLOWER) for f in blobs), blobs
+    # the two versions' blobs (near a MiB) from node 3; from node 1 metadata only
+    last = blobs[-1]
+    assert last.rx_bytes.get(LEADER, 0) < 64 << 10 < last.rx_bytes[FOLLOWER], last

@@ -151,6 +151,11 @@ def node_rack(args: argparse.Namespace) -> str | None:
 
 
 def cmd_raas_run(args: argparse.Namespace) -> int:
+    try:  # before the imports below (torch): a bad name fails at once
+        rack = node_rack(args)
+    except ValueError as e:
+        print(f"astraflow raas run: {e}", file=sys.stderr)
+        return 2
     from astraflow.cli import kafka_config, stop_on_signals
     from astraflow.model_share import ensure_model
     from astraflow.models.errors import ModelError
@@ -167,11 +172,6 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     topo = args.loaded_topology = (
         getattr(args, "loaded_topology", None) or load_topology(args.topology)
     )
-    try:
-        rack = node_rack(args)
-    except ValueError as e:
-        print(f"astraflow raas run: {e}", file=sys.stderr)
-        return 2
     # the pool's `kafka:` and rack applied, then the pool's own credentials
     config = kafka_config(args, topo.component_kafka(f"pool.{args.pool}",
                                                      topo.pool_kafka(args.pool, rack)))
