@@ -790,6 +790,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def records_table(row: dict[str, Any]) -> str:
+    """Per topic of one row: committed data records and all records appended (with
+    transaction markers), per trajectory the nodes made."""
+    made = row["raas_trajectories_per_s"] * row["window_s"]
+    lines = [f"records per trajectory, {row['nodes']} nodes, {row['partitions']} partitions, "
+             f"{row['replicas']} replicas ({made:.0f} trajectories in {row['window_s']} s, "
+             f"{row['tx_per_s']['total']:.1f} transactions/s, "
+             f"{row['records']['appended_per_s']:.0f} records/s appended):",
+             "| topic | data / trajectory | appended / trajectory |", "|---|---|---|"]
+    for t, r in row["records"]["per_topic"].items():
+        if r["appended"]:
+            short = t.split(".", 1)[1] if t.startswith("bench-scale-") else t
+            lines.append(f"| {short} | {r['data'] / max(made, 1):.3f} | "
+                         f"{r['appended'] / max(made, 1):.3f} |")
+    rec = row["records"]
+    lines.append(f"| all | {rec['data_per_trajectory']:.3f} | "
+                 f"{rec['appended_per_trajectory']:.3f} |")
+    return "\n".join(lines)
+
+
 # --- the run ------------------------------------------------------------------------------
 def int_list(text: str) -> list[int]:
     """``"1,4,16"`` as ``[1, 4, 16]``; a clear error for anything else."""
@@ -872,6 +892,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(table(rows))
+    done = [r for r in rows if "trajectories_per_s" in r]
+    if done:
+        print(records_table(max(done, key=lambda r: r["raas_trajectories_per_s"])))
     found = plateaus(rows)
     for f in found:
         where = (f"stops growing at {f['stops_at_nodes']} nodes"

@@ -164,3 +164,18 @@ def test_grid_flags():
         scale.int_list("0,4")
     with pytest.raises(SystemExit):
         scale.parse_args(["--min-tokens", "0"])
+
+
+def test_records_table_divides_by_the_trajectories_made():
+    row = {"nodes": 2, "partitions": 2, "replicas": 1, "raas_trajectories_per_s": 10.0,
+           "window_s": 10.0, "tx_per_s": {"total": 5.0},
+           "records": {"appended_per_s": 40.0, "data_per_trajectory": 0.5,
+                       "appended_per_trajectory": 4.0,
+                       "per_topic": {"bench-scale-2n2p1r-abc.trajectories.raw":
+                                     {"data": 25, "appended": 50},
+                                     "__transaction_state": {"data": 0, "appended": 350},
+                                     "bench-scale-2n2p1r-abc.dlq": {"data": 0, "appended": 0}}}}
+    text = scale.records_table(row)
+    assert "| trajectories.raw | 0.250 | 0.500 |" in text
+    assert "| __transaction_state | 0.000 | 3.500 |" in text and "dlq" not in text
+    assert text.splitlines()[-1] == "| all | 0.500 | 4.000 |"
