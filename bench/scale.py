@@ -729,8 +729,10 @@ def reasons(row: dict[str, Any], busy: float = 0.7, machine: float = 0.85) -> li
             out.append(f"processor {cid} busy {pr['busy_fraction']:.0%}")
     cpu = row.get("cpu_cores", {})
     if (cpu.get("machine_busy_fraction") or 0) >= machine:
+        own = sum(cpu.get(k) or 0.0 for k in ("broker", "processors", "bench"))
         out.append(f"machine CPU {cpu['machine_busy_fraction']:.0%} busy "
-                   f"({os.cpu_count()} cores)")
+                   f"({row.get('cpu_count') or os.cpu_count()} cores; this bench's broker, "
+                   f"processors and nodes {own:.2f} cores)")
     for who, label in (("broker", "broker"), ("bench", "node process (GIL)")):
         if (cpu.get(who) or 0) >= 0.8:
             out.append(f"{label} uses {cpu[who]:.2f} cores")
@@ -843,6 +845,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="nodes 1,4 on 4 partitions, 1 replica, 20 s: a smoke run")
     ap.add_argument("--workdir", default=None, help="topologies and processor logs")
     ap.add_argument("--out", default=None, help="write the rows and conclusions here (JSON)")
+    ap.add_argument("--report", default=None, metavar="FILE.json",
+                    help="print the tables and conclusions of an earlier --out; run nothing")
     args = ap.parse_args(argv)
     if args.quick:
         args.nodes, args.partitions, args.replicas, args.duration = [1, 4], [4], [1], 20.0
@@ -870,6 +874,11 @@ def broker() -> tuple[int | None, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        args.out = None
+        report(args, saved["rows"])
+        return
     print("$ python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]))
     m = args.model
     print(f"[bench] engine: {m.tokens_per_s:g} tokens/s per sequence, Pareto length min "
@@ -883,6 +892,7 @@ def main(argv: list[str] | None = None) -> None:
             for rep in args.replicas:
                 for n in args.nodes:
                     rows.append(run_cell(CellSpec(n, p, rep), args, base, broker_pid))
+                    rows[-1]["cpu_count"] = os.cpu_count()
                     print(f"[bench] {json.dumps(rows[-1])}", flush=True)
     finally:
         if own is not None:
