@@ -3,6 +3,8 @@
 Simulated RaaS nodes against the real dataflow, on one broker, for a grid of nodes x
 partitions x processor replicas. Per grid cell it runs, on a fresh run prefix:
 
+* the real feeder (``astraflow feeder run``) offering arithmetic tasks at twice the rate
+  every node busy would take, so that admission decides what the nodes get;
 * the chain ``tasks.source -> admission -> tasks -> RaaS nodes -> trajectories.raw ->
   staleness -> router -> batcher -> batches.actor -> trainer``: the processors are the real
   ``astraflow processor run`` processes (``--replicas`` instances each of staleness, router
@@ -406,42 +408,27 @@ class Cell:
         self.config = self.topo.kafka.effective()
         self.admin = make_admin(self.config)
         apply_topics(self.admin, self.topo.resolved_topics())
-        self.feed(self.tasks_needed())
         for name, inst in plan_processors(self.topo.processors, s.replicas):
-            log = open(self.workdir / f"{run}-{name}-{inst}.log", "w")
-            cmd = [sys.executable, "-m", "astraflow.cli", "processor", "run", name,
-                   "--topology", str(path), "--instance", inst]
-            self.procs.append((f"{name}/{inst}", subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)))
+            self.procs.append((f"{name}/{inst}", self.spawn(run, f"{name}-{inst}", [
+                "processor", "run", name, "--topology", str(path), "--instance", inst])))
+        self.procs.append(("feeder", self.spawn(run, "feeder", [
+            "feeder", "run", "--topology", str(path), "--rate", f"{self.feed_rate():.2f}",
+            "--epochs", "0", "--seed", str(self.args.seed)])))
         self.trainer = LightTrainer(self.config, self.topo.trainer_group(POLICY),
                                     self.topo.full_name(f"batches.{POLICY}"))
         for _ in range(s.nodes):
             self.add_node()
 
-    def tasks_needed(self) -> int:
-        """Tasks enough to keep every node busy for the whole cell, twice over."""
-        a = self.args
-        per_s = self.spec.nodes / a.mean_rollout_s
-        return int(2 * per_s * (a.duration + a.warmup_s + 60)) + 4 * self.spec.nodes
+    def feed_rate(self) -> float:
+        """Tasks/s for the feeder: twice what every node busy would roll out, so that
+        admission, not the feeder, decides what reaches the nodes."""
+        return max(1.0, 2 * self.spec.nodes / self.args.mean_rollout_s)
 
-    def feed(self, count: int) -> None:
-        from confluent_kafka import Producer
-
-        from astraflow.kafka.clients import make_codec_for
-        from astraflow.tasks.base import make_task
-
-        codec = make_codec_for(self.config)
-        topic = self.topo.full_name("tasks.source")
-        prod = Producer(self.config.producer_conf())
-        rng = random.Random(self.args.seed)
-        for i in range(count):
-            a, b = rng.randrange(10, 99), rng.randrange(10, 99)
-            task = make_task({"prompt": f"{a}+{b}=", "answer": str(a + b)},
-                             source="bench-scale", task_id=f"s{i:07d}")
-            prod.produce(topic, codec.encode(task), key=task.prompt_id)
-            if i % 1000 == 999:
-                prod.flush()
-        prod.flush()
+    def spawn(self, run: str, name: str, args: list[str]) -> subprocess.Popen:
+        """``astraflow <args>`` as a process of its own, its output in the work dir."""
+        log = open(self.workdir / f"{run}-{name}.log", "w")
+        return subprocess.Popen([sys.executable, "-m", "astraflow.cli", *args], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def add_node(self) -> Any:
         from astraflow.raas.node import NodeOptions, RaaSNode
@@ -590,8 +577,8 @@ def records_used(cell: Cell, a: Edge, b: Edge, trajectories: int) -> dict[str, A
         row["appended"] += v - a.ends.get((t, _), 0)
     for t, n in data.items():
         per_topic[t]["data"] = n
-    # the bench wrote every task to tasks.source before the window: one record per task,
-    # as a feeder writes it, counted as the tasks admitted to tasks
+    # the feeder offers twice what the nodes take: the surplus waits on tasks.source, so
+    # a trajectory's share there is one record per task admitted to tasks
     src, tasks = cell.topo.full_name("tasks.source"), cell.topo.full_name("tasks")
     per_topic[src] = {"appended": per_topic[tasks]["data"], "data": per_topic[tasks]["data"]}
     appended = sum(r["appended"] for r in per_topic.values())
