@@ -408,16 +408,31 @@ class Cell:
         self.config = self.topo.kafka.effective()
         self.admin = make_admin(self.config)
         apply_topics(self.admin, self.topo.resolved_topics())
+        self.await_topics()
         for name, inst in plan_processors(self.topo.processors, s.replicas):
             self.procs.append((f"{name}/{inst}", self.spawn(run, f"{name}-{inst}", [
                 "processor", "run", name, "--topology", str(path), "--instance", inst])))
         self.procs.append(("feeder", self.spawn(run, "feeder", [
             "feeder", "run", "--topology", str(path), "--rate", f"{self.feed_rate():.2f}",
-            "--epochs", "0", "--seed", str(self.args.seed)])))
+            "--epochs", "0", "--seed", str(self.args.seed), "--from-start"])))
         self.trainer = LightTrainer(self.config, self.topo.trainer_group(POLICY),
                                     self.topo.full_name(f"batches.{POLICY}"))
         for _ in range(s.nodes):
             self.add_node()
+
+    def await_topics(self, timeout_s: float = 120.0) -> None:
+        """Until the broker lists every topic of the run with all its partitions (a busy
+        broker may answer the creation before its metadata has them)."""
+        want = {t.full_name: t.partitions for t in self.topo.resolved_topics()}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            md = self.admin.list_topics(timeout=10).topics
+            short = [n for n, p in want.items() if n not in md or len(md[n].partitions) < p]
+            if not short:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"topics not created in {timeout_s:.0f}s: {short}")
+            time.sleep(0.5)
 
     def feed_rate(self) -> float:
         """Tasks/s for the feeder: twice what every node busy would roll out, so that
