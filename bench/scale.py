@@ -421,13 +421,15 @@ class Cell:
             self.add_node()
 
     def await_topics(self, timeout_s: float = 120.0) -> None:
-        """Until the broker lists every topic of the run with all its partitions (a busy
-        broker may answer the creation before its metadata has them)."""
+        """Until the broker lists every topic of the run with all its partitions, each with
+        a leader (a busy broker answers the creation before that, and a processor that
+        starts then fails)."""
         want = {t.full_name: t.partitions for t in self.topo.resolved_topics()}
         deadline = time.monotonic() + timeout_s
         while True:
             md = self.admin.list_topics(timeout=10).topics
-            short = [n for n, p in want.items() if n not in md or len(md[n].partitions) < p]
+            short = [n for n, p in want.items() if n not in md or len(md[n].partitions) < p
+                     or any(x.leader < 0 for x in md[n].partitions.values())]
             if not short:
                 return
             if time.monotonic() > deadline:
