@@ -579,6 +579,22 @@ def processor_rates(cell: Cell, a: Edge, b: Edge) -> dict[str, dict[str, float]]
               - first.record.metrics.get("runtime/transactions", 0.0))
         out[cid] = {"tx_per_s": round(tx / dt, 2),
                     "busy_fraction": round((last.record.busy_s - first.record.busy_s) / dt, 3)}
+        out[cid].update(admission_figures(first.record.metrics, last.record.metrics, dt))
+    return out
+
+
+def admission_figures(first: dict[str, float], last: dict[str, float], dt: float
+                      ) -> dict[str, float]:
+    """An admission processor's figures between two of its statuses ``dt`` s apart: tasks
+    admitted per second, its bound on tasks in flight (last, highest) and tasks held back;
+    nothing for other processors."""
+    if "admission/admitted" not in last:
+        return {}
+    out = {"admitted_per_s": round((last["admission/admitted"]
+                                    - first.get("admission/admitted", 0.0)) / dt, 2)}
+    for key in ("bound_pool", "bound_pool_max", "held", "pool_lag"):
+        if f"admission/{key}" in last:
+            out[key] = last[f"admission/{key}"]
     return out
 
 

@@ -179,3 +179,12 @@ def test_records_table_divides_by_the_trajectories_made():
     assert "| trajectories.raw | 0.250 | 0.500 |" in text
     assert "| __transaction_state | 0.000 | 3.500 |" in text and "dlq" not in text
     assert text.splitlines()[-1] == "| all | 0.500 | 4.000 |"
+
+
+def test_admission_figures_between_two_statuses():
+    first = {"admission/admitted": 100.0, "admission/bound_pool": 30.0}
+    last = {"admission/admitted": 160.0, "admission/bound_pool": 40.0,
+            "admission/bound_pool_max": 50.0, "admission/held": 7.0}
+    assert scale.admission_figures(first, last, 30.0) == {
+        "admitted_per_s": 2.0, "bound_pool": 40.0, "bound_pool_max": 50.0, "held": 7.0}
+    assert scale.admission_figures({}, {"runtime/transactions": 3.0}, 1.0) == {}
