@@ -260,16 +260,18 @@ def machine_ticks() -> tuple[int, int]:
 
 
 class LightTrainer:
-    """Reads ``batches.<policy>`` in the trainer's group (``read_committed``, offsets
-    committed), as the trainer does, and records when each batch arrived and what it held;
-    it trains nothing and publishes no weights."""
+    """Reads ``batches.<policy>`` in the trainer's group (``read_committed``), committing
+    its offset after every batch as the trainer does with each version (admission holds
+    tasks back while more than ``max_staleness`` batches wait past that offset), and
+    records when each batch arrived and what it held; it trains nothing and publishes no
+    weights."""
 
     def __init__(self, config: Any, group: str, topic: str):
         from confluent_kafka import Consumer
 
         from astraflow.kafka.clients import make_codec_for
 
-        self.consumer = Consumer(config.consumer_conf(group, **{"enable.auto.commit": True}))
+        self.consumer = Consumer(config.consumer_conf(group))
         self.consumer.subscribe([topic])
         self.codec = make_codec_for(config)
         self.times: list[float] = []
@@ -291,6 +293,7 @@ class LightTrainer:
                 self.times.append(time.monotonic())
                 self.groups.append(len(b.groups))
                 self.sequences.append(sum(len(g.sequences) for g in b.groups))
+                self.consumer.commit(message=m, asynchronous=True)
         self.consumer.close()
 
     def stop(self) -> None:
