@@ -395,6 +395,7 @@ class Cell:
     nodes: list[Any] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     trainer: LightTrainer | None = None
+    restarts: int = 0  # processes started again after they exited
     _seed: int = 0
 
     def start(self, base: dict[str, Any]) -> None:
@@ -422,6 +423,20 @@ class Cell:
                                     self.topo.full_name(f"batches.{POLICY}"))
         for _ in range(s.nodes):
             self.add_node()
+
+    def restart_exited(self, most: int = 3) -> None:
+        """Start again a process that exited (a processor's start on a busy broker can fail
+        on a transient error, "Not leader for partition"), ``most`` times in all."""
+        for i, (name, p) in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            if self.restarts >= most:
+                raise RuntimeError(f"{name} exited {self.restarts + 1} times "
+                                   f"(logs in {self.workdir})")
+            self.restarts += 1
+            log = open(self.workdir / f"{name.replace('/', '-')}.restart.log", "a")
+            self.procs[i] = (name, subprocess.Popen(p.args, stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True))
 
     def await_topics(self, timeout_s: float = 120.0) -> None:
         """Until the broker lists every topic of the run with all its partitions, each with
@@ -497,9 +512,7 @@ def warm_up(cell: Cell, timeout_s: float, settle_s: float) -> float:
         if time.monotonic() - t0 > timeout_s:
             raise RuntimeError(f"no batch reached the trainer in {timeout_s:.0f}s "
                                f"(logs in {cell.workdir})")
-        dead = [n for n, p in cell.procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"processors {dead} exited (logs in {cell.workdir})")
+        cell.restart_exited()
         time.sleep(0.2)
     first = time.monotonic() - t0
     time.sleep(settle_s)
@@ -725,6 +738,7 @@ def run_cell(spec: CellSpec, args: argparse.Namespace, base: dict[str, Any],
         cell.start(base)
         row["first_batch_s"] = round(warm_up(cell, args.warmup_s, args.settle_s), 1)
         row.update(measure(cell, broker_pid))
+        row["restarts"] = cell.restarts
         row["efficiency"] = round(row["trajectories_per_s"] / ideal, 3)
         if args.rebalance:
             row["rebalance"] = rebalance(cell)
