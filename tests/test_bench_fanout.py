@@ -1,0 +1,134 @@
+"""bench/fanout.py: its percentiles, /proc parsing, byte accounting and verdicts (no Kafka)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    """bench/fanout.py, registered in sys.modules first (its dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location("bench_fanout", REPO / "bench" / "fanout.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def test_percentile_interpolates_between_ranks():
+    assert bench.percentile([3.0], 50) == 3.0
+    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 100) == 5.0
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0) == 1.0
+    assert bench.percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_cpu_seconds_from_proc_stat_with_a_command_name_holding_spaces():
+    # fields 14 and 15 (utime, stime) count after the parenthesised name
+    fields = ["S", "1", "1", "1", "0", "-1", "4194560", "10", "0", "0", "0", "250", "50"]
+    text = "4242 (java (a b)) " + " ".join(fields + ["0"] * 30)
+    assert bench.proc_cpu_seconds(text, 100) == pytest.approx(3.0)
+    own = Path(f"/proc/{os.getpid()}/stat").read_text()
+    assert bench.proc_cpu_seconds(own, os.sysconf("SC_CLK_TCK")) > 0
+
+
+def test_io_counter_is_read_by_name():
+    text = "rchar: 10\nwchar: 2048\nsyscr: 3\n"
+    assert bench.proc_io_field(text, "wchar") == 2048
+    with pytest.raises(KeyError, match="read_bytes"):
+        bench.proc_io_field(text, "read_bytes")
+
+
+def test_machine_busy_counts_idle_and_iowait_as_not_busy():
+    before = "cpu  100 0 100 800 0 0 0 0 0 0"
+    after = "cpu  250 0 150 900 100 0 0 0 0 0"  # 200 busy, 200 idle or waiting
+    assert bench.machine_busy(before, after) == pytest.approx(0.5)
+    assert bench.machine_busy(before, before) == 0.0
+
+
+def test_amplification_is_bytes_served_over_what_the_followers_need():
+    assert bench.amplification(4_000_000, 4, 1_000_000) == 1.0
+    assert bench.amplification(6_000_000, 4, 1_000_000) == 1.5
+    assert bench.amplification(0, 0, 1_000_000) == 0.0
+
+
+def test_growth_is_superlinear_only_when_added_followers_cost_more():
+    ns = [1, 4, 16, 64]
+    assert bench.incremental_costs(ns, [1.0, 1.3, 2.5, 7.3]) == pytest.approx([0.1, 0.1, 0.1])
+    assert bench.growth_verdict(ns, [1.0, 1.3, 2.5, 7.3]) == "linear or better"
+    assert bench.growth_verdict(ns, [1.0, 1.3, 3.7, 30.0]) == "superlinear"
+    assert bench.growth_verdict(ns, [1.0, 1.0, 1.1, 1.2]) == "linear or better"
+    assert bench.growth_verdict([1, 4], [1.0, 9.0]) == "too few points"
+
+
+def _row(brokers, n, fetched_max, busy=0.1, host=0.5, variant="baseline"):
+    return {"brokers": brokers, "variant": variant, "followers": n,
+            "fetched_max_s": fetched_max, "broker_busy_max": busy, "machine_busy": host}
+
+
+def test_saturation_notes_name_the_saturated_broker_and_which_cluster_gave_out_first():
+    rows = [_row(1, 4, 0.2), _row(1, 64, 4.0, busy=0.95), _row(3, 64, 1.0, host=0.97),
+            _row(3, 64, 0.5, variant="rack-fetch")]
+    notes = bench.saturation_notes(rows)
+    assert any("1 broker(s), baseline, N=64: a broker used 0.95 cores" in n for n in notes)
+    assert any("3 broker(s), baseline, N=64: the machine's CPUs were 97% busy" in n for n in notes)
+    assert notes[-1].endswith("a single broker saturates first")
+    same = bench.saturation_notes([_row(1, 64, 1.0), _row(3, 64, 0.9)])
+    assert same == ["N=64: fetched by all in 1.00s on 1 broker, 0.90s on 3: one broker is "
+                    "not the bottleneck (three fetch no faster)"]
+
+
+def test_summary_accounts_bytes_and_times_per_version():
+    p = bench.Phase(1, "baseline", 2)
+    p.published = {1: 100.0, 2: 200.0}
+    p.blob_bytes, p.sparsity, p.publish_s = [1_000_000, 1_000_000], [0.99, 0.99], [0.5, 0.5]
+    # (kind, follower, version, seen, fetched, held, apply s, bytes)
+    p.records = [("held", 0, 1, 100.0, 100.5, 101.0, 0.4, 1_000_100),
+                 ("held", 1, 1, 100.0, 101.0, 101.5, 0.4, 1_000_100),
+                 ("held", 0, 2, 200.0, 200.5, 201.0, 0.4, 1_000_100),
+                 ("held", 1, 2, 200.0, 201.0, 202.0, 0.4, 1_000_100)]
+    p.broker_cpu_s, p.broker_wchar, p.window_s = [1.0], [5_000_000], 4.0
+    p.loopback_s = [0.01, 0.02, 0.01, 0.02]
+    row = bench.summarize(p)
+    assert row["served_bytes_per_version"] == 2_000_200
+    assert row["amplification"] == pytest.approx(1.0001)
+    assert (row["fetched_max_s"], row["held_max_s"]) == (1.0, 2.0)
+    assert row["fetched_p50_s"] == 0.75
+    assert row["broker_cpu_s_per_version"] == 0.5
+    assert row["broker_busy_max"] == 0.25
+    assert row["aggregate_mb_s"] == pytest.approx(2.0002)  # 2 MB in 1 s a version
+    assert row["broker_mb_per_cpu_s"] == pytest.approx(4.0004)
+    assert row["loopback_max_s"] == 0.02
+    assert "served MB/v" in bench.table([row]).splitlines()[0]
+
+
+def test_remedies_run_at_the_largest_n_and_rack_fetch_only_on_three_brokers():
+    one = bench.phases_for(1, [1, 4], remedies=True)
+    assert [(p.variant, p.followers, p.apply) for p in one] == [
+        ("baseline", 1, True), ("baseline", 4, True), ("fetch-only", 4, False),
+        ("partitions3", 4, False), ("fetch32MiB", 4, False)]
+    three = bench.phases_for(3, [2], remedies=True)
+    assert [p.variant for p in three][-1] == "rack-fetch" and three[-1].rack
+    assert [p.variant for p in bench.phases_for(3, [2], remedies=False)] == ["baseline"]
+
+
+def test_loopback_copy_delivers_every_byte_to_every_socket():
+    times = bench.loopback_copy(1 << 20, 3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_bad_flags_fail_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--brokers", "2"])
+    assert "--brokers" in capsys.readouterr().err
