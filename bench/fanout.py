@@ -116,6 +116,33 @@ def growth_verdict(ns: list[int], times: list[float], tolerance: float = 1.5) ->
     return "linear or better"
 
 
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ``ys`` against ``xs``."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        raise ValueError("a line needs two distinct x values")
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / \
+        sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def marginal_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Per broker count: broker CPU a version as fixed cost plus cost per MB served (a
+    line through the baseline rows): the throughput of a broker core at the margin."""
+    out = []
+    for nb in sorted({r["brokers"] for r in rows}):
+        base = [r for r in rows if r["brokers"] == nb and r["variant"] == "baseline"]
+        if len({r["followers"] for r in base}) < 2:
+            continue
+        a, b = linear_fit([r["served_bytes_per_version"] / MB for r in base],
+                          [r["broker_cpu_s_per_version"] for r in base])
+        per_core = f"{1 / b:.0f} MB served per broker CPU-second" if b > 0 else "no slope"
+        out.append(f"{nb} broker(s): broker CPU a version = {a:.3f}s + {b * 1000:.2f} ms per MB "
+                   f"served: {per_core} at the margin")
+    return out
+
+
 def amplification(served_bytes: float, followers: int, blob_bytes: float) -> float:
     """Bytes served over the bytes N followers need at least (1.0: no waste)."""
     return served_bytes / (followers * blob_bytes) if followers and blob_bytes else 0.0
@@ -666,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 brokers.stop()
     notes = [f"time to the max N ({r[0]} broker(s)): fetched {r[1]}, held {r[2]}"
-             for r in _growth(rows)] + saturation_notes(rows)
+             for r in _growth(rows)] + marginal_notes(rows) + saturation_notes(rows)
     print(f"\nSmolLM2-135M, {len(deltas)} AdamW versions (lr {args.lr:g}), host "
           f"{os.cpu_count()} CPUs, load average {load:.2f} before / {os.getloadavg()[0]:.2f} "
           f"after; apply {'off' if args.no_apply else 'on'}; {args.procs} follower processes")

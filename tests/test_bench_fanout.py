@@ -132,3 +132,15 @@ def test_bad_flags_fail_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--brokers", "2"])
     assert "--brokers" in capsys.readouterr().err
+
+
+def test_marginal_broker_cost_is_the_slope_of_cpu_over_bytes_served():
+    assert bench.linear_fit([0.0, 1.0, 2.0], [1.0, 3.0, 5.0]) == pytest.approx((1.0, 2.0))
+    with pytest.raises(ValueError):
+        bench.linear_fit([1.0, 1.0], [1.0, 2.0])
+    rows = [{"brokers": 1, "variant": "baseline", "followers": n,
+             "served_bytes_per_version": n * 2e6, "broker_cpu_s_per_version": 0.1 + 0.004 * n}
+            for n in (1, 4, 16)]
+    (note,) = bench.marginal_notes(rows + [{**rows[0], "variant": "rack-fetch"}])
+    assert note == ("1 broker(s): broker CPU a version = 0.100s + 2.00 ms per MB served: "
+                    "500 MB served per broker CPU-second at the margin")
