@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MB = 1e6
 RACKS = ["r1", "r2", "r3"]
+IDLE_S = 3.0
 RESULT_TIMEOUT_S = 900.0  # a version on a loaded 2-core machine, 64 followers applying
 
 
@@ -98,22 +99,16 @@ def machine_busy(before: str, after: str) -> float:
     return 1.0 - idle / total if total else 0.0
 
 
-def incremental_costs(ns: list[int], times: list[float]) -> list[float]:
-    """Seconds each added follower costs between successive N: (t_i - t_(i-1)) / (N_i - N_(i-1))."""
-    return [(times[i] - times[i - 1]) / (ns[i] - ns[i - 1]) for i in range(1, len(ns))]
-
-
-def growth_verdict(ns: list[int], times: list[float], tolerance: float = 1.5) -> str:
-    """``superlinear`` when the last added followers each cost over ``tolerance`` times what
-    the first ones did and the last step adds over 10 % to the time (less is noise), else
-    ``linear or better``; ``too few points`` below three N."""
-    if len(ns) < 3:
+def growth_verdict(ns: list[int], times: list[float], margin: float = 1.1) -> str:
+    """Whether the time grows faster than N between the two largest N (``margin`` allows
+    for noise): ``superlinear (time x8.1 for x4 followers)``, ``linear or better (...)``;
+    ``too few points`` below two N. A fixed floor (one fetch's latency) makes the growth
+    look sublinear at small N, so only the last step is judged."""
+    if len(ns) < 2 or times[-2] <= 0:
         return "too few points"
-    costs = incremental_costs(ns, times)
-    first, last = costs[0], costs[-1]
-    if last > tolerance * max(first, 1e-6) and times[-1] - times[-2] > 0.1 * times[-2]:
-        return "superlinear"
-    return "linear or better"
+    rt, rn = times[-1] / times[-2], ns[-1] / ns[-2]
+    verdict = "superlinear" if rt > margin * rn else "linear or better"
+    return f"{verdict} (time x{rt:.1f} for x{rn:.0f} followers)"
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -364,6 +359,15 @@ def broker_counters(pids: list[int]) -> list[tuple[float, int]]:
     return out
 
 
+def broker_idle_rate(pids: list[int], seconds: float = IDLE_S) -> list[float]:
+    """CPU seconds a second each broker uses while nobody publishes or fetches (KRaft
+    heartbeats, log cleaner ...), subtracted from the phase's CPU."""
+    a = broker_counters(pids)
+    time.sleep(seconds)
+    b = broker_counters(pids)
+    return [(y[0] - x[0]) / seconds for x, y in zip(a, b, strict=True)]
+
+
 def _cpu_line() -> str:
     return Path("/proc/stat").read_text().splitlines()[0]
 
@@ -405,6 +409,7 @@ class Phase:
     blob_bytes: list[int] = field(default_factory=list)
     sparsity: list[float] = field(default_factory=list)
     broker_cpu_s: list[float] = field(default_factory=list)
+    broker_idle_cpu_s: list[float] = field(default_factory=list)
     broker_wchar: list[int] = field(default_factory=list)
     window_s: float = 0.0
     machine_busy: float = 0.0
@@ -465,6 +470,7 @@ def publish_versions(phase: Phase, brokers: Brokers, topics: tuple[str, str], ba
     store = KafkaBlobStore(config, topics[1])
     work = {k: t.clone() for k, t in base.items()}
     publisher = WeightPublisher(store, "actor", anchor_interval=0, version=0, state=work)
+    idle = broker_idle_rate(brokers.pids)
     before, cpu0, t_start = broker_counters(brokers.pids), _cpu_line(), time.time()
     for v, blob in enumerate(deltas, start=1):
         with torch.no_grad():
@@ -482,6 +488,7 @@ def publish_versions(phase: Phase, brokers: Brokers, topics: tuple[str, str], ba
     after = broker_counters(brokers.pids)
     phase.machine_busy = machine_busy(cpu0, _cpu_line())
     phase.broker_cpu_s = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    phase.broker_idle_cpu_s = [rate * phase.window_s for rate in idle]
     phase.broker_wchar = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     store.close()
 
@@ -541,7 +548,8 @@ def summarize(p: Phase) -> dict[str, Any]:
     served = sum(r[7] for r in p.records) / k
     all_fetched = [max(r[4] for r in p.records if r[2] == v) - p.published[v]
                    for v in p.published]
-    cpu = sum(p.broker_cpu_s) / k
+    raw = sum(p.broker_cpu_s) / k
+    cpu = max(0.0, raw - sum(p.broker_idle_cpu_s) / k)
     return {
         "brokers": p.brokers, "variant": p.variant, "followers": p.followers,
         "partitions": p.partitions, "versions": k, "delta_bytes": blob,
@@ -552,7 +560,7 @@ def summarize(p: Phase) -> dict[str, Any]:
         "served_bytes_per_version": served,
         "amplification": amplification(served, p.followers, blob),
         "broker_wchar_per_version": sum(p.broker_wchar) / k,
-        "broker_cpu_s_per_version": cpu,
+        "broker_cpu_s_per_version": cpu, "broker_cpu_raw_s_per_version": raw,
         "broker_busy_max": max(p.broker_cpu_s) / p.window_s if p.window_s else 0.0,
         "machine_busy": p.machine_busy,
         "follower_mb_s_p50": percentile(rates, 50) / MB,
@@ -574,6 +582,7 @@ COLUMNS = [
     ("served_bytes_per_version", "served MB/v", "{:>11.2f}"),
     ("broker_wchar_per_version", "wchar MB/v", "{:>10.2f}"),
     ("broker_cpu_s_per_version", "brk CPU s/v", "{:>11.3f}"),
+    ("broker_cpu_raw_s_per_version", "raw", "{:>6.3f}"),
     ("broker_busy_max", "brk busy", "{:>8.2f}"), ("machine_busy", "host busy", "{:>9.0%}"),
     ("follower_mb_s_p50", "MB/s 1 fol", "{:>10.1f}"), ("aggregate_mb_s", "MB/s all", "{:>8.1f}"),
     ("broker_mb_per_cpu_s", "MB/brk-CPU-s", "{:>12.1f}"),
@@ -628,8 +637,9 @@ def phases_for(brokers: int, ns: list[int], remedies: bool, apply: bool = True
     out = [Phase(brokers, "baseline", n, apply=apply) for n in ns]
     if remedies:
         top = max(ns)
-        out += [Phase(brokers, "fetch-only", top, apply=False),
-                Phase(brokers, "partitions3", top, partitions=3, apply=False),
+        if apply:
+            out.append(Phase(brokers, "fetch-only", top, apply=False))
+        out += [Phase(brokers, "partitions3", top, partitions=3, apply=False),
                 Phase(brokers, "fetch32MiB", top, fetch_bytes=32 << 20, apply=False)]
         if brokers == 3:
             out.append(Phase(brokers, "rack-fetch", top, rack=True, apply=False))

@@ -63,13 +63,13 @@ def test_amplification_is_bytes_served_over_what_the_followers_need():
     assert bench.amplification(0, 0, 1_000_000) == 0.0
 
 
-def test_growth_is_superlinear_only_when_added_followers_cost_more():
+def test_growth_is_superlinear_only_when_time_outgrows_n_at_the_largest_n():
     ns = [1, 4, 16, 64]
-    assert bench.incremental_costs(ns, [1.0, 1.3, 2.5, 7.3]) == pytest.approx([0.1, 0.1, 0.1])
-    assert bench.growth_verdict(ns, [1.0, 1.3, 2.5, 7.3]) == "linear or better"
-    assert bench.growth_verdict(ns, [1.0, 1.3, 3.7, 30.0]) == "superlinear"
-    assert bench.growth_verdict(ns, [1.0, 1.0, 1.1, 1.2]) == "linear or better"
-    assert bench.growth_verdict([1, 4], [1.0, 9.0]) == "too few points"
+    assert bench.growth_verdict(ns, [1.0, 1.3, 2.5, 7.3]) == \
+        "linear or better (time x2.9 for x4 followers)"
+    assert bench.growth_verdict(ns, [1.0, 1.3, 3.7, 30.0]).startswith("superlinear (time x8.1")
+    assert bench.growth_verdict(ns, [0.4, 0.2, 0.2, 0.8]).startswith("linear or better")
+    assert bench.growth_verdict([4], [1.0]) == "too few points"
 
 
 def _row(brokers, n, fetched_max, busy=0.1, host=0.5, variant="baseline"):
@@ -98,15 +98,17 @@ def test_summary_accounts_bytes_and_times_per_version():
                  ("held", 1, 1, 100.0, 101.0, 101.5, 0.4, 1_000_100),
                  ("held", 0, 2, 200.0, 200.5, 201.0, 0.4, 1_000_100),
                  ("held", 1, 2, 200.0, 201.0, 202.0, 0.4, 1_000_100)]
-    p.broker_cpu_s, p.broker_wchar, p.window_s = [1.0], [5_000_000], 4.0
+    p.broker_cpu_s, p.broker_wchar, p.window_s = [1.2], [5_000_000], 4.0
+    p.broker_idle_cpu_s = [0.2]  # 0.05 CPU-s a second while idle, over the 4 s
     p.loopback_s = [0.01, 0.02, 0.01, 0.02]
     row = bench.summarize(p)
     assert row["served_bytes_per_version"] == 2_000_200
     assert row["amplification"] == pytest.approx(1.0001)
     assert (row["fetched_max_s"], row["held_max_s"]) == (1.0, 2.0)
     assert row["fetched_p50_s"] == 0.75
-    assert row["broker_cpu_s_per_version"] == 0.5
-    assert row["broker_busy_max"] == 0.25
+    assert row["broker_cpu_s_per_version"] == pytest.approx(0.5)
+    assert row["broker_cpu_raw_s_per_version"] == pytest.approx(0.6)
+    assert row["broker_busy_max"] == pytest.approx(0.3)
     assert row["aggregate_mb_s"] == pytest.approx(2.0002)  # 2 MB in 1 s a version
     assert row["broker_mb_per_cpu_s"] == pytest.approx(4.0004)
     assert row["loopback_max_s"] == 0.02
@@ -121,6 +123,9 @@ def test_remedies_run_at_the_largest_n_and_rack_fetch_only_on_three_brokers():
     three = bench.phases_for(3, [2], remedies=True)
     assert [p.variant for p in three][-1] == "rack-fetch" and three[-1].rack
     assert [p.variant for p in bench.phases_for(3, [2], remedies=False)] == ["baseline"]
+    fetch_only = bench.phases_for(1, [4], remedies=True, apply=False)
+    assert [p.variant for p in fetch_only] == ["baseline", "partitions3", "fetch32MiB"]
+    assert not any(p.apply for p in fetch_only)
 
 
 def test_loopback_copy_delivers_every_byte_to_every_socket():
