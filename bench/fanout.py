@@ -148,21 +148,29 @@ def saturation_notes(rows: list[dict[str, Any]], busy_limit: float = 0.9) -> lis
     single broker saturated before three did (the largest N on both)."""
     notes = []
     for r in rows:
-        tag = f"{r['brokers']} broker(s), {r['variant']}, N={r['followers']}"
         if r["broker_busy_max"] >= busy_limit:
-            notes.append(f"{tag}: a broker used {r['broker_busy_max']:.2f} cores while "
-                         "serving: it saturated")
-        if r["machine_busy"] >= busy_limit:
-            notes.append(f"{tag}: the machine's CPUs were {r['machine_busy']:.0%} busy (this "
-                         "bench and anything else running): CPU, not Kafka, bound this row")
+            notes.append(f"{r['brokers']} broker(s), {r['variant']}, N={r['followers']}: a "
+                         f"broker used {r['broker_busy_max']:.2f} cores while serving: it "
+                         "saturated")
+    busy = [r["machine_busy"] for r in rows if r["machine_busy"] >= busy_limit]
+    if busy:
+        notes.append(f"in {len(busy)} of {len(rows)} rows the machine's CPUs were at least "
+                     f"{min(busy):.0%} busy (this bench and anything else running): CPU, "
+                     "not Kafka, bound them")
     base = [r for r in rows if r["variant"] == "baseline"]
     top = max((r["followers"] for r in base), default=0)
     one = [r for r in base if r["brokers"] == 1 and r["followers"] == top]
     three = [r for r in base if r["brokers"] == 3 and r["followers"] == top]
     if one and three:
         a, b = one[0]["fetched_max_s"], three[0]["fetched_max_s"]
-        first = "a single broker saturates first" if b < 0.75 * a else \
-            "one broker is not the bottleneck (three fetch no faster)"
+        busy = one[0]["broker_busy_max"]
+        if b >= 0.75 * a:
+            first = "one broker is not the bottleneck (three fetch no faster)"
+        elif busy >= busy_limit:
+            first = "a single broker saturates first"
+        else:
+            first = (f"three were faster, yet the single broker used {busy:.2f} cores at "
+                     "most: not a broker limit")
         notes.append(f"N={top}: fetched by all in {a:.2f}s on 1 broker, {b:.2f}s on 3: {first}")
     return notes
 
@@ -681,6 +689,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the rows and notes as JSON here")
+    ap.add_argument("--report", metavar="FILE.json",
+                    help="print the table and notes of an earlier run's --out again")
     args = ap.parse_args(argv)
     if bad := [b for b in args.brokers if b not in (1, 3)]:
         ap.error(f"--brokers: 1 or 3, not {bad}")
@@ -691,6 +701,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:  # the table and notes of an earlier run, by this code
+        doc = json.loads(Path(args.report).read_text())
+        args = argparse.Namespace(**{**doc["args"], "out": args.out, "report": None})
+        print(report(args, doc["versions"], doc["rows"], [n for n in doc["notes"]
+                                                           if "did not finish" in n],
+                     doc.get("load_before", 0.0), args.versions))
+        return 0
     base_path, base, deltas, record = load_versions(args)
     load = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
