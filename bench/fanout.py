@@ -19,15 +19,17 @@ to its followers (a node reads them itself; they are a few kB).
 For each N it reports: the time from the manifest's publication until a follower has
 fetched and verified the blob, and until it holds the version (p50 and max over every
 follower and version); the bytes the followers fetched a version; each broker JVM's CPU
-(``/proc/<pid>/stat``) and its write bytes (``/proc/<pid>/io`` wchar: sockets, sendfile
-and log writes); and, in the same run, the physical limit: the same bytes copied to N
-loopback sockets by one sender. ``--remedies`` runs the largest N again with more
-partitions for ``weights.blobs``, larger fetch sizes, and (3 brokers) fetching from the
-follower in the consumer's rack (KIP-392). Compression stays off: ``KafkaBlobStore``
+(``/proc/<pid>/stat``, less its idle rate measured for 3 s before the row) and its write
+bytes (``/proc/<pid>/io`` wchar: sockets, sendfile and log writes); and, in the same
+run, the physical limit: the same bytes copied to N loopback sockets by one sender.
+``--remedies`` runs the largest N again with more partitions for ``weights.blobs``,
+larger fetch sizes, and (3 brokers) fetching from the follower in the consumer's rack
+(KIP-392). Compression stays off: ``KafkaBlobStore``
 produces blobs with ``compression.type=none`` already.
 
     python bench/fanout.py --followers 1,4,16,64 --brokers 1,3 --versions 3 \
         --remedies --out bench/results/fanout.json
+    python bench/fanout.py --report bench/results/fanout.json  # the table again
 """
 
 from __future__ import annotations
