@@ -67,12 +67,13 @@ def _wait(what: str, cond, timeout_s: float, step: float = 2.0) -> bool:
 class Run:
     """One ``astraflow up --brokers 3`` of the default topology on the bench's cluster."""
 
-    def __init__(self, cluster: EmbeddedCluster, model: Path, work: Path, name: str):
+    def __init__(self, cluster: EmbeddedCluster, model: Path, work: Path, name: str,
+                 warm_start: int):
         self.cluster, self.work = cluster, work
         self.config = KafkaConfig(bootstrap_servers=cluster.bootstrap, client_id="bench-cf")
         topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
         self.run = topo["run"] = f"cf-{name}-{os.getpid()}"
-        topo["policies"]["actor"].update(model=str(model), warm_start={"steps": 100})
+        topo["policies"]["actor"].update(model=str(model), warm_start={"steps": warm_start})
         path = work / "topology.yaml"
         path.write_text(yaml.safe_dump(topo))
         env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
@@ -153,7 +154,7 @@ def fault(scenario: str, run: Run, args: argparse.Namespace) -> tuple[list[int],
 
 def run_one(scenario: str, cluster: EmbeddedCluster, model: Path, work: Path,
             args: argparse.Namespace) -> dict:
-    run = Run(cluster, model, work, scenario)
+    run = Run(cluster, model, work, scenario, args.warm_start)
     try:
         if not _wait("version 2", lambda: run.version() >= 2, 900):
             raise SystemExit(f"{scenario}: no version 2; see {work / 'up.log'}")
@@ -202,6 +203,8 @@ def main() -> int:
     ap.add_argument("--down", type=float, default=300.0,
                     help="scenario a: restart the killed node after two versions, or "
                     "after this many seconds (default 300)")
+    ap.add_argument("--warm-start", type=int, default=100,
+                    help="warm-start steps of the tiny model (default 100)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     chosen = [s.strip() for s in args.scenarios.split(",")]
@@ -212,7 +215,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-cluster-faults-") as tmp:
         model = Path(tmp) / "model"
         subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(model),
-                        "--warm-start-steps", "100"], check=True, cwd=REPO,
+                        "--warm-start-steps", str(args.warm_start)], check=True, cwd=REPO,
                        capture_output=True)
         cluster = EmbeddedCluster(Path(tmp) / "cluster", size=3)
         cluster.start(timeout=300, log=print)
