@@ -101,20 +101,20 @@ def out_of_isr(bootstrap: str, node: int) -> list[tuple[str, int]]:
 
 
 def stalls(times: dict[int, int], start_ms: int, end_ms: int,
-           faults_ms: list[int]) -> dict[str, float | None]:
+           faults_ms: list[int]) -> dict[str, object]:
     """How long training stalled between ``start_ms`` and ``end_ms``, from ``times``
     (version -> when first published, ms): the longest gap between consecutive versions
-    (the window's edges count as versions), the longest time from a fault (``faults_ms``)
-    until the next version (None when none followed), and the versions in the window."""
+    (the window's edges count as versions), the time from each fault (``faults_ms``) until
+    the next version and the longest of those (None when none followed), and the versions
+    in the window."""
     inside = sorted(t for t in times.values() if start_ms <= t <= end_ms)
     edges = [start_ms, *inside, end_ms]
     gap = max((b - a for a, b in zip(edges, edges[1:], strict=False)), default=0) / 1000
-    resume: float | None = 0.0
+    each: list[float | None] = []
     for f in faults_ms:
         after = [t for t in times.values() if t >= f]
-        if not after:
-            resume = None
-            break
-        resume = max(resume, (min(after) - f) / 1000)
-    return {"longest_gap_s": gap, "resume_s": resume if faults_ms else None,
+        each.append((min(after) - f) / 1000 if after else None)
+    known = [e for e in each if e is not None]
+    resume = max(known) if known and len(known) == len(each) else None
+    return {"longest_gap_s": gap, "resume_s": resume, "resume_each_s": each,
             "versions_in_window": len(inside)}

@@ -175,8 +175,8 @@ def run_one(scenario: str, cluster: EmbeddedCluster, model: Path, work: Path,
 
 def _row(r: dict, base_gap: float | None) -> str:
     b = r["books"]
-    resume = "-" if r["scenario"] == "none" else (
-        f"{r['resume_s']:.1f} s" if r["resume_s"] is not None else "never")
+    resume = " / ".join("never" if e is None else f"{e:.1f} s"
+                        for e in r["resume_each_s"]) or "-"
     ratio = f"{r['longest_gap_s'] / base_gap:.1f}x" if base_gap else "-"
     return (f"| {r['scenario']}: {SCENARIOS[r['scenario']]} | {r['longest_gap_s']:.1f} s "
             f"({ratio}) | {resume} | {b.get('tasks', 0)} / {b.get('groups', 0)} / "
@@ -187,10 +187,34 @@ def _row(r: dict, base_gap: float | None) -> str:
 def table(results: list[dict]) -> str:
     """The results as one markdown table."""
     base = next((r["longest_gap_s"] for r in results if r["scenario"] == "none"), None)
-    lines = ["| scenario | longest gap between versions (vs baseline) | fault until the "
-             "next version | tasks / groups / batches / versions | component restarts | "
+    lines = ["| scenario | longest gap between versions (vs baseline) | each node's loss "
+             "until the next version | tasks / groups / batches / versions | component restarts | "
              "books |", "|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row(r, base) for r in results])
+
+
+def run_all(chosen: list[str], tmp: Path, args: argparse.Namespace) -> list[dict]:
+    """The model, the cluster under ``tmp``, and one run per scenario."""
+    model = tmp / "model"
+    subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(model),
+                    "--warm-start-steps", str(args.warm_start)], check=True, cwd=REPO,
+                   capture_output=True)
+    cluster = EmbeddedCluster(tmp / "cluster", size=3)
+    cluster.start(timeout=300, log=print)
+    results = []
+    try:
+        for s in chosen:
+            work = tmp / f"run-{s}"
+            work.mkdir()
+            print(f"scenario {s} ({SCENARIOS[s]}) ...", flush=True)
+            results.append(run_one(s, cluster, model, work, args))
+            print(json.dumps(results[-1]), flush=True)
+    finally:
+        if args.work:
+            cluster.stop()  # its nodes' logs stay with the runs'
+        else:
+            cluster.destroy()
+    return results
 
 
 def main() -> int:
@@ -205,29 +229,21 @@ def main() -> int:
                     "after this many seconds (default 300)")
     ap.add_argument("--warm-start", type=int, default=100,
                     help="warm-start steps of the tiny model (default 100)")
+    ap.add_argument("--work", default=None,
+                    help="keep the runs' logs here (a new directory; default: a temporary "
+                    "one, deleted)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     chosen = [s.strip() for s in args.scenarios.split(",")]
     bad = [s for s in chosen if s not in SCENARIOS]
     if bad:
         ap.error(f"--scenarios: unknown {bad[0]!r} (of {', '.join(SCENARIOS)})")
-    results = []
-    with tempfile.TemporaryDirectory(prefix="bench-cluster-faults-") as tmp:
-        model = Path(tmp) / "model"
-        subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(model),
-                        "--warm-start-steps", str(args.warm_start)], check=True, cwd=REPO,
-                       capture_output=True)
-        cluster = EmbeddedCluster(Path(tmp) / "cluster", size=3)
-        cluster.start(timeout=300, log=print)
-        try:
-            for s in chosen:
-                work = Path(tmp) / f"run-{s}"
-                work.mkdir()
-                print(f"scenario {s} ({SCENARIOS[s]}) ...", flush=True)
-                results.append(run_one(s, cluster, model, work, args))
-                print(json.dumps(results[-1]), flush=True)
-        finally:
-            cluster.destroy()
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+        results = run_all(chosen, Path(args.work), args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-cluster-faults-") as tmp:
+            results = run_all(chosen, Path(tmp), args)
     print()
     print(table(results))
     if args.out:

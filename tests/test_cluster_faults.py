@@ -61,10 +61,12 @@ def test_transactional_ids_are_read_from_the_components_logs(tmp_path):
 def test_stalls_measure_the_longest_gap_and_the_time_until_versions_resume():
     times = {0: 1_000, 1: 2_000, 2: 3_000, 3: 9_000, 4: 10_000}
     s = stalls(times, start_ms=2_500, end_ms=12_000, faults_ms=[3_500])
-    assert s == {"longest_gap_s": 6.0, "resume_s": 5.5, "versions_in_window": 3}
+    assert s == {"longest_gap_s": 6.0, "resume_s": 5.5, "resume_each_s": [5.5],
+                 "versions_in_window": 3}
     # the window's end counts: a run that never published again stalled until it ended
     s = stalls(times, start_ms=2_500, end_ms=30_000, faults_ms=[3_500, 10_500])
     assert s["longest_gap_s"] == 20.0 and s["resume_s"] is None
+    assert s["resume_each_s"] == [5.5, None]
     assert stalls(times, 0, 12_000, [])["resume_s"] is None
 
 
