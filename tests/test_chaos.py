@@ -3,8 +3,9 @@ node and trainer, a broker stopped for 30 s and for 3 min, and a SIGKILLed broke
 
 Each scenario runs on a broker of its own (the session's broker is never stopped), faults
 the run once it has published a few versions, waits until the trainer publishes again,
-stops ``up`` with Ctrl-C and then accounts for every record on every topic (``_account``):
-nothing lost, nothing done twice, versions contiguous, no batch trained twice.
+stops ``up`` with Ctrl-C and then accounts for every record on every topic
+(``astraflow.audit``): nothing lost, nothing done twice, versions contiguous, no batch
+trained twice.
 """
 
 from __future__ import annotations
@@ -15,24 +16,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
-from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from astraflow.audit import audit_run, newest_version
 from astraflow.broker import EmbeddedBroker, _pid_alive, free_port
-from astraflow.kafka.clients import read_all
 from astraflow.kafka.config import KafkaConfig
-from astraflow.records import (
-    Batch,
-    ComponentStatus,
-    DeadLetter,
-    Task,
-    TrajectoryGroup,
-    WeightManifest,
-)
 
 from .conftest import random_name, wait_for
 
@@ -88,12 +79,7 @@ class Run:
 
     def versions(self) -> int:
         """Versions published so far (-1: none, or no topic yet)."""
-        try:
-            ms = read_all(self.config, self.topic("weights.actor"), expect=WeightManifest,
-                          idle_s=1.0, timeout_s=20)
-        except KafkaException:
-            return -1
-        return max((r.record.version for r in ms), default=-1)
+        return newest_version(self.config, self.topic("weights.actor"))
 
     def wait_versions(self, n: int, timeout: float) -> None:
         wait_for(lambda: self.versions() >= n, timeout, f"version {n} on {self.run}",
@@ -140,107 +126,12 @@ def chaos_run(broker, chaos_model, tmp_path):
     run.kill()
 
 
-def _committed(config: KafkaConfig, group: str, topic: str, partitions: set[int]) -> dict:
-    c = Consumer(config.consumer_conf(group))
-    try:
-        # up to the transaction timeout: a killed producer's open offsets hold the answer
-        tps = c.committed([TopicPartition(topic, p) for p in sorted(partitions)], timeout=90)
-    finally:
-        c.close()
-    return {tp.partition: max(tp.offset, 0) for tp in tps}
-
-
-def _dropped(statuses: list[ComponentStatus], prefix: str, metric: str) -> int:
-    """``metric`` summed over the processes (component id, start time) of a component: the
-    last value each reported."""
-    last: dict[tuple[str, int], float] = {}
-    for st in statuses:
-        if st.component_id.startswith(prefix) and metric in st.metrics:
-            last[(st.component_id, st.started_at_ms)] = st.metrics[metric]
-    return int(sum(last.values()))
-
-
-def _stage(name, run, inputs, outputs, in_key, out_key, group, dead) -> list:
-    """One stage's books: no output twice and every output from an input. Returns the
-    inputs below the stage's committed offsets that are in no output and not in dlq."""
-    counts = Counter(out_key(o) for o in outputs)
-    twice = [k for k, n in counts.items() if n > 1]
-    assert not twice, f"{name}: {len(twice)} outputs twice, e.g. {twice[:3]}"
-    known = {in_key(r) for _, _, _, r in inputs}
-    assert set(counts) <= known, f"{name}: outputs without input: {list(set(counts) - known)[:3]}"
-    committed = {}
-    for t in {t for t, _, _, _ in inputs}:
-        parts = {p for tt, p, _, _ in inputs if tt == t}
-        committed.update({(t, p): o for p, o in _committed(run.config, group, t, parts).items()})
-    return [r for t, p, o, r in inputs if o < committed.get((t, p), 0)
-            and in_key(r) not in counts and (t, p, o) not in dead]
-
-
 def _account(run: Run, killed: str | None = None) -> dict:
-    """Every record of the run accounted for; the counts per stage. ``killed``: the
-    processor that was SIGKILLed (its drop counter restarted with it)."""
-    def recs(logical, cls):
-        return [(run.topic(logical), r.partition, r.offset, r.record) for r in read_all(
-            run.config, run.topic(logical), expect=cls, idle_s=2.0, timeout_s=180)]
-
-    dead = {(d.source_topic, d.partition, d.offset) for *_, d in recs("dlq", DeadLetter)}
-    statuses = [r for *_, r in recs("status", ComponentStatus)]
-    task_id = lambda t: t.task_id  # noqa: E731
-    group_id = lambda g: g.group_id  # noqa: E731
-    source, tasks = recs("tasks.source", Task), recs("tasks", Task)
-    raw, traj = recs("trajectories.raw", TrajectoryGroup), recs("trajectories", TrajectoryGroup)
-    samples, batches = recs("samples.actor", TrajectoryGroup), recs("batches.actor", Batch)
-    r = run.run
-    routed = lambda g: g.group_id.rsplit("/", 1)[0]  # noqa: E731 - the router adds /<policy>
-    for name, ins, outs, key, out_key in [
-            ("admission", source, tasks, task_id, task_id),
-            ("raas", tasks, raw, task_id, task_id),
-            ("router", traj, samples, group_id, routed)]:
-        lost = _stage(name, run, ins, [o for *_, o in outs], key, out_key, f"{r}.{name}", dead)
-        assert not lost, f"{name}: {len(lost)} inputs lost, e.g. {[key(x) for x in lost[:3]]}"
-    books = {"tasks": len(tasks), "groups": len(raw), "batches": len(batches)}
-    lost = _stage("staleness", run, raw, [g for *_, g in traj], group_id, group_id,
-                  f"{r}.staleness", dead)
-    books["stale_dropped"] = _dropped(statuses, "staleness/", "staleness/dropped")
-    assert len(lost) == books["stale_dropped"], (len(lost), books)
-    in_batches = [g for *_, b in batches for g in b.groups]
-    lost = _stage("batcher", run, samples, in_batches, group_id, group_id, f"{r}.batcher",
-                  dead)
-    reported = _dropped(statuses, "batcher/", "batcher/dropped_stale")
-    if killed != "batcher":
-        assert len(lost) == reported, (len(lost), reported)
-    else:  # the killed process's last drops may postdate its last status: at least those
-        # reported, and each of the rest too old to train on at the end
-        newest = run.versions()
-        assert len(lost) >= reported, (len(lost), reported)
-        oldest = [min(s.min_version for s in g.sequences) for g in lost]
-        assert all(newest - v > 4 for v in oldest), (newest, oldest)
-    books["batcher_dropped"] = len(lost)
-    books.update(_trainer_books(run, batches, dead))
-    return books
-
-
-def _trainer_books(run: Run, batches, dead) -> dict:
-    """Versions contiguous from 0; no batch trained twice; every batch the trainer
-    committed past was trained, skipped (all stale: logged) or dead-lettered."""
-    manifests = [r.record for r in read_all(run.config, run.topic("weights.actor"),
-                                            expect=WeightManifest, idle_s=2.0)]
-    versions = sorted({m.version for m in manifests})
-    assert versions == list(range(len(versions))), versions
-    for kind in ("delta", "full"):
-        per = Counter(m.version for m in manifests if m.kind == kind)
-        assert all(n == 1 for n in per.values()), f"a {kind} manifest twice: {per}"
-    trained = Counter(m.meta["batch_id"] for m in manifests
-                      if m.version > 0 and "batch_id" in m.meta and m.kind == "delta")
-    twice = [b for b, n in trained.items() if n > 1]
-    assert not twice, f"batches trained twice: {twice}"
-    log = (run.runs / run.run / "logs" / "trainer-actor.log").read_text()
-    committed = _committed(run.config, f"{run.run}.trainer.actor", run.topic("batches.actor"),
-                           {p for _, p, _, _ in batches})
-    for t, p, o, b in batches:
-        if o < committed.get(p, 0) and b.batch_id not in trained and (t, p, o) not in dead:
-            assert f"batch {b.batch_id} @" in log and "skipped" in log, b.batch_id
-    return {"versions": len(versions) - 1, "trained": len(trained)}
+    """Every record of the run accounted for (``astraflow.audit``); the counts per stage.
+    ``killed``: the processor that was SIGKILLed (its drop counter restarted with it)."""
+    audit = audit_run(run.config, run.run, run.runs / run.run / "logs", killed=killed)
+    assert audit.ok, "\n".join(audit.problems)
+    return audit.books
 
 
 def _recovers(run: Run, fault, wait_s: float = 600) -> None:

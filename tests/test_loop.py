@@ -67,6 +67,18 @@ def test_which_errors_wait_for_the_broker():
     assert not transient(None)
 
 
+def test_a_request_to_a_cluster_node_that_left_is_asked_again():
+    """A node of a cluster shut down (a rolling restart) fails the requests in flight to it
+    with _DESTROY_BROKER: the evaluator exited on it once (bench/cluster_faults.py, b).
+    Asked again, such a request goes to the partition's new leader."""
+    from astraflow.kafka.table import _retriable
+
+    err = KafkaError(KafkaError._DESTROY_BROKER)
+    assert not err.retriable()  # librdkafka does not say so itself
+    assert transient(err) and _retriable(err)
+    assert not transient(KafkaError(KafkaError._DESTROY))  # the client itself closing
+
+
 def test_a_checkpoint_refuses_a_record_over_its_topics_limit():
     codec = make_codec()
     cp = Checkpoint(codec, "run.dlq", {"run.tasks": 2000, "run.dlq": 1500})

@@ -61,6 +61,9 @@ _TRANSIENT = {
     KafkaError.NOT_ENOUGH_REPLICAS,
     KafkaError.LEADER_NOT_AVAILABLE,
     KafkaError.NOT_LEADER_FOR_PARTITION,
+    # a request in flight to a broker that left the cluster's metadata (a node of a
+    # cluster shut down): asked again, it goes to the partition's new leader
+    KafkaError._DESTROY_BROKER,
 }
 
 # the transactional producer's defaults (the config's producer_options win): a transaction

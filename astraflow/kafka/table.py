@@ -120,6 +120,7 @@ _RETRIABLE = {
     KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_LEADER_FOR_PARTITION,
     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_LEADER_EPOCH,
     KafkaError.FENCED_LEADER_EPOCH, KafkaError.OFFSET_NOT_AVAILABLE,
+    KafkaError._DESTROY_BROKER,  # asked of a cluster node that left: the next one answers
 }
 
 
