@@ -4,13 +4,11 @@ that loses a node and keeps serving with acks=all and min.insync.replicas 2."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
-import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
@@ -207,53 +205,6 @@ def test_the_cluster_keeps_its_ports_and_data_across_a_restart(embedded_cluster)
     st = again.start(timeout=240, log=lambda _m: None)
     assert again.bootstrap == bootstrap and st.bootstrap == bootstrap
     assert _read(config, topic, 1) == [b"kept"]
-
-
-@pytest.mark.slow
-def test_up_brokers_3_trains_the_default_topology_on_the_cluster(embedded_cluster, tmp_path):
-    """`astraflow up --brokers 3` on the running cluster: every topic replicated 3 times
-    with min.insync.replicas 2, versions published, trajectories reach the trainer."""
-    from astraflow.kafka.clients import read_all
-    from astraflow.kafka.topics import describe_topic
-    from astraflow.records import Batch, TrajectoryGroup, WeightManifest
-
-    data = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
-    run = data["run"] = random_name("cluster")
-    data["policies"]["actor"].update(
-        model=str(tmp_path / "model"),
-        warm_start={"steps": 200, "slip": 0.7, "levels": "1", "until": 0.9})
-    data["feeder"] = {"epochs": 0, "rate": 60, "levels": "1"}
-    data["eval"] = {"every_versions": 2, "size": 20, "levels": "1"}
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(data))
-    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_BOOTSTRAP"}
-    env.update(ASTRAFLOW_CLUSTER_STATE=str(embedded_cluster.state), PYTHONUNBUFFERED="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "astraflow.cli", "up", str(path), "--brokers", "3",
-         "--versions", "3", "--duration", "300", "--runs-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "embedded cluster: 3 of 3 nodes running" in res.stdout, res.stdout[-3000:]
-    assert "stopped the embedded cluster" not in res.stdout  # not started by this `up`
-    for log in (tmp_path / "runs" / run / "logs").glob("*.log"):
-        assert "Traceback" not in log.read_text(), log
-
-    config = KafkaConfig(bootstrap_servers=embedded_cluster.bootstrap, client_id="cluster-test")
-    admin = make_admin(config)
-    for topic in (f"{run}.tasks", f"{run}.trajectories.raw", f"{run}.batches.actor",
-                  f"{run}.weights.actor", f"{run}.weights.blobs", f"{run}.status"):
-        desc = describe_topic(admin, topic)
-        assert all(len(p["replicas"]) == 3 for p in desc["partitions"].values()), desc
-        assert desc["configs"]["min.insync.replicas"] == "2", desc
-    manifests = [r.record for r in read_all(config, f"{run}.weights.actor",
-                                            expect=WeightManifest)]
-    assert sorted({m.version for m in manifests})[:4] == [0, 1, 2, 3], manifests
-    groups = read_all(config, f"{run}.trajectories.raw", expect=TrajectoryGroup)
-    batches = read_all(config, f"{run}.batches.actor", expect=Batch)
-    assert groups and batches
-    # the trainer made each version after the first from batches it consumed
-    consumed = [m.consumed_offsets[0].offset for m in manifests if m.kind == "delta"]
-    assert consumed and min(consumed) > 0, consumed
 
 
 def test_cluster_options_that_cannot_apply_are_one_line_errors(monkeypatch, tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""Losing a broker is not an outage: the default topology on the embedded cluster of three
-nodes (``astraflow up --brokers 3``) rides out a SIGKILLed node that leads the policy's
+"""Losing a broker is not an outage: the default topology trains on the embedded cluster of
+three nodes (``astraflow up --brokers 3``: every topic with 3 replicas and min ISR 2) and
+rides out a SIGKILLed node that leads the policy's
 weights topic, and the books balance (``astraflow.audit``): nothing lost, nothing done
 twice, versions contiguous, no batch trained twice.
 
@@ -118,6 +119,19 @@ class ClusterRun:
                 pass
 
 
+def assert_replicated_three_times(config: KafkaConfig, run: str) -> None:
+    """`up --brokers 3` made every topic of the run with 3 replicas and min ISR 2."""
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.topics import describe_topic
+
+    admin = make_admin(config)
+    for topic in (f"{run}.tasks", f"{run}.trajectories.raw", f"{run}.batches.actor",
+                  f"{run}.weights.actor", f"{run}.weights.blobs", f"{run}.status"):
+        desc = describe_topic(admin, topic)
+        assert all(len(p["replicas"]) == 3 for p in desc["partitions"].values()), desc
+        assert desc["configs"]["min.insync.replicas"] == "2", desc
+
+
 @pytest.fixture
 def cluster_run(embedded_cluster, tmp_path):
     run = ClusterRun(embedded_cluster, tmp_path)
@@ -151,6 +165,10 @@ def test_a_sigkilled_weights_leader_loses_and_duplicates_nothing(cluster_run):
 
     summary = run.stop()
     assert not summary.get("restarts"), summary["restarts"]
+    out = run.out.read_text()
+    assert "embedded cluster: 3 of 3 nodes running" in out, out[-3000:]
+    assert "stopped the embedded cluster" not in out  # not started by this `up`
+    assert_replicated_three_times(run.config, run.run)
     audit = audit_run(run.config, run.run, run.logs)
     assert audit.ok, "\n".join(audit.problems)
     assert audit.books["versions"] >= before + 2 and audit.books["trained"] > 0, audit.books
