@@ -159,6 +159,11 @@ class CodeTestsOptions(SamplingOptions):
     generator_sampling: SamplingOptions | None = None
     sandbox: SandboxOptions | None = None
     sandbox_workers: int | None = Field(default=None, ge=1, description="default 2")
+    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
+        default=None, description="default auto: chat on a chat model")
+    generator_reward: Literal["discriminating", "mutation"] | None = Field(
+        default=None, description="default discriminating")
+    max_mutants: int | None = Field(default=None, ge=0, description="default 6")
 
 
 # workflow name -> the model of its options

@@ -62,7 +62,6 @@ solver alone); the sampling options of ``single_turn`` for the solver (default
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import statistics
@@ -74,12 +73,33 @@ from typing import Any
 
 from astraflow.raas.engine import Engine, Generation
 from astraflow.raas.workflows.base import TaskError
-from astraflow.raas.workflows.inputs import encode_prompt, parse_payload, sampling_params
+from astraflow.raas.workflows.code_parsing import (
+    Test,
+    extract_program,
+    parse_assert_tests,
+    parse_tests,
+    solver_expression,
+)
+from astraflow.raas.workflows.inputs import (
+    chat_ids,
+    check_prompt_format,
+    encode_prompt,
+    parse_payload,
+    sampling_params,
+    speaks_chat,
+)
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import role_sequence
 from astraflow.records import Sequence, Task
 from astraflow.sandbox import CaseResult, FunctionRun, normalise, run_function
-from astraflow.tasks.code import generator_prompt, reference_source, solver_prompt
+from astraflow.tasks.code import (
+    chat_generator_prompt,
+    chat_solver_prompt,
+    generator_prompt,
+    reference_source,
+    solver_prompt,
+)
+from astraflow.tasks.mutants import MAX_MUTANTS, mutants, mutants_source
 
 ROLE_SOLVER = "solver"
 ROLE_GENERATOR = "generator"
@@ -101,61 +121,8 @@ SANDBOX_KEYS = {
 }
 # a run that hit the process/thread limit earns nothing for the calls before the bomb
 ZERO_REWARD_STATUSES = frozenset({"limit"})
-MAX_ITEM_CHARS = 200
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-Test = tuple[list[Any], Any]
-
-
-# --- parsing -----------------------------------------------------------------------------
-def solver_expression(text: str) -> str:
-    """The solver's expression: its completion up to the first newline, stripped."""
-    return text.split("\n", 1)[0].strip()
-
-
-def parse_tests(text: str, func: str, arity: int, max_tests: int = 8) -> list[Test] | None:
-    """Test cases from a generator completion, or None if it is unparseable.
-
-    Items are separated by ``;`` or newlines; each must be ``func(ARGS)==EXPECTED`` with
-    exactly ``arity`` positional literal arguments and a literal result (anything
-    ``ast.literal_eval`` takes that JSON can hold). Blank items are skipped, items after the
-    first ``max_tests`` are ignored, duplicates are dropped. No item at all, or one bad
-    item among the first ``max_tests``, makes the whole completion unparseable.
-    """
-    items = [t.strip() for t in re.split(r"[;\n]", text)]
-    items = [t for t in items if t][:max_tests]
-    if not items:
-        return None
-    tests: list[Test] = []
-    seen: set[str] = set()
-    for item in items:
-        if len(item) > MAX_ITEM_CHARS:
-            return None
-        try:
-            node = ast.parse(item, mode="eval").body
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return None
-        if not (
-            isinstance(node, ast.Compare)
-            and len(node.ops) == 1
-            and isinstance(node.ops[0], ast.Eq)
-            and isinstance(node.left, ast.Call)
-            and isinstance(node.left.func, ast.Name)
-            and node.left.func.id == func
-            and not node.left.keywords
-            and len(node.left.args) == arity
-        ):
-            return None
-        try:
-            args = normalise([ast.literal_eval(a) for a in node.left.args])
-            expected = normalise(ast.literal_eval(node.comparators[0]))
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-            return None
-        key = json.dumps([args, expected])
-        if key not in seen:
-            seen.add(key)
-            tests.append((args, expected))
-    return tests
+GENERATOR_REWARDS = ("discriminating", "mutation")
 
 
 def _key(args: list[Any]) -> str:
@@ -213,6 +180,9 @@ class _Judged:
     valid: list[bool] = field(default_factory=list)
     catches: list[set[int]] = field(default_factory=list)
     caught_any: set[int] = field(default_factory=set)
+    ref_out: dict[str, CaseResult] = field(default_factory=dict)  # on generated inputs
+    valid_share: list[float] = field(default_factory=list)  # tests the reference passes
+    mutation: list[float] = field(default_factory=list)  # wrong programs caught, a share
 
     def judge_attempts(self, exprs: list[str], runs: dict[str, FunctionRun],
                        order: list[str], hidden: list[Test]) -> None:
@@ -247,6 +217,31 @@ class _Judged:
             })
         self.caught_any = set().union(*self.catches) if self.catches else set()
 
+    def judge_mutation(self, suites: list[list[Test] | None], read: list[int],
+                       ref_out: dict[str, CaseResult], mutant_out: dict[str, CaseResult | None],
+                       live: list[int]) -> None:
+        """Per suite, the share of its tests the reference passes (of ``read`` items) and
+        the share of the wrong programs -- the ``live`` mutants and the catchable failing
+        attempts -- that fail at least one of those valid tests."""
+        wrong = len(live) + len(self.catchable)
+        for suite, size in zip(suites, read):
+            good = [(a, x) for a, x in suite or () if _passes(ref_out.get(_key(a)), x)]
+            self.valid_share.append(len(good) / size if size else 0.0)
+            killed = sum(any(_mutant_fails(mutant_out.get(_key(a)), m, x) for a, x in good)
+                         for m in live)
+            killed += sum(any(not _passes(self.outputs[i].get(_key(a)), x) for a, x in good)
+                          for i in self.catchable)
+            self.mutation.append(killed / wrong if wrong else 1.0)
+
+
+def _mutant_fails(case: CaseResult | None, m: int, expected: Any) -> bool:
+    """Whether mutant ``m`` (in a ``mutants_source`` run's ``case``) raised or returned
+    something other than ``expected``; False when its run gave nothing to compare."""
+    if case is None or not case.ok or not isinstance(case.value, list) or m >= len(case.value):
+        return False
+    ok, value = case.value[m]
+    return not ok or value != expected
+
 
 # --- the workflow ------------------------------------------------------------------------
 @register_workflow("code_tests")
@@ -268,8 +263,19 @@ class CodeTests:
         generator_sampling: Mapping[str, Any] | None = None,
         sandbox: Mapping[str, Any] | None = None,
         sandbox_workers: int = 2,
+        prompt_format: str = "auto",
+        generator_reward: str = "discriminating",
+        max_mutants: int = MAX_MUTANTS,
         **sampling: Any,
     ):
+        if generator_reward not in GENERATOR_REWARDS:
+            raise ValueError(f"generator_reward must be one of {', '.join(GENERATOR_REWARDS)}, "
+                             f"not {generator_reward!r}")
+        if max_mutants < 0:
+            raise ValueError("max_mutants must be >= 0")
+        self.prompt_format = check_prompt_format(prompt_format)
+        self.generator_reward = generator_reward
+        self.max_mutants = int(max_mutants)
         if solver_reward not in ("fraction", "all"):
             raise ValueError(f"solver_reward must be 'fraction' or 'all', not {solver_reward!r}")
         if n_solver is not None and n_solver < 1:
@@ -355,44 +361,70 @@ class CodeTests:
         """Solver and generator samples for ``task``, judged in the sandbox (module doc)."""
         payload, func, params, reference, hidden = self._task_spec(task)
         s_policy, solver, g_policy, generator = self.engines_for(engines)
-        spec = str(payload["spec"])
-        s_ids = encode_prompt(
-            solver, str(payload.get("solver_prompt") or solver_prompt(spec, params, func))
-        )
-        s_gens = solver.generate(
-            [s_ids], sampling_params(self.sampling, solver, self.n_solver or n, stop=("\n",))
-        )[0]
+        chat = speaks_chat(self.prompt_format, solver)
+        s_ids, s_gens = self._sample(solver, ROLE_SOLVER, payload, chat, self.n_solver or n)
         n_g = n if self.n_generator is None else self.n_generator
-        g_ids: list[int] = []
-        g_gens: list[Generation] = []
-        if n_g > 0:
-            g_ids = encode_prompt(
-                generator,
-                str(payload.get("generator_prompt") or generator_prompt(spec, params, func)),
-            )
-            g_gens = generator.generate(
-                [g_ids], sampling_params(self.generator_sampling, generator, n_g, stop=("\n",))
-            )[0]
-        exprs = [solver_expression(solver.decode(g.token_ids)) for g in s_gens]
-        suites = [
-            parse_tests(generator.decode(g.token_ids), func, len(params), self.max_tests)
-            for g in g_gens
-        ]
-        judged = self._judge(func, params, reference, hidden, exprs, suites)
+        g_ids, g_gens = (self._sample(generator, ROLE_GENERATOR, payload, chat, n_g)
+                         if n_g > 0 else ([], []))
+        texts = [solver.decode(g.token_ids) for g in s_gens]
+        if chat:
+            exprs = [extract_program(t, func) for t in texts]
+            programs = exprs
+        else:
+            exprs = [solver_expression(t) for t in texts]
+            programs = [reference_source(params, e, func) if e else "" for e in exprs]
+        parsed = [self._parse_suite(generator.decode(g.token_ids), func, len(params), chat)
+                  for g in g_gens]
+        suites = [p[0] if p is not None else None for p in parsed]
+        read = [p[1] if p is not None else 0 for p in parsed]
+        judged = self._judge(func, params, reference, hidden, programs, suites)
+        if self.generator_reward == "mutation" and g_gens:
+            self._judge_mutants(judged, func, params, payload, hidden, suites, read)
         self_play = _flag(solver is generator)
         return [
             *self._solver_sequences(s_policy, s_ids, s_gens, judged, exprs, self_play),
             *self._generator_sequences(g_policy, g_ids, g_gens, judged, suites, self_play),
         ]
 
+    def _sample(self, engine: Engine, role: str, payload: Mapping[str, Any], chat: bool,
+                count: int) -> tuple[list[int], list[Generation]]:
+        """``(prompt ids, count samples)`` of ``role``: the compact prompt (the payload's
+        ``<role>_prompt`` or the task's) cut at the first newline, or the chat instruction
+        through the engine's template, ended by the end of sequence."""
+        spec, params = str(payload["spec"]), payload["params"]
+        func = str(payload.get("func", "f"))
+        solver = role == ROLE_SOLVER
+        if chat:
+            make = chat_solver_prompt if solver else chat_generator_prompt
+            ids = chat_ids(engine, {"prompt": str(payload.get(f"chat_{role}_prompt")
+                                                  or make(spec, params, func))})
+            stop: tuple[str, ...] = ()
+        else:
+            make = solver_prompt if solver else generator_prompt
+            ids = encode_prompt(engine, str(payload.get(f"{role}_prompt")
+                                            or make(spec, params, func)))
+            stop = ("\n",)
+        options = self.sampling if solver else self.generator_sampling
+        return ids, engine.generate([ids], sampling_params(options, engine, count,
+                                                           stop=stop))[0]
+
+    def _parse_suite(self, text: str, func: str, arity: int,
+                     chat: bool) -> tuple[list[Test], int] | None:
+        """``(tests, items read)`` of a generator completion, None when unparseable."""
+        if chat:
+            return parse_assert_tests(text, func, arity, self.max_tests)
+        tests = parse_tests(text, func, arity, self.max_tests)
+        return None if tests is None else (tests, len(tests))
+
     def _judge(self, func: str, params: list[str], reference: str, hidden: list[Test],
-               exprs: list[str], suites: list[list[Test] | None]) -> _Judged:
-        """Every attempt on the hidden and generated inputs, the reference on the
-        generated ones, in the sandbox; what passed, failed and was caught."""
+               programs: list[str], suites: list[list[Test] | None]) -> _Judged:
+        """Every attempt (a program's source, "" for none) on the hidden and generated
+        inputs, the reference on the generated ones, in the sandbox; what passed, failed
+        and was caught."""
         inputs, gen_inputs = _distinct_inputs(hidden, suites)
         order = list(inputs)
         t0 = time.perf_counter()
-        distinct = [e for e in dict.fromkeys(exprs) if e]
+        distinct = [e for e in dict.fromkeys(programs) if e]
         with ThreadPoolExecutor(self.sandbox_workers) as pool:
             ref_job = (
                 pool.submit(
@@ -402,22 +434,38 @@ class CodeTests:
                 else None
             )
             jobs = {
-                e: pool.submit(
-                    run_function,
-                    reference_source(params, e, func),
-                    func,
-                    [inputs[k] for k in order],
-                    **self.sandbox,
-                )
+                e: pool.submit(run_function, e, func, [inputs[k] for k in order],
+                               **self.sandbox)
                 for e in distinct
             }
             ref_out = dict(zip(gen_inputs, ref_job.result().cases)) if ref_job else {}
             runs = {e: j.result() for e, j in jobs.items()}
         judged = _Judged(hidden=len(hidden), sandbox_s=time.perf_counter() - t0,
                          sandbox_runs=len(runs) + (1 if ref_job else 0))
-        judged.judge_attempts(exprs, runs, order, hidden)
+        judged.judge_attempts(programs, runs, order, hidden)
         judged.judge_suites(suites, ref_out)
+        judged.ref_out = ref_out
         return judged
+
+    def _judge_mutants(self, judged: _Judged, func: str, params: list[str],
+                       payload: Mapping[str, Any], hidden: list[Test],
+                       suites: list[list[Test] | None], read: list[int]) -> None:
+        """The mutation scores of the suites: the reference expression's mutants (payload
+        ``answer``) run once in the sandbox on every input; those the hidden tests tell
+        apart from the reference are the *live* ones a good suite must catch too."""
+        exprs = mutants(str(payload.get("answer", "")), self.max_mutants)
+        inputs, _ = _distinct_inputs(hidden, suites)
+        out: dict[str, CaseResult | None] = {}
+        if exprs:
+            t0 = time.perf_counter()
+            run = run_function(mutants_source(params, exprs, func), func, list(inputs.values()),
+                               **self.sandbox)
+            judged.sandbox_s += time.perf_counter() - t0
+            judged.sandbox_runs += 1
+            out = dict(zip(inputs, run.cases))
+        live = [m for m in range(len(exprs))
+                if any(_mutant_fails(out.get(_key(a)), m, normalise(x)) for a, x in hidden)]
+        judged.judge_mutation(suites, read, judged.ref_out, out, live)
 
     def _solver_sequences(self, policy: str, ids: list[int], gens: list[Generation],
                           judged: _Judged, exprs: list[str], self_play: str) -> list[Sequence]:
@@ -459,7 +507,12 @@ class CodeTests:
         for j, g in enumerate(gens):
             suite = suites[j]
             disc = bool(judged.catches[j])
-            if not judged.valid[j]:
+            mutation = {}
+            if judged.mutation:
+                reward = judged.valid_share[j] * judged.mutation[j]
+                mutation = {"valid_share": f"{judged.valid_share[j]:.3f}",
+                            "mutation_score": f"{judged.mutation[j]:.3f}"}
+            elif not judged.valid[j]:
                 reward = 0.0
             elif disc:
                 reward = 1.0
@@ -480,6 +533,7 @@ class CodeTests:
                     caught=str(len(judged.catches[j])),
                     catchable_attempts=str(len(judged.catchable)),
                     self_play=self_play,
+                    **mutation,
                 )
             )
         return out
@@ -523,4 +577,5 @@ class CodeTests:
         return out
 
 
-__all__ = ["ROLE_GENERATOR", "ROLE_SOLVER", "CodeTests", "parse_tests", "solver_expression"]
+__all__ = ["GENERATOR_REWARDS", "ROLE_GENERATOR", "ROLE_SOLVER", "CodeTests", "parse_tests",
+           "solver_expression"]

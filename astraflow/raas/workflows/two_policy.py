@@ -38,14 +38,15 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from astraflow.chat import PromptError, engine_chat
 from astraflow.raas.engine import Engine
-from astraflow.raas.workflows.base import Checker, TaskError
+from astraflow.raas.workflows.base import Checker
 from astraflow.raas.workflows.inputs import (
+    chat_ids,
+    check_prompt_format,
     encode_prompt,
-    engine_tokenizer,
     parse_payload,
     policy_engine,
+    speaks_chat,
 )
 from astraflow.raas.workflows.scoring import Scorer, default_checker
 from astraflow.records import Task
@@ -54,7 +55,6 @@ from astraflow.roles.formats import candidate_answer
 
 ROLE_SOLVER = "solver"
 JUDGE_SAMPLING = {"max_new_tokens": 8}  # own answer, verdict (pick), end of sequence
-PROMPT_FORMATS = ("auto", "compact", "chat")
 
 
 def flag(x: bool) -> str:
@@ -78,10 +78,7 @@ class TwoPolicyWorkflow:
                  sampling: dict[str, Any], prompt_format: str = "auto", reward: Any = None):
         if max_answer_chars < 1:
             raise ValueError("max_answer_chars must be at least 1")
-        if prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
-                             f"not {prompt_format!r}")
-        self.prompt_format = prompt_format
+        self.prompt_format = check_prompt_format(prompt_format)
         self.score = Scorer(reward, checker) if reward is not None else None
         self.solver_policy = solver_policy
         self.judge_policy = judge_policy
@@ -101,21 +98,12 @@ class TwoPolicyWorkflow:
     def chat(self, solver: Engine) -> bool:
         """Whether this workflow speaks the chat format to ``solver``'s (and the judge's)
         engine (``prompt_format``; ``auto``: when the solver's prompts use a template)."""
-        if self.prompt_format != "auto":
-            return self.prompt_format == "chat"
-        try:
-            return engine_chat(solver).uses_template(engine_tokenizer(solver))
-        except PromptError:
-            return False
+        return speaks_chat(self.prompt_format, solver)
 
     @staticmethod
     def chat_ids(engine: Engine, payload: Mapping[str, Any]) -> list[int]:
-        """``payload`` (a prompt or chat messages) as ``engine``'s prompt token ids,
-        through its chat format; ``TaskError`` when unusable."""
-        try:
-            return engine_chat(engine).prompt_ids(engine_tokenizer(engine), payload)
-        except PromptError as e:
-            raise TaskError(str(e)) from None
+        """``payload`` as ``engine``'s prompt token ids, through its chat format."""
+        return chat_ids(engine, payload)
 
     def solver_ids(self, solver: Engine, prompt: str, chat: bool) -> list[int]:
         """The solver's prompt: the task's prompt through the chat template, or as is."""
@@ -131,4 +119,4 @@ class TwoPolicyWorkflow:
         return float(right) if self.score is None else float(self.score(text, payload))
 
 
-__all__ = ["JUDGE_SAMPLING", "PROMPT_FORMATS", "ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]
+__all__ = ["JUDGE_SAMPLING", "ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]
