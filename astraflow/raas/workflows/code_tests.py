@@ -73,13 +73,6 @@ from typing import Any
 
 from astraflow.raas.engine import Engine, Generation
 from astraflow.raas.workflows.base import TaskError
-from astraflow.raas.workflows.code_parsing import (
-    Test,
-    extract_program,
-    parse_assert_tests,
-    parse_tests,
-    solver_expression,
-)
 from astraflow.raas.workflows.inputs import (
     chat_ids,
     check_prompt_format,
@@ -98,6 +91,13 @@ from astraflow.tasks.code import (
     generator_prompt,
     reference_source,
     solver_prompt,
+)
+from astraflow.tasks.code_parsing import (
+    Test,
+    extract_program,
+    parse_assert_tests,
+    parse_tests,
+    solver_expression,
 )
 from astraflow.tasks.mutants import MAX_MUTANTS, mutants, mutants_source
 

@@ -93,8 +93,9 @@ def parse_assert_tests(text: str, func: str, arity: int,
     """``(test cases, assert lines read)`` from a chat generator's reply, or None when it
     has no ``assert`` line. Lines that do not start with ``assert`` (prose, code fences)
     are skipped; of the first ``max_tests`` assert lines, those that are not ``assert
-    func(ARGS) == EXPECTED`` (a message, a trailing ``.``/``;`` or comment is forgiven) count as read
-    but give no test, so a reply's share of usable tests is ``len(tests) / read``."""
+    func(ARGS) == EXPECTED`` (a message, a trailing ``.``/``;`` or comment is forgiven)
+    count as read but give no test, so a reply's share of usable tests is ``len(tests) /
+    read``."""
     lines = [ln.strip() for ln in cut_at_stop(text).split("\n")]
     asserts = [ln[len("assert"):].strip() for ln in lines
                if ln.startswith("assert ") or ln.startswith("assert(")][:max_tests]
