@@ -143,11 +143,7 @@ class SolveVerify(TwoPolicyWorkflow):
         solver, verifier, checker, chat = ready[0][1][2]  # the same for every task
         live = [(i, payload, p_ids) for i, (payload, p_ids, _) in ready]
         firsts = solver.generate([p for *_, p in live], sampling_params(self.sampling, solver, n))
-        texts, cands, right = [], [], []
-        for (_, payload, _), gens in zip(live, firsts):
-            texts.append([solver.decode(g.token_ids) for g in gens])
-            cands.append([self.candidate(t, chat) for t in texts[-1]])
-            right.append([checker(t, str(payload["answer"])) > 0.5 for t in texts[-1]])
+        texts, cands, right = self._read(solver, checker, [p for _, p, _ in live], firsts, chat)
 
         m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
         prompts = [str(payload["prompt"]) for _, payload, _ in live]
@@ -186,6 +182,16 @@ class SolveVerify(TwoPolicyWorkflow):
         if self.env_latency is not None:  # the batch waits for the slowest environment
             self.env_latency.wait_longest(tasks[i].task_id for i, *_ in live)
         return results
+
+    def _read(self, solver: Engine, checker: Checker, payloads: list[dict[str, Any]],
+              gens: list[list[Any]], chat: bool):
+        """Per task, the solver's texts, what the verifier is shown of them, and whether
+        each is right."""
+        texts = [[solver.decode(g.token_ids) for g in row] for row in gens]
+        cands = [[self.candidate(t, chat) for t in row] for row in texts]
+        right = [[checker(t, str(p["answer"])) > 0.5 for t in row]
+                 for p, row in zip(payloads, texts)]
+        return texts, cands, right
 
     def _first_reward(self, text: str, payload: Mapping[str, Any], right: bool,
                       verdict: str | None) -> float:
