@@ -164,6 +164,9 @@ class CodeTestsOptions(SamplingOptions):
     generator_reward: Literal["discriminating", "mutation"] | None = Field(
         default=None, description="default discriminating")
     max_mutants: int | None = Field(default=None, ge=0, description="default 6")
+    format_weight: float | None = Field(
+        default=None, ge=0, le=1, description="default 0: the mutation reward's share for "
+        "well-formed asserts")
 
 
 # workflow name -> the model of its options

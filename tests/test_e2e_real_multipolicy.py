@@ -38,7 +38,7 @@ CASES = {
         "max_new_tokens": 6, "candidates": 3, "selector_sampling": {"max_new_tokens": 3},
         "reward": NEAR}),
     "smollm2-code.yaml": ("generator", "code_tests", {
-        "max_new_tokens": 40, "generator_sampling": {"max_new_tokens": 40}}),
+        "max_new_tokens": 40, "generator_sampling": {"max_new_tokens": 48}}),
 }
 
 
@@ -56,7 +56,9 @@ def _small_run(name: str, run: str, model: Path, bootstrap: str, tmp: Path) -> d
         topo["processors"][batcher]["options"]["batch_size"] = 1
     pool = topo["pools"]["local"]
     pool.update(n_samples=2 if workflow == "solve_select" else 4, tasks_per_transaction=1)
-    pool["workflows"][workflow].update(options)
+    wf = pool["workflows"][workflow]
+    for key, value in options.items():  # nested sampling options merged, not replaced
+        wf[key] = {**wf.get(key, {}), **value} if isinstance(value, dict) else value
     feeder = topo["feeder"]
     feeder["rate"] = 1
     if "dataset" in feeder:

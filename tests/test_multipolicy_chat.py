@@ -224,8 +224,8 @@ class CodeChatEngine(ChatEngine):
         return self.by_role["generator" if "test cases" in prompt else "solver"].pop(0)
 
 
-def test_code_tests_chat_rewards_the_generator_by_the_wrong_programs_its_valid_tests_catch():
-    replies = {
+def code_replies() -> dict[str, list[str]]:
+    return {
         "solver": ["def f(x):\n    return x*x+9",
                    "Here:\n```python\ndef f(x):\n    return x*x\n```",  # fails, returns values
                    "I cannot.",  # no program
@@ -235,11 +235,19 @@ def test_code_tests_chat_rewards_the_generator_by_the_wrong_programs_its_valid_t
                       "I cannot write tests.",
                       "assert isinstance(f(1), int)\nassert f(0) == 9."],
     }
-    engine = CodeChatEngine("solver", replies)
-    generator = CodeChatEngine("generator", replies)
-    wf = make_workflow("code_tests", generator_reward="mutation")
-    seqs = wf.run(task("code_tests", CODE.payload(), ["solver", "generator"]),
-                  {"solver": engine, "generator": generator}, 4)
+
+
+def run_code(**options):
+    replies = code_replies()
+    engines = {"solver": CodeChatEngine("solver", replies),
+               "generator": CodeChatEngine("generator", replies)}
+    wf = make_workflow("code_tests", generator_reward="mutation", **options)
+    seqs = wf.run(task("code_tests", CODE.payload(), ["solver", "generator"]), engines, 4)
+    return engines["solver"], seqs
+
+
+def test_code_tests_chat_rewards_the_generator_by_the_wrong_programs_its_valid_tests_catch():
+    engine, seqs = run_code()
     sol = [s for s in seqs if s.role == "solver"]
     gen = [s for s in seqs if s.role == "generator"]
     assert engine.prompts[0].startswith("[user]Write a Python function `def f(x):` for this "
@@ -254,7 +262,16 @@ def test_code_tests_chat_rewards_the_generator_by_the_wrong_programs_its_valid_t
     assert [s.meta.get("valid_share") for s in gen] == ["1.000", "0.333", "0.000", "0.500"]
 
 
-def test_code_tests_compact_default_reward_is_unchanged_by_the_new_options():
+def test_code_tests_format_weight_pays_for_well_formed_asserts():
+    _, seqs = run_code(format_weight=0.5)
+    gen = [s.reward for s in seqs if s.role == "generator"]
+    # well-formed shares 2/2, 3/3, none, 1/2; half of each, plus half the reward above
+    assert gen == pytest.approx([0.5 + 0.5 * 4 / 6, 0.5 + 0.5 / 3, 0.0, 0.25 + 0.5 / 3])
+    with pytest.raises(ValueError, match="format_weight"):
+        make_workflow("code_tests", format_weight=2)
+
+
+def test_code_tests_new_options_are_checked():
     with pytest.raises(ValueError, match="generator_reward"):
         make_workflow("code_tests", generator_reward="coverage")
     with pytest.raises(ValueError, match="prompt_format"):
