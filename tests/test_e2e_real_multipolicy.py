@@ -57,8 +57,8 @@ def _small_run(name: str, run: str, model: Path, bootstrap: str, tmp: Path) -> d
     pool = topo["pools"]["local"]
     pool.update(n_samples=2 if workflow == "solve_select" else 4, tasks_per_transaction=1)
     wf = pool["workflows"][workflow]
-    for key, value in options.items():  # nested sampling options merged, not replaced
-        wf[key] = {**wf.get(key, {}), **value} if isinstance(value, dict) else value
+    for key, value in options.items():  # a judge's sampling options merged, not replaced
+        wf[key] = {**wf.get(key, {}), **value} if key.endswith("_sampling") else value
     feeder = topo["feeder"]
     feeder["rate"] = 1
     if "dataset" in feeder:
