@@ -77,6 +77,13 @@ def test_parse_choice(text, k, want):
     assert parse_choice(text, k) == want
 
 
+def test_parse_choice_takes_a_repeated_answer_for_its_number():
+    assert parse_choice("82, of course", 3, ["80", "82", "10"]) == 2
+    assert parse_choice("82", 3, ["82", "82", "10"]) is None  # which one?
+    assert parse_choice("3", 3, ["80", "82", "3"]) == 3  # a number in range is a number
+    assert parse_choice("7", 3, ["80", "82", "10"]) is None
+
+
 def test_chat_candidate_is_the_final_number_else_the_first_line():
     assert chat_candidate("37 + 45 = 82") == "82"
     assert chat_candidate("I do not know\nreally", 8) == "I do not"

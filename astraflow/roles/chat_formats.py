@@ -10,7 +10,8 @@ role        user message                                 reply
 verifier    ``Problem: ...`` / ``Proposed answer: 82`` /  ``yes`` or ``no`` (first word)
             ``Is the proposed answer correct? ...``
 selector    ``Problem: ...`` / ``Answer 1: 82`` ...       the number of the best answer
-            ``Which answer is correct? ...``             (the first number in the reply)
+            ``Which answer is correct? ...``             (the first number in the reply,
+                                                         or the one answer it repeats)
 solver      the task's own prompt; after a rejection     a new answer
 retry       the conversation goes on with
             ``That answer is wrong. ...``
@@ -69,13 +70,18 @@ def parse_yes_no(text: str) -> bool | None:
         False if word in ("no", "incorrect", "wrong") else None)
 
 
-def parse_choice(text: str, k: int) -> int | None:
-    """The first integer of the reply when it is 1..k, else None."""
+def parse_choice(text: str, k: int, candidates: Sequence[str] = ()) -> int | None:
+    """The first integer of the reply when it is 1..k; else, when it is the text of
+    exactly one of ``candidates`` (a chat model often replies with the answer it picks
+    rather than its number), that candidate's number; else None."""
     m = _INT.search(cut_at_stop(text))
     if m is None:
         return None
     v = int(m.group(0))
-    return v if 1 <= v <= k else None
+    if 1 <= v <= k:
+        return v
+    same = [i for i, c in enumerate(candidates, 1) if c.strip() == m.group(0)]
+    return same[0] if len(same) == 1 else None
 
 
 def chat_candidate(completion: str, max_chars: int = 12) -> str:

@@ -42,7 +42,7 @@ def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
         elif role == "selector":
             slot = 1 + i % 2
             pair = [answer, wrong] if slot == 1 else [wrong, answer]
-            out.append({**select_messages(problem, pair), "label": slot})
+            out.append({**select_messages(problem, pair), "label": slot, "answers": pair})
         else:
             raise ValueError(f"no chat examples for role {role!r} (verifier, selector)")
     return out
@@ -59,7 +59,8 @@ def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any
     def score(model: Any, tokenizer: Any) -> float:
         prompts = [chat.prompt_text(tokenizer, e) for e in examples]
         replies = generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
-        got = [parse_yes_no(r) if role == "verifier" else parse_choice(r, 2) for r in replies]
+        got = [parse_yes_no(r) if role == "verifier" else parse_choice(r, 2, e["answers"])
+               for r, e in zip(replies, examples)]
         return sum(g is not None and g == e["label"] for g, e in zip(got, examples)) / len(
             examples)
 

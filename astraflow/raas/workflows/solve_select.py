@@ -103,7 +103,8 @@ class SolveSelect(TwoPolicyWorkflow):
                                      slot=str(i % k + 1)))
         for j, (ids, g) in enumerate(zip(s_ids, s_gens)):
             text = selector.decode(g[0].token_ids)
-            pick = parse_choice(text, k) if chat else parse_pick(text)
+            pick = (parse_choice(text, k, cands[k * j: k * j + k]) if chat
+                    else parse_pick(text))
             reward = self._pick_reward(pick, scores[k * j: k * j + k])
             if reward is None:
                 continue  # a tie: the pick changes nothing, nothing to learn
