@@ -72,9 +72,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--dtype", default=None, help="model dtype (default: as saved)")
     r.add_argument("--size", type=int, default=200, help="held-out prompts")
     r.add_argument("--max-new-tokens", type=int, default=8)
-    r.add_argument("--role", default="solver", choices=["solver", "verifier", "selector"],
+    r.add_argument("--role", default="solver",
+                   choices=["solver", "verifier", "selector", "coder", "tester"],
                    help="what accuracy means: answers (solver), verdicts or picks on held-out "
-                   "candidate answers (astraflow.roles)")
+                   "candidate answers (astraflow.roles; a chat model is asked in words), "
+                   "held-out code specs passed (coder) or the test generator's mutation "
+                   "reward (tester) on the code tasks' held-out split")
     r.add_argument("--blind", action="store_true",
                    help="a verifier of the two-turn format (`model init-role --blind`): its "
                    "own answer first, then the candidate and its verdict")
@@ -131,11 +134,15 @@ def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], floa
 
     if args.blind and args.role != "verifier":
         raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
-    if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
-        from astraflow.roles.scoring import role_scorer
+    if args.role in ("coder", "tester"):  # a code_tests policy on a chat model
+        from astraflow.chat import ChatFormat
+        from astraflow.roles.code_scoring import code_role_scorer
 
-        return role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
-                           args.max_new_tokens, blind=args.blind), args.size
+        return code_role_scorer(args.role, [int(x) for x in args.levels.split(",")],
+                                args.size, args.chat or ChatFormat(),
+                                args.max_new_tokens), args.size
+    if args.role != "solver":  # a verifier/selector policy: verdict (pick) accuracy
+        return _judge_scorer(args)
     tasks = held_out_tasks(args)
     reward = make_reward(args.reward)
 
@@ -144,6 +151,30 @@ def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], floa
                         chat=args.chat, reward=reward)
 
     return score, len(tasks)
+
+
+def _judge_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float], int]:
+    """A verifier's (selector's) held-out accuracy: in the compact formats on a model
+    without a chat template (the tiny one), else asked in words about the held-out
+    problems (``--dataset``, else synthetic arithmetic) with known candidates."""
+    from astraflow.chat import ChatFormat
+    from astraflow.models.examples import task_payload
+    from astraflow.roles.chat_scoring import chat_role_scorer
+    from astraflow.roles.scoring import role_scorer
+
+    compact = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
+                          args.max_new_tokens, blind=args.blind)
+    chat = args.chat or ChatFormat()
+    if args.blind:
+        return compact, args.size
+    payloads = [task_payload(t) for t in held_out_tasks(args)]
+    in_words = chat_role_scorer(args.role, payloads, chat, args.max_new_tokens)
+
+    def score(model: Any, tokenizer: Any) -> float:
+        use = in_words if chat.uses_template(tokenizer) else compact
+        return use(model, tokenizer)
+
+    return score, args.size
 
 
 def cmd_eval_run(args: argparse.Namespace) -> int:

@@ -334,7 +334,11 @@ class PolicySpec(_Strict):
     # the policy's role in a multi-policy workflow (astraflow.roles): a verifier/selector
     # tiny model is warm-started on that format (`model init-role`) and evaluated on
     # verdict/pick accuracy; solver: answers
-    role: str = Field(default="solver", pattern=r"^(solver|verifier|selector)$")
+    # verdict/pick accuracy; solver: answers; coder/tester: the code_tests workflow's
+    # solver and test generator on a pretrained model (held-out code specs passed, the
+    # generator's mutation reward), no tiny warm start
+    role: str = Field(default="solver",
+                      pattern=r"^(solver|verifier|selector|coder|tester)$")
 
     @model_validator(mode="after")
     def _role_fields(self) -> PolicySpec:
@@ -348,6 +352,9 @@ class PolicySpec(_Strict):
         if wrong:
             raise ValueError(f"warm_start.{wrong[0]}: not taken by a {self.role}'s model "
                              f"(`model {'init' if self.role == 'solver' else 'init-role'}`)")
+        if self.role in ("coder", "tester") and self.init_tiny and not self.import_from:
+            raise ValueError(f"role: a {self.role} has no tiny warm start; give "
+                             "import_from or init_tiny: false")
         if self.eval.blind and self.role != "verifier":
             raise ValueError("eval.blind: only a verifier is evaluated blind")
         return self

@@ -94,6 +94,18 @@ class SolveVerifyOptions(SamplingOptions):
     verdicts_per_prompt: int | None = Field(default=None, ge=1, description="default: all")
     env_latency: float | LatencyOptions | None = Field(
         default=None, description="extra delay per rollout (seconds or a latency mapping)")
+    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
+        default=None, description="default auto: chat on a chat model")
+    reward: str | dict[str, Any] | None = Field(
+        default=None, description="the solver's reward spec; default 1 right, 0 wrong")
+    verdict_weight: float | None = Field(
+        default=None, ge=0, le=1, description="default 0: the verdict's share of the "
+        "solver's reward")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: Any) -> Any:
+        return check_reward(v)
 
 
 class SolveSelectOptions(SamplingOptions):
@@ -104,6 +116,16 @@ class SolveSelectOptions(SamplingOptions):
     ties: Literal["skip", "outcome"] | None = Field(default=None, description="default skip")
     selector_sampling: SamplingOptions | None = None
     max_answer_chars: int | None = Field(default=None, ge=1, description="default 12")
+    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
+        default=None, description="default auto: chat on a chat model")
+    reward: str | dict[str, Any] | None = Field(
+        default=None, description="the solver's reward spec; default 1 right, 0 wrong")
+    candidates: int | None = Field(default=None, ge=2, description="default 2 (chat: any)")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: Any) -> Any:
+        return check_reward(v)
 
 
 class SandboxOptions(_Options):
@@ -137,6 +159,14 @@ class CodeTestsOptions(SamplingOptions):
     generator_sampling: SamplingOptions | None = None
     sandbox: SandboxOptions | None = None
     sandbox_workers: int | None = Field(default=None, ge=1, description="default 2")
+    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
+        default=None, description="default auto: chat on a chat model")
+    generator_reward: Literal["discriminating", "mutation"] | None = Field(
+        default=None, description="default discriminating")
+    max_mutants: int | None = Field(default=None, ge=0, description="default 6")
+    format_weight: float | None = Field(
+        default=None, ge=0, le=1, description="default 0: the mutation reward's share for "
+        "well-formed asserts")
 
 
 # workflow name -> the model of its options

@@ -21,10 +21,18 @@ topology's held-out dataset, size and reward). It prints both curves side by sid
 AstraFlow's time went (versions, trainer busy/waiting, rollout tokens/s, stale drops),
 and writes ``bench/results/learning.json``.
 
+A topology with several policies (``topology/smollm2-solver-verifier.yaml``,
+``-solver-selector.yaml``, ``-code.yaml``) runs AstraFlow alone (TRL has no multi-policy
+counterpart): every policy's checkpoints are scored with its own evaluator's metric
+(``astraflow eval run`` as ``astraflow up`` would start it: answers for a solver, verdict
+accuracy on balanced candidates for a verifier, pick accuracy for a selector, held-out
+specs passed for a coder, the mutation reward for a tester), against its version 0.
+
 Usage:
 
     python bench/learning.py [--duration 600] [--checkpoints 60,120,240,360,480,600]
-        [--systems astraflow,trl] [--topology topology/smollm2.yaml]
+        [--systems astraflow,trl] [--topology topology/smollm2.yaml] [--eval-size N]
+        [--out FILE.json]
 
 Needs TRL (``python3 -m pip install trl``) for the ``trl`` system, and the model the
 topology imports (``astraflow model import smollm2 DIR``; done here when missing).
@@ -99,22 +107,29 @@ def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         for line in proc.stdout:
             if not line.startswith((" ", "{", "}")) or "s |" in line:
                 print(f"[astraflow] {line.rstrip()}", flush=True)
-    records, first_at = manifest_times(topo, t0)
     summary_file = args.runs_dir / RUN / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
-          for t in args.checkpoints}
-    return {"at": at, "versions": max(first_at, default=0), "summary": summary,
-            "_manifests": [r.record for r in records], "_topology": topo}
+    out: dict[str, Any] = {"summary": summary, "_topology": topo, "policies": {}}
+    for i, policy in enumerate(topo.policies):
+        records, first_at = manifest_times(topo, t0, policy)
+        at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
+              for t in args.checkpoints}
+        mine = {"at": at, "versions": max(first_at, default=0),
+                "_manifests": [r.record for r in records]}
+        out["policies"][policy] = mine
+        if i == 0:  # the one-policy report reads the first policy at the top level
+            out.update(at=at, versions=mine["versions"], _manifests=mine["_manifests"])
+    return out
 
 
-def manifest_times(topo: Any, t0: float) -> tuple[list[Any], dict[int, float]]:
-    """The first policy's weight manifests of a finished run, and the seconds from ``t0``
-    at which each version was first published."""
+def manifest_times(topo: Any, t0: float,
+                   policy: str | None = None) -> tuple[list[Any], dict[int, float]]:
+    """A policy's (default: the first one's) weight manifests of a finished run, and the
+    seconds from ``t0`` at which each version was first published."""
     from astraflow.kafka.clients import read_all
     from astraflow.records import WeightManifest
 
-    policy = next(iter(topo.policies))
+    policy = policy or next(iter(topo.policies))
     records = read_all(topo.kafka.effective(), topo.full_name(f"weights.{policy}"),
                        idle_s=3.0, timeout_s=300.0, expect=WeightManifest)
     first_at: dict[int, float] = {}
@@ -403,6 +418,126 @@ def where_time_went(result: dict[str, Any]) -> str:
             f"{s.get('staleness_dropped')}; " + "; ".join(parts))
 
 
+# --- several policies ---------------------------------------------------------------------
+def policy_scorer(topology: Path, doc: dict[str, Any], policy: str,
+                  size: int | None) -> Any:
+    """``score(state or None) -> accuracy`` of ``policy`` as its evaluator scores it: the
+    ``eval run`` command ``astraflow up`` would start for it (its role's metric), parsed by
+    the CLI; ``size`` overrides the held-out size. None = version 0."""
+    import torch
+
+    from astraflow.cli import build_parser
+    from astraflow.evaluator import held_out_scorer
+    from astraflow.launcher import eval_args
+    from astraflow.models.loading import load_policy
+    from astraflow.topology import parse_topology
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    command = eval_args(parse_topology(doc), str(topology), policy)
+    if size is not None:
+        command[command.index("--size") + 1] = str(size)
+    args = build_parser().parse_args(command)
+    scorer, _ = held_out_scorer(args)
+    model, tokenizer = load_policy(doc["policies"][policy]["model"], dtype=args.dtype)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def score(state: dict[str, Any] | None) -> float:
+        model.load_state_dict(base if state is None else state, strict=False)
+        return scorer(model, tokenizer)
+
+    return score
+
+
+def score_policies(result: dict[str, Any], path: Path, doc: dict[str, Any],
+                   size: int | None) -> None:
+    """Every policy's held-out score at version 0 (``start``) and at each checkpoint."""
+    from astraflow.weights import WeightFollower
+
+    topo = result.pop("_topology")
+    result.pop("_manifests", None)
+    for policy, mine in result["policies"].items():
+        print(f"[bench] scoring {policy}", flush=True)
+        score = policy_scorer(path, doc, policy, size)
+        follower = WeightFollower(policy=policy, kafka_config=topo.kafka.effective())
+        follower.observe(mine.pop("_manifests"))
+        scores = {0: score(None)}
+        mine["start"] = scores[0]
+        for t, v in mine["at"].items():
+            if v is None:
+                continue
+            if v not in scores:
+                follower.update(v)
+                scores[v] = score(follower.state)
+            mine.setdefault("accuracy", {})[t] = scores[v]
+        follower.close()
+
+
+def policies_report(result: dict[str, Any], doc: dict[str, Any],
+                    checkpoints: list[float]) -> str:
+    """One column per policy (its role's held-out metric): version 0, then each
+    checkpoint's score and version."""
+    names = list(result["policies"])
+    roles = [doc["policies"][p].get("role", "solver") for p in names]
+    lines = ["| t (s) | " + " | ".join(f"{p} ({r})" for p, r in zip(names, roles)) + " |",
+             "|" + "---|" * (len(names) + 1),
+             "| v0 | " + " | ".join(f"{100 * result['policies'][p]['start']:.1f} %"
+                                    for p in names) + " |"]
+    for t in checkpoints:
+        cells = []
+        for p in names:
+            mine = result["policies"][p]
+            acc, v = mine.get("accuracy", {}).get(t), mine["at"].get(t)
+            cells.append(f"{100 * acc:.1f} % (v{v})" if acc is not None else "-")
+        lines.append(f"| {t:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rollout_rewards(topo_run: str, doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per policy, the rewards of every sequence the run rolled out: count, mean, std
+    and the share that is not zero (the reward distribution the trainers saw)."""
+    import statistics
+
+    from astraflow.kafka.clients import read_all
+    from astraflow.records import TrajectoryGroup
+    from astraflow.topology import parse_topology
+
+    topo = parse_topology({**doc, "run": topo_run})
+    groups = [r.record for r in read_all(topo.kafka.effective(),
+                                         topo.full_name("trajectories.raw"), idle_s=3.0,
+                                         timeout_s=300.0, expect=TrajectoryGroup)]
+    out = {}
+    for policy in doc["policies"]:
+        rewards = [s.reward for g in groups for s in g.sequences if s.policy == policy]
+        if rewards:
+            out[policy] = {"sequences": len(rewards), "mean": statistics.fmean(rewards),
+                           "std": statistics.pstdev(rewards),
+                           "nonzero": sum(r != 0 for r in rewards) / len(rewards)}
+    return out
+
+
+def run_policies(path: Path, doc: dict[str, Any], args: argparse.Namespace) -> int:
+    """The multi-policy bench: AstraFlow alone, every policy scored (module doc)."""
+    print(f"[bench] astraflow ({', '.join(doc['policies'])}): {args.duration:g} s",
+          flush=True)
+    result = run_astraflow(path, args)
+    run = result["_topology"].run
+    rewards = rollout_rewards(run, doc)
+    score_policies(result, path, doc, args.eval_size)
+    table = policies_report(result, doc, args.checkpoints)
+    print("\nheld-out scores against version 0 (greedy; each policy its evaluator's "
+          "metric):\n" + table)
+    for policy, r in rewards.items():
+        print(f"{policy} rollout rewards: {r['sequences']} sequences, mean {r['mean']:.3f}, "
+              f"std {r['std']:.3f}, non-zero {100 * r['nonzero']:.0f} %")
+    print(where_time_went(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "learning", "duration_s": args.duration,
+                                    "topology": str(args.topology), "results": result,
+                                    "rollout_rewards": rewards, "table": table}, indent=2,
+                                   default=str) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", type=Path, default=REPO / "topology" / "smollm2.yaml")
@@ -414,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--explore", type=int, default=32, metavar="PROMPTS",
                     help="sample this many training prompts with the starting policy and "
                     "report how often each reward term pays (0: skip)")
+    ap.add_argument("--eval-size", type=int, default=None, metavar="N",
+                    help="held-out prompts per score (default: the topology's eval size)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.checkpoints = [float(x) for x in args.checkpoints.split(",") if x]
@@ -421,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
         return trl_worker(args.trl_worker, args.duration, args.checkpoints)
     args.runs_dir = args.runs_dir.resolve()
     path, doc = bench_topology(args.topology, args.runs_dir)
+    if len(doc["policies"]) > 1:
+        for policy in doc["policies"]:
+            ensure_model({"policies": {policy: doc["policies"][policy]}})
+        return run_policies(path, doc, args)
     ensure_model(doc)
     systems = [s for s in args.systems.split(",") if s]
     results: dict[str, Any] = {}

@@ -96,6 +96,23 @@ def generator_prompt(spec: str, params: Iterable[str], func: str = FUNC) -> str:
     return f"{spec}\ntests of {func}({', '.join(params)}): "
 
 
+def chat_solver_prompt(spec: str, params: Iterable[str], func: str = FUNC) -> str:
+    """The solver's instruction for a chat model: write the whole function."""
+    return (f"Write a Python function `def {func}({', '.join(params)}):` for this task: "
+            f"{spec}. Reply with the code only.")
+
+
+def chat_generator_prompt(spec: str, params: Iterable[str], func: str = FUNC,
+                          tests: int = 3) -> str:
+    """The test generator's instruction for a chat model: assert lines, numbers only."""
+    params = list(params)
+    example = ", ".join("[1, 2]" if p == "xs" else str(i + 1) for i, p in enumerate(params))
+    return (f"A Python function `{func}({', '.join(params)})` should do this: {spec}.\n"
+            f"Write {tests} test cases for it, one per line, each of the form "
+            f"`assert {func}({example}) == RESULT` with the right RESULT. Reply with the "
+            "asserts only.")
+
+
 def reference_source(params: Iterable[str], expr: str, func: str = FUNC) -> str:
     """Python source defining ``func(params)`` as ``return expr``."""
     return f"def {func}({', '.join(params)}): return {expr}\n"
@@ -249,6 +266,8 @@ def code_payloads(
 __all__ = [
     "FUNC",
     "LEVELS",
+    "chat_generator_prompt",
+    "chat_solver_prompt",
     "CodeProblem",
     "code_payloads",
     "code_problems",

@@ -76,6 +76,38 @@ def prompt_task(
     return payload, engine, prompt_ids
 
 
+PROMPT_FORMATS = ("auto", "compact", "chat")
+
+
+def check_prompt_format(value: str) -> str:
+    """``value`` if it is a workflow's ``prompt_format``, else ValueError naming it."""
+    if value not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
+                         f"not {value!r}")
+    return value
+
+
+def speaks_chat(prompt_format: str, engine: Engine) -> bool:
+    """Whether a multi-policy workflow with ``prompt_format`` uses its chat prompts with
+    ``engine``: ``chat``; ``compact`` never; ``auto`` when the engine's chat format uses a
+    template (a pretrained chat model; the tiny model has none)."""
+    if prompt_format != "auto":
+        return prompt_format == "chat"
+    try:
+        return engine_chat(engine).uses_template(engine_tokenizer(engine))
+    except PromptError:
+        return False
+
+
+def chat_ids(engine: Engine, payload: Mapping[str, Any]) -> list[int]:
+    """``payload`` (a ``prompt`` or chat ``messages``) as ``engine``'s prompt token ids,
+    through its chat format; ``TaskError`` when unusable."""
+    try:
+        return engine_chat(engine).prompt_ids(engine_tokenizer(engine), payload)
+    except PromptError as e:
+        raise TaskError(str(e)) from None
+
+
 def engine_tokenizer(engine: Engine) -> Any:
     """The engine's tokenizer, or an adapter over its ``encode`` for engines without one."""
     tok = getattr(engine, "tokenizer", None)
@@ -108,5 +140,6 @@ def encode_prompt(engine: Engine, text: str) -> list[int]:
     return ids
 
 
-__all__ = ["encode_prompt", "engine_tokenizer", "parse_payload", "pick_engine",
+__all__ = ["PROMPT_FORMATS", "chat_ids", "check_prompt_format", "encode_prompt",
+           "engine_tokenizer", "speaks_chat", "parse_payload", "pick_engine",
            "policy_engine", "prompt_task", "sampling_params"]

@@ -12,7 +12,17 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 ``select/selector_accuracy`` (on pairs with exactly one right answer, when there are any),
 ``select/unparseable_rate``.
 
-Options: those of ``astraflow.raas.workflows.two_policy``, and ``ties``.
+With ``prompt_format: chat`` (``auto`` on a chat model) the selector is shown the problem
+and ``candidates`` (k, default 2) numbered answers and asked for the number of the right
+one (``astraflow.roles.chat_formats``); the solver answers k·n times, n picks per prompt.
+The answers are scored by the solver's reward (``reward``, default 1 right / 0 wrong) and
+the selector's reward is the picked answer's score scaled between the set's worst (0) and
+best (1): with 0/1 scores, 1 for picking a right answer from a mixed set, else 0 (the rule
+above); ``ties`` applies when all k scores are equal. The metrics' "pair" is then a set
+of k, ``exactly_one_rate`` the share of sets with both right and wrong answers.
+
+Options: those of ``astraflow.raas.workflows.two_policy``, and ``ties``, ``candidates``
+(chat only where not 2).
 """
 
 from __future__ import annotations
@@ -21,13 +31,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from astraflow.raas.engine import Engine
-from astraflow.raas.workflows.base import Checker
+from astraflow.raas.workflows.base import Checker, TaskError
 from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import role_sequence
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
 from astraflow.records import Sequence, Task
-from astraflow.roles.formats import candidate_answer, parse_pick, select_prompt
+from astraflow.roles.chat_formats import parse_choice, select_messages
+from astraflow.roles.formats import parse_pick, select_prompt
 
 ROLE_SELECTOR = "selector"
 
@@ -47,50 +58,79 @@ class SolveSelect(TwoPolicyWorkflow):
         checker: Checker | None = None,
         selector_sampling: Mapping[str, Any] | None = None,
         max_answer_chars: int = 12,
+        prompt_format: str = "auto",
+        reward: Any = None,
+        candidates: int = 2,
         **sampling: Any,
     ):
         if ties not in ("skip", "outcome"):
             raise ValueError(f"ties must be 'skip' or 'outcome', not {ties!r}")
+        if candidates < 2:
+            raise ValueError(f"candidates must be at least 2, not {candidates}")
+        if candidates != 2 and prompt_format == "compact":
+            raise ValueError("candidates: the compact format shows 2 answers")
         super().__init__(solver_policy, selector_policy, checker, selector_sampling,
-                         max_answer_chars, sampling)
+                         max_answer_chars, sampling, prompt_format, reward)
         self.ties = ties
+        self.candidates = int(candidates)
 
     @property
     def selector_policy(self) -> str:
         return self.judge_policy
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
-        prompt, answer, solver, selector, checker = self._start(task, engines)
-        p_ids = encode_prompt(solver, prompt)
-        gens = solver.generate([p_ids], sampling_params(self.sampling, solver, 2 * n))[0]
+        payload, solver, selector, checker = self._start(task, engines)
+        prompt, answer = str(payload["prompt"]), str(payload["answer"])
+        chat = self.chat(solver)
+        k = self.candidates
+        if k != 2 and not chat:
+            raise TaskError(f"candidates: {k} needs the chat format; the compact one shows 2")
+        p_ids = self.solver_ids(solver, prompt, chat)
+        gens = solver.generate([p_ids], sampling_params(self.sampling, solver, k * n))[0]
         texts = [solver.decode(g.token_ids) for g in gens]
-        cands = [candidate_answer(t, self.max_answer_chars) for t in texts]
+        cands = [self.candidate(t, chat) for t in texts]
         right = [checker(t, answer) > 0.5 for t in texts]
+        scores = [self.answer_reward(t, payload, ok) for t, ok in zip(texts, right)]
 
-        s_ids = [encode_prompt(selector, select_prompt(prompt, cands[2 * j], cands[2 * j + 1]))
+        s_ids = [self._select_ids(selector, prompt, cands[k * j: k * j + k], chat)
                  for j in range(n)]
         s_gens = selector.generate(s_ids, sampling_params(self.judge_sampling, selector, 1))
 
         out: list[Sequence] = []
-        for k, g in enumerate(gens):
-            out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, k, float(right[k]),
-                                     answer=cands[k], correct=flag(right[k]), pair=str(k // 2),
-                                     slot=str(k % 2 + 1)))
+        for i, g in enumerate(gens):
+            out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, i, scores[i],
+                                     answer=cands[i], correct=flag(right[i]), pair=str(i // k),
+                                     slot=str(i % k + 1)))
         for j, (ids, g) in enumerate(zip(s_ids, s_gens)):
-            pick = parse_pick(selector.decode(g[0].token_ids))
-            ok1, ok2 = right[2 * j], right[2 * j + 1]
-            if pick is None:
-                reward = 0.0
-            elif ok1 != ok2:
-                reward = float(ok1 if pick == 1 else ok2)
-            elif self.ties == "outcome":
-                reward = float(ok1)
-            else:
+            text = selector.decode(g[0].token_ids)
+            pick = (parse_choice(text, k, cands[k * j: k * j + k]) if chat
+                    else parse_pick(text))
+            reward = self._pick_reward(pick, scores[k * j: k * j + k])
+            if reward is None:
                 continue  # a tie: the pick changes nothing, nothing to learn
+            oks = right[k * j: k * j + k]
             out.append(role_sequence(self.selector_policy, ROLE_SELECTOR, ids, g[0], j, reward,
-                                     pick=str(pick or "?"), tie=flag(ok1 == ok2),
-                                     right="".join(flag(x) for x in (ok1, ok2))))
+                                     pick=str(pick or "?"), tie=flag(len(set(oks)) == 1),
+                                     right="".join(flag(x) for x in oks)))
         return out
+
+    def _select_ids(self, selector: Engine, prompt: str, cands: list[str],
+                    chat: bool) -> list[int]:
+        if chat:
+            return self.chat_ids(selector, select_messages(prompt, cands))
+        return encode_prompt(selector, select_prompt(prompt, *cands))
+
+    def _pick_reward(self, pick: int | None, scores: list[float]) -> float | None:
+        """The selector's reward for ``pick`` among answers with ``scores``: where they
+        differ, the picked score scaled between the worst (0) and the best (1); where all
+        are equal, None (``ties: skip``) or the common score (``ties: outcome``); 0 for an
+        unparseable pick."""
+        if pick is None:
+            return 0.0
+        lo, hi = min(scores), max(scores)
+        if hi > lo:
+            return (scores[pick - 1] - lo) / (hi - lo)
+        return scores[pick - 1] if self.ties == "outcome" else None
 
     @staticmethod
     def group_metrics(seqs: list[Sequence]) -> dict[str, float]:
@@ -107,11 +147,13 @@ class SolveSelect(TwoPolicyWorkflow):
             pick = sel.meta.get("pick") if sel is not None else "?"
             if pick == "?" and sel is not None:
                 unparseable += 1
-            final.append(oks[int(pick) - 1] if pick in ("1", "2") and len(oks) == 2 else oks[0])
-            if len(oks) == 2 and oks[0] != oks[1]:
+            chosen = int(pick) if pick.isdigit() and 1 <= int(pick) <= len(oks) else 1
+            final.append(oks[chosen - 1])
+            if len(oks) >= 2 and len(set(oks)) > 1:
                 informative.append(sel.reward if sel is not None else 0.0)
         out = {
-            "select/solver_accuracy": mean([s.reward for s in solver]),
+            "select/solver_accuracy": mean([float(s.meta.get("correct") == "1")
+                                            for s in solver]),
             "select/final_accuracy": mean([float(x) for x in final]),
             "select/exactly_one_rate": len(informative) / n,
             "select/unparseable_rate": unparseable / n,

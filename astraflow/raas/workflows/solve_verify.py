@@ -14,8 +14,17 @@
    the rejection in its prompt (``37+45=82?n 37+45=`` -> ``83``), role ``solver_retry``.
    An approved or unparseable verdict ends the attempt. ``retry: false`` turns retries off.
 
+With ``prompt_format: chat`` (``auto`` on a chat model) the verifier is asked in words
+(the problem, ``Proposed answer: 82``, reply ``yes`` or ``no``), and a rejected answer is
+retried in the same conversation (``That answer is wrong. Try again. ...``);
+``astraflow.roles.chat_formats``. The blind format is compact only.
+
 Rewards: each solver sequence (first try or retry) is scored by the correctness of its own
-answer (``checker``, default ``astraflow.tasks.check_answer``); a verdict scores 1 when it
+answer (``checker``, default ``astraflow.tasks.check_answer``; or the ``reward`` spec),
+and with ``verdict_weight`` w > 0 a first try's reward becomes ``(1 - w) * reward + w``
+when the verifier approved it and ``(1 - w) * reward`` when it rejected it (unjudged or
+unparseable: the reward alone), so the solver also earns the verifier's approval; a
+verdict scores 1 when it
 matches the truth of the first answer it judged (``y`` for a right answer, ``n`` for a
 wrong one) and 0 when it is wrong or unparseable. The final answer of an attempt is the
 retry's when there was one, else the first.
@@ -26,7 +35,8 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 ``verify/unparseable_rate`` (approval and unparseable rates per verdict, retry rate per
 answer).
 
-Options: those of ``astraflow.raas.workflows.two_policy``, and ``retry``, ``blind``,
+Options: those of ``astraflow.raas.workflows.two_policy``, and ``verdict_weight``
+(default 0), ``retry``, ``blind``,
 ``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
 retried; default all n -- the answers are independent samples, so the first m are a
 random subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per
@@ -40,7 +50,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from astraflow.raas.engine import Engine
-from astraflow.raas.workflows.base import Checker
+from astraflow.raas.workflows.base import Checker, TaskError
 from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
 from astraflow.raas.workflows.latency import Latency
 from astraflow.raas.workflows.registry import register_workflow
@@ -52,16 +62,17 @@ from astraflow.raas.workflows.sequences import (
 )
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
 from astraflow.records import Sequence, Task
+from astraflow.roles.chat_formats import parse_yes_no, retry_messages, verify_messages
 from astraflow.roles.formats import (
     APPROVE,
     OWN_END,
     REJECT,
-    candidate_answer,
     own_answer,
     parse_verdict,
     retry_prompt,
     verify_prompt,
 )
+from astraflow.tasks.check import cut_at_stop
 
 ROLE_RETRY = "solver_retry"
 ROLE_VERIFIER = "verifier"
@@ -85,12 +96,21 @@ class SolveVerify(TwoPolicyWorkflow):
         blind: bool = False,
         verdicts_per_prompt: int | None = None,
         env_latency: Any = None,
+        prompt_format: str = "auto",
+        reward: Any = None,
+        verdict_weight: float = 0.0,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
-                         max_answer_chars, sampling)
+                         max_answer_chars, sampling, prompt_format, reward)
         if verdicts_per_prompt is not None and verdicts_per_prompt < 1:
             raise ValueError("verdicts_per_prompt must be at least 1")
+        if not 0.0 <= verdict_weight <= 1.0:
+            raise ValueError(f"verdict_weight must be in [0, 1], not {verdict_weight}")
+        if blind and prompt_format == "chat":
+            raise ValueError("blind: the compact (tiny-model) format only, not prompt_format "
+                             "chat")
+        self.verdict_weight = float(verdict_weight)
         self.retry = bool(retry)
         self.blind = bool(blind)
         self.verdicts_per_prompt = verdicts_per_prompt
@@ -109,55 +129,87 @@ class SolveVerify(TwoPolicyWorkflow):
         """The three phases (first tries, verdicts, retries), each one ``generate`` call
         over all ``tasks``."""
         def prepare(task: Task):
-            prompt, answer, solver, verifier, checker = self._start(task, engines)
-            return prompt, answer, encode_prompt(solver, prompt), (solver, verifier, checker)
+            payload, solver, verifier, checker = self._start(task, engines)
+            chat = self.chat(solver)
+            if chat and self.blind:
+                raise TaskError("blind: the verifier's two-turn format is the compact "
+                                "(tiny-model) one; this is a chat model (prompt_format)")
+            return payload, self.solver_ids(solver, str(payload["prompt"]), chat), (
+                solver, verifier, checker, chat)
 
         results, ready = prepare_each(tasks, prepare)
         if not ready:
             return results
-        solver, verifier, checker = ready[0][1][3]  # the same for every task
-        live = [(i, prompt, answer, p_ids) for i, (prompt, answer, p_ids, _) in ready]
+        solver, verifier, checker, chat = ready[0][1][2]  # the same for every task
+        live = [(i, payload, p_ids) for i, (payload, p_ids, _) in ready]
         firsts = solver.generate([p for *_, p in live], sampling_params(self.sampling, solver, n))
-        cands, right = [], []
-        for (_, _, answer, _), gens in zip(live, firsts):
-            texts = [solver.decode(g.token_ids) for g in gens]
-            cands.append([candidate_answer(t, self.max_answer_chars) for t in texts])
-            right.append([checker(t, answer) > 0.5 for t in texts])
+        texts, cands, right = self._read(solver, checker, [p for _, p, _ in live], firsts, chat)
 
         m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
-        judged = (self._judge_blind if self.blind else self._judge_seen)(
-            verifier, [prompt for _, prompt, _, _ in live], [c[:m] for c in cands],
-            [r[:m] for r in right], m)
+        prompts = [str(payload["prompt"]) for _, payload, _ in live]
+        judge = self._judge_blind if self.blind else self._judge_seen
+        judged = judge(verifier, prompts, [c[:m] for c in cands], [r[:m] for r in right], m,
+                       chat=chat)
 
         rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT]
                     if self.retry else [] for seqs in judged]
-        r_ids = [[encode_prompt(solver, retry_prompt(prompt, cands[k][j], REJECT)) for j in rej]
-                 for k, ((_, prompt, _, _), rej) in enumerate(zip(live, rejected))]
+        r_ids = [[self._retry_ids(solver, prompts[k], cands[k][j], texts[k][j], chat)
+                  for j in rej] for k, rej in enumerate(rejected)]
         r_all = [x for ids in r_ids for x in ids]
         r_flat = solver.generate(r_all, sampling_params(self.sampling, solver, 1)) if r_all else []
 
         at = 0
-        for k, (i, _, answer, p_ids) in enumerate(live):
+        for k, (i, payload, p_ids) in enumerate(live):
+            verdicts = {s.sample_index: s.meta["verdict"] for s in judged[k]}
             out: list[Sequence] = []
             for j, g in enumerate(firsts[k]):
                 ok = right[k][j]
+                reward = self._first_reward(texts[k][j], payload, ok, verdicts.get(j))
                 out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j,
-                                         float(ok), attempt="1", answer=cands[k][j],
+                                         reward, attempt="1", answer=cands[k][j],
                                          correct=flag(ok)))
             out += judged[k]
             for j, ids in zip(rejected[k], r_ids[k]):
                 g = r_flat[at][0]
                 at += 1
                 text = solver.decode(g.token_ids)
-                ok = checker(text, answer) > 0.5
-                out.append(role_sequence(self.solver_policy, ROLE_RETRY, ids, g, j, float(ok),
-                                         attempt="2",
-                                         answer=candidate_answer(text, self.max_answer_chars),
+                ok = checker(text, str(payload["answer"])) > 0.5
+                out.append(role_sequence(self.solver_policy, ROLE_RETRY, ids, g, j,
+                                         self.answer_reward(text, payload, ok), attempt="2",
+                                         answer=self.candidate(text, chat),
                                          rejected=cands[k][j], correct=flag(ok)))
             results[i] = out
         if self.env_latency is not None:  # the batch waits for the slowest environment
             self.env_latency.wait_longest(tasks[i].task_id for i, *_ in live)
         return results
+
+    def _read(self, solver: Engine, checker: Checker, payloads: list[dict[str, Any]],
+              gens: list[list[Any]], chat: bool):
+        """Per task, the solver's texts, what the verifier is shown of them, and whether
+        each is right."""
+        texts = [[solver.decode(g.token_ids) for g in row] for row in gens]
+        cands = [[self.candidate(t, chat) for t in row] for row in texts]
+        right = [[checker(t, str(p["answer"])) > 0.5 for t in row]
+                 for p, row in zip(payloads, texts)]
+        return texts, cands, right
+
+    def _first_reward(self, text: str, payload: Mapping[str, Any], right: bool,
+                      verdict: str | None) -> float:
+        """A first try's reward: its answer's, blended with the verifier's verdict on it
+        (``verdict_weight`` w: ``(1 - w) * reward + w * approved``) where there is one."""
+        reward = self.answer_reward(text, payload, right)
+        if self.verdict_weight and verdict in (APPROVE, REJECT):
+            reward = (1 - self.verdict_weight) * reward + self.verdict_weight * float(
+                verdict == APPROVE)
+        return reward
+
+    def _retry_ids(self, solver: Engine, prompt: str, cand: str, text: str,
+                   chat: bool) -> list[int]:
+        """The retry's prompt: the rejected answer, then the problem again (compact), or
+        the conversation with the rejection as the user's next turn (chat)."""
+        if chat:
+            return self.chat_ids(solver, retry_messages(prompt, cut_at_stop(text).strip()))
+        return encode_prompt(solver, retry_prompt(prompt, cand, REJECT))
 
     def _verdict(self, b: SequenceBuilder, v: bool | None, truth: bool, cand: str,
                  **meta: str) -> Sequence:
@@ -170,10 +222,16 @@ class SolveVerify(TwoPolicyWorkflow):
         return s
 
     def _judge_seen(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
-                    right: list[list[bool]], n: int) -> list[list[Sequence]]:
-        """One turn per candidate: ``37+45=82?`` -> ``82y``."""
-        v_ids = [[encode_prompt(verifier, verify_prompt(prompt, c)) for c in cs]
-                 for prompt, cs in zip(prompts, cands)]
+                    right: list[list[bool]], n: int, chat: bool = False) -> list[list[Sequence]]:
+        """One turn per candidate: ``37+45=82?`` -> ``82y`` (chat: the problem and the
+        proposed answer -> ``yes``/``no``)."""
+        def ids_of(prompt: str, c: str) -> list[int]:
+            if chat:
+                return self.chat_ids(verifier, verify_messages(prompt, c))
+            return encode_prompt(verifier, verify_prompt(prompt, c))
+
+        parse = parse_yes_no if chat else parse_verdict
+        v_ids = [[ids_of(prompt, c) for c in cs] for prompt, cs in zip(prompts, cands)]
         v_flat = verifier.generate([x for ids in v_ids for x in ids],
                                    sampling_params(self.judge_sampling, verifier, 1))
         out = []
@@ -183,13 +241,13 @@ class SolveVerify(TwoPolicyWorkflow):
                 g = v_flat[k * n + j][0]
                 b = SequenceBuilder(self.verifier_policy, ids, j)
                 b.add_generated(g)
-                row.append(self._verdict(b, parse_verdict(verifier.decode(g.token_ids)),
+                row.append(self._verdict(b, parse(verifier.decode(g.token_ids)),
                                          right[k][j], cands[k][j]))
             out.append(row)
         return out
 
     def _judge_blind(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
-                     right: list[list[bool]], n: int) -> list[list[Sequence]]:
+                     right: list[list[bool]], n: int, chat: bool = False) -> list[list[Sequence]]:
         """Two turns: the verifier answers the problem n times (``37+45=`` -> ``82|``), then
         each own answer is shown one candidate (``73?``, not trained) -> ``n``."""
         p_ids = [encode_prompt(verifier, prompt) for prompt in prompts]
@@ -239,7 +297,8 @@ class SolveVerify(TwoPolicyWorkflow):
             "verify/approval_rate": sum(s.meta.get("verdict") == "y" for s in verdicts) / n_v,
             "verify/retry_rate": len(retries) / n,
             "verify/verifier_accuracy": mean([s.reward for s in verdicts]),
-            "verify/solver_first_accuracy": mean([s.reward for s in firsts.values()]),
+            "verify/solver_first_accuracy": mean(
+                [float(s.meta.get("correct") == "1") for s in firsts.values()]),
             "verify/solver_final_accuracy": mean([float(x) for x in final]),
             "verify/unparseable_rate": sum(s.meta.get("verdict") == "?" for s in verdicts) / n_v,
         }

@@ -20,7 +20,16 @@ Options (both workflows): ``solver_policy`` (default ``solver``), ``verifier_pol
 ``single_turn`` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) for the solver,
 ``verifier_sampling`` / ``selector_sampling`` (overrides for the judge; default
 ``{"max_new_tokens": 8}``, per turn), ``checker``, ``max_answer_chars`` (12: how much of an
-answer the judge is shown).
+answer the judge is shown), ``reward`` (a reward spec of ``astraflow.tasks.rewards`` for the
+solver's answers; default: 1 when the checker says right, else 0; an answer is *right*
+when the checker says so, whatever the reward) and ``prompt_format``:
+
+* ``compact``: the tiny model's one-line formats (``astraflow.roles.formats``);
+* ``chat``: natural instructions as chat messages, built by each policy's chat template
+  (``astraflow.roles.chat_formats``; the solver's prompt is the task's own, as
+  ``single_turn`` builds it);
+* ``auto`` (default): ``chat`` when the solver's engine formats prompts with a chat
+  template (a pretrained chat model), else ``compact`` (the tiny model has none).
 """
 
 from __future__ import annotations
@@ -31,9 +40,18 @@ from typing import Any
 
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker
-from astraflow.raas.workflows.inputs import parse_payload, policy_engine
-from astraflow.raas.workflows.scoring import default_checker
+from astraflow.raas.workflows.inputs import (
+    chat_ids,
+    check_prompt_format,
+    encode_prompt,
+    parse_payload,
+    policy_engine,
+    speaks_chat,
+)
+from astraflow.raas.workflows.scoring import Scorer, default_checker
 from astraflow.records import Task
+from astraflow.roles.chat_formats import chat_candidate
+from astraflow.roles.formats import candidate_answer
 
 ROLE_SOLVER = "solver"
 JUDGE_SAMPLING = {"max_new_tokens": 8}  # own answer, verdict (pick), end of sequence
@@ -57,9 +75,11 @@ class TwoPolicyWorkflow:
 
     def __init__(self, solver_policy: str, judge_policy: str, checker: Checker | None,
                  judge_sampling: Mapping[str, Any] | None, max_answer_chars: int,
-                 sampling: dict[str, Any]):
+                 sampling: dict[str, Any], prompt_format: str = "auto", reward: Any = None):
         if max_answer_chars < 1:
             raise ValueError("max_answer_chars must be at least 1")
+        self.prompt_format = check_prompt_format(prompt_format)
+        self.score = Scorer(reward, checker) if reward is not None else None
         self.solver_policy = solver_policy
         self.judge_policy = judge_policy
         self.checker = checker
@@ -68,12 +88,35 @@ class TwoPolicyWorkflow:
         self.judge_sampling = {**sampling, **JUDGE_SAMPLING, **dict(judge_sampling or {})}
 
     def _start(self, task: Task, engines: Mapping[str, Engine]):
-        """``(prompt, answer, solver engine, judge engine, checker)`` of ``task``."""
+        """``(payload, solver engine, judge engine, checker)`` of ``task`` (its payload has
+        a ``prompt`` and an ``answer``)."""
         payload = parse_payload(task, ("prompt", "answer"))
         solver = policy_engine(engines, self.solver_policy, "solver")
         judge = policy_engine(engines, self.judge_policy, self.judge_role)
-        return str(payload["prompt"]), str(payload["answer"]), solver, judge, (
-            self.checker or default_checker())
+        return payload, solver, judge, self.checker or default_checker()
+
+    def chat(self, solver: Engine) -> bool:
+        """Whether this workflow speaks the chat format to ``solver``'s (and the judge's)
+        engine (``prompt_format``; ``auto``: when the solver's prompts use a template)."""
+        return speaks_chat(self.prompt_format, solver)
+
+    @staticmethod
+    def chat_ids(engine: Engine, payload: Mapping[str, Any]) -> list[int]:
+        """``payload`` as ``engine``'s prompt token ids, through its chat format."""
+        return chat_ids(engine, payload)
+
+    def solver_ids(self, solver: Engine, prompt: str, chat: bool) -> list[int]:
+        """The solver's prompt: the task's prompt through the chat template, or as is."""
+        return self.chat_ids(solver, {"prompt": prompt}) if chat else encode_prompt(solver,
+                                                                                     prompt)
+
+    def candidate(self, text: str, chat: bool) -> str:
+        """What the judge is shown of a solver completion."""
+        return (chat_candidate if chat else candidate_answer)(text, self.max_answer_chars)
+
+    def answer_reward(self, text: str, payload: Mapping[str, Any], right: bool) -> float:
+        """The solver's reward for ``text``: the ``reward`` spec, else its rightness."""
+        return float(right) if self.score is None else float(self.score(text, payload))
 
 
 __all__ = ["JUDGE_SAMPLING", "ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]

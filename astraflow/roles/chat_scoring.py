@@ -1,0 +1,70 @@
+"""Held-out accuracy of a chat model in a judge's role (``astraflow eval run --role
+verifier|selector`` on a model with a chat template): the same prompts the workflows
+send (``chat_formats``), on held-out problems with known candidates.
+
+* verifier: verdict accuracy with right and wrong candidates alternating (balanced:
+  always ``yes`` scores 0.5);
+* selector: pick accuracy on two answers, one right and one wrong (right first or second
+  in turn: always ``1`` scores 0.5).
+
+Wrong candidates are near misses of the right answer (``teacher.wrong_answer``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from astraflow.models.evaluation import generate_answers
+from astraflow.roles.chat_formats import (
+    parse_choice,
+    parse_yes_no,
+    select_messages,
+    verify_messages,
+)
+from astraflow.roles.teacher import wrong_answer
+
+
+def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
+                       seed: int = 1234) -> list[dict[str, Any]]:
+    """One example per held-out payload (``prompt``, ``answer``): ``{"messages",
+    "label"}``, ``label`` the true verdict (True/False) or the right answer's number."""
+    rng = random.Random(f"chat-role-eval:{role}:{seed}")
+    out = []
+    for i, p in enumerate(payloads):
+        problem, answer = str(p["prompt"]), str(p["answer"])
+        wrong = wrong_answer(problem, answer, rng)[0]
+        if role == "verifier":
+            truth = i % 2 == 0
+            out.append({**verify_messages(problem, answer if truth else wrong),
+                        "label": truth})
+        elif role == "selector":
+            slot = 1 + i % 2
+            pair = [answer, wrong] if slot == 1 else [wrong, answer]
+            out.append({**select_messages(problem, pair), "label": slot, "answers": pair})
+        else:
+            raise ValueError(f"no chat examples for role {role!r} (verifier, selector)")
+    return out
+
+
+def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any,
+                     max_new_tokens: int = 4) -> Callable[[Any, Any], float]:
+    """``score(model, tokenizer)``: greedy verdict (pick) accuracy on ``payloads``'
+    examples, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``)."""
+    examples = chat_role_examples(role, payloads)
+    if not examples:
+        raise ValueError("a role evaluation needs held-out problems")
+
+    def score(model: Any, tokenizer: Any) -> float:
+        prompts = [chat.prompt_text(tokenizer, e) for e in examples]
+        replies = generate_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
+        got = [parse_yes_no(r) if role == "verifier" else parse_choice(r, 2, e["answers"])
+               for r, e in zip(replies, examples)]
+        return sum(g is not None and g == e["label"] for g, e in zip(got, examples)) / len(
+            examples)
+
+    return score
+
+
+__all__ = ["chat_role_examples", "chat_role_scorer"]

@@ -1,0 +1,310 @@
+"""The multi-policy workflows in their chat format (a pretrained chat model, issue 20),
+without Kafka: scripted engines with a chat template play the roles; the prompts, the
+parsers of the replies, the rewards (the verdict in the solver's, the selector's best of
+N, the test generator's mutation reward through the real sandbox) and the held-out role
+metrics. The broker-level run of each SmolLM2 topology: test_e2e_real_multipolicy.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from astraflow.raas.workflows import TaskError, make_workflow
+from astraflow.raas.workflows.solve_select import SolveSelect
+from astraflow.records import Task
+from astraflow.roles.chat_formats import (
+    RETRY_MESSAGE,
+    chat_candidate,
+    parse_choice,
+    parse_yes_no,
+)
+from astraflow.roles.chat_scoring import chat_role_examples
+from astraflow.roles.code_scoring import mutation_reward
+from astraflow.tasks.code import CodeProblem
+from astraflow.tasks.code_parsing import extract_program, parse_assert_tests
+from astraflow.tasks.mutants import mutants, mutants_source
+from astraflow.topology import parse_topology
+
+from .fakes import ScriptedEngine
+
+PROBLEM = "What is 37+45? Answer with the number only."
+
+
+class ChatTokenizer:
+    """A tokenizer with a chat template: ``[role]content`` per message, then
+    ``[assistant]``; one character per token."""
+
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+class ChatEngine(ScriptedEngine):
+    """A scripted engine of a chat model (its tokenizer has a template)."""
+
+    tokenizer = ChatTokenizer()
+
+
+def task(workflow: str, payload: dict, policies: list[str]) -> Task:
+    return Task(task_id="t", prompt_id="p", workflow=workflow, payload=json.dumps(payload),
+                source="test", policies=policies)
+
+
+def arithmetic(workflow: str, judge: str) -> Task:
+    return task(workflow, {"prompt": PROBLEM, "answer": "82"}, ["solver", judge])
+
+
+# --- parsers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,want", [
+    ("yes", True), ("Yes.", True), (" No, it is 83", False), ("Correct!", True),
+    ("incorrect", False), ("The answer is yes", None), ("", None), ("82", None),
+    ("no<|im_end|>", False),
+])
+def test_parse_yes_no(text, want):
+    assert parse_yes_no(text) is want
+
+
+@pytest.mark.parametrize("text,k,want", [
+    ("2", 3, 2), ("Answer 3: 82", 3, 3), ("4", 3, None), ("the first", 3, None),
+    ("82", 4, None), ("1<|im_end|>", 2, 1),
+])
+def test_parse_choice(text, k, want):
+    assert parse_choice(text, k) == want
+
+
+def test_parse_choice_takes_a_repeated_answer_for_its_number():
+    assert parse_choice("82, of course", 3, ["80", "82", "10"]) == 2
+    assert parse_choice("82", 3, ["82", "82", "10"]) is None  # which one?
+    assert parse_choice("3", 3, ["80", "82", "3"]) == 3  # a number in range is a number
+    assert parse_choice("7", 3, ["80", "82", "10"]) is None
+
+
+def test_chat_candidate_is_the_final_number_else_the_first_line():
+    assert chat_candidate("37 + 45 = 82") == "82"
+    assert chat_candidate("I do not know\nreally", 8) == "I do not"
+    assert chat_candidate("") == ""
+
+
+# --- solve_verify ----------------------------------------------------------------------------
+def test_solve_verify_chat_prompts_verdicts_retries_and_the_verdict_in_the_solver_reward():
+    # four first tries, then the retries of the two rejected answers (1 and 3)
+    solver = ChatEngine("solver", ["82", "73", "37 + 45 = 82", "I think 80", "82", "81"],
+                        version=3)
+    verifier = ChatEngine("verifier", ["Yes", "no", "No.", "maybe"], version=1)
+    wf = make_workflow("solve_verify", verdict_weight=0.25)
+    seqs = wf.run(arithmetic("solve_verify", "verifier"), {"solver": solver,
+                                                           "verifier": verifier}, 4)
+    firsts = [s for s in seqs if s.role == "solver"]
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    retries = [s for s in seqs if s.role == "solver_retry"]
+    # the solver gets the task's own prompt through its template
+    assert solver.prompts[0] == f"[user]{PROBLEM}[assistant]"
+    # the verifier sees the problem and one proposed answer (the final number), in words
+    assert verifier.prompts[1] == (f"[user]Problem: {PROBLEM}\nProposed answer: 73\nIs the "
+                                   "proposed answer correct? Reply with yes or no only."
+                                   "[assistant]")
+    assert [s.meta["verdict"] for s in verdicts] == ["y", "n", "n", "?"]
+    assert [s.meta["truth"] for s in verdicts] == ["1", "0", "1", "0"]
+    assert [s.reward for s in verdicts] == [1.0, 1.0, 0.0, 0.0]
+    # first tries: rightness, 0.25 of it the verdict (approved +0.25, rejected +0,
+    # unparseable: the reward alone)
+    assert [s.reward for s in firsts] == [1.0, 0.0, 0.75, 0.0]
+    # the rejected answers are retried in the conversation, scored by their rightness
+    assert [s.sample_index for s in retries] == [1, 2]
+    assert solver.prompts[1] == (f"[user]{PROBLEM}[assistant]73[user]{RETRY_MESSAGE}"
+                                 "[assistant]")
+    assert [s.reward for s in retries] == [1.0, 0.0]
+
+
+def test_solve_verify_chat_takes_a_reward_spec_and_refuses_the_blind_format():
+    solver = ChatEngine("solver", ["82", "80"])
+    verifier = ChatEngine("verifier", ["yes", "yes"])
+    wf = make_workflow("solve_verify", retry=False, reward={
+        "name": "sum", "terms": [{"name": "exact_match", "weight": 1.0},
+                                 {"name": "closeness", "alone": True, "weight": 0.5}]})
+    seqs = wf.run(arithmetic("solve_verify", "verifier"), {"solver": solver,
+                                                           "verifier": verifier}, 2)
+    rewards = [s.reward for s in seqs if s.role == "solver"]
+    # exact: 1 + 0.5 closeness; a near miss earns closeness only
+    assert rewards[0] == 1.5 and 0.0 < rewards[1] < 0.5
+    with pytest.raises(ValueError, match="blind"):
+        make_workflow("solve_verify", blind=True, prompt_format="chat")
+    blind = make_workflow("solve_verify", blind=True)
+    with pytest.raises(TaskError, match="blind"):
+        blind.run(arithmetic("solve_verify", "verifier"),
+                  {"solver": ChatEngine("solver"), "verifier": ChatEngine("verifier")}, 1)
+    with pytest.raises(ValueError, match="verdict_weight"):
+        make_workflow("solve_verify", verdict_weight=1.5)
+
+
+def test_auto_format_stays_compact_on_the_tiny_model():
+    solver = ScriptedEngine("solver", ["82"])
+    verifier = ScriptedEngine("verifier", ["82y"])
+    make_workflow("solve_verify").run(task("solve_verify", {"prompt": "37+45=", "answer": "82"},
+                                           ["solver", "verifier"]),
+                                      {"solver": solver, "verifier": verifier}, 1)
+    assert solver.prompts == ["37+45="] and verifier.prompts == ["37+45=82?"]
+
+
+# --- solve_select ----------------------------------------------------------------------------
+def test_solve_select_chat_picks_the_best_of_n_scaled_and_skips_ties():
+    # two picks over 3 answers each: (82, 80, 10) and three without a number
+    solver = ChatEngine("solver", ["82", "80", "10", "no idea", "?", "I do not know"])
+    selector = ChatEngine("selector", ["2", "Answer 1"])
+    wf = make_workflow("solve_select", candidates=3, reward={
+        "name": "sum", "terms": [{"name": "exact_match", "weight": 1.0},
+                                 {"name": "closeness", "alone": True, "weight": 0.5}]})
+    seqs = wf.run(arithmetic("solve_select", "selector"), {"solver": solver,
+                                                           "selector": selector}, 2)
+    picks = [s for s in seqs if s.role == "selector"]
+    assert selector.prompts[0] == (f"[user]Problem: {PROBLEM}\nAnswer 1: 82\nAnswer 2: 80\n"
+                                   "Answer 3: 10\nWhich answer is correct? Reply with its "
+                                   "number (1 to 3) only.[assistant]")
+    scores = [s.reward for s in seqs if s.role == "solver"]
+    assert scores[0] == 1.5 and scores[2] < scores[1] < 0.5
+    # pick 2 (80): between the worst (10) and the best (82) of its set
+    assert picks[0].reward == pytest.approx((scores[1] - scores[2]) / (1.5 - scores[2]))
+    assert picks[0].meta["right"] == "100" and picks[0].meta["tie"] == "0"
+    # the second set scores 0 three times: a tie, not trained
+    assert len(picks) == 1
+    m = SolveSelect.group_metrics(seqs)
+    assert m["select/solver_accuracy"] == pytest.approx(1 / 6)
+    assert m["select/exactly_one_rate"] == pytest.approx(1 / 2)
+    with pytest.raises(ValueError, match="candidates"):
+        make_workflow("solve_select", candidates=3, prompt_format="compact")
+    with pytest.raises(TaskError, match="candidates"):
+        make_workflow("solve_select", candidates=3).run(
+            task("solve_select", {"prompt": "37+45=", "answer": "82"}, ["solver", "selector"]),
+            {"solver": ScriptedEngine("solver"), "selector": ScriptedEngine("selector")}, 1)
+
+
+def test_solve_select_chat_unparseable_pick_gets_0():
+    solver = ChatEngine("solver", ["82", "81"])
+    selector = ChatEngine("selector", ["the first one"])
+    seqs = make_workflow("solve_select").run(arithmetic("solve_select", "selector"),
+                                             {"solver": solver, "selector": selector}, 1)
+    (pick,) = [s for s in seqs if s.role == "selector"]
+    assert pick.reward == 0.0 and pick.meta["pick"] == "?"
+
+
+# --- code: parsing, mutants, the mutation reward --------------------------------------------
+def test_assert_tests_and_programs_are_read_from_chat_replies():
+    reply = ('Here are tests:\n```python\nassert f(1) == 4\n    assert f(2) == 5, "two"\n'
+             'assert f(3) == 6.\nassert isinstance(f(1), int)\nassert f(1) == 4\n```')
+    assert parse_assert_tests(reply, "f", 1) == ([([1], 4), ([2], 5), ([3], 6)], 5)
+    assert parse_assert_tests("no tests", "f", 1) is None
+    assert parse_assert_tests("assert g(1) == 2", "f", 1) == ([], 1)
+    code = "Sure:\n```python\ndef f(x):\n    return x + 3\nprint(f(2))\n```\nDone."
+    assert extract_program(code, "f") == "def f(x):\n    return x + 3\n"
+    assert extract_program("def f(x, y):\n    return max(x, y)\n\nf(1, 2)", "f") == \
+        "def f(x, y):\n    return max(x, y)\n"
+    assert extract_program("def add(x):\n    return x + 3", "f") == ""
+
+
+def test_mutants_change_one_thing():
+    assert mutants("x+3") == ["x - 3", "x + 4", "x + 2"]
+    assert mutants("max(x,y)") == ["min(x, y)"]
+    assert mutants("sorted(xs)") == [] and mutants("(") == []
+    assert len(mutants("3*x+2*y", limit=4)) == 4
+    ns: dict = {}
+    exec(mutants_source(["x"], ["x+4", "1//x"]), ns)  # noqa: S102 - our own source
+    assert ns["f"](0) == [[True, 4], [False, None]]
+
+
+# square x then add 9; mutants x*x-9, x+x+9, x*x+10, x*x+8 (all told apart by the tests)
+CODE = CodeProblem("square x then add 9", ("x",), "x*x+9", 2,
+                   (((0,), 9), ((2,), 13), ((3,), 18), ((-1,), 10)))
+
+
+class CodeChatEngine(ChatEngine):
+    def __init__(self, policy: str, by_role: dict[str, list[str]]):
+        super().__init__(policy, [], version=5)
+        self.by_role = by_role
+
+    def next_reply(self, prompt: str, params) -> str:
+        assert params.stop == ()
+        return self.by_role["generator" if "test cases" in prompt else "solver"].pop(0)
+
+
+def code_replies() -> dict[str, list[str]]:
+    return {
+        "solver": ["def f(x):\n    return x*x+9",
+                   "Here:\n```python\ndef f(x):\n    return x*x\n```",  # fails, returns values
+                   "I cannot.",  # no program
+                   "def f(x):\n    return x+x+9"],  # right on 0 and 2 only
+        "generator": ["```python\nassert f(2) == 13\nassert f(0) == 9\n```",
+                      "assert f(3) == 18\nassert f(1) == 5\nassert f(2) == 4, 'sq'",
+                      "I cannot write tests.",
+                      "assert isinstance(f(1), int)\nassert f(0) == 9."],
+    }
+
+
+def run_code(**options):
+    replies = code_replies()
+    engines = {"solver": CodeChatEngine("solver", replies),
+               "generator": CodeChatEngine("generator", replies)}
+    wf = make_workflow("code_tests", generator_reward="mutation", **options)
+    seqs = wf.run(task("code_tests", CODE.payload(), ["solver", "generator"]), engines, 4)
+    return engines["solver"], seqs
+
+
+def test_code_tests_chat_rewards_the_generator_by_the_wrong_programs_its_valid_tests_catch():
+    engine, seqs = run_code()
+    sol = [s for s in seqs if s.role == "solver"]
+    gen = [s for s in seqs if s.role == "generator"]
+    assert engine.prompts[0].startswith("[user]Write a Python function `def f(x):` for this "
+                                        "task: square x then add 9.")
+    assert [s.reward for s in sol] == [1.0, 0.0, 0.0, 0.5]
+    assert [s.meta["status"] for s in sol] == ["ok", "ok", "empty", "ok"]
+    # wrong programs: 4 live mutants and the 2 failing attempts that return values.
+    # f(2)==13, f(0)==9: both valid, catch x*x-9, x*x+10, x*x+8 and `x*x` (4 of 6);
+    # f(3)==18 valid, 2 of 3 asserts wrong: 1/3 of the asserts times all 6 caught;
+    # unparseable: 0; f(0)==9 valid, one assert unusable: 1/2 times 4 of 6
+    assert [s.reward for s in gen] == pytest.approx([4 / 6, 1 / 3, 0.0, 1 / 3])
+    assert [s.meta.get("valid_share") for s in gen] == ["1.000", "0.333", "0.000", "0.500"]
+
+
+def test_code_tests_format_weight_pays_for_well_formed_asserts():
+    _, seqs = run_code(format_weight=0.5)
+    gen = [s.reward for s in seqs if s.role == "generator"]
+    # well-formed shares 2/2, 3/3, none, 1/2; half of each, plus half the reward above
+    assert gen == pytest.approx([0.5 + 0.5 * 4 / 6, 0.5 + 0.5 / 3, 0.0, 0.25 + 0.5 / 3])
+    with pytest.raises(ValueError, match="format_weight"):
+        make_workflow("code_tests", format_weight=2)
+
+
+def test_code_tests_new_options_are_checked():
+    with pytest.raises(ValueError, match="generator_reward"):
+        make_workflow("code_tests", generator_reward="coverage")
+    with pytest.raises(ValueError, match="prompt_format"):
+        make_workflow("code_tests", prompt_format="markdown")
+
+
+def test_the_held_out_tester_score_is_the_mutation_reward_without_attempts():
+    assert mutation_reward("assert f(2) == 13\nassert f(0) == 9", CODE) == pytest.approx(3 / 4)
+    assert mutation_reward("assert f(3) == 18\nassert f(1) == 1", CODE) == pytest.approx(1 / 2)
+    assert mutation_reward("nothing", CODE) == 0.0
+
+
+def test_held_out_judge_examples_are_balanced():
+    payloads = [{"prompt": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(10, 30)]
+    ver = chat_role_examples("verifier", payloads)
+    assert sum(e["label"] for e in ver) == 10
+    assert "Proposed answer: 20" in ver[0]["messages"][0]["content"]
+    sel = chat_role_examples("selector", payloads)
+    assert [e["label"] for e in sel[:4]] == [1, 2, 1, 2]
+    with pytest.raises(ValueError, match="role"):
+        chat_role_examples("coder", payloads)
+
+
+def test_a_code_role_needs_a_pretrained_model():
+    base = {"run": "r", "policies": {"solver": {"model": "m", "role": "coder"}}}
+    with pytest.raises(ValueError, match="role: a coder has no tiny warm start"):
+        parse_topology(base)
+    base["policies"]["solver"]["import_from"] = "smollm2"
+    assert parse_topology(base).policies["solver"].role == "coder"
