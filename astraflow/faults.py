@@ -9,7 +9,11 @@ until the next version). Used by the cluster chaos test and ``bench/cluster_faul
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,3 +122,18 @@ def stalls(times: dict[int, int], start_ms: int, end_ms: int,
     resume = max(known) if known and len(known) == len(each) else None
     return {"longest_gap_s": gap, "resume_s": resume, "resume_each_s": each,
             "versions_in_window": len(inside)}
+
+
+def kill_up(up: subprocess.Popen, run_dir: Path | str) -> None:
+    """SIGKILL an ``astraflow up`` and every component it started (its ``pids.json`` in
+    ``run_dir``): the teardown of a chaos test or bench whose run went wrong."""
+    pids = Path(run_dir) / "pids.json"
+    children = json.loads(pids.read_text()).values() if pids.exists() else []
+    if up.poll() is None:
+        up.kill()
+        up.wait(30)
+    for pid in children:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -42,7 +42,13 @@ sys.path.insert(0, str(REPO))
 
 from astraflow.audit import audit_run, newest_version, version_times, versions  # noqa: E402
 from astraflow.cluster import EmbeddedCluster  # noqa: E402
-from astraflow.faults import out_of_isr, pick_victim, stalls, transactional_ids  # noqa: E402
+from astraflow.faults import (  # noqa: E402
+    kill_up,
+    out_of_isr,
+    pick_victim,
+    stalls,
+    transactional_ids,
+)
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
 
 SCENARIOS = {"none": "baseline: no fault", "a": "SIGKILL of the weights leader",
@@ -108,16 +114,7 @@ class Run:
 
     def kill(self) -> None:
         """After a failure: ``up`` and every component it started."""
-        pids = self.runs / self.run / "pids.json"
-        children = json.loads(pids.read_text()).values() if pids.exists() else []
-        if self.up.poll() is None:
-            self.up.kill()
-            self.up.wait(30)
-        for pid in children:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_up(self.up, self.runs / self.run)
 
 
 def _rejoin(cluster: EmbeddedCluster, node: int) -> None:

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from .conftest import load_bench
 
-
-def _load():
-    """bench/fanout.py, registered in sys.modules first (its dataclasses look it up)."""
-    spec = importlib.util.spec_from_file_location("bench_fanout", REPO / "bench" / "fanout.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_bench("fanout")
 
 
 def test_percentile_interpolates_between_ranks():

@@ -4,9 +4,7 @@ rebalance and rate computations, the cell's topology and the plateau finder (no 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +15,12 @@ from astraflow.raas.workflows import make_workflow
 from astraflow.tasks.base import make_task
 from astraflow.topology import parse_topology
 
+from .conftest import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_scale():
-    """bench/scale.py as a module registered in ``sys.modules`` (its dataclasses look
-    their module up there)."""
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "scale.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-scale = _load_scale()
+scale = load_bench("scale")
 BASE = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
 
 

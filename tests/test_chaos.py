@@ -23,6 +23,7 @@ import yaml
 
 from astraflow.audit import audit_run, newest_version
 from astraflow.broker import EmbeddedBroker, _pid_alive, free_port
+from astraflow.faults import kill_up
 from astraflow.kafka.config import KafkaConfig
 
 from .conftest import random_name, wait_for
@@ -107,16 +108,7 @@ class Run:
 
     def kill(self) -> None:
         """Teardown after a failure: ``up`` and every component it started."""
-        pids_file = self.runs / self.run / "pids.json"
-        children = json.loads(pids_file.read_text()).values() if pids_file.exists() else []
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        for pid in children:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_up(self.proc, self.runs / self.run)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import yaml
 from astraflow.audit import audit_run, newest_version
 from astraflow.faults import (
     java_hash,
+    kill_up,
     out_of_isr,
     pick_victim,
     stalls,
@@ -107,16 +108,7 @@ class ClusterRun:
 
     def kill(self) -> None:
         """Teardown: ``up`` and every component it started."""
-        pids = self.runs / self.run / "pids.json"
-        children = json.loads(pids.read_text()).values() if pids.exists() else []
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        for pid in children:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_up(self.proc, self.runs / self.run)
 
 
 def assert_replicated_three_times(config: KafkaConfig, run: str) -> None:
