@@ -101,6 +101,9 @@ class SolveVerifyOptions(SamplingOptions):
     verdict_weight: float | None = Field(
         default=None, ge=0, le=1, description="default 0: the verdict's share of the "
         "solver's reward")
+    reference_candidates: int | None = Field(
+        default=None, ge=0, description="default 0: answers per prompt the verifier also "
+        "judges that are not the solver's (the right one and a wrong one in turn)")
 
     @field_validator("reward")
     @classmethod

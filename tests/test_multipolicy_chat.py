@@ -121,6 +121,37 @@ def test_solve_verify_chat_prompts_verdicts_retries_and_the_verdict_in_the_solve
     assert [s.reward for s in retries] == [1.0, 0.0]
 
 
+def test_solve_verify_reference_candidates_are_judged_but_never_trained_for_the_solver():
+    solver = ChatEngine("solver", ["73", "73", "83", "82"])  # two answers, two retries
+    verifier = ChatEngine("verifier", ["no", "no", "yes", "no", "yes"])
+    wf = make_workflow("solve_verify", reference_candidates=3, verdict_weight=0.25)
+    seqs = wf.run(arithmetic("solve_verify", "verifier"), {"solver": solver,
+                                                           "verifier": verifier}, 2)
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    # the solver's two answers (both wrong), then the right answer, a wrong one, the right one
+    assert [s.sample_index for s in verdicts] == [0, 1, 2, 3, 4]
+    assert [s.meta.get("source") for s in verdicts] == [None, None, "reference", "reference",
+                                                        "reference"]
+    assert [s.meta["answer"] for s in verdicts][2::2] == ["82", "82"]
+    wrong = verdicts[3].meta["answer"]
+    assert wrong != "82" and wrong.isdigit()
+    assert [s.meta["truth"] for s in verdicts] == ["0", "0", "1", "0", "1"]
+    assert [s.reward for s in verdicts] == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert verifier.prompts[3].startswith(f"[user]Problem: {PROBLEM}\nProposed answer: {wrong}")
+    # retries and the solver's rewards come from its own answers only
+    retries = [s for s in seqs if s.role == "solver_retry"]
+    assert [(s.sample_index, s.reward) for s in retries] == [(0, 0.0), (1, 1.0)]
+    assert [s.reward for s in seqs if s.role == "solver"] == [0.0, 0.0]
+    # the same task draws the same wrong candidate (a replay decides the same)
+    again = make_workflow("solve_verify", reference_candidates=3, retry=False).run(
+        arithmetic("solve_verify", "verifier"),
+        {"solver": ChatEngine("solver", ["73", "73"]),
+         "verifier": ChatEngine("verifier", ["no"] * 5)}, 2)
+    assert [s.meta["answer"] for s in again if s.role == "verifier"][3] == wrong
+    with pytest.raises(ValueError, match="reference_candidates"):
+        make_workflow("solve_verify", reference_candidates=-1)
+
+
 def test_solve_verify_chat_takes_a_reward_spec_and_refuses_the_blind_format():
     solver = ChatEngine("solver", ["82", "80"])
     verifier = ChatEngine("verifier", ["yes", "yes"])

@@ -19,6 +19,15 @@ With ``prompt_format: chat`` (``auto`` on a chat model) the verifier is asked in
 retried in the same conversation (``That answer is wrong. Try again. ...``);
 ``astraflow.roles.chat_formats``. The blind format is compact only.
 
+With ``reference_candidates`` r > 0 the verifier also judges r answers per prompt that are
+not the solver's: the right answer and a wrong one in turn (a forgotten carry or a near
+miss, ``astraflow.roles.teacher.wrong_answer``, drawn from a generator seeded by the task
+id), ``meta["source"] = "reference"``, sample indices n..n+r-1. Their verdicts are scored
+like the others; the solver is not trained on them and its rewards do not use them. They
+keep both classes in every group whatever the solver's accuracy: an untrained solver is
+nearly never right and a trained one nearly always, and a verifier that sees one class
+learns to give that verdict to everything (docs/multi-policy.md, "On the real model").
+
 Rewards: each solver sequence (first try or retry) is scored by the correctness of its own
 answer (``checker``, default ``astraflow.tasks.check_answer``; or the ``reward`` spec),
 and with ``verdict_weight`` w > 0 a first try's reward becomes ``(1 - w) * reward + w``
@@ -36,7 +45,7 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 answer).
 
 Options: those of ``astraflow.raas.workflows.two_policy``, and ``verdict_weight``
-(default 0), ``retry``, ``blind``,
+(default 0), ``retry``, ``blind``, ``reference_candidates`` (default 0),
 ``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
 retried; default all n -- the answers are independent samples, so the first m are a
 random subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per
@@ -46,6 +55,7 @@ rollout after its three phases, the time the task's environment takes, as
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,6 +82,7 @@ from astraflow.roles.formats import (
     retry_prompt,
     verify_prompt,
 )
+from astraflow.roles.teacher import wrong_answer
 from astraflow.tasks.check import cut_at_stop
 
 ROLE_RETRY = "solver_retry"
@@ -99,6 +110,7 @@ class SolveVerify(TwoPolicyWorkflow):
         prompt_format: str = "auto",
         reward: Any = None,
         verdict_weight: float = 0.0,
+        reference_candidates: int = 0,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
@@ -107,6 +119,12 @@ class SolveVerify(TwoPolicyWorkflow):
             raise ValueError("verdicts_per_prompt must be at least 1")
         if not 0.0 <= verdict_weight <= 1.0:
             raise ValueError(f"verdict_weight must be in [0, 1], not {verdict_weight}")
+        if reference_candidates < 0:
+            raise ValueError("reference_candidates must be 0 or more, not "
+                             f"{reference_candidates}")
+        if blind and reference_candidates:
+            raise ValueError("reference_candidates: the verifier's seen format only, not "
+                             "blind")
         if blind and prompt_format == "chat":
             raise ValueError("blind: the compact (tiny-model) format only, not prompt_format "
                              "chat")
@@ -114,6 +132,7 @@ class SolveVerify(TwoPolicyWorkflow):
         self.retry = bool(retry)
         self.blind = bool(blind)
         self.verdicts_per_prompt = verdicts_per_prompt
+        self.reference_candidates = int(reference_candidates)
         self.env_latency = Latency.from_option(env_latency)
 
     @property
@@ -147,12 +166,16 @@ class SolveVerify(TwoPolicyWorkflow):
 
         m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
         prompts = [str(payload["prompt"]) for _, payload, _ in live]
-        judge = self._judge_blind if self.blind else self._judge_seen
-        judged = judge(verifier, prompts, [c[:m] for c in cands], [r[:m] for r in right], m,
-                       chat=chat)
+        if self.blind:
+            judged = self._judge_blind(verifier, prompts, [c[:m] for c in cands],
+                                       [r[:m] for r in right], m)
+        else:
+            shown = [self._shown(tasks[i].task_id, payload, cands[k][:m], right[k][:m], n)
+                     for k, (i, payload, _) in enumerate(live)]
+            judged = self._judge_seen(verifier, prompts, shown, chat=chat)
 
-        rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT]
-                    if self.retry else [] for seqs in judged]
+        rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT
+                     and s.sample_index < m] if self.retry else [] for seqs in judged]
         r_ids = [[self._retry_ids(solver, prompts[k], cands[k][j], texts[k][j], chat)
                   for j in rej] for k, rej in enumerate(rejected)]
         r_all = [x for ids in r_ids for x in ids]
@@ -221,28 +244,42 @@ class SolveVerify(TwoPolicyWorkflow):
         s.role = ROLE_VERIFIER
         return s
 
-    def _judge_seen(self, verifier: Engine, prompts: list[str], cands: list[list[str]],
-                    right: list[list[bool]], n: int, chat: bool = False) -> list[list[Sequence]]:
-        """One turn per candidate: ``37+45=82?`` -> ``82y`` (chat: the problem and the
-        proposed answer -> ``yes``/``no``)."""
+    def _shown(self, task_id: str, payload: Mapping[str, Any], cands: list[str],
+               right: list[bool], n: int) -> list[tuple[int, str, bool, dict[str, str]]]:
+        """What the verifier judges for one prompt: ``(sample index, candidate, truth,
+        meta)`` for the solver's answers, then the reference candidates (module doc)."""
+        shown = [(j, c, ok, {}) for j, (c, ok) in enumerate(zip(cands, right))]
+        rng = random.Random(f"reference:{task_id}")
+        problem, answer = str(payload["prompt"]), str(payload["answer"])
+        for r in range(self.reference_candidates):
+            truth = r % 2 == 0
+            cand = answer if truth else wrong_answer(problem, answer, rng)[0]
+            shown.append((n + r, cand, truth, {"source": "reference"}))
+        return shown
+
+    def _judge_seen(self, verifier: Engine, prompts: list[str],
+                    shown: list[list[tuple[int, str, bool, dict[str, str]]]],
+                    chat: bool = False) -> list[list[Sequence]]:
+        """One turn per candidate shown (``_shown``): ``37+45=82?`` -> ``82y`` (chat: the
+        problem and the proposed answer -> ``yes``/``no``)."""
         def ids_of(prompt: str, c: str) -> list[int]:
             if chat:
                 return self.chat_ids(verifier, verify_messages(prompt, c))
             return encode_prompt(verifier, verify_prompt(prompt, c))
 
         parse = parse_yes_no if chat else parse_verdict
-        v_ids = [[ids_of(prompt, c) for c in cs] for prompt, cs in zip(prompts, cands)]
-        v_flat = verifier.generate([x for ids in v_ids for x in ids],
-                                   sampling_params(self.judge_sampling, verifier, 1))
+        v_ids = [[ids_of(prompt, c) for _, c, _, _ in row] for prompt, row in zip(prompts, shown)]
+        v_flat = iter(verifier.generate([x for ids in v_ids for x in ids],
+                                        sampling_params(self.judge_sampling, verifier, 1)))
         out = []
-        for k, ids_k in enumerate(v_ids):
+        for ids_k, row_k in zip(v_ids, shown):
             row = []
-            for j, ids in enumerate(ids_k):
-                g = v_flat[k * n + j][0]
+            for ids, (j, cand, truth, meta) in zip(ids_k, row_k):
+                g = next(v_flat)[0]
                 b = SequenceBuilder(self.verifier_policy, ids, j)
                 b.add_generated(g)
-                row.append(self._verdict(b, parse(verifier.decode(g.token_ids)),
-                                         right[k][j], cands[k][j]))
+                row.append(self._verdict(b, parse(verifier.decode(g.token_ids)), truth, cand,
+                                         **meta))
             out.append(row)
         return out
 
