@@ -166,13 +166,8 @@ class SolveVerify(TwoPolicyWorkflow):
 
         m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
         prompts = [str(payload["prompt"]) for _, payload, _ in live]
-        if self.blind:
-            judged = self._judge_blind(verifier, prompts, [c[:m] for c in cands],
-                                       [r[:m] for r in right], m)
-        else:
-            shown = [self._shown(tasks[i].task_id, payload, cands[k][:m], right[k][:m], n)
-                     for k, (i, payload, _) in enumerate(live)]
-            judged = self._judge_seen(verifier, prompts, shown, chat=chat)
+        judged = self._judge(verifier, [tasks[i].task_id for i, *_ in live],
+                             [payload for _, payload, _ in live], cands, right, m, n, chat)
 
         rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT
                      and s.sample_index < m] if self.retry else [] for seqs in judged]
@@ -243,6 +238,19 @@ class SolveVerify(TwoPolicyWorkflow):
         s = b.build(float(v is not None and v == truth))
         s.role = ROLE_VERIFIER
         return s
+
+    def _judge(self, verifier: Engine, task_ids: list[str], payloads: list[dict[str, Any]],
+               cands: list[list[str]], right: list[list[bool]], m: int, n: int,
+               chat: bool) -> list[list[Sequence]]:
+        """Per task, the verdicts on the first ``m`` answers (and the reference
+        candidates)."""
+        prompts = [str(p["prompt"]) for p in payloads]
+        if self.blind:
+            return self._judge_blind(verifier, prompts, [c[:m] for c in cands],
+                                     [r[:m] for r in right], m)
+        shown = [self._shown(t, p, c[:m], r[:m], n)
+                 for t, p, c, r in zip(task_ids, payloads, cands, right)]
+        return self._judge_seen(verifier, prompts, shown, chat=chat)
 
     def _shown(self, task_id: str, payload: Mapping[str, Any], cands: list[str],
                right: list[bool], n: int) -> list[tuple[int, str, bool, dict[str, str]]]:
