@@ -79,8 +79,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    "held-out code specs passed (coder) or the test generator's mutation "
                    "reward (tester) on the code tasks' held-out split")
     r.add_argument("--blind", action="store_true",
-                   help="a verifier of the two-turn format (`model init-role --blind`): its "
-                   "own answer first, then the candidate and its verdict")
+                   help="a verifier that answers first: its own answer, then the candidate "
+                   "and its verdict (the compact two-turn format of `model init-role "
+                   "--blind`, or in words on a chat model)")
     r.set_defaults(func=cmd_eval_run)
     return subparsers.choices["eval"]
 
@@ -156,7 +157,8 @@ def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], floa
 def _judge_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float], int]:
     """A verifier's (selector's) held-out accuracy: in the compact formats on a model
     without a chat template (the tiny one), else asked in words about the held-out
-    problems (``--dataset``, else synthetic arithmetic) with known candidates."""
+    problems (``--dataset``, else synthetic arithmetic) with known candidates (``--blind``:
+    the verifier answers each problem before it judges)."""
     from astraflow.chat import ChatFormat
     from astraflow.models.examples import task_payload
     from astraflow.roles.chat_scoring import chat_role_scorer
@@ -165,10 +167,9 @@ def _judge_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float]
     compact = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
                           args.max_new_tokens, blind=args.blind)
     chat = args.chat or ChatFormat()
-    if args.blind:
-        return compact, args.size
     payloads = [task_payload(t) for t in held_out_tasks(args)]
-    in_words = chat_role_scorer(args.role, payloads, chat, args.max_new_tokens)
+    in_words = chat_role_scorer(args.role, payloads, chat, args.max_new_tokens,
+                                blind=args.blind)
 
     def score(model: Any, tokenizer: Any) -> float:
         use = in_words if chat.uses_template(tokenizer) else compact

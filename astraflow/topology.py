@@ -299,7 +299,9 @@ class PolicyEvalSpec(_Strict):
     size: int | None = Field(default=None, ge=1)
     max_new_tokens: int | None = Field(default=None, ge=1)
     levels: Levels | None = None
-    blind: bool = Field(default=False, description="a blind verifier (warm_start.blind)")
+    blind: bool = Field(default=False, description="a blind verifier: it answers each "
+                        "problem before it judges (warm_start.blind, or solve_verify's blind "
+                        "chat format)")
 
 
 SOLVER_ONLY = ("until", "retry_share", "retry_slip")

@@ -152,7 +152,36 @@ def test_solve_verify_reference_candidates_are_judged_but_never_trained_for_the_
         make_workflow("solve_verify", reference_candidates=-1)
 
 
-def test_solve_verify_chat_takes_a_reward_spec_and_refuses_the_blind_format():
+def test_solve_verify_blind_chat_answers_first_then_judges_with_its_answer_in_view():
+    solver = ChatEngine("solver", ["82", "73"])
+    # own answers (one per candidate: 2 of the solver's, 2 reference), then the verdicts
+    verifier = ChatEngine("verifier", ["82", "The answer is 82.", "80", "82",
+                                       "yes", "yes", "no", "no"])
+    wf = make_workflow("solve_verify", blind=True, retry=False, reference_candidates=2)
+    seqs = wf.run(arithmetic("solve_verify", "verifier"), {"solver": solver,
+                                                           "verifier": verifier}, 2)
+    owns = [s for s in seqs if s.role == "verifier_own"]
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    # the own answer is the task's own prompt, rewarded as the solver's answers are
+    assert verifier.prompts[0] == f"[user]{PROBLEM}[assistant]"
+    assert [(s.meta["own"], s.reward) for s in owns] == [("82", 1.0), ("82", 1.0),
+                                                         ("80", 0.0), ("82", 1.0)]
+    # then its answer is its turn, and it is shown the candidate
+    wrong = verdicts[3].meta["answer"]
+    assert verifier.prompts[1] == (f"[user]{PROBLEM}[assistant]82[user]Proposed answer: 82\n"
+                                   "Is the proposed answer correct? Reply with yes or no only."
+                                   "[assistant]")
+    assert [s.meta["answer"] for s in verdicts] == ["82", "73", "82", wrong]
+    assert [s.meta["truth"] for s in verdicts] == ["1", "0", "1", "0"]
+    assert [s.meta["own_matches"] for s in verdicts] == ["1", "0", "0", "0"]
+    assert [s.reward for s in verdicts] == [1.0, 0.0, 0.0, 1.0]
+    assert [s.sample_index for s in verdicts] == [0, 1, 2, 3]
+    # the solver's first tries: its own answers only
+    assert [s.reward for s in seqs if s.role == "solver"] == [1.0, 0.0]
+    assert wf.group_metrics(seqs)["verify/verifier_accuracy"] == 0.5
+
+
+def test_solve_verify_chat_takes_a_reward_spec():
     solver = ChatEngine("solver", ["82", "80"])
     verifier = ChatEngine("verifier", ["yes", "yes"])
     wf = make_workflow("solve_verify", retry=False, reward={
@@ -163,12 +192,6 @@ def test_solve_verify_chat_takes_a_reward_spec_and_refuses_the_blind_format():
     rewards = [s.reward for s in seqs if s.role == "solver"]
     # exact: 1 + 0.5 closeness; a near miss earns closeness only
     assert rewards[0] == 1.5 and 0.0 < rewards[1] < 0.5
-    with pytest.raises(ValueError, match="blind"):
-        make_workflow("solve_verify", blind=True, prompt_format="chat")
-    blind = make_workflow("solve_verify", blind=True)
-    with pytest.raises(TaskError, match="blind"):
-        blind.run(arithmetic("solve_verify", "verifier"),
-                  {"solver": ChatEngine("solver"), "verifier": ChatEngine("verifier")}, 1)
     with pytest.raises(ValueError, match="verdict_weight"):
         make_workflow("solve_verify", verdict_weight=1.5)
 
@@ -331,6 +354,35 @@ def test_held_out_judge_examples_are_balanced():
     assert [e["label"] for e in sel[:4]] == [1, 2, 1, 2]
     with pytest.raises(ValueError, match="role"):
         chat_role_examples("coder", payloads)
+
+
+@pytest.mark.parametrize("knows,want", [(True, 1.0), (False, 0.5)])
+def test_a_blind_verifier_is_scored_on_its_own_answer_then_its_verdict(monkeypatch, knows,
+                                                                     want):
+    import re
+
+    import astraflow.roles.chat_scoring as scoring
+    from astraflow.chat import ChatFormat
+
+    payloads = [{"prompt": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(10, 20)]
+    asked = []
+
+    def fake_generate(model, tokenizer, prompts, max_new_tokens=8, **kw):
+        asked.append(prompts)
+        if "Proposed answer" not in prompts[0]:  # the problem alone: the own answer
+            return [str(2 * int(re.search(r"(\d+)\+", p).group(1))) if knows else "0"
+                    for p in prompts]
+        # judges by its own answer: yes when the candidate is what it answered
+        return ["yes" if re.search(r"\[assistant\](\d+)\[user\]Proposed answer: (\d+)",
+                                   p).group(1) == re.search(r"answer: (\d+)", p).group(1)
+                else "no" for p in prompts]
+
+    monkeypatch.setattr(scoring, "generate_answers", fake_generate)
+    score = scoring.chat_role_scorer("verifier", payloads, ChatFormat(), 8, blind=True)
+    assert score(None, ChatTokenizer()) == want
+    assert asked[0][0] == "[user]What is 10+10?[assistant]"
+    with pytest.raises(ValueError, match="blind"):
+        scoring.chat_role_scorer("selector", payloads, ChatFormat(), blind=True)
 
 
 def test_a_code_role_needs_a_pretrained_model():

@@ -9,6 +9,8 @@ role        user message                                 reply
 ==========  ===========================================  ================================
 verifier    ``Problem: ...`` / ``Proposed answer: 82`` /  ``yes`` or ``no`` (first word)
             ``Is the proposed answer correct? ...``
+blind       the task's own prompt, then (its answer as   its own answer, then ``yes`` or
+verifier    its turn) ``Proposed answer: 82`` / ...      ``no``
 selector    ``Problem: ...`` / ``Answer 1: 82`` ...       the number of the best answer
             ``Which answer is correct? ...``             (the first number in the reply,
                                                          or the one answer it repeats)
@@ -42,6 +44,15 @@ def verify_messages(problem: str, candidate: str) -> dict[str, Any]:
     """The verifier's prompt: the problem, a proposed answer, reply yes or no."""
     return user(f"Problem: {problem}\nProposed answer: {candidate}\n"
                 "Is the proposed answer correct? Reply with yes or no only.")
+
+
+def own_verdict_messages(problem: str, own: str, candidate: str) -> dict[str, Any]:
+    """The blind verifier's second turn: the problem, its own answer as its turn, then a
+    proposed answer to judge (yes or no)."""
+    return {"messages": [{"role": "user", "content": problem},
+                         {"role": "assistant", "content": own},
+                         {"role": "user", "content": f"Proposed answer: {candidate}\n"
+                          "Is the proposed answer correct? Reply with yes or no only."}]}
 
 
 def select_messages(problem: str, candidates: Sequence[str]) -> dict[str, Any]:
@@ -94,5 +105,5 @@ def chat_candidate(completion: str, max_chars: int = 12) -> str:
     return lines[0].strip()[:max_chars]
 
 
-__all__ = ["RETRY_MESSAGE", "chat_candidate", "parse_choice", "parse_yes_no",
-           "retry_messages", "select_messages", "user", "verify_messages"]
+__all__ = ["RETRY_MESSAGE", "chat_candidate", "own_verdict_messages", "parse_choice",
+           "parse_yes_no", "retry_messages", "select_messages", "user", "verify_messages"]

@@ -8,6 +8,8 @@ send (``chat_formats``), on held-out problems with known candidates.
   in turn: always ``1`` scores 0.5).
 
 Wrong candidates are near misses of the right answer (``teacher.wrong_answer``).
+A blind verifier (``blind``, the ``solve_verify`` blind chat format) first answers the
+problem, greedy, and then judges the candidate with its answer in view.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any
 
 from astraflow.models.evaluation import generate_answers
 from astraflow.roles.chat_formats import (
+    own_verdict_messages,
     parse_choice,
     parse_yes_no,
     select_messages,
     verify_messages,
 )
 from astraflow.roles.teacher import wrong_answer
+from astraflow.tasks.check import cut_at_stop
 
 
 def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
@@ -37,8 +41,9 @@ def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
         wrong = wrong_answer(problem, answer, rng)[0]
         if role == "verifier":
             truth = i % 2 == 0
-            out.append({**verify_messages(problem, answer if truth else wrong),
-                        "label": truth})
+            shown = answer if truth else wrong
+            out.append({**verify_messages(problem, shown), "label": truth,
+                        "candidate": shown})
         elif role == "selector":
             slot = 1 + i % 2
             pair = [answer, wrong] if slot == 1 else [wrong, answer]
@@ -49,12 +54,18 @@ def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
 
 
 def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any,
-                     max_new_tokens: int = 4) -> Callable[[Any, Any], float]:
+                     max_new_tokens: int = 4, blind: bool = False
+                     ) -> Callable[[Any, Any], float]:
     """``score(model, tokenizer)``: greedy verdict (pick) accuracy on ``payloads``'
-    examples, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``)."""
+    examples, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``); ``blind``:
+    the verifier answers each problem first (module doc)."""
     examples = chat_role_examples(role, payloads)
     if not examples:
         raise ValueError("a role evaluation needs held-out problems")
+    if blind:
+        if role != "verifier":
+            raise ValueError(f"blind: a verifier only, not {role}")
+        return _blind_scorer(payloads, examples, chat, max_new_tokens)
 
     def score(model: Any, tokenizer: Any) -> float:
         prompts = [chat.prompt_text(tokenizer, e) for e in examples]
@@ -62,6 +73,24 @@ def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any
         got = [parse_yes_no(r) if role == "verifier" else parse_choice(r, 2, e["answers"])
                for r, e in zip(replies, examples)]
         return sum(g is not None and g == e["label"] for g, e in zip(got, examples)) / len(
+            examples)
+
+    return score
+
+
+def _blind_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str, Any]],
+                  chat: Any, max_new_tokens: int) -> Callable[[Any, Any], float]:
+    problems = [str(p["prompt"]) for p in payloads]
+    shown = [e["candidate"] for e in examples]
+
+    def score(model: Any, tokenizer: Any) -> float:
+        owns = generate_answers(model, tokenizer, [
+            chat.prompt_text(tokenizer, {"prompt": p}) for p in problems],
+            max_new_tokens=max_new_tokens)
+        replies = generate_answers(model, tokenizer, [
+            chat.prompt_text(tokenizer, own_verdict_messages(p, cut_at_stop(o).strip(), c))
+            for p, o, c in zip(problems, owns, shown)], max_new_tokens=max_new_tokens)
+        return sum(parse_yes_no(r) == e["label"] for r, e in zip(replies, examples)) / len(
             examples)
 
     return score

@@ -17,7 +17,13 @@
 With ``prompt_format: chat`` (``auto`` on a chat model) the verifier is asked in words
 (the problem, ``Proposed answer: 82``, reply ``yes`` or ``no``), and a rejected answer is
 retried in the same conversation (``That answer is wrong. Try again. ...``);
-``astraflow.roles.chat_formats``. The blind format is compact only.
+``astraflow.roles.chat_formats``. ``blind`` in chat: the verifier first answers the task's
+own prompt (one answer per candidate, role ``verifier_own``, rewarded as the solver's
+answers are), then, with its answer as its turn, is shown the candidate and replies
+``yes`` or ``no`` (role ``verifier``; ``meta`` ``own``, ``own_matches``). A verifier that
+must work the answer out before it judges can learn to judge by learning the task, which a
+small model cannot do in one yes/no token. Route with ``split_roles: true`` so the two
+roles are separate GRPO groups.
 
 With ``reference_candidates`` r > 0 the verifier also judges r answers per prompt that are
 not the solver's: the right answer and a wrong one in turn (a forgotten carry or a near
@@ -72,7 +78,12 @@ from astraflow.raas.workflows.sequences import (
 )
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
 from astraflow.records import Sequence, Task
-from astraflow.roles.chat_formats import parse_yes_no, retry_messages, verify_messages
+from astraflow.roles.chat_formats import (
+    own_verdict_messages,
+    parse_yes_no,
+    retry_messages,
+    verify_messages,
+)
 from astraflow.roles.formats import (
     APPROVE,
     OWN_END,
@@ -87,6 +98,7 @@ from astraflow.tasks.check import cut_at_stop
 
 ROLE_RETRY = "solver_retry"
 ROLE_VERIFIER = "verifier"
+ROLE_OWN = "verifier_own"
 
 
 @register_workflow("solve_verify")
@@ -122,12 +134,8 @@ class SolveVerify(TwoPolicyWorkflow):
         if reference_candidates < 0:
             raise ValueError("reference_candidates must be 0 or more, not "
                              f"{reference_candidates}")
-        if blind and reference_candidates:
-            raise ValueError("reference_candidates: the verifier's seen format only, not "
-                             "blind")
-        if blind and prompt_format == "chat":
-            raise ValueError("blind: the compact (tiny-model) format only, not prompt_format "
-                             "chat")
+        if blind and reference_candidates and prompt_format == "compact":
+            raise ValueError("reference_candidates: not with the compact blind format")
         self.verdict_weight = float(verdict_weight)
         self.retry = bool(retry)
         self.blind = bool(blind)
@@ -150,9 +158,9 @@ class SolveVerify(TwoPolicyWorkflow):
         def prepare(task: Task):
             payload, solver, verifier, checker = self._start(task, engines)
             chat = self.chat(solver)
-            if chat and self.blind:
-                raise TaskError("blind: the verifier's two-turn format is the compact "
-                                "(tiny-model) one; this is a chat model (prompt_format)")
+            if self.blind and self.reference_candidates and not chat:
+                raise TaskError("reference_candidates: not with the compact blind format "
+                                "(this model has no chat template)")
             return payload, self.solver_ids(solver, str(payload["prompt"]), chat), (
                 solver, verifier, checker, chat)
 
@@ -166,10 +174,10 @@ class SolveVerify(TwoPolicyWorkflow):
 
         m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
         prompts = [str(payload["prompt"]) for _, payload, _ in live]
-        judged = self._judge(verifier, [tasks[i].task_id for i, *_ in live],
+        judged = self._judge(verifier, checker, [tasks[i].task_id for i, *_ in live],
                              [payload for _, payload, _ in live], cands, right, m, n, chat)
 
-        rejected = [[s.sample_index for s in seqs if s.meta["verdict"] == REJECT
+        rejected = [[s.sample_index for s in seqs if s.meta.get("verdict") == REJECT
                      and s.sample_index < m] if self.retry else [] for seqs in judged]
         r_ids = [[self._retry_ids(solver, prompts[k], cands[k][j], texts[k][j], chat)
                   for j in rej] for k, rej in enumerate(rejected)]
@@ -178,7 +186,8 @@ class SolveVerify(TwoPolicyWorkflow):
 
         at = 0
         for k, (i, payload, p_ids) in enumerate(live):
-            verdicts = {s.sample_index: s.meta["verdict"] for s in judged[k]}
+            verdicts = {s.sample_index: s.meta["verdict"] for s in judged[k]
+                        if s.role == ROLE_VERIFIER}
             out: list[Sequence] = []
             for j, g in enumerate(firsts[k]):
                 ok = right[k][j]
@@ -239,18 +248,54 @@ class SolveVerify(TwoPolicyWorkflow):
         s.role = ROLE_VERIFIER
         return s
 
-    def _judge(self, verifier: Engine, task_ids: list[str], payloads: list[dict[str, Any]],
-               cands: list[list[str]], right: list[list[bool]], m: int, n: int,
-               chat: bool) -> list[list[Sequence]]:
+    def _judge(self, verifier: Engine, checker: Checker, task_ids: list[str],
+               payloads: list[dict[str, Any]], cands: list[list[str]],
+               right: list[list[bool]], m: int, n: int, chat: bool) -> list[list[Sequence]]:
         """Per task, the verdicts on the first ``m`` answers (and the reference
         candidates)."""
         prompts = [str(p["prompt"]) for p in payloads]
-        if self.blind:
+        if self.blind and not chat:
             return self._judge_blind(verifier, prompts, [c[:m] for c in cands],
                                      [r[:m] for r in right], m)
         shown = [self._shown(t, p, c[:m], r[:m], n)
                  for t, p, c, r in zip(task_ids, payloads, cands, right)]
+        if self.blind:
+            return self._judge_own_first(verifier, checker, payloads, shown)
         return self._judge_seen(verifier, prompts, shown, chat=chat)
+
+    def _judge_own_first(self, verifier: Engine, checker: Checker,
+                         payloads: list[dict[str, Any]],
+                         shown: list[list[tuple[int, str, bool, dict[str, str]]]]
+                         ) -> list[list[Sequence]]:
+        """The blind chat format (module doc): own answers, then one verdict each."""
+        p_ids = [self.chat_ids(verifier, {"prompt": str(p["prompt"])}) for p in payloads]
+        owns = verifier.generate(p_ids, sampling_params(self.judge_sampling, verifier,
+                                                        len(shown[0])))
+        out, v_ids = [], []
+        for k, (payload, row) in enumerate(zip(payloads, shown)):
+            problem, answer = str(payload["prompt"]), str(payload["answer"])
+            seqs = []
+            for g, (j, cand, truth, meta) in zip(owns[k], row):
+                text = verifier.decode(g.token_ids)
+                own, ok = self.candidate(text, True), checker(text, answer) > 0.5
+                seqs.append(role_sequence(self.verifier_policy, ROLE_OWN, p_ids[k], g, j,
+                                          self.answer_reward(text, payload, ok), own=own,
+                                          correct=flag(ok), truth=flag(truth), **meta))
+                v_ids.append(self.chat_ids(verifier, own_verdict_messages(
+                    problem, cut_at_stop(text).strip(), cand)))
+            out.append(seqs)
+        verdicts = iter(zip(v_ids, verifier.generate(v_ids, sampling_params(
+            self.judge_sampling, verifier, 1))))
+        for seqs, row in zip(out, shown):
+            for own_seq, (j, cand, truth, meta) in zip(list(seqs), row):
+                ids, gens = next(verdicts)
+                b = SequenceBuilder(self.verifier_policy, ids, j)
+                b.add_generated(gens[0])
+                own = own_seq.meta["own"]
+                seqs.append(self._verdict(b, parse_yes_no(verifier.decode(gens[0].token_ids)),
+                                          truth, cand, own=own,
+                                          own_matches=flag(own == cand), **meta))
+        return out
 
     def _shown(self, task_id: str, payload: Mapping[str, Any], cands: list[str],
                right: list[bool], n: int) -> list[tuple[int, str, bool, dict[str, str]]]:
