@@ -174,11 +174,13 @@ class SolveVerify(TwoPolicyWorkflow):
 
         m = min(n, self.verdicts_per_prompt or n)  # answers 0..m-1 are judged
         prompts = [str(payload["prompt"]) for _, payload, _ in live]
-        judged = self._judge(verifier, checker, [tasks[i].task_id for i, *_ in live],
+        judged = self._judge(verifier, checker, [tasks[i].task_id for i, *_ in live], prompts,
                              [payload for _, payload, _ in live], cands, right, m, n, chat)
-
-        rejected = [[s.sample_index for s in seqs if s.meta.get("verdict") == REJECT
-                     and s.sample_index < m] if self.retry else [] for seqs in judged]
+        # per task, the verdicts on the solver's own answers (not the reference candidates)
+        verdicts = [{s.sample_index: s.meta["verdict"] for s in seqs
+                     if s.role == ROLE_VERIFIER and s.sample_index < m} for seqs in judged]
+        rejected = [[j for j, v in vs.items() if v == REJECT] if self.retry else []
+                    for vs in verdicts]
         r_ids = [[self._retry_ids(solver, prompts[k], cands[k][j], texts[k][j], chat)
                   for j in rej] for k, rej in enumerate(rejected)]
         r_all = [x for ids in r_ids for x in ids]
@@ -186,12 +188,10 @@ class SolveVerify(TwoPolicyWorkflow):
 
         at = 0
         for k, (i, payload, p_ids) in enumerate(live):
-            verdicts = {s.sample_index: s.meta["verdict"] for s in judged[k]
-                        if s.role == ROLE_VERIFIER}
             out: list[Sequence] = []
             for j, g in enumerate(firsts[k]):
                 ok = right[k][j]
-                reward = self._first_reward(texts[k][j], payload, ok, verdicts.get(j))
+                reward = self._first_reward(texts[k][j], payload, ok, verdicts[k].get(j))
                 out.append(role_sequence(self.solver_policy, ROLE_SOLVER, p_ids, g, j,
                                          reward, attempt="1", answer=cands[k][j],
                                          correct=flag(ok)))
@@ -249,52 +249,46 @@ class SolveVerify(TwoPolicyWorkflow):
         return s
 
     def _judge(self, verifier: Engine, checker: Checker, task_ids: list[str],
-               payloads: list[dict[str, Any]], cands: list[list[str]],
+               prompts: list[str], payloads: list[dict[str, Any]], cands: list[list[str]],
                right: list[list[bool]], m: int, n: int, chat: bool) -> list[list[Sequence]]:
         """Per task, the verdicts on the first ``m`` answers (and the reference
         candidates)."""
-        prompts = [str(p["prompt"]) for p in payloads]
         if self.blind and not chat:
             return self._judge_blind(verifier, prompts, [c[:m] for c in cands],
                                      [r[:m] for r in right], m)
         shown = [self._shown(t, p, c[:m], r[:m], n)
                  for t, p, c, r in zip(task_ids, payloads, cands, right)]
         if self.blind:
-            return self._judge_own_first(verifier, checker, payloads, shown)
+            return self._judge_own_first(verifier, checker, prompts, payloads, shown)
         return self._judge_seen(verifier, prompts, shown, chat=chat)
 
-    def _judge_own_first(self, verifier: Engine, checker: Checker,
+    def _judge_own_first(self, verifier: Engine, checker: Checker, prompts: list[str],
                          payloads: list[dict[str, Any]],
                          shown: list[list[tuple[int, str, bool, dict[str, str]]]]
                          ) -> list[list[Sequence]]:
         """The blind chat format (module doc): own answers, then one verdict each."""
-        p_ids = [self.chat_ids(verifier, {"prompt": str(p["prompt"])}) for p in payloads]
+        p_ids = [self.chat_ids(verifier, {"prompt": prompt}) for prompt in prompts]
         owns = verifier.generate(p_ids, sampling_params(self.judge_sampling, verifier,
                                                         len(shown[0])))
-        out, v_ids = [], []
+        out: list[list[Sequence]] = [[] for _ in shown]
+        asked = []  # (task, sample index, candidate, truth, meta, own answer, verdict prompt)
         for k, (payload, row) in enumerate(zip(payloads, shown)):
-            problem, answer = str(payload["prompt"]), str(payload["answer"])
-            seqs = []
             for g, (j, cand, truth, meta) in zip(owns[k], row):
                 text = verifier.decode(g.token_ids)
-                own, ok = self.candidate(text, True), checker(text, answer) > 0.5
-                seqs.append(role_sequence(self.verifier_policy, ROLE_OWN, p_ids[k], g, j,
-                                          self.answer_reward(text, payload, ok), own=own,
-                                          correct=flag(ok), truth=flag(truth), **meta))
-                v_ids.append(self.chat_ids(verifier, own_verdict_messages(
-                    problem, cut_at_stop(text).strip(), cand)))
-            out.append(seqs)
-        verdicts = iter(zip(v_ids, verifier.generate(v_ids, sampling_params(
-            self.judge_sampling, verifier, 1))))
-        for seqs, row in zip(out, shown):
-            for own_seq, (j, cand, truth, meta) in zip(list(seqs), row):
-                ids, gens = next(verdicts)
-                b = SequenceBuilder(self.verifier_policy, ids, j)
-                b.add_generated(gens[0])
-                own = own_seq.meta["own"]
-                seqs.append(self._verdict(b, parse_yes_no(verifier.decode(gens[0].token_ids)),
-                                          truth, cand, own=own,
-                                          own_matches=flag(own == cand), **meta))
+                own, ok = self.candidate(text, True), checker(text, str(payload["answer"])) > 0.5
+                out[k].append(role_sequence(
+                    self.verifier_policy, ROLE_OWN, p_ids[k], g, j,
+                    self.answer_reward(text, payload, ok), own=own, correct=flag(ok),
+                    truth=flag(truth), **meta))
+                asked.append((k, j, cand, truth, meta, own, self.chat_ids(
+                    verifier, own_verdict_messages(prompts[k], cut_at_stop(text).strip(), cand))))
+        gens = verifier.generate([a[-1] for a in asked],
+                                 sampling_params(self.judge_sampling, verifier, 1))
+        for (k, j, cand, truth, meta, own, ids), (g, *_) in zip(asked, gens):
+            b = SequenceBuilder(self.verifier_policy, ids, j)
+            b.add_generated(g)
+            out[k].append(self._verdict(b, parse_yes_no(verifier.decode(g.token_ids)), truth,
+                                        cand, own=own, own_matches=flag(own == cand), **meta))
         return out
 
     def _shown(self, task_id: str, payload: Mapping[str, Any], cands: list[str],
