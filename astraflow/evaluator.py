@@ -82,6 +82,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="a verifier that answers first: its own answer, then the candidate "
                    "and its verdict (the compact two-turn format of `model init-role "
                    "--blind`, or in words on a chat model)")
+    r.add_argument("--corrective", action="store_true",
+                   help="a chat verifier or selector that replies with the correct answer: "
+                   "its verdict is agreement with the candidate, its pick the answer it "
+                   "repeats (solve_verify's and solve_select's corrective format)")
     r.set_defaults(func=cmd_eval_run)
     return subparsers.choices["eval"]
 
@@ -135,6 +139,11 @@ def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], floa
 
     if args.blind and args.role != "verifier":
         raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
+    if args.corrective and args.role not in ("verifier", "selector"):
+        raise SystemExit("astraflow eval: --corrective is for --role verifier or selector, "
+                         f"not {args.role}")
+    if args.corrective and args.blind:
+        raise SystemExit("astraflow eval: --blind or --corrective, not both")
     if args.role in ("coder", "tester"):  # a code_tests policy on a chat model
         from astraflow.chat import ChatFormat
         from astraflow.roles.code_scoring import code_role_scorer
@@ -169,7 +178,7 @@ def _judge_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float]
     chat = args.chat or ChatFormat()
     payloads = [task_payload(t) for t in held_out_tasks(args)]
     in_words = chat_role_scorer(args.role, payloads, chat, args.max_new_tokens,
-                                blind=args.blind)
+                                blind=args.blind, corrective=args.corrective)
 
     def score(model: Any, tokenizer: Any) -> float:
         use = in_words if chat.uses_template(tokenizer) else compact

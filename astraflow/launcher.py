@@ -238,7 +238,8 @@ def eval_args(topo: Topology, path: str, policy: str) -> list[str]:
         args += ["--dtype", spec.dtype]
     if pick("levels") is not None:
         args += ["--levels", pick("levels")]
-    return args + (["--blind"] if own.blind else [])
+    return args + (["--blind"] if own.blind else []) + (
+        ["--corrective"] if own.corrective else [])
 
 
 def process_niceness(topo: Topology) -> dict[str, int]:

@@ -91,6 +91,9 @@ class SolveVerifyOptions(SamplingOptions):
     verifier_sampling: SamplingOptions | None = None
     max_answer_chars: int | None = Field(default=None, ge=1, description="default 12")
     blind: bool | None = Field(default=None, description="default false")
+    corrective: bool | None = Field(
+        default=None, description="default false: the chat verifier replies with the "
+        "correct answer; its verdict is agreement with the candidate")
     verdicts_per_prompt: int | None = Field(default=None, ge=1, description="default: all")
     env_latency: float | LatencyOptions | None = Field(
         default=None, description="extra delay per rollout (seconds or a latency mapping)")
@@ -124,6 +127,9 @@ class SolveSelectOptions(SamplingOptions):
     reward: str | dict[str, Any] | None = Field(
         default=None, description="the solver's reward spec; default 1 right, 0 wrong")
     candidates: int | None = Field(default=None, ge=2, description="default 2 (chat: any)")
+    corrective: bool | None = Field(
+        default=None, description="default false: the chat selector replies with the "
+        "correct answer; its pick is the answer it repeats")
 
     @field_validator("reward")
     @classmethod

@@ -181,6 +181,39 @@ def test_solve_verify_blind_chat_answers_first_then_judges_with_its_answer_in_vi
     assert wf.group_metrics(seqs)["verify/verifier_accuracy"] == 0.5
 
 
+def test_solve_verify_corrective_verifier_replies_with_the_answer_its_verdict_is_agreement():
+    solver = ChatEngine("solver", ["82", "73"])
+    # replies to the solver's two answers, then to the two references (right, wrong)
+    verifier = ChatEngine("verifier", ["82", "The answer is 82.", "80", "I am not sure"])
+    wf = make_workflow("solve_verify", corrective=True, retry=False, reference_candidates=2,
+                       verdict_weight=0.25)
+    seqs = wf.run(arithmetic("solve_verify", "verifier"), {"solver": solver,
+                                                           "verifier": verifier}, 2)
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    wrong = verdicts[3].meta["answer"]
+    assert verifier.prompts[1] == (f"[user]Problem: {PROBLEM}\nProposed answer: 73\n"
+                                   "Reply with the correct answer, the number only.[assistant]")
+    assert [s.meta["answer"] for s in verdicts] == ["82", "73", "82", wrong]
+    # agreement: it repeats 82 (approve), corrects 73 to 82 (reject), misses the right 82
+    # (reject); a reply with no number is unparseable
+    assert [s.meta["verdict"] for s in verdicts] == ["y", "n", "n", "?"]
+    assert [s.meta["reply"] for s in verdicts] == ["82", "82", "80", "I am not sur"]
+    # rewarded as the solver's answers are: its reply against the task's answer
+    assert [s.reward for s in verdicts] == [1.0, 1.0, 0.0, 0.0]
+    assert [s.meta["correct"] for s in verdicts] == ["1", "1", "0", "0"]
+    # the verdict in the solver's reward: 82 approved, 73 rejected
+    assert [s.reward for s in seqs if s.role == "solver"] == [1.0, 0.0]
+    m = wf.group_metrics(seqs)
+    assert m["verify/verifier_accuracy"] == 0.5 and m["verify/unparseable_rate"] == 0.25
+    with pytest.raises(ValueError, match="corrective"):
+        make_workflow("solve_verify", corrective=True, blind=True)
+    with pytest.raises(TaskError, match="corrective"):
+        make_workflow("solve_verify", corrective=True).run(
+            task("solve_verify", {"prompt": "37+45=", "answer": "82"}, ["solver", "verifier"]),
+            {"solver": ScriptedEngine("solver", ["82"]),
+             "verifier": ScriptedEngine("verifier")}, 1)
+
+
 def test_solve_verify_chat_takes_a_reward_spec():
     solver = ChatEngine("solver", ["82", "80"])
     verifier = ChatEngine("verifier", ["yes", "yes"])
@@ -235,6 +268,25 @@ def test_solve_select_chat_picks_the_best_of_n_scaled_and_skips_ties():
         make_workflow("solve_select", candidates=3).run(
             task("solve_select", {"prompt": "37+45=", "answer": "82"}, ["solver", "selector"]),
             {"solver": ScriptedEngine("solver"), "selector": ScriptedEngine("selector")}, 1)
+
+
+def test_solve_select_corrective_picks_the_answer_it_repeats_and_is_rewarded_by_its_reply():
+    # two sets of two: (80, 82) and (70, 71)
+    solver = ChatEngine("solver", ["80", "82", "70", "71"])
+    selector = ChatEngine("selector", ["82", "82"])
+    wf = make_workflow("solve_select", corrective=True)
+    seqs = wf.run(arithmetic("solve_select", "selector"), {"solver": solver,
+                                                           "selector": selector}, 2)
+    picks = [s for s in seqs if s.role == "selector"]
+    assert selector.prompts[0] == (f"[user]Problem: {PROBLEM}\nAnswer 1: 80\nAnswer 2: 82\n"
+                                   "Reply with the correct answer, the number only.[assistant]")
+    # a set with no right answer is not a tie here: its right reply is rewarded
+    assert [(s.meta["pick"], s.meta["reply"], s.reward) for s in picks] == [
+        ("2", "82", 1.0), ("?", "82", 1.0)]
+    m = SolveSelect.group_metrics(seqs)
+    assert m["select/selector_accuracy"] == 1.0 and m["select/final_accuracy"] == 0.5
+    with pytest.raises(ValueError, match="corrective"):
+        make_workflow("solve_select", corrective=True, prompt_format="compact")
 
 
 def test_solve_select_chat_unparseable_pick_gets_0():
@@ -383,6 +435,30 @@ def test_a_blind_verifier_is_scored_on_its_own_answer_then_its_verdict(monkeypat
     assert asked[0][0] == "[user]What is 10+10?[assistant]"
     with pytest.raises(ValueError, match="blind"):
         scoring.chat_role_scorer("selector", payloads, ChatFormat(), blind=True)
+
+
+@pytest.mark.parametrize("role,knows,want", [("verifier", True, 1.0), ("verifier", False, 0.5),
+                                             ("selector", True, 1.0), ("selector", False, 0.0)])
+def test_a_corrective_judge_is_scored_by_agreement(monkeypatch, role, knows, want):
+    import re
+
+    import astraflow.roles.chat_scoring as scoring
+    from astraflow.chat import ChatFormat
+
+    payloads = [{"prompt": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(10, 20)]
+    asked = []
+
+    def fake_generate(model, tokenizer, prompts, max_new_tokens=8, **kw):
+        asked.extend(prompts)  # replies with the sum when it knows it, else with 0
+        return [str(2 * int(re.search(r"(\d+)\+", p).group(1))) if knows else "0"
+                for p in prompts]
+
+    monkeypatch.setattr(scoring, "generate_answers", fake_generate)
+    score = scoring.chat_role_scorer(role, payloads, ChatFormat(), 8, corrective=True)
+    assert score(None, ChatTokenizer()) == want
+    assert asked[0].endswith("Reply with the correct answer, the number only.[assistant]")
+    with pytest.raises(ValueError, match="not both"):
+        scoring.chat_role_scorer(role, payloads, ChatFormat(), blind=True, corrective=True)
 
 
 def test_a_code_role_needs_a_pretrained_model():

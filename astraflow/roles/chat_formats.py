@@ -14,6 +14,10 @@ verifier    its turn) ``Proposed answer: 82`` / ...      ``no``
 selector    ``Problem: ...`` / ``Answer 1: 82`` ...       the number of the best answer
             ``Which answer is correct? ...``             (the first number in the reply,
                                                          or the one answer it repeats)
+corrective  ``Problem: ...`` / ``Proposed answer: 82``   the right answer (its number);
+verifier    (``Answers`` 1..k for a selector) / ``Reply   its verdict is agreement with
+/selector   with the correct answer ...``                the candidate (its pick: the
+                                                         answer it repeats)
 solver      the task's own prompt; after a rejection     a new answer
 retry       the conversation goes on with
             ``That answer is wrong. ...``
@@ -53,6 +57,28 @@ def own_verdict_messages(problem: str, own: str, candidate: str) -> dict[str, An
                          {"role": "assistant", "content": own},
                          {"role": "user", "content": f"Proposed answer: {candidate}\n"
                           "Is the proposed answer correct? Reply with yes or no only."}]}
+
+
+def correction_messages(problem: str, candidates: Sequence[str]) -> dict[str, Any]:
+    """A corrective judge's prompt: the problem, one proposed answer (a verifier) or
+    numbered answers (a selector), reply with the correct answer itself."""
+    if len(candidates) == 1:
+        shown = f"Proposed answer: {candidates[0]}"
+    else:
+        shown = "\n".join(f"Answer {i}: {c}" for i, c in enumerate(candidates, 1))
+    return user(f"Problem: {problem}\n{shown}\nReply with the correct answer, the number "
+                "only.")
+
+
+def agreement(reply: str, candidates: Sequence[str]) -> int | None:
+    """The 1-based number of the first candidate a corrective judge's reply agrees with
+    (its final number is that candidate); None when it agrees with none or has no
+    number."""
+    said = extract_final_number(reply)
+    if not said:
+        return None
+    same = [i for i, c in enumerate(candidates, 1) if c.strip() == said]
+    return same[0] if same else None
 
 
 def select_messages(problem: str, candidates: Sequence[str]) -> dict[str, Any]:
@@ -105,5 +131,6 @@ def chat_candidate(completion: str, max_chars: int = 12) -> str:
     return lines[0].strip()[:max_chars]
 
 
-__all__ = ["RETRY_MESSAGE", "chat_candidate", "own_verdict_messages", "parse_choice",
-           "parse_yes_no", "retry_messages", "select_messages", "user", "verify_messages"]
+__all__ = ["RETRY_MESSAGE", "agreement", "chat_candidate", "correction_messages",
+           "own_verdict_messages", "parse_choice", "parse_yes_no", "retry_messages",
+           "select_messages", "user", "verify_messages"]

@@ -9,7 +9,9 @@ send (``chat_formats``), on held-out problems with known candidates.
 
 Wrong candidates are near misses of the right answer (``teacher.wrong_answer``).
 A blind verifier (``blind``, the ``solve_verify`` blind chat format) first answers the
-problem, greedy, and then judges the candidate with its answer in view.
+problem, greedy, and then judges the candidate with its answer in view. A corrective
+judge (``corrective``) replies with the correct answer, greedy: its verdict is agreement
+with the candidate, its pick the answer it repeats (``chat_formats.agreement``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 
 from astraflow.models.evaluation import generate_answers
 from astraflow.roles.chat_formats import (
+    agreement,
+    correction_messages,
     own_verdict_messages,
     parse_choice,
     parse_yes_no,
@@ -54,18 +58,23 @@ def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
 
 
 def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any,
-                     max_new_tokens: int = 4, blind: bool = False
+                     max_new_tokens: int = 4, blind: bool = False, corrective: bool = False
                      ) -> Callable[[Any, Any], float]:
     """``score(model, tokenizer)``: greedy verdict (pick) accuracy on ``payloads``'
     examples, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``); ``blind``:
-    the verifier answers each problem first (module doc)."""
+    the verifier answers each problem first; ``corrective``: the judge replies with the
+    correct answer (module doc)."""
     examples = chat_role_examples(role, payloads)
     if not examples:
         raise ValueError("a role evaluation needs held-out problems")
+    if blind and corrective:
+        raise ValueError("blind or corrective, not both")
     if blind:
         if role != "verifier":
             raise ValueError(f"blind: a verifier only, not {role}")
         return _blind_scorer(payloads, examples, chat, max_new_tokens)
+    if corrective:
+        return _corrective_scorer(payloads, examples, chat, max_new_tokens)
 
     def score(model: Any, tokenizer: Any) -> float:
         prompts = [chat.prompt_text(tokenizer, e) for e in examples]
@@ -91,6 +100,26 @@ def _blind_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str
             chat.prompt_text(tokenizer, own_verdict_messages(p, cut_at_stop(o).strip(), c))
             for p, o, c in zip(problems, owns, shown)], max_new_tokens=max_new_tokens)
         return sum(parse_yes_no(r) == e["label"] for r, e in zip(replies, examples)) / len(
+            examples)
+
+    return score
+
+
+def _corrective_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str, Any]],
+                       chat: Any, max_new_tokens: int) -> Callable[[Any, Any], float]:
+    """A verifier's verdict is agreement with its candidate; a selector's pick is the
+    answer it repeats."""
+    shown = [[e["candidate"]] if "candidate" in e else e["answers"] for e in examples]
+
+    def right(reply: str, e: dict[str, Any], answers: list[str]) -> bool:
+        got = agreement(reply, answers)
+        return (got is not None) == e["label"] if "candidate" in e else got == e["label"]
+
+    def score(model: Any, tokenizer: Any) -> float:
+        replies = generate_answers(model, tokenizer, [
+            chat.prompt_text(tokenizer, correction_messages(str(p["prompt"]), answers))
+            for p, answers in zip(payloads, shown)], max_new_tokens=max_new_tokens)
+        return sum(right(r, e, a) for r, e, a in zip(replies, examples, shown)) / len(
             examples)
 
     return score

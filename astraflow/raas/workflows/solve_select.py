@@ -21,8 +21,15 @@ best (1): with 0/1 scores, 1 for picking a right answer from a mixed set, else 0
 above); ``ties`` applies when all k scores are equal. The metrics' "pair" is then a set
 of k, ``exactly_one_rate`` the share of sets with both right and wrong answers.
 
+``corrective: true`` (chat only): the selector is shown the problem and the k answers
+and replies with the correct answer itself (``correction_messages``); its pick is the
+first answer its reply repeats (none: unparseable), and it is rewarded as the solver's
+answers are, its reply against the task's answer (``meta`` ``reply``, ``correct``), so
+``ties`` does not apply. A right reply picks a right answer whenever the set has one.
+Why: as ``solve_verify``'s corrective verifier.
+
 Options: those of ``astraflow.raas.workflows.two_policy``, and ``ties``, ``candidates``
-(chat only where not 2).
+(chat only where not 2), ``corrective``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,12 @@ from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import role_sequence
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
 from astraflow.records import Sequence, Task
-from astraflow.roles.chat_formats import parse_choice, select_messages
+from astraflow.roles.chat_formats import (
+    agreement,
+    correction_messages,
+    parse_choice,
+    select_messages,
+)
 from astraflow.roles.formats import parse_pick, select_prompt
 
 ROLE_SELECTOR = "selector"
@@ -61,6 +73,7 @@ class SolveSelect(TwoPolicyWorkflow):
         prompt_format: str = "auto",
         reward: Any = None,
         candidates: int = 2,
+        corrective: bool = False,
         **sampling: Any,
     ):
         if ties not in ("skip", "outcome"):
@@ -69,10 +82,13 @@ class SolveSelect(TwoPolicyWorkflow):
             raise ValueError(f"candidates must be at least 2, not {candidates}")
         if candidates != 2 and prompt_format == "compact":
             raise ValueError("candidates: the compact format shows 2 answers")
+        if corrective and prompt_format == "compact":
+            raise ValueError("corrective: a chat selector's format, not the compact one")
         super().__init__(solver_policy, selector_policy, checker, selector_sampling,
                          max_answer_chars, sampling, prompt_format, reward)
         self.ties = ties
         self.candidates = int(candidates)
+        self.corrective = bool(corrective)
 
     @property
     def selector_policy(self) -> str:
@@ -85,6 +101,8 @@ class SolveSelect(TwoPolicyWorkflow):
         k = self.candidates
         if k != 2 and not chat:
             raise TaskError(f"candidates: {k} needs the chat format; the compact one shows 2")
+        if self.corrective and not chat:
+            raise TaskError("corrective: needs a chat model (this one has no chat template)")
         p_ids = self.solver_ids(solver, prompt, chat)
         gens = solver.generate([p_ids], sampling_params(self.sampling, solver, k * n))[0]
         texts = [solver.decode(g.token_ids) for g in gens]
@@ -103,19 +121,27 @@ class SolveSelect(TwoPolicyWorkflow):
                                      slot=str(i % k + 1)))
         for j, (ids, g) in enumerate(zip(s_ids, s_gens)):
             text = selector.decode(g[0].token_ids)
-            pick = (parse_choice(text, k, cands[k * j: k * j + k]) if chat
-                    else parse_pick(text))
-            reward = self._pick_reward(pick, scores[k * j: k * j + k])
+            shown, oks = cands[k * j: k * j + k], right[k * j: k * j + k]
+            meta = {}
+            if self.corrective:
+                pick = agreement(text, shown)
+                ok = checker(text, answer) > 0.5
+                reward = self.answer_reward(text, payload, ok)
+                meta = {"reply": self.candidate(text, chat), "correct": flag(ok)}
+            else:
+                pick = parse_choice(text, k, shown) if chat else parse_pick(text)
+                reward = self._pick_reward(pick, scores[k * j: k * j + k])
             if reward is None:
                 continue  # a tie: the pick changes nothing, nothing to learn
-            oks = right[k * j: k * j + k]
             out.append(role_sequence(self.selector_policy, ROLE_SELECTOR, ids, g[0], j, reward,
                                      pick=str(pick or "?"), tie=flag(len(set(oks)) == 1),
-                                     right="".join(flag(x) for x in oks)))
+                                     right="".join(flag(x) for x in oks), **meta))
         return out
 
     def _select_ids(self, selector: Engine, prompt: str, cands: list[str],
                     chat: bool) -> list[int]:
+        if self.corrective:
+            return self.chat_ids(selector, correction_messages(prompt, cands))
         if chat:
             return self.chat_ids(selector, select_messages(prompt, cands))
         return encode_prompt(selector, select_prompt(prompt, *cands))
@@ -149,8 +175,9 @@ class SolveSelect(TwoPolicyWorkflow):
                 unparseable += 1
             chosen = int(pick) if pick.isdigit() and 1 <= int(pick) <= len(oks) else 1
             final.append(oks[chosen - 1])
-            if len(oks) >= 2 and len(set(oks)) > 1:
-                informative.append(sel.reward if sel is not None else 0.0)
+            if len(oks) >= 2 and len(set(oks)) > 1:  # the pick, where it matters
+                informative.append(float(sel is not None and pick.isdigit()
+                                         and 1 <= int(pick) <= len(oks) and oks[int(pick) - 1]))
         out = {
             "select/solver_accuracy": mean([float(s.meta.get("correct") == "1")
                                             for s in solver]),

@@ -34,6 +34,15 @@ keep both classes in every group whatever the solver's accuracy: an untrained so
 nearly never right and a trained one nearly always, and a verifier that sees one class
 learns to give that verdict to everything (docs/multi-policy.md, "On the real model").
 
+``corrective: true`` (chat only, not with ``blind``): the verifier is shown the problem
+and the candidate and replies with the correct answer itself (``correction_messages``);
+its verdict is agreement (approve when its reply's number is the candidate, else reject;
+a reply without a number is unparseable), and it is rewarded as the solver's answers are, its reply
+against the task's answer (``meta`` ``reply``, ``correct``). A right reply is always a
+right verdict. A 135M model's yes/no token carries no sign of an addition's correctness
+(docs/multi-policy.md, "Why the judges correct"), while writing the answer is what it
+learns as a solver; the candidate in view lets it learn to keep a right one.
+
 Rewards: each solver sequence (first try or retry) is scored by the correctness of its own
 answer (``checker``, default ``astraflow.tasks.check_answer``; or the ``reward`` spec),
 and with ``verdict_weight`` w > 0 a first try's reward becomes ``(1 - w) * reward + w``
@@ -41,8 +50,8 @@ when the verifier approved it and ``(1 - w) * reward`` when it rejected it (unju
 unparseable: the reward alone), so the solver also earns the verifier's approval; a
 verdict scores 1 when it
 matches the truth of the first answer it judged (``y`` for a right answer, ``n`` for a
-wrong one) and 0 when it is wrong or unparseable. The final answer of an attempt is the
-retry's when there was one, else the first.
+wrong one) and 0 when it is wrong or unparseable (``corrective``: its reply's reward). The
+final answer of an attempt is the retry's when there was one, else the first.
 
 Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS node):
 ``verify/approval_rate``, ``verify/retry_rate``, ``verify/verifier_accuracy``,
@@ -51,7 +60,7 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 answer).
 
 Options: those of ``astraflow.raas.workflows.two_policy``, and ``verdict_weight``
-(default 0), ``retry``, ``blind``, ``reference_candidates`` (default 0),
+(default 0), ``retry``, ``blind``, ``corrective``, ``reference_candidates`` (default 0),
 ``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
 retried; default all n -- the answers are independent samples, so the first m are a
 random subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per
@@ -79,6 +88,8 @@ from astraflow.raas.workflows.sequences import (
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
 from astraflow.records import Sequence, Task
 from astraflow.roles.chat_formats import (
+    agreement,
+    correction_messages,
     own_verdict_messages,
     parse_yes_no,
     retry_messages,
@@ -94,7 +105,7 @@ from astraflow.roles.formats import (
     verify_prompt,
 )
 from astraflow.roles.teacher import wrong_answer
-from astraflow.tasks.check import cut_at_stop
+from astraflow.tasks.check import cut_at_stop, extract_final_number
 
 ROLE_RETRY = "solver_retry"
 ROLE_VERIFIER = "verifier"
@@ -123,6 +134,7 @@ class SolveVerify(TwoPolicyWorkflow):
         reward: Any = None,
         verdict_weight: float = 0.0,
         reference_candidates: int = 0,
+        corrective: bool = False,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
@@ -134,11 +146,15 @@ class SolveVerify(TwoPolicyWorkflow):
         if reference_candidates < 0:
             raise ValueError("reference_candidates must be 0 or more, not "
                              f"{reference_candidates}")
+        if corrective and (blind or prompt_format == "compact"):
+            raise ValueError("corrective: a chat verifier's format, not with blind or the "
+                             "compact format")
         if blind and reference_candidates and prompt_format == "compact":
             raise ValueError("reference_candidates: not with the compact blind format")
         self.verdict_weight = float(verdict_weight)
         self.retry = bool(retry)
         self.blind = bool(blind)
+        self.corrective = bool(corrective)
         self.verdicts_per_prompt = verdicts_per_prompt
         self.reference_candidates = int(reference_candidates)
         self.env_latency = Latency.from_option(env_latency)
@@ -161,6 +177,9 @@ class SolveVerify(TwoPolicyWorkflow):
             if self.blind and self.reference_candidates and not chat:
                 raise TaskError("reference_candidates: not with the compact blind format "
                                 "(this model has no chat template)")
+            if self.corrective and not chat:
+                raise TaskError("corrective: needs a chat model (this one has no chat "
+                                "template)")
             return payload, self.solver_ids(solver, str(payload["prompt"]), chat), (
                 solver, verifier, checker, chat)
 
@@ -260,7 +279,37 @@ class SolveVerify(TwoPolicyWorkflow):
                  for t, p, c, r in zip(task_ids, payloads, cands, right)]
         if self.blind:
             return self._judge_own_first(verifier, checker, prompts, payloads, shown)
+        if self.corrective:
+            return self._judge_corrective(verifier, checker, prompts, payloads, shown)
         return self._judge_seen(verifier, prompts, shown, chat=chat)
+
+    def _judge_corrective(self, verifier: Engine, checker: Checker, prompts: list[str],
+                          payloads: list[dict[str, Any]],
+                          shown: list[list[tuple[int, str, bool, dict[str, str]]]]
+                          ) -> list[list[Sequence]]:
+        """The corrective format (module doc): one reply per candidate, the correct
+        answer as the verifier sees it; the verdict is agreement."""
+        ids = [[self.chat_ids(verifier, correction_messages(prompt, [cand]))
+                for _, cand, _, _ in row] for prompt, row in zip(prompts, shown)]
+        gens = iter(verifier.generate([x for row in ids for x in row],
+                                      sampling_params(self.judge_sampling, verifier, 1)))
+        out = []
+        for payload, ids_k, row in zip(payloads, ids, shown):
+            judged = []
+            for v_ids, (j, cand, truth, meta) in zip(ids_k, row):
+                g = next(gens)[0]
+                text = verifier.decode(g.token_ids)
+                reply = self.candidate(text, True)
+                agrees = agreement(text, [cand])
+                verdict = "?" if not extract_final_number(text) else (
+                    APPROVE if agrees else REJECT)
+                ok = checker(text, str(payload["answer"])) > 0.5
+                judged.append(role_sequence(
+                    self.verifier_policy, ROLE_VERIFIER, v_ids, g, j,
+                    self.answer_reward(text, payload, ok), verdict=verdict, truth=flag(truth),
+                    answer=cand, reply=reply, correct=flag(ok), **meta))
+            out.append(judged)
+        return out
 
     def _judge_own_first(self, verifier: Engine, checker: Checker, prompts: list[str],
                          payloads: list[dict[str, Any]],
@@ -380,7 +429,8 @@ class SolveVerify(TwoPolicyWorkflow):
         return {
             "verify/approval_rate": sum(s.meta.get("verdict") == "y" for s in verdicts) / n_v,
             "verify/retry_rate": len(retries) / n,
-            "verify/verifier_accuracy": mean([s.reward for s in verdicts]),
+            "verify/verifier_accuracy": mean([float(s.meta.get("verdict") == (
+                APPROVE if s.meta.get("truth") == "1" else REJECT)) for s in verdicts]),
             "verify/solver_first_accuracy": mean(
                 [float(s.meta.get("correct") == "1") for s in firsts.values()]),
             "verify/solver_final_accuracy": mean([float(x) for x in final]),
