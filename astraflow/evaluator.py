@@ -82,6 +82,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="a verifier that answers first: its own answer, then the candidate "
                    "and its verdict (the compact two-turn format of `model init-role "
                    "--blind`, or in words on a chat model)")
+    r.add_argument("--agreement", action="store_true",
+                   help="with --blind on a chat model: the verdict is the agreement of the "
+                   "verifier's own answer with the candidate (solve_verify's agreement)")
     r.add_argument("--corrective", action="store_true",
                    help="a chat verifier or selector that replies with the correct answer: "
                    "its verdict is agreement with the candidate, its pick the answer it "
@@ -144,6 +147,8 @@ def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], floa
                          f"not {args.role}")
     if args.corrective and args.blind:
         raise SystemExit("astraflow eval: --blind or --corrective, not both")
+    if args.agreement and not args.blind:
+        raise SystemExit("astraflow eval: --agreement needs --blind")
     if args.role in ("coder", "tester"):  # a code_tests policy on a chat model
         from astraflow.chat import ChatFormat
         from astraflow.roles.code_scoring import code_role_scorer
@@ -178,7 +183,8 @@ def _judge_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float]
     chat = args.chat or ChatFormat()
     payloads = [task_payload(t) for t in held_out_tasks(args)]
     in_words = chat_role_scorer(args.role, payloads, chat, args.max_new_tokens,
-                                blind=args.blind, corrective=args.corrective)
+                                blind=args.blind, corrective=args.corrective,
+                                agreement=args.agreement)
 
     def score(model: Any, tokenizer: Any) -> float:
         use = in_words if chat.uses_template(tokenizer) else compact

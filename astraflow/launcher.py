@@ -238,8 +238,9 @@ def eval_args(topo: Topology, path: str, policy: str) -> list[str]:
         args += ["--dtype", spec.dtype]
     if pick("levels") is not None:
         args += ["--levels", pick("levels")]
-    return args + (["--blind"] if own.blind else []) + (
-        ["--corrective"] if own.corrective else [])
+    return args + [flag for flag, on in (("--blind", own.blind),
+                                         ("--agreement", own.agreement),
+                                         ("--corrective", own.corrective)) if on]
 
 
 def process_niceness(topo: Topology) -> dict[str, int]:

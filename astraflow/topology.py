@@ -302,6 +302,9 @@ class PolicyEvalSpec(_Strict):
     blind: bool = Field(default=False, description="a blind verifier: it answers each "
                         "problem before it judges (warm_start.blind, or solve_verify's blind "
                         "chat format)")
+    agreement: bool = Field(default=False, description="with blind: the verdict is the "
+                            "agreement of its own answer with the candidate (solve_verify's "
+                            "agreement)")
     corrective: bool = Field(default=False, description="a chat judge that replies with the "
                              "correct answer (solve_verify's or solve_select's corrective "
                              "format)")

@@ -94,6 +94,9 @@ class SolveVerifyOptions(SamplingOptions):
     corrective: bool | None = Field(
         default=None, description="default false: the chat verifier replies with the "
         "correct answer; its verdict is agreement with the candidate")
+    agreement: bool | None = Field(
+        default=None, description="default false: with blind in chat, the verdict is the "
+        "agreement of the verifier's own answer with the candidate (no second turn)")
     verdicts_per_prompt: int | None = Field(default=None, ge=1, description="default: all")
     env_latency: float | LatencyOptions | None = Field(
         default=None, description="extra delay per rollout (seconds or a latency mapping)")

@@ -364,8 +364,9 @@ def test_up_with_megatron_backend_publishes_versions_raas_loads(kafka_bootstrap,
     path = tmp_path / "megatron.yaml"
     path.write_text(yaml.safe_dump(topo))
     res = subprocess.run(
-        [sys.executable, "-m", "astraflow.cli", "up", str(path), "--duration", "100",
-         "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, cwd=REPO,
+        [sys.executable, "-m", "astraflow.cli", "up", str(path), "--versions", "4",
+         "--duration", "100", "--runs-dir", str(tmp_path / "runs")], capture_output=True,
+        text=True, cwd=REPO,
         env={**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap}, timeout=500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run_dir = tmp_path / "runs" / run

@@ -181,6 +181,29 @@ def test_solve_verify_blind_chat_answers_first_then_judges_with_its_answer_in_vi
     assert wf.group_metrics(seqs)["verify/verifier_accuracy"] == 0.5
 
 
+def test_solve_verify_blind_agreement_the_own_answer_is_the_verdict():
+    solver = ChatEngine("solver", ["82", "73", "80"])
+    verifier = ChatEngine("verifier", ["82", "The answer is 82.", "no idea"])  # own answers
+    wf = make_workflow("solve_verify", blind=True, agreement=True, retry=False,
+                       verdict_weight=0.25)
+    seqs = wf.run(arithmetic("solve_verify", "verifier"), {"solver": solver,
+                                                           "verifier": verifier}, 3)
+    # one turn: the task's own prompt, never the candidate
+    assert verifier.prompts == [f"[user]{PROBLEM}[assistant]"]  # 3 samples of one prompt
+    verdicts = [s for s in seqs if s.role == "verifier"]
+    assert not [s for s in seqs if s.role == "verifier_own"]
+    assert [s.meta["answer"] for s in verdicts] == ["82", "73", "80"]
+    # agrees with 82 (approve), not with 73 (reject); no number: unparseable
+    assert [s.meta["verdict"] for s in verdicts] == ["y", "n", "?"]
+    assert [s.meta["own_matches"] for s in verdicts] == ["1", "0", "0"]
+    # rewarded as the solver's answers are: its own answer against the task's
+    assert [s.reward for s in verdicts] == [1.0, 1.0, 0.0]
+    assert [s.reward for s in seqs if s.role == "solver"] == [1.0, 0.0, 0.0]
+    assert wf.group_metrics(seqs)["verify/verifier_accuracy"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="agreement"):
+        make_workflow("solve_verify", agreement=True)
+
+
 def test_solve_verify_corrective_verifier_replies_with_the_answer_its_verdict_is_agreement():
     solver = ChatEngine("solver", ["82", "73"])
     # replies to the solver's two answers, then to the two references (right, wrong)
@@ -433,6 +456,12 @@ def test_a_blind_verifier_is_scored_on_its_own_answer_then_its_verdict(monkeypat
     score = scoring.chat_role_scorer("verifier", payloads, ChatFormat(), 8, blind=True)
     assert score(None, ChatTokenizer()) == want
     assert asked[0][0] == "[user]What is 10+10?[assistant]"
+    # agreement: its own answer is the verdict (right: 1.0; always 0: never agrees, 0.5)
+    agree = scoring.chat_role_scorer("verifier", payloads, ChatFormat(), 8, blind=True,
+                                     agreement=True)
+    assert agree(None, ChatTokenizer()) == want
+    with pytest.raises(ValueError, match="agreement"):
+        scoring.chat_role_scorer("verifier", payloads, ChatFormat(), agreement=True)
     with pytest.raises(ValueError, match="blind"):
         scoring.chat_role_scorer("selector", payloads, ChatFormat(), blind=True)
 

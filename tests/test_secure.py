@@ -5,6 +5,7 @@ that stop a component with one line, and no secret anywhere."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -447,7 +448,8 @@ def test_up_secure_trains_with_one_principal_per_component_and_no_secret_leaks(
         letters = wait_for(refused, 60, "the forged manifest dead-lettered", step=1)
         assert any("raas" in d.component_id or "local" in d.component_id
                    for d in letters), [d.component_id for d in letters]
-        proc.wait(300)
+        proc.send_signal(signal.SIGINT)  # seen all it needs: stop as Ctrl-C does
+        proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()

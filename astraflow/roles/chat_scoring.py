@@ -9,7 +9,8 @@ send (``chat_formats``), on held-out problems with known candidates.
 
 Wrong candidates are near misses of the right answer (``teacher.wrong_answer``).
 A blind verifier (``blind``, the ``solve_verify`` blind chat format) first answers the
-problem, greedy, and then judges the candidate with its answer in view. A corrective
+problem, greedy, and then judges the candidate with its answer in view (``agreement``:
+its verdict is its answer's agreement with the candidate, no second turn). A corrective
 judge (``corrective``) replies with the correct answer, greedy: its verdict is agreement
 with the candidate, its pick the answer it repeats (``chat_formats.agreement``).
 """
@@ -58,12 +59,15 @@ def chat_role_examples(role: str, payloads: Sequence[Mapping[str, Any]],
 
 
 def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any,
-                     max_new_tokens: int = 4, blind: bool = False, corrective: bool = False
-                     ) -> Callable[[Any, Any], float]:
+                     max_new_tokens: int = 4, blind: bool = False, corrective: bool = False,
+                     agreement: bool = False) -> Callable[[Any, Any], float]:
     """``score(model, tokenizer)``: greedy verdict (pick) accuracy on ``payloads``'
     examples, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``); ``blind``:
-    the verifier answers each problem first; ``corrective``: the judge replies with the
-    correct answer (module doc)."""
+    the verifier answers each problem first (``agreement``: its verdict is its answer's
+    agreement with the candidate); ``corrective``: the judge replies with the correct
+    answer (module doc)."""
+    if agreement and not blind:
+        raise ValueError("agreement: a blind verifier's verdict (blind=True)")
     examples = chat_role_examples(role, payloads)
     if not examples:
         raise ValueError("a role evaluation needs held-out problems")
@@ -72,7 +76,7 @@ def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any
     if blind:
         if role != "verifier":
             raise ValueError(f"blind: a verifier only, not {role}")
-        return _blind_scorer(payloads, examples, chat, max_new_tokens)
+        return _blind_scorer(payloads, examples, chat, max_new_tokens, agreement)
     if corrective:
         return _corrective_scorer(payloads, examples, chat, max_new_tokens)
 
@@ -88,7 +92,8 @@ def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any
 
 
 def _blind_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str, Any]],
-                  chat: Any, max_new_tokens: int) -> Callable[[Any, Any], float]:
+                  chat: Any, max_new_tokens: int, agreement_only: bool = False
+                  ) -> Callable[[Any, Any], float]:
     problems = [str(p["prompt"]) for p in payloads]
     shown = [e["candidate"] for e in examples]
 
@@ -96,6 +101,9 @@ def _blind_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str
         owns = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, {"prompt": p}) for p in problems],
             max_new_tokens=max_new_tokens)
+        if agreement_only:
+            return sum((agreement(o, [c]) is not None) == e["label"]
+                       for o, c, e in zip(owns, shown, examples)) / len(examples)
         replies = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, own_verdict_messages(p, cut_at_stop(o).strip(), c))
             for p, o, c in zip(problems, owns, shown)], max_new_tokens=max_new_tokens)

@@ -23,7 +23,13 @@ answers are), then, with its answer as its turn, is shown the candidate and repl
 ``yes`` or ``no`` (role ``verifier``; ``meta`` ``own``, ``own_matches``). A verifier that
 must work the answer out before it judges can learn to judge by learning the task, which a
 small model cannot do in one yes/no token. Route with ``split_roles: true`` so the two
-roles are separate GRPO groups.
+roles are separate GRPO groups. With ``agreement: true`` as well there is no second turn:
+the verdict is the agreement of the verifier's own answer with the candidate (approve when
+its final number is the candidate; no number: unparseable), and the own answer is the
+verdict's sequence (role ``verifier``, rewarded as the solver's answers are; ``meta``
+``own``, ``own_matches``, ``verdict``, ``truth``). The verifier then judges by solving the
+problem independently, the one judgement an untrained 135M model can learn in 30 minutes
+on two cores (docs/multi-policy.md, "Why the verifier solves").
 
 With ``reference_candidates`` r > 0 the verifier also judges r answers per prompt that are
 not the solver's: the right answer and a wrong one in turn (a forgotten carry or a near
@@ -59,13 +65,12 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 ``verify/unparseable_rate`` (approval and unparseable rates per verdict, retry rate per
 answer).
 
-Options: those of ``astraflow.raas.workflows.two_policy``, and ``verdict_weight``
-(default 0), ``retry``, ``blind``, ``corrective``, ``reference_candidates`` (default 0),
-``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
-retried; default all n -- the answers are independent samples, so the first m are a
-random subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per
-rollout after its three phases, the time the task's environment takes, as
-``single_turn``'s).
+Options: those of ``astraflow.raas.workflows.two_policy``, and ``verdict_weight`` (default
+0), ``retry``, ``blind``, ``agreement``, ``corrective``, ``reference_candidates`` (default
+0), ``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
+retried; default all n -- the answers are independent samples, so the first m are a random
+subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per rollout
+after its three phases, the time the task's environment takes, as ``single_turn``'s).
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ class SolveVerify(TwoPolicyWorkflow):
         verdict_weight: float = 0.0,
         reference_candidates: int = 0,
         corrective: bool = False,
+        agreement: bool = False,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
@@ -149,12 +155,16 @@ class SolveVerify(TwoPolicyWorkflow):
         if corrective and (blind or prompt_format == "compact"):
             raise ValueError("corrective: a chat verifier's format, not with blind or the "
                              "compact format")
+        if agreement and (not blind or prompt_format == "compact"):
+            raise ValueError("agreement: the blind chat verifier's verdict, needs blind: true "
+                             "and the chat format")
         if blind and reference_candidates and prompt_format == "compact":
             raise ValueError("reference_candidates: not with the compact blind format")
         self.verdict_weight = float(verdict_weight)
         self.retry = bool(retry)
         self.blind = bool(blind)
         self.corrective = bool(corrective)
+        self.agreement = bool(agreement)
         self.verdicts_per_prompt = verdicts_per_prompt
         self.reference_candidates = int(reference_candidates)
         self.env_latency = Latency.from_option(env_latency)
@@ -177,6 +187,9 @@ class SolveVerify(TwoPolicyWorkflow):
             if self.blind and self.reference_candidates and not chat:
                 raise TaskError("reference_candidates: not with the compact blind format "
                                 "(this model has no chat template)")
+            if self.agreement and not chat:
+                raise TaskError("agreement: needs a chat model (this one has no chat "
+                                "template)")
             if self.corrective and not chat:
                 raise TaskError("corrective: needs a chat model (this one has no chat "
                                 "template)")
@@ -315,7 +328,8 @@ class SolveVerify(TwoPolicyWorkflow):
                          payloads: list[dict[str, Any]],
                          shown: list[list[tuple[int, str, bool, dict[str, str]]]]
                          ) -> list[list[Sequence]]:
-        """The blind chat format (module doc): own answers, then one verdict each."""
+        """The blind chat format (module doc): own answers, then one verdict each (with
+        ``agreement``, the own answer is the verdict: no second turn)."""
         p_ids = [self.chat_ids(verifier, {"prompt": prompt}) for prompt in prompts]
         owns = verifier.generate(p_ids, sampling_params(self.judge_sampling, verifier,
                                                         len(shown[0])))
@@ -325,14 +339,20 @@ class SolveVerify(TwoPolicyWorkflow):
             for g, (j, cand, truth, meta) in zip(owns[k], row):
                 text = verifier.decode(g.token_ids)
                 own, ok = self.candidate(text, True), checker(text, str(payload["answer"])) > 0.5
+                said = {"own": own, "correct": flag(ok), "truth": flag(truth), **meta}
+                if self.agreement:
+                    said.update(answer=cand, own_matches=flag(own == cand), verdict="?" if (
+                        not extract_final_number(text)) else (APPROVE if agreement(
+                            text, [cand]) else REJECT))
                 out[k].append(role_sequence(
-                    self.verifier_policy, ROLE_OWN, p_ids[k], g, j,
-                    self.answer_reward(text, payload, ok), own=own, correct=flag(ok),
-                    truth=flag(truth), **meta))
+                    self.verifier_policy, ROLE_VERIFIER if self.agreement else ROLE_OWN,
+                    p_ids[k], g, j, self.answer_reward(text, payload, ok), **said))
+                if self.agreement:
+                    continue
                 asked.append((k, j, cand, truth, meta, own, self.chat_ids(
                     verifier, own_verdict_messages(prompts[k], cut_at_stop(text).strip(), cand))))
         gens = verifier.generate([a[-1] for a in asked],
-                                 sampling_params(self.judge_sampling, verifier, 1))
+                                 sampling_params(self.judge_sampling, verifier, 1)) if asked else []
         for (k, j, cand, truth, meta, own, ids), (g, *_) in zip(asked, gens):
             b = SequenceBuilder(self.verifier_policy, ids, j)
             b.add_generated(g)
