@@ -81,7 +81,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--blind", action="store_true",
                    help="a verifier that answers first: its own answer, then the candidate "
                    "and its verdict (the compact two-turn format of `model init-role "
-                   "--blind`, or in words on a chat model)")
+                   "--blind`, or in words on a chat model); a chat selector that answers "
+                   "and picks the answer its own agrees with (solve_select's blind)")
     r.add_argument("--agreement", action="store_true",
                    help="with --blind on a chat model: the verdict is the agreement of the "
                    "verifier's own answer with the candidate (solve_verify's agreement)")
@@ -140,8 +141,9 @@ def held_out_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], floa
     from astraflow.models.evaluation import evaluate
     from astraflow.tasks.rewards import make_reward
 
-    if args.blind and args.role != "verifier":
-        raise SystemExit(f"astraflow eval: --blind is for --role verifier, not {args.role}")
+    if args.blind and args.role not in ("verifier", "selector"):
+        raise SystemExit("astraflow eval: --blind is for --role verifier or selector, not "
+                         f"{args.role}")
     if args.corrective and args.role not in ("verifier", "selector"):
         raise SystemExit("astraflow eval: --corrective is for --role verifier or selector, "
                          f"not {args.role}")
@@ -178,8 +180,9 @@ def _judge_scorer(args: argparse.Namespace) -> tuple[Callable[[Any, Any], float]
     from astraflow.roles.chat_scoring import chat_role_scorer
     from astraflow.roles.scoring import role_scorer
 
+    # a blind selector exists in words only
     compact = role_scorer(args.role, [int(x) for x in args.levels.split(",")], args.size,
-                          args.max_new_tokens, blind=args.blind)
+                          args.max_new_tokens, blind=args.blind and args.role == "verifier")
     chat = args.chat or ChatFormat()
     payloads = [task_payload(t) for t in held_out_tasks(args)]
     in_words = chat_role_scorer(args.role, payloads, chat, args.max_new_tokens,

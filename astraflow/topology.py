@@ -301,7 +301,7 @@ class PolicyEvalSpec(_Strict):
     levels: Levels | None = None
     blind: bool = Field(default=False, description="a blind verifier: it answers each "
                         "problem before it judges (warm_start.blind, or solve_verify's blind "
-                        "chat format)")
+                        "chat format); a blind chat selector (solve_select's blind)")
     agreement: bool = Field(default=False, description="with blind: the verdict is the "
                             "agreement of its own answer with the candidate (solve_verify's "
                             "agreement)")
@@ -363,8 +363,13 @@ class PolicySpec(_Strict):
         if self.role in ("coder", "tester") and self.init_tiny and not self.import_from:
             raise ValueError(f"role: a {self.role} has no tiny warm start; give "
                              "import_from or init_tiny: false")
-        if self.eval.blind and self.role != "verifier":
-            raise ValueError("eval.blind: only a verifier is evaluated blind")
+        if self.eval.blind and self.role not in ("verifier", "selector"):
+            raise ValueError("eval.blind: only a verifier or a selector is evaluated blind")
+        if self.eval.agreement and not (self.eval.blind and self.role == "verifier"):
+            raise ValueError("eval.agreement: a blind verifier's verdict (eval.blind, role "
+                             "verifier)")
+        if self.eval.corrective and self.role not in ("verifier", "selector"):
+            raise ValueError("eval.corrective: a verifier or a selector")
         return self
 
 

@@ -133,6 +133,10 @@ class SolveSelectOptions(SamplingOptions):
     corrective: bool | None = Field(
         default=None, description="default false: the chat selector replies with the "
         "correct answer; its pick is the answer it repeats")
+    blind: bool | None = Field(
+        default=None, description="default false: the chat selector answers the problem, "
+        "not shown the answers; its pick is the answer its own agrees with (else the "
+        "first)")
 
     @field_validator("reward")
     @classmethod

@@ -312,6 +312,23 @@ def test_solve_select_corrective_picks_the_answer_it_repeats_and_is_rewarded_by_
         make_workflow("solve_select", corrective=True, prompt_format="compact")
 
 
+def test_solve_select_blind_picks_the_answer_its_own_agrees_with():
+    # two sets of two: (80, 82) and (70, 71); the selector answers the problem twice
+    solver = ChatEngine("solver", ["80", "82", "70", "71"])
+    selector = ChatEngine("selector", ["82", "75"])
+    wf = make_workflow("solve_select", blind=True)
+    seqs = wf.run(arithmetic("solve_select", "selector"), {"solver": solver,
+                                                           "selector": selector}, 2)
+    assert selector.prompts == [f"[user]{PROBLEM}[assistant]"] * 2  # never the answers
+    picks = [s for s in seqs if s.role == "selector"]
+    # agrees with answer 2 of the first set; with neither of the second: the first answer
+    assert [(s.meta["pick"], s.meta["agreed"], s.meta["own"], s.reward) for s in picks] == [
+        ("2", "1", "82", 1.0), ("1", "0", "75", 0.0)]
+    assert SolveSelect.group_metrics(seqs)["select/selector_accuracy"] == 1.0
+    with pytest.raises(ValueError, match="not both"):
+        make_workflow("solve_select", blind=True, corrective=True)
+
+
 def test_solve_select_chat_unparseable_pick_gets_0():
     solver = ChatEngine("solver", ["82", "81"])
     selector = ChatEngine("selector", ["the first one"])
@@ -462,8 +479,10 @@ def test_a_blind_verifier_is_scored_on_its_own_answer_then_its_verdict(monkeypat
     assert agree(None, ChatTokenizer()) == want
     with pytest.raises(ValueError, match="agreement"):
         scoring.chat_role_scorer("verifier", payloads, ChatFormat(), agreement=True)
-    with pytest.raises(ValueError, match="blind"):
-        scoring.chat_role_scorer("selector", payloads, ChatFormat(), blind=True)
+    # a blind selector picks the answer its own agrees with, else the first (right in
+    # turn: 0.5)
+    pick = scoring.chat_role_scorer("selector", payloads, ChatFormat(), 8, blind=True)
+    assert pick(None, ChatTokenizer()) == want
 
 
 @pytest.mark.parametrize("role,knows,want", [("verifier", True, 1.0), ("verifier", False, 0.5),
@@ -496,3 +515,21 @@ def test_a_code_role_needs_a_pretrained_model():
         parse_topology(base)
     base["policies"]["solver"]["import_from"] = "smollm2"
     assert parse_topology(base).policies["solver"].role == "coder"
+
+
+@pytest.mark.parametrize("role,evals,error", [
+    ("selector", {"blind": True}, None),
+    ("coder", {"blind": True}, "eval.blind"),
+    ("selector", {"blind": True, "agreement": True}, "eval.agreement"),
+    ("verifier", {"agreement": True}, "eval.agreement"),
+    ("verifier", {"blind": True, "agreement": True}, None),
+    ("solver", {"corrective": True}, "eval.corrective"),
+])
+def test_a_judges_evaluation_flags_are_checked_at_parse(role, evals, error):
+    base = {"run": "r", "policies": {"p": {"model": "m", "role": role, "init_tiny": False,
+                                           "import_from": "smollm2", "eval": evals}}}
+    if error is None:
+        assert parse_topology(base).policies["p"].eval.blind
+    else:
+        with pytest.raises(ValueError, match=error):
+            parse_topology(base)

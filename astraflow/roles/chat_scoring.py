@@ -10,7 +10,8 @@ send (``chat_formats``), on held-out problems with known candidates.
 Wrong candidates are near misses of the right answer (``teacher.wrong_answer``).
 A blind verifier (``blind``, the ``solve_verify`` blind chat format) first answers the
 problem, greedy, and then judges the candidate with its answer in view (``agreement``:
-its verdict is its answer's agreement with the candidate, no second turn). A corrective
+its verdict is its answer's agreement with the candidate, no second turn); a blind
+selector picks the answer its own agrees with, else the first. A corrective
 judge (``corrective``) replies with the correct answer, greedy: its verdict is agreement
 with the candidate, its pick the answer it repeats (``chat_formats.agreement``).
 """
@@ -73,9 +74,9 @@ def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any
         raise ValueError("a role evaluation needs held-out problems")
     if blind and corrective:
         raise ValueError("blind or corrective, not both")
+    if blind and role == "selector":  # it picks the answer its own agrees with
+        return _blind_scorer(payloads, examples, chat, max_new_tokens, True)
     if blind:
-        if role != "verifier":
-            raise ValueError(f"blind: a verifier only, not {role}")
         return _blind_scorer(payloads, examples, chat, max_new_tokens, agreement)
     if corrective:
         return _corrective_scorer(payloads, examples, chat, max_new_tokens)
@@ -95,15 +96,19 @@ def _blind_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str
                   chat: Any, max_new_tokens: int, agreement_only: bool = False
                   ) -> Callable[[Any, Any], float]:
     problems = [str(p["prompt"]) for p in payloads]
-    shown = [e["candidate"] for e in examples]
+    shown = [e.get("candidate") for e in examples]
+
+    def right(own: str, e: dict[str, Any]) -> bool:
+        if "answers" in e:  # a selector: the answer its own agrees with, else the first
+            return (agreement(own, e["answers"]) or 1) == e["label"]
+        return (agreement(own, [e["candidate"]]) is not None) == e["label"]
 
     def score(model: Any, tokenizer: Any) -> float:
         owns = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, {"prompt": p}) for p in problems],
             max_new_tokens=max_new_tokens)
         if agreement_only:
-            return sum((agreement(o, [c]) is not None) == e["label"]
-                       for o, c, e in zip(owns, shown, examples)) / len(examples)
+            return sum(right(o, e) for o, e in zip(owns, examples)) / len(examples)
         replies = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, own_verdict_messages(p, cut_at_stop(o).strip(), c))
             for p, o, c in zip(problems, owns, shown)], max_new_tokens=max_new_tokens)

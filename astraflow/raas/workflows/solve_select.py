@@ -28,8 +28,15 @@ answers are, its reply against the task's answer (``meta`` ``reply``, ``correct`
 ``ties`` does not apply. A right reply picks a right answer whenever the set has one.
 Why: as ``solve_verify``'s corrective verifier.
 
+``blind: true`` (chat only, not with ``corrective``): the selector answers the task's own
+prompt, not shown the answers (one answer per set); its pick is the first answer of the
+set that its own agrees with (``meta`` ``agreed``), else the first answer; it is rewarded
+as the solver's answers are (``meta`` ``own``, ``correct``). The selector then picks by
+solving the problem independently, the one way of picking an untrained 135M model learnt
+in 30 minutes on two cores (docs/multi-policy.md, "Why the judges solve").
+
 Options: those of ``astraflow.raas.workflows.two_policy``, and ``ties``, ``candidates``
-(chat only where not 2), ``corrective``.
+(chat only where not 2), ``corrective``, ``blind``.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ class SolveSelect(TwoPolicyWorkflow):
         reward: Any = None,
         candidates: int = 2,
         corrective: bool = False,
+        blind: bool = False,
         **sampling: Any,
     ):
         if ties not in ("skip", "outcome"):
@@ -82,13 +90,17 @@ class SolveSelect(TwoPolicyWorkflow):
             raise ValueError(f"candidates must be at least 2, not {candidates}")
         if candidates != 2 and prompt_format == "compact":
             raise ValueError("candidates: the compact format shows 2 answers")
-        if corrective and prompt_format == "compact":
-            raise ValueError("corrective: a chat selector's format, not the compact one")
+        if (corrective or blind) and prompt_format == "compact":
+            raise ValueError("corrective, blind: a chat selector's formats, not the compact "
+                             "one")
+        if corrective and blind:
+            raise ValueError("corrective or blind, not both")
         super().__init__(solver_policy, selector_policy, checker, selector_sampling,
                          max_answer_chars, sampling, prompt_format, reward)
         self.ties = ties
         self.candidates = int(candidates)
         self.corrective = bool(corrective)
+        self.blind = bool(blind)
 
     @property
     def selector_policy(self) -> str:
@@ -101,8 +113,9 @@ class SolveSelect(TwoPolicyWorkflow):
         k = self.candidates
         if k != 2 and not chat:
             raise TaskError(f"candidates: {k} needs the chat format; the compact one shows 2")
-        if self.corrective and not chat:
-            raise TaskError("corrective: needs a chat model (this one has no chat template)")
+        if (self.corrective or self.blind) and not chat:
+            raise TaskError("corrective, blind: need a chat model (this one has no chat "
+                            "template)")
         p_ids = self.solver_ids(solver, prompt, chat)
         gens = solver.generate([p_ids], sampling_params(self.sampling, solver, k * n))[0]
         texts = [solver.decode(g.token_ids) for g in gens]
@@ -123,11 +136,15 @@ class SolveSelect(TwoPolicyWorkflow):
             text = selector.decode(g[0].token_ids)
             shown, oks = cands[k * j: k * j + k], right[k * j: k * j + k]
             meta = {}
-            if self.corrective:
+            if self.corrective or self.blind:  # its own answer is rewarded, not its pick
                 pick = agreement(text, shown)
                 ok = checker(text, answer) > 0.5
                 reward = self.answer_reward(text, payload, ok)
-                meta = {"reply": self.candidate(text, chat), "correct": flag(ok)}
+                meta = {"reply" if self.corrective else "own": self.candidate(text, chat),
+                        "correct": flag(ok)}
+                if self.blind:
+                    meta["agreed"] = flag(pick is not None)
+                    pick = pick or 1
             else:
                 pick = parse_choice(text, k, shown) if chat else parse_pick(text)
                 reward = self._pick_reward(pick, scores[k * j: k * j + k])
@@ -142,6 +159,8 @@ class SolveSelect(TwoPolicyWorkflow):
                     chat: bool) -> list[int]:
         if self.corrective:
             return self.chat_ids(selector, correction_messages(prompt, cands))
+        if self.blind:  # the same prompt for every set: the engine's prefix cache reuses it
+            return self.chat_ids(selector, {"prompt": prompt})
         if chat:
             return self.chat_ids(selector, select_messages(prompt, cands))
         return encode_prompt(selector, select_prompt(prompt, *cands))
