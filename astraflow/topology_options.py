@@ -97,6 +97,9 @@ class SolveVerifyOptions(SamplingOptions):
     agreement: bool | None = Field(
         default=None, description="default false: with blind in chat, the verdict is the "
         "agreement of the verifier's own answer with the candidate (no second turn)")
+    judge_reward: str | dict[str, Any] | None = Field(
+        default=None, description="the reward spec of the judge's own answers (blind, "
+        "corrective); default the solver's reward")
     verdicts_per_prompt: int | None = Field(default=None, ge=1, description="default: all")
     env_latency: float | LatencyOptions | None = Field(
         default=None, description="extra delay per rollout (seconds or a latency mapping)")
@@ -111,7 +114,7 @@ class SolveVerifyOptions(SamplingOptions):
         default=None, ge=0, description="default 0: answers per prompt the verifier also "
         "judges that are not the solver's (the right one and a wrong one in turn)")
 
-    @field_validator("reward")
+    @field_validator("reward", "judge_reward")
     @classmethod
     def _reward(cls, v: Any) -> Any:
         return check_reward(v)
@@ -137,8 +140,11 @@ class SolveSelectOptions(SamplingOptions):
         default=None, description="default false: the chat selector answers the problem, "
         "not shown the answers; its pick is the answer its own agrees with (else the "
         "first)")
+    judge_reward: str | dict[str, Any] | None = Field(
+        default=None, description="the reward spec of the judge's own answers (blind, "
+        "corrective); default the solver's reward")
 
-    @field_validator("reward")
+    @field_validator("reward", "judge_reward")
     @classmethod
     def _reward(cls, v: Any) -> Any:
         return check_reward(v)

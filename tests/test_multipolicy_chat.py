@@ -202,6 +202,18 @@ def test_solve_verify_blind_agreement_the_own_answer_is_the_verdict():
     assert wf.group_metrics(seqs)["verify/verifier_accuracy"] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="agreement"):
         make_workflow("solve_verify", agreement=True)
+    # judge_reward: its own answers' reward spec, apart from the solver's
+    wf = make_workflow("solve_verify", blind=True, agreement=True, retry=False,
+                       reward="exact_match", judge_reward={
+                           "name": "sum", "terms": [{"name": "exact_match", "weight": 1.0},
+                                                    {"name": "closeness", "alone": True,
+                                                     "weight": 0.2}]})
+    seqs = wf.run(arithmetic("solve_verify", "verifier"),
+                  {"solver": ChatEngine("solver", ["82", "80"]),
+                   "verifier": ChatEngine("verifier", ["82", "80"])}, 2)
+    assert [s.reward for s in seqs if s.role == "solver"] == [1.0, 0.0]
+    own = [s.reward for s in seqs if s.role == "verifier"]
+    assert own[0] == pytest.approx(1.2) and 0.0 < own[1] < 0.2  # exact: 1 + 0.2 closeness
 
 
 def test_solve_verify_corrective_verifier_replies_with_the_answer_its_verdict_is_agreement():

@@ -82,6 +82,7 @@ class SolveSelect(TwoPolicyWorkflow):
         candidates: int = 2,
         corrective: bool = False,
         blind: bool = False,
+        judge_reward: Any = None,
         **sampling: Any,
     ):
         if ties not in ("skip", "outcome"):
@@ -101,6 +102,7 @@ class SolveSelect(TwoPolicyWorkflow):
         self.candidates = int(candidates)
         self.corrective = bool(corrective)
         self.blind = bool(blind)
+        self.set_judge_reward(judge_reward, checker)
 
     @property
     def selector_policy(self) -> str:
@@ -139,7 +141,7 @@ class SolveSelect(TwoPolicyWorkflow):
             if self.corrective or self.blind:  # its own answer is rewarded, not its pick
                 pick = agreement(text, shown)
                 ok = checker(text, answer) > 0.5
-                reward = self.answer_reward(text, payload, ok)
+                reward = self.judge_answer_reward(text, payload, ok)
                 meta = {"reply" if self.corrective else "own": self.candidate(text, chat),
                         "correct": flag(ok)}
                 if self.blind:

@@ -141,6 +141,7 @@ class SolveVerify(TwoPolicyWorkflow):
         reference_candidates: int = 0,
         corrective: bool = False,
         agreement: bool = False,
+        judge_reward: Any = None,
         **sampling: Any,
     ):
         super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
@@ -165,6 +166,7 @@ class SolveVerify(TwoPolicyWorkflow):
         self.blind = bool(blind)
         self.corrective = bool(corrective)
         self.agreement = bool(agreement)
+        self.set_judge_reward(judge_reward, checker)
         self.verdicts_per_prompt = verdicts_per_prompt
         self.reference_candidates = int(reference_candidates)
         self.env_latency = Latency.from_option(env_latency)
@@ -319,7 +321,7 @@ class SolveVerify(TwoPolicyWorkflow):
                 ok = checker(text, str(payload["answer"])) > 0.5
                 judged.append(role_sequence(
                     self.verifier_policy, ROLE_VERIFIER, v_ids, g, j,
-                    self.answer_reward(text, payload, ok), verdict=verdict, truth=flag(truth),
+                    self.judge_answer_reward(text, payload, ok), verdict=verdict, truth=flag(truth),
                     answer=cand, reply=reply, correct=flag(ok), **meta))
             out.append(judged)
         return out
@@ -346,7 +348,7 @@ class SolveVerify(TwoPolicyWorkflow):
                             text, [cand]) else REJECT))
                 out[k].append(role_sequence(
                     self.verifier_policy, ROLE_VERIFIER if self.agreement else ROLE_OWN,
-                    p_ids[k], g, j, self.answer_reward(text, payload, ok), **said))
+                    p_ids[k], g, j, self.judge_answer_reward(text, payload, ok), **said))
                 if self.agreement:
                     continue
                 asked.append((k, j, cand, truth, meta, own, self.chat_ids(

@@ -72,6 +72,7 @@ class TwoPolicyWorkflow:
     their engines by policy name, the checker, and the judge's sampling options."""
 
     judge_role = ""
+    judge_score: Scorer | None = None  # ``judge_reward``: its own answers' reward spec
 
     def __init__(self, solver_policy: str, judge_policy: str, checker: Checker | None,
                  judge_sampling: Mapping[str, Any] | None, max_answer_chars: int,
@@ -117,6 +118,18 @@ class TwoPolicyWorkflow:
     def answer_reward(self, text: str, payload: Mapping[str, Any], right: bool) -> float:
         """The solver's reward for ``text``: the ``reward`` spec, else its rightness."""
         return float(right) if self.score is None else float(self.score(text, payload))
+
+    def set_judge_reward(self, spec: Any, checker: Checker | None) -> None:
+        """``judge_reward``: the reward spec of the judge's own answers (a blind or
+        corrective judge's); None: the solver's (``answer_reward``)."""
+        self.judge_score = Scorer(spec, checker) if spec is not None else None
+
+    def judge_answer_reward(self, text: str, payload: Mapping[str, Any], right: bool) -> float:
+        """The reward of the judge's own answer ``text``: ``judge_reward``, else the
+        solver's."""
+        if self.judge_score is None:
+            return self.answer_reward(text, payload, right)
+        return float(self.judge_score(text, payload))
 
 
 __all__ = ["JUDGE_SAMPLING", "ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]
