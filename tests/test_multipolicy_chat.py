@@ -305,13 +305,18 @@ def test_solve_select_chat_picks_the_best_of_n_scaled_and_skips_ties():
             {"solver": ScriptedEngine("solver"), "selector": ScriptedEngine("selector")}, 1)
 
 
+def two_sets_of_two(replies: list[str], **options):
+    """``solve_select`` over the solver's sets (80, 82) and (70, 71), the selector replying
+    ``replies``: (its sequences, the selector's engine)."""
+    selector = ChatEngine("selector", replies)
+    seqs = make_workflow("solve_select", **options).run(
+        arithmetic("solve_select", "selector"),
+        {"solver": ChatEngine("solver", ["80", "82", "70", "71"]), "selector": selector}, 2)
+    return seqs, selector
+
+
 def test_solve_select_corrective_picks_the_answer_it_repeats_and_is_rewarded_by_its_reply():
-    # two sets of two: (80, 82) and (70, 71)
-    solver = ChatEngine("solver", ["80", "82", "70", "71"])
-    selector = ChatEngine("selector", ["82", "82"])
-    wf = make_workflow("solve_select", corrective=True)
-    seqs = wf.run(arithmetic("solve_select", "selector"), {"solver": solver,
-                                                           "selector": selector}, 2)
+    seqs, selector = two_sets_of_two(["82", "82"], corrective=True)
     picks = [s for s in seqs if s.role == "selector"]
     assert selector.prompts[0] == (f"[user]Problem: {PROBLEM}\nAnswer 1: 80\nAnswer 2: 82\n"
                                    "Reply with the correct answer, the number only.[assistant]")
@@ -325,12 +330,7 @@ def test_solve_select_corrective_picks_the_answer_it_repeats_and_is_rewarded_by_
 
 
 def test_solve_select_blind_picks_the_answer_its_own_agrees_with():
-    # two sets of two: (80, 82) and (70, 71); the selector answers the problem twice
-    solver = ChatEngine("solver", ["80", "82", "70", "71"])
-    selector = ChatEngine("selector", ["82", "75"])
-    wf = make_workflow("solve_select", blind=True)
-    seqs = wf.run(arithmetic("solve_select", "selector"), {"solver": solver,
-                                                           "selector": selector}, 2)
+    seqs, selector = two_sets_of_two(["82", "75"], blind=True)  # it answers twice
     assert selector.prompts == [f"[user]{PROBLEM}[assistant]"] * 2  # never the answers
     picks = [s for s in seqs if s.role == "selector"]
     # agrees with answer 2 of the first set; with neither of the second: the first answer

@@ -186,15 +186,8 @@ class SolveVerify(TwoPolicyWorkflow):
         def prepare(task: Task):
             payload, solver, verifier, checker = self._start(task, engines)
             chat = self.chat(solver)
-            if self.blind and self.reference_candidates and not chat:
-                raise TaskError("reference_candidates: not with the compact blind format "
-                                "(this model has no chat template)")
-            if self.agreement and not chat:
-                raise TaskError("agreement: needs a chat model (this one has no chat "
-                                "template)")
-            if self.corrective and not chat:
-                raise TaskError("corrective: needs a chat model (this one has no chat "
-                                "template)")
+            if not chat:
+                self._check_compact()
             return payload, self.solver_ids(solver, str(payload["prompt"]), chat), (
                 solver, verifier, checker, chat)
 
@@ -243,6 +236,17 @@ class SolveVerify(TwoPolicyWorkflow):
         if self.env_latency is not None:  # the batch waits for the slowest environment
             self.env_latency.wait_longest(tasks[i].task_id for i, *_ in live)
         return results
+
+    def _check_compact(self) -> None:
+        """TaskError for an option the compact format (a model without a chat template)
+        does not have."""
+        if self.blind and self.reference_candidates:
+            raise TaskError("reference_candidates: not with the compact blind format "
+                            "(this model has no chat template)")
+        for name in ("agreement", "corrective"):
+            if getattr(self, name):
+                raise TaskError(f"{name}: needs a chat model (this one has no chat "
+                                "template)")
 
     def _read(self, solver: Engine, checker: Checker, payloads: list[dict[str, Any]],
               gens: list[list[Any]], chat: bool):
