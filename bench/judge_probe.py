@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from astraflow.models.evaluation import generate_answers  # noqa: E402
 from astraflow.roles.chat_formats import (  # noqa: E402
     agreement,
     correction_messages,
@@ -93,11 +94,11 @@ class Probe:
         lp = self.logprobs(prompt + target)
         return float(sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(target)))
 
-    def greedy(self, payload: dict, max_new_tokens: int = 8) -> str:
-        ids = self.torch.tensor([self.ids(payload)])
-        with self.torch.no_grad():
-            out = self.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    def greedy(self, payloads: list[dict], max_new_tokens: int = 8) -> list[str]:
+        """Greedy replies, batched as the evaluators generate them."""
+        texts = [self.tok.apply_chat_template(p["messages"], tokenize=False,
+                                              add_generation_prompt=True) for p in payloads]
+        return generate_answers(self.model, self.tok, texts, max_new_tokens=max_new_tokens)
 
 
 FORMATS = {
@@ -129,10 +130,11 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{name:32s} AUC {out['auc'][name]:.2f}  (chance 0.50)  "
               f"mean right {sum(pos) / len(pos):+.2f} wrong {sum(neg) / len(neg):+.2f}  "
               f"[{time.time() - t0:.0f} s]", flush=True)
-    yes_no = [parse_yes_no(probe.greedy(verify_messages(prob, c))) == (c == a)
-              for prob, a, w in pairs for c in (a, w)]
-    corrective = [(agreement(probe.greedy(correction_messages(prob, [c])), [c]) is not None)
-                  == (c == a) for prob, a, w in pairs for c in (a, w)]
+    shown = [(prob, c, c == a) for prob, a, w in pairs for c in (a, w)]
+    yes_no = [parse_yes_no(r) == truth for r, (_, _, truth) in zip(
+        probe.greedy([verify_messages(prob, c) for prob, c, _ in shown]), shown)]
+    corrective = [(agreement(r, [c]) is not None) == truth for r, (_, c, truth) in zip(
+        probe.greedy([correction_messages(prob, [c]) for prob, c, _ in shown]), shown)]
     out["greedy"] = {"yes/no": sum(yes_no) / len(yes_no),
                      "corrective": sum(corrective) / len(corrective)}
     print(f"greedy verdict accuracy: yes/no {out['greedy']['yes/no']:.0%}, corrective "

@@ -98,17 +98,14 @@ def _blind_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dict[str
     problems = [str(p["prompt"]) for p in payloads]
     shown = [e.get("candidate") for e in examples]
 
-    def right(own: str, e: dict[str, Any]) -> bool:
-        if "answers" in e:  # a selector: the answer its own agrees with, else the first
-            return (agreement(own, e["answers"]) or 1) == e["label"]
-        return (agreement(own, [e["candidate"]]) is not None) == e["label"]
-
     def score(model: Any, tokenizer: Any) -> float:
         owns = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, {"prompt": p}) for p in problems],
             max_new_tokens=max_new_tokens)
         if agreement_only:
-            return sum(right(o, e) for o, e in zip(owns, examples)) / len(examples)
+            # a blind selector with no answer agreeing picks the first
+            return sum(_agrees_rightly(o, e, first=True) for o, e in zip(owns, examples)
+                       ) / len(examples)
         replies = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, own_verdict_messages(p, cut_at_stop(o).strip(), c))
             for p, o, c in zip(problems, owns, shown)], max_new_tokens=max_new_tokens)
@@ -122,20 +119,30 @@ def _corrective_scorer(payloads: Sequence[Mapping[str, Any]], examples: list[dic
                        chat: Any, max_new_tokens: int) -> Callable[[Any, Any], float]:
     """A verifier's verdict is agreement with its candidate; a selector's pick is the
     answer it repeats."""
-    shown = [[e["candidate"]] if "candidate" in e else e["answers"] for e in examples]
-
-    def right(reply: str, e: dict[str, Any], answers: list[str]) -> bool:
-        got = agreement(reply, answers)
-        return (got is not None) == e["label"] if "candidate" in e else got == e["label"]
+    shown = [_answers(e) for e in examples]
 
     def score(model: Any, tokenizer: Any) -> float:
         replies = generate_answers(model, tokenizer, [
             chat.prompt_text(tokenizer, correction_messages(str(p["prompt"]), answers))
             for p, answers in zip(payloads, shown)], max_new_tokens=max_new_tokens)
-        return sum(right(r, e, a) for r, e, a in zip(replies, examples, shown)) / len(
-            examples)
+        return sum(_agrees_rightly(r, e) for r, e in zip(replies, examples)) / len(examples)
 
     return score
+
+
+def _answers(example: dict[str, Any]) -> list[str]:
+    """The answers an example shows: a verifier's one candidate, a selector's pair."""
+    return [example["candidate"]] if "candidate" in example else example["answers"]
+
+
+def _agrees_rightly(reply: str, example: dict[str, Any], first: bool = False) -> bool:
+    """Whether the verdict (pick) by ``reply``'s agreement is ``example``'s label: a
+    verifier approves when it agrees with the candidate; a selector picks the answer it
+    agrees with (``first``: the first when none)."""
+    got = agreement(reply, _answers(example))
+    if "candidate" in example:
+        return (got is not None) == example["label"]
+    return (got or (1 if first else None)) == example["label"]
 
 
 __all__ = ["chat_role_examples", "chat_role_scorer"]

@@ -194,11 +194,11 @@ class SolveSelect(TwoPolicyWorkflow):
             pick = sel.meta.get("pick") if sel is not None else "?"
             if pick == "?" and sel is not None:
                 unparseable += 1
-            chosen = int(pick) if pick.isdigit() and 1 <= int(pick) <= len(oks) else 1
+            valid = pick.isdigit() and 1 <= int(pick) <= len(oks)
+            chosen = int(pick) if valid else 1
             final.append(oks[chosen - 1])
             if len(oks) >= 2 and len(set(oks)) > 1:  # the pick, where it matters
-                informative.append(float(sel is not None and pick.isdigit()
-                                         and 1 <= int(pick) <= len(oks) and oks[int(pick) - 1]))
+                informative.append(float(sel is not None and valid and oks[chosen - 1]))
         out = {
             "select/solver_accuracy": mean([float(s.meta.get("correct") == "1")
                                             for s in solver]),

@@ -29,7 +29,7 @@ its final number is the candidate; no number: unparseable), and the own answer i
 verdict's sequence (role ``verifier``, rewarded as the solver's answers are; ``meta``
 ``own``, ``own_matches``, ``verdict``, ``truth``). The verifier then judges by solving the
 problem independently, the one judgement an untrained 135M model can learn in 30 minutes
-on two cores (docs/multi-policy.md, "Why the verifier solves").
+on two cores (docs/multi-policy.md, "Why the judges solve").
 
 With ``reference_candidates`` r > 0 the verifier also judges r answers per prompt that are
 not the solver's: the right answer and a wrong one in turn (a forgotten carry or a near
@@ -42,12 +42,13 @@ learns to give that verdict to everything (docs/multi-policy.md, "On the real mo
 
 ``corrective: true`` (chat only, not with ``blind``): the verifier is shown the problem
 and the candidate and replies with the correct answer itself (``correction_messages``);
-its verdict is agreement (approve when its reply's number is the candidate, else reject;
-a reply without a number is unparseable), and it is rewarded as the solver's answers are, its reply
-against the task's answer (``meta`` ``reply``, ``correct``). A right reply is always a
-right verdict. A 135M model's yes/no token carries no sign of an addition's correctness
-(docs/multi-policy.md, "Why the judges correct"), while writing the answer is what it
-learns as a solver; the candidate in view lets it learn to keep a right one.
+its verdict is agreement (approve when its reply's number is the candidate, else reject; a
+reply without a number is unparseable), and it is rewarded as the solver's answers are
+(``judge_reward``), its reply against the task's answer (``meta`` ``reply``, ``correct``).
+A right reply is always a right verdict. A 135M model's yes/no token carries no sign of an
+addition's correctness (docs/multi-policy.md, "Why the judges solve"), while writing the
+answer is what it learns as a solver; the candidate in view lets it learn to keep a right
+one.
 
 Rewards: each solver sequence (first try or retry) is scored by the correctness of its own
 answer (``checker``, default ``astraflow.tasks.check_answer``; or the ``reward`` spec),
@@ -115,6 +116,15 @@ from astraflow.tasks.check import cut_at_stop, extract_final_number
 ROLE_RETRY = "solver_retry"
 ROLE_VERIFIER = "verifier"
 ROLE_OWN = "verifier_own"
+
+
+def agreement_verdict(text: str, candidate: str) -> str:
+    """The verdict of a judge that answered ``text`` itself (``agreement``, ``corrective``):
+    approve when its final number is ``candidate``, reject when it is another, ``?`` when
+    it has none."""
+    if not extract_final_number(text):
+        return "?"
+    return APPROVE if agreement(text, [candidate]) else REJECT
 
 
 @register_workflow("solve_verify")
@@ -318,15 +328,12 @@ class SolveVerify(TwoPolicyWorkflow):
             for v_ids, (j, cand, truth, meta) in zip(ids_k, row):
                 g = next(gens)[0]
                 text = verifier.decode(g.token_ids)
-                reply = self.candidate(text, True)
-                agrees = agreement(text, [cand])
-                verdict = "?" if not extract_final_number(text) else (
-                    APPROVE if agrees else REJECT)
                 ok = checker(text, str(payload["answer"])) > 0.5
                 judged.append(role_sequence(
                     self.verifier_policy, ROLE_VERIFIER, v_ids, g, j,
-                    self.judge_answer_reward(text, payload, ok), verdict=verdict, truth=flag(truth),
-                    answer=cand, reply=reply, correct=flag(ok), **meta))
+                    self.judge_answer_reward(text, payload, ok),
+                    verdict=agreement_verdict(text, cand), truth=flag(truth), answer=cand,
+                    reply=self.candidate(text, True), correct=flag(ok), **meta))
             out.append(judged)
         return out
 
@@ -347,9 +354,8 @@ class SolveVerify(TwoPolicyWorkflow):
                 own, ok = self.candidate(text, True), checker(text, str(payload["answer"])) > 0.5
                 said = {"own": own, "correct": flag(ok), "truth": flag(truth), **meta}
                 if self.agreement:
-                    said.update(answer=cand, own_matches=flag(own == cand), verdict="?" if (
-                        not extract_final_number(text)) else (APPROVE if agreement(
-                            text, [cand]) else REJECT))
+                    said.update(answer=cand, own_matches=flag(own == cand),
+                                verdict=agreement_verdict(text, cand))
                 out[k].append(role_sequence(
                     self.verifier_policy, ROLE_VERIFIER if self.agreement else ROLE_OWN,
                     p_ids[k], g, j, self.judge_answer_reward(text, payload, ok), **said))
