@@ -283,8 +283,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_all(args: argparse.Namespace, base: dict[str, Any]) -> tuple[dict, float | None]:
-    """Every cell, one after the other, each scored right after its run."""
+def run_all(args: argparse.Namespace, base: dict[str, Any],
+            on_cell: Callable[[dict], None] = lambda results: None,
+            ) -> tuple[dict, float | None]:
+    """Every cell, one after the other, each scored right after its run (``on_cell``
+    gets the results so far after each)."""
     model = shared_model(base, args.runs_dir)
     score = make_score(base, model)
     topo_dir = args.runs_dir / RUN_PREFIX / "topologies"
@@ -309,6 +312,7 @@ def run_all(args: argparse.Namespace, base: dict[str, Any]) -> tuple[dict, float
             score_cell(r, score)
             r.update(objective=objective, staleness=staleness, topology=str(path))
             results[name] = r
+            on_cell(results)
             if not args.keep:
                 da.delete_topics(topo)
                 shutil.rmtree(state, ignore_errors=True)
@@ -322,9 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     load_topology(args.topology)  # the base must be valid as it is
     base = yaml.safe_load(args.topology.read_text())
     t0 = time.time()
-    results, start = run_all(args, base)
-    text = table(results, args.checkpoints, start)
+    results, start = run_all(args, base, lambda done: write_out(args, done, None, t0))
+    text = write_out(args, results, start, t0)
     print("\nheld-out accuracy by objective and staleness bound:\n" + text, flush=True)
+    print(f"[bench] wrote {args.out}", flush=True)
+    return 0
+
+
+def write_out(args: argparse.Namespace, results: dict, start: float | None,
+              t0: float) -> str:
+    """The JSON of the cells scored so far (rewritten after each cell, so a long bench
+    that is stopped keeps what it measured); returns the table."""
+    text = table(results, args.checkpoints, start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "bench": "offpolicy", "topology": str(args.topology), "duration_s": args.duration,
@@ -332,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "staleness": args.staleness, "seed": args.seed, "start_accuracy": start,
         "wall_s": round(time.time() - t0, 1), "results": results, "table": text},
         indent=2, default=str) + "\n")
-    print(f"[bench] wrote {args.out}", flush=True)
-    return 0
+    return text
 
 
 if __name__ == "__main__":
