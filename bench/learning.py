@@ -185,7 +185,9 @@ def score_trl(result: dict[str, Any], ev: dict[str, Any]) -> None:
 
 
 def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
-    """The TRL run (child process): writes a bf16 checkpoint per checkpoint time."""
+    """The TRL run (child process): writes a checkpoint per checkpoint time, in the fp32
+    TRL computes with (rounded to bf16, its small AdamW steps would mostly vanish: see
+    docs/learning.md, "What limits learning here")."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -295,7 +297,7 @@ class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
         import torch
 
         t = time.time()
-        self.prev = {k: v.detach().to(torch.bfloat16).clone()
+        self.prev = {k: v.detach().to(torch.float32).clone()
                      for k, v in model.state_dict().items()}
         self.prev_step = step
         self.paused += time.time() - t
