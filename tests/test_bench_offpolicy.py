@@ -79,13 +79,17 @@ def test_table_shows_accuracy_by_version_and_time_per_cell():
     row = {"objective": "m2po", "staleness": 16, "versions": 41, "at": {100.0: 12, 200.0: 41},
            "accuracy": {100.0: 0.25, 200.0: 0.5},
            "trainer": {"trainer/staleness_mean": 3.5, "trainer/staleness_max": 9.0,
-                       "trainer/clip_frac": 0.0, "trainer/m2_masked_frac": 0.031}}
+                       "trainer/clip_frac": 0.0, "trainer/m2_masked_frac": 0.031,
+                       "trainer/reward_mean": 0.25, "trainer/zero_advantage_frac": 1.0,
+                       "trainer/approx_kl": 0.0123}}
     failed = {"objective": "clipped_tis", "staleness": 0, "error": "no weights published"}
     text = bench.table({"a": row, "b": failed}, [100.0, 200.0], 0.125)
     lines = text.splitlines()
     assert lines[0] == ("| objective | bound | t=100s | t=200s | versions | "
-                        "staleness mean / max | clipped % | truncated % | m2 masked % |")
-    assert "| m2po | 16 | 25.0 (v12) | 50.0 (v41) | 41 | 3.50 / 9 | 0.0 | – | 3.1 |" in text
+                        "staleness mean / max | clipped % | truncated % | m2 masked % | "
+                        "train reward | no-advantage % | KL |")
+    assert ("| m2po | 16 | 25.0 (v12) | 50.0 (v41) | 41 | 3.50 / 9 | 0.0 | – | 3.1 | "
+            "0.250 | 100.0 | 0.012 |") in text
     assert "| clipped_tis | 0 | no weights published |" in text
     assert "held-out accuracy 12.5 %" in text
 

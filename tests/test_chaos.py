@@ -157,10 +157,12 @@ def test_a_sigkilled_component_is_restarted_with_nothing_lost_or_done_twice(chao
 
 
 # 90 s outlives the transactions' 60 s timeout (kafka.transaction_timeout_ms) and the
-# consumers' sessions; bench/outage.py measures longer outages (180 s and more)
-@pytest.mark.parametrize("outage_s", [30, 90])
-def test_every_component_rides_out_a_broker_outage(chaos_run, outage_s):
+# consumers' sessions, so the broker aborts what was open: the harder case. A
+# short outage, within the timeout, is the SIGKILLed broker's below (back in seconds);
+# bench/outage.py measures longer outages (180 s and more).
+def test_every_component_rides_out_a_broker_outage(chaos_run):
     run = chaos_run
+    outage_s = 90
 
     def outage() -> None:
         assert run.broker.stop()
