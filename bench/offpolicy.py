@@ -68,7 +68,8 @@ STALENESS = (0, 4, 16)
 RUN_PREFIX = "bench-op"
 TRAINER_FIGURES = ("trainer/staleness_mean", "trainer/staleness_max", "trainer/clip_frac",
                    "trainer/truncated_frac", "trainer/m2_masked_frac",
-                   "trainer/outside_nucleus_frac")
+                   "trainer/outside_nucleus_frac", "trainer/reward_mean",
+                   "trainer/zero_advantage_frac", "trainer/approx_kl")
 
 
 # --- cell topologies (plain dicts, no Kafka) -------------------------------------------------
@@ -210,12 +211,19 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}"
 
 
+def _num(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
 def table(results: dict[str, dict[str, Any]], checkpoints: list[float],
           start_accuracy: float | None) -> str:
     """One row per cell: held-out accuracy % (version) at each checkpoint time, versions
-    reached, trained staleness (mean / max) and the objective's token shares."""
+    reached, trained staleness (mean / max), the objective's token shares, and the
+    trainer's last reward mean, share of groups without advantage and KL to the
+    behaviour policy (a collapse shows as reward 0 and 100 % without advantage)."""
     head = ["objective", "bound", *[f"t={t:g}s" for t in checkpoints], "versions",
-            "staleness mean / max", "clipped %", "truncated %", "m2 masked %"]
+            "staleness mean / max", "clipped %", "truncated %", "m2 masked %",
+            "train reward", "no-advantage %", "KL"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results.values():
         if "error" in r:
@@ -233,12 +241,15 @@ def table(results: dict[str, dict[str, Any]], checkpoints: list[float],
         lines.append("| " + " | ".join([
             r["objective"], str(r["staleness"]), *cells, str(r["versions"]), stale_txt,
             _pct(tr.get("trainer/clip_frac")), _pct(tr.get("trainer/truncated_frac")),
-            _pct(tr.get("trainer/m2_masked_frac"))]) + " |")
+            _pct(tr.get("trainer/m2_masked_frac")), _num(tr.get("trainer/reward_mean")),
+            _pct(tr.get("trainer/zero_advantage_frac")),
+            _num(tr.get("trainer/approx_kl"))]) + " |")
     if start_accuracy is not None:
         lines.append(f"\nstarting model (every cell): held-out accuracy "
                      f"{100 * start_accuracy:.1f} %")
     lines.append("accuracy in % (the newest version published by t, seconds from the "
-                 "launch of `up`); token shares: the trainer's last reported step")
+                 "launch of `up`); token shares, train reward, no-advantage share and KL: "
+                 "the trainer's last reported step")
     return "\n".join(lines)
 
 
