@@ -194,7 +194,7 @@ Levels = Annotated[str, BeforeValidator(
 # keeps the two equal) and the TrainerSpec hyperparameters each one reads
 LOSS_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     "clipped_tis": ("clip_low", "clip_high", "tis_cap"),
-    "decoupled_ppo": ("clip_low", "clip_high", "tis_cap"),
+    "decoupled_ppo": ("clip_low", "clip_high", "tis_cap", "tis_mask"),
     "m2po": ("m2_threshold",),
 }
 
@@ -217,6 +217,7 @@ class TrainerSpec(_Strict):
     clip_low: float | None = Field(default=None, ge=0, description="default 0.2")
     clip_high: float | None = Field(default=None, ge=0, description="default 0.28")
     tis_cap: float | None = Field(default=None, gt=0, description="default 2.0")
+    tis_mask: bool | None = Field(default=None, description="default false (truncate)")
     m2_threshold: float | None = Field(default=None, gt=0, description="default 0.04")
     # the policy loss, a key of LOSS_HYPERPARAMETERS (docs/trainer.md, "Objectives")
     loss: str | None = Field(default=None, description="default clipped_tis")

@@ -6,7 +6,8 @@ For every staleness bound (``--staleness``, default ``0,4,16``) and every object
 ``topology/smollm2.yaml``, the real model) for ``--duration`` seconds, one cell after the
 other from the same starting model and seed. A cell's variant differs from the topology
 only in its run id (``bench-op-<objective>-s<bound>``), the policy's ``max_staleness``
-(the bound) and ``trainer.loss`` (the objective), with every version's weights kept and
+(the bound) and ``trainer.loss`` (the objective; ``decoupled_ppo_mask``, named only by
+``--objectives``, is ``decoupled_ppo`` with ``tis_mask``), with every version's weights kept and
 the online evaluator removed (so it takes no CPU from training).
 
 At each checkpoint time ``t`` (``--checkpoints``, seconds from the launch of ``up``;
@@ -64,6 +65,10 @@ import data_algorithms as da  # noqa: E402
 import learning  # noqa: E402
 
 OBJECTIVES = ("clipped_tis", "decoupled_ppo", "m2po")
+# objectives that are a loss with settings of its own (named with --objectives only)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "decoupled_ppo_mask": ("decoupled_ppo", {"tis_mask": True}),
+}
 STALENESS = (0, 4, 16)
 RUN_PREFIX = "bench-op"
 TRAINER_FIGURES = ("trainer/staleness_mean", "trainer/staleness_max", "trainer/clip_frac",
@@ -88,8 +93,10 @@ def build_cell(base: dict[str, Any], objective: str, staleness: int, *, model: s
     absolute dataset paths."""
     from astraflow.topology import LOSS_HYPERPARAMETERS
 
-    if objective not in LOSS_HYPERPARAMETERS:
-        raise ValueError(f"unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    loss, settings = VARIANTS.get(objective, (objective, {}))
+    if loss not in LOSS_HYPERPARAMETERS:
+        raise ValueError(f"unknown objective {objective!r} (known: "
+                         f"{', '.join([*OBJECTIVES, *VARIANTS])})")
     if staleness < 0:
         raise ValueError(f"a staleness bound is >= 0, got {staleness}")
     doc = copy.deepcopy(base)
@@ -101,10 +108,10 @@ def build_cell(base: dict[str, Any], objective: str, staleness: int, *, model: s
         spec.update(model=model, init_tiny=False, max_staleness=staleness)
         spec.pop("import_from", None)
         unread = {n for names in LOSS_HYPERPARAMETERS.values() for n in names} - set(
-            LOSS_HYPERPARAMETERS[objective])
+            LOSS_HYPERPARAMETERS[loss])
         trainer = {k: v for k, v in (spec.get("trainer") or {}).items() if k not in unread}
-        trainer.update(loss=objective, seed=seed, keep_versions=0,
-                       state_dir=f"{state_dir}/{policy}")
+        trainer.update(loss=loss, seed=seed, keep_versions=0,
+                       state_dir=f"{state_dir}/{policy}", **settings)
         if objective == "m2po" and m2_threshold is not None:
             trainer["m2_threshold"] = m2_threshold
         spec["trainer"] = trainer
@@ -261,7 +268,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=1800.0,
                     help="seconds of `astraflow up` per cell (default 1800)")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES),
-                    help=f"comma-separated, from {','.join(OBJECTIVES)}")
+                    help=f"comma-separated, from {','.join([*OBJECTIVES, *VARIANTS])} "
+                    "(decoupled_ppo_mask: decoupled_ppo with tis_mask)")
     ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS),
                     help="comma-separated max_staleness bounds (default 0,4,16)")
     ap.add_argument("--checkpoints", default=None, help="comma-separated seconds from the "
@@ -278,9 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "offpolicy.json")
     args = ap.parse_args(argv)
     args.objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
-    unknown = [o for o in args.objectives if o not in OBJECTIVES]
+    unknown = [o for o in args.objectives if o not in (*OBJECTIVES, *VARIANTS)]
     if unknown:
-        ap.error(f"unknown objectives {unknown} (known: {', '.join(OBJECTIVES)})")
+        ap.error(f"unknown objectives {unknown} (known: "
+                 f"{', '.join([*OBJECTIVES, *VARIANTS])})")
     try:
         args.staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
     except ValueError:

@@ -59,6 +59,12 @@ def test_hyperparameters_the_objective_does_not_read_are_dropped():
                                            state_dir="/s"))
     assert (kept.policies["actor"].trainer.tis_cap, kept.policies["actor"].trainer.clip_high
             ) == (3.0, 0.3)
+    masked = parse_topology(bench.build_cell(base, "decoupled_ppo_mask", 4, model="/m",
+                                             state_dir="/s"))
+    assert masked.run == "bench-op-decoupled-ppo-mask-s4"
+    assert (masked.policies["actor"].trainer.loss, masked.policies["actor"].trainer.tis_mask,
+            kept.policies["actor"].trainer.tis_mask) == ("decoupled_ppo", True, None)
+    assert _trainer_flags(masked)["tis_mask"] is True
     with pytest.raises(ValueError, match="unknown objective"):
         bench.build_cell(base, "ppo", 4, model="/m", state_dir="/s")
     with pytest.raises(ValueError, match=">= 0"):
@@ -100,6 +106,8 @@ def test_arguments():
     assert args.objectives == ["m2po", "clipped_tis"] and args.staleness == [0, 16]
     assert args.checkpoints == [15.0, 30.0, 45.0, 60.0]
     assert bench.parse_args(["--checkpoints", "5,10"]).checkpoints == [5.0, 10.0]
+    assert bench.parse_args(["--objectives", "decoupled_ppo_mask"]).objectives == [
+        "decoupled_ppo_mask"]
     for bad in (["--objectives", "ppo"], ["--staleness", "x"], ["--staleness", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

@@ -78,6 +78,21 @@ def test_decoupled_ppo_in_one_step_is_the_truncated_importance_weighted_gradient
         decoupled_ppo_loss(new, behaviour, adv, mask, tis_cap=0.0)
 
 
+def test_decoupled_ppo_masks_the_tokens_over_the_cap_with_tis_mask():
+    """tis_mask: the token whose pi/mu (3.0) is above the cap (2.0) gets weight 0, not 2;
+    the others keep theirs; the loss still divides by every loss token."""
+    behaviour = torch.full((4,), -1.0)
+    log_w = [math.log(0.5), 0.0, math.log(3.0), math.log(1.5)]
+    adv = torch.tensor([1.0, -1.0, 2.0, -3.0])
+    new = _new(behaviour, log_w)
+    out = decoupled_ppo_loss(new, behaviour, adv, torch.ones(4), tis_cap=2.0, tis_mask=True)
+    weights = [0.5, 1.0, 0.0, 1.5]
+    assert out.loss.item() == pytest.approx(-(0.5 * 1 + 1.0 * -1 + 1.5 * -3) / 4, rel=1e-5)
+    out.loss.backward()
+    assert torch.allclose(new.grad, -torch.tensor(weights) * adv / 4, atol=1e-6)
+    assert out.metrics["truncated_frac"] == pytest.approx(1 / 4)
+
+
 # --- M2PO -------------------------------------------------------------------------------------
 def test_m2_cut_masks_the_largest_second_moments_first():
     log_r = torch.tensor([0.0, 0.1, -0.2, 0.5, -1.0])  # (log r)^2: 0 .01 .04 .25 1

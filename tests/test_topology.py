@@ -209,6 +209,8 @@ def test_max_staleness_has_one_default_and_reaches_the_processors():
          "policies.actor.trainer.m2_threshold: not read by loss clipped_tis"),
         ({"policies": {"actor": {"model": "m", "trainer": {"loss": "m2po", "tis_cap": 3}}}},
          "policies.actor.trainer.tis_cap: not read by loss m2po"),
+        ({"policies": {"actor": {"model": "m", "trainer": {"tis_mask": True}}}},
+         "policies.actor.trainer.tis_mask: not read by loss clipped_tis"),
         ({"policies": {"actor": {"model": "m", "trainer": {"loss": "m2po",
                                                            "m2_threshold": 0}}}},
          "policies.actor.trainer.m2_threshold"),
@@ -246,7 +248,8 @@ def test_losses_of_the_topology_are_the_trainers():
             f.name for f in dataclasses.fields(TrainerConfig)}
     assert set(BATCH_STATS) == {"m2po"}
     # each loss takes its own hyperparameters; decoupled_ppo has no tis_cap > 1 + clip_high
-    for loss, extra in (("decoupled_ppo", {"tis_cap": 1.2, "clip_high": 0.3}),
+    for loss, extra in (("decoupled_ppo", {"tis_cap": 1.2, "clip_high": 0.3,
+                                           "tis_mask": True}),
                         ("m2po", {"m2_threshold": 0.02}), ("clipped_tis", {"tis_cap": 3})):
         topo = parse_topology(typed(policies={"actor": {"model": "m", "trainer": {
             "loss": loss, **extra}}}))

@@ -49,6 +49,8 @@ _LOSS: list[Option] = [
                             help="PPO ratio clip above 1 (default 0.28)")),
     (("--tis-cap",), dict(type=float, default=2.0, help="truncation of the importance weight "
                           "against the behaviour policy (clipped_tis, decoupled_ppo)")),
+    (("--tis-mask",), dict(action="store_true", help="decoupled_ppo: mask the tokens whose "
+                           "importance weight is above --tis-cap instead of truncating it")),
     (("--m2-threshold",), dict(type=float, default=0.04, metavar="TAU", help="m2po: tokens "
                                "with the largest (log pi/mu)^2 are masked until the mean over "
                                "the rest is at most TAU (default 0.04)")),
@@ -250,6 +252,7 @@ def _options(args: argparse.Namespace) -> Any:
             clip_low=args.clip_low,
             clip_high=args.clip_high,
             tis_cap=args.tis_cap,
+            tis_mask=args.tis_mask,
             m2_threshold=args.m2_threshold,
             normalize_std=not args.no_std_normalize,
             micro_batch_size=args.micro_batch_size if args.micro_batch_size is not None else 8,

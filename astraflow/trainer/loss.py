@@ -61,6 +61,9 @@ with one step per batch the objective is the policy gradient weighted by the tru
 importance weight ``min(pi_theta / mu, tis_cap)``; unlike ``clipped_tis`` it keeps the
 gradient of tokens whose ratio to ``mu`` left the clip range. (A caller training several
 steps on one batch passes ``logprobs_proximal``, the log-probs before its first step.)
+With ``tis_mask`` a token whose ``pi_prox / mu`` exceeds ``tis_cap`` gets weight 0 instead
+of ``tis_cap`` (AReaL masks them): the tokens the policy has moved furthest towards since
+they were sampled stop pulling it further.
 
 ``m2po`` (second-moment trust policy optimization) bounds the second moment of the
 log importance ratio ``log r_t = log pi_theta(y_t) - log mu(y_t)`` instead of clipping each
@@ -289,11 +292,14 @@ def decoupled_ppo_loss(
     tis_cap: float = 2.0,
     num_tokens: int | float | None = None,
     logprobs_proximal: torch.Tensor | None = None,
+    tis_mask: bool = False,
     **_unused: float,
 ) -> LossOutput:
     """Decoupled PPO (see the module doc): PPO clip around ``pi_prox``, behaviour weight
-    ``min(pi_prox / mu, tis_cap)`` (no gradient). ``logprobs_proximal``: log pi_prox of the
-    tokens; None (the trainer's one step per batch): ``stopgrad(logprobs_new)``."""
+    ``min(pi_prox / mu, tis_cap)`` (no gradient); ``tis_mask``: a token whose weight is
+    above ``tis_cap`` is masked instead (weight 0, AReaL's choice). ``logprobs_proximal``:
+    log pi_prox of the tokens; None (the trainer's one step per batch):
+    ``stopgrad(logprobs_new)``."""
     if clip_low < 0 or clip_high < 0:
         raise ValueError("clip_low and clip_high must be >= 0")
     if tis_cap <= 0:
@@ -304,11 +310,13 @@ def decoupled_ppo_loss(
     zero = torch.zeros_like(logprobs_new)
     ratio = torch.exp(torch.where(t.on, logprobs_new - prox, zero))
     behaviour_w = torch.exp(torch.where(t.on, prox - logprobs_behaviour.to(prox.dtype), zero))
-    weight = torch.clamp(behaviour_w, max=tis_cap)
+    over = behaviour_w > tis_cap
+    weight = (torch.where(over, zero, behaviour_w) if tis_mask
+              else torch.clamp(behaviour_w, max=tis_cap))
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     objective = weight * torch.minimum(ratio * t.adv, clipped * t.adv)
     sums = _clip_sums(t, ratio, clip_low, clip_high)
-    sums["truncated_frac"] = float(((behaviour_w > tis_cap) & t.on).sum())
+    sums["truncated_frac"] = float((over & t.on).sum())
     return _output(t, objective, num_tokens, sums)
 
 

@@ -99,6 +99,8 @@ class TrainerConfig:
     # truncation of the importance weight against the behaviour policy (clipped_tis,
     # decoupled_ppo)
     tis_cap: float = 2.0
+    # decoupled_ppo: a token whose weight is above tis_cap is masked, not truncated
+    tis_mask: bool = False
     # m2po: the most the mean (log pi_theta/mu)^2 of the trained tokens may be
     m2_threshold: float = 0.04
     normalize_std: bool = True
@@ -447,7 +449,7 @@ class Trainer:
         already depends on the tokens of all of them."""
         c = self.config
         options = {"clip_low": c.clip_low, "clip_high": c.clip_high, "tis_cap": c.tis_cap,
-                   "m2_threshold": c.m2_threshold}
+                   "m2_threshold": c.m2_threshold, "tis_mask": c.tis_mask}
         stats = BATCH_STATS.get(c.loss)
         if stats is None:
             return options
