@@ -213,7 +213,8 @@ def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
     trainer.train()
     clock.finish(trainer.model)
     (out_dir / "result.json").write_text(json.dumps(
-        {"at": clock.at, "steps": clock.steps, "paused_s": round(clock.paused, 1)}))
+        {"at": clock.at, "steps": clock.steps, "paused_s": round(clock.paused, 1),
+         "logged": clock.logged}))
     return 0
 
 
@@ -277,12 +278,24 @@ class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
         self.steps = 0
         self.prev: dict[str, Any] | None = None
         self.prev_step = 0
+        self.logged: list[dict[str, Any]] = []
 
     def elapsed(self) -> float:
         return time.time() - self.t0 - self.paused
 
     def on_train_begin(self, args, state, control, model=None, **kw):
         self._snapshot(model, 0)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        """TRL's own figures per step (its train reward above all: a flat baseline is
+        told apart from one that gets no reward)."""
+        keys = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "grad_norm", "loss")
+        shown = {k: logs[k] for k in keys if k in (logs or {})}
+        if shown:
+            self.logged.append({"step": state.global_step, **shown})
+            print(f"[trl] step {state.global_step} " + " ".join(
+                f"{k} {v:.3g}" for k, v in shown.items()), flush=True)
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self.steps = state.global_step
