@@ -544,7 +544,8 @@ def test_a_registered_loss_is_picked_by_name(tiny_model):
         torch.set_num_threads(1)
         tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, loss="test_reinforce"), policy="actor")
         m = tr.train_step(make_batch(2))
-        assert calls and calls[0] == ["clip_high", "clip_low", "m2_threshold", "tis_cap"]
+        assert calls and calls[0] == ["clip_high", "clip_low", "m2_threshold", "tis_cap",
+                                     "tis_mask"]
         assert m["trainer/grad_norm"] > 0 and m["trainer/pg_tokens"] == 1.0
         assert m["trainer/clip_frac"] == 0.0  # the default loss's figures stay reported
     finally:
