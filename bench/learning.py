@@ -185,9 +185,8 @@ def score_trl(result: dict[str, Any], ev: dict[str, Any]) -> None:
 
 
 def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
-    """The TRL run (child process): writes a checkpoint per checkpoint time, in the fp32
-    TRL computes with (rounded to bf16, its small AdamW steps would mostly vanish: see
-    docs/learning.md, "What limits learning here")."""
+    """The TRL run (child process): writes a checkpoint per checkpoint time, in fp32, the
+    weights TRL trains (not a bf16 rounding of them)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

@@ -69,6 +69,7 @@ OBJECTIVES = ("clipped_tis", "decoupled_ppo", "m2po")
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_ppo_mask": ("decoupled_ppo", {"tis_mask": True}),
 }
+KNOWN = (*OBJECTIVES, *VARIANTS)
 STALENESS = (0, 4, 16)
 RUN_PREFIX = "bench-op"
 TRAINER_FIGURES = ("trainer/staleness_mean", "trainer/staleness_max", "trainer/clip_frac",
@@ -95,8 +96,7 @@ def build_cell(base: dict[str, Any], objective: str, staleness: int, *, model: s
 
     loss, settings = VARIANTS.get(objective, (objective, {}))
     if loss not in LOSS_HYPERPARAMETERS:
-        raise ValueError(f"unknown objective {objective!r} (known: "
-                         f"{', '.join([*OBJECTIVES, *VARIANTS])})")
+        raise ValueError(f"unknown objective {objective!r} (known: {', '.join(KNOWN)})")
     if staleness < 0:
         raise ValueError(f"a staleness bound is >= 0, got {staleness}")
     doc = copy.deepcopy(base)
@@ -112,7 +112,7 @@ def build_cell(base: dict[str, Any], objective: str, staleness: int, *, model: s
         trainer = {k: v for k, v in (spec.get("trainer") or {}).items() if k not in unread}
         trainer.update(loss=loss, seed=seed, keep_versions=0,
                        state_dir=f"{state_dir}/{policy}", **settings)
-        if objective == "m2po" and m2_threshold is not None:
+        if loss == "m2po" and m2_threshold is not None:
             trainer["m2_threshold"] = m2_threshold
         spec["trainer"] = trainer
     if doc.get("feeder") is not None:
@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=1800.0,
                     help="seconds of `astraflow up` per cell (default 1800)")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES),
-                    help=f"comma-separated, from {','.join([*OBJECTIVES, *VARIANTS])} "
+                    help=f"comma-separated, from {','.join(KNOWN)} "
                     "(decoupled_ppo_mask: decoupled_ppo with tis_mask)")
     ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS),
                     help="comma-separated max_staleness bounds (default 0,4,16)")
@@ -286,10 +286,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "offpolicy.json")
     args = ap.parse_args(argv)
     args.objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
-    unknown = [o for o in args.objectives if o not in (*OBJECTIVES, *VARIANTS)]
+    unknown = [o for o in args.objectives if o not in KNOWN]
     if unknown:
-        ap.error(f"unknown objectives {unknown} (known: "
-                 f"{', '.join([*OBJECTIVES, *VARIANTS])})")
+        ap.error(f"unknown objectives {unknown} (known: {', '.join(KNOWN)})")
     try:
         args.staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
     except ValueError:
