@@ -134,7 +134,8 @@ def _optional_flags(spec: Any, names: Iterable[str]) -> list[str]:
 TRAINER_OPTIONAL = ("state_interval", "state_max_lag", "keep_optimizer", "keep_versions",
                     "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
                     "max_grad_norm", "clip_low", "clip_high", "tis_cap", "tis_mask",
-                    "m2_threshold", "loss", "micro_batch_size", "micro_batch_tokens", "autocast",
+                    "m2_threshold", "loss", "minibatches", "micro_batch_size",
+                    "micro_batch_tokens", "autocast",
                     "gradient_checkpointing", "forward_on", "dtype", "publish_dtype", "device",
                     "backend", "threads", "deterministic", "max_steps", "blob_store",
                     "state_dir")

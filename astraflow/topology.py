@@ -223,6 +223,8 @@ class TrainerSpec(_Strict):
     loss: str | None = Field(default=None, description="default clipped_tis")
     std_normalize: bool = True
     micro_batch_size: int | None = Field(default=None, ge=1, description="default 8")
+    # optimizer steps per batch (AReaL's ppo_n_minibatches; docs/trainer.md)
+    minibatches: int | None = Field(default=None, ge=1, description="default 1")
     micro_batch_tokens: int | None = Field(default=None, ge=1)
     autocast: Literal["none", "bf16"] | None = None
     gradient_checkpointing: bool = False

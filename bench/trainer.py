@@ -33,7 +33,9 @@ Settings (``--settings``): ``fp32`` (no autocast, 8 sequences per micro-batch, e
 sequence's prompt in its own pass: the trainer before real-model support), ``fp32-shared``
 (a group's samples share one pass over their prompt, the default), ``bf16``
 (``--autocast bf16``), ``bf16-shared``, ``bf16-tokens`` (and ``--micro-batch-tokens``),
-``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence).
+``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence),
+``fp32-mb64`` and ``bf16-mb64`` (64 sequences per micro-batch, each prompt in its own
+pass: few large kernels, for a GPU, ``--device cuda``).
 
 Backends (``--backends``): every setting runs under each trainer backend listed,
 ``torch`` (transformers) and ``megatron`` (megatron-core ``GPTModel``, Llama-family models,
@@ -83,6 +85,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "bf16-shared": {"autocast": "bf16", "micro_batch_size": 8},
     "bf16-tokens": {"autocast": "bf16", "micro_batch_tokens": 2048, "share_prompt": False},
     "bf16-ckpt": {"autocast": "bf16", "micro_batch_size": 8, "gradient_checkpointing": True},
+    # the whole batch in one pass (a GPU: few, large kernels)
+    "fp32-mb64": {"autocast": "none", "micro_batch_size": 64, "share_prompt": False},
+    "bf16-mb64": {"autocast": "bf16", "micro_batch_size": 64, "share_prompt": False},
 }
 
 SHORT = "What is {a} + {b}? Answer with the number only."
@@ -219,11 +224,11 @@ class Setting:
     prev: dict[str, torch.Tensor] | None = None
 
 
-def runnable(name: str, backend: str) -> bool:
-    """Whether the trainer takes setting ``name`` under ``backend`` (megatron: no
-    autocast on a CPU); says why not."""
+def runnable(name: str, backend: str, device: str = "cpu") -> bool:
+    """Whether the trainer takes setting ``name`` under ``backend`` on ``device``
+    (megatron: no autocast on a CPU); says why not."""
     try:
-        TrainerConfig(backend=backend, **SETTINGS[name]).validate()
+        TrainerConfig(backend=backend, device=device, **SETTINGS[name]).validate()
     except ValueError as e:
         print(f"# {name} ({backend}) skipped: {e}")
         return False
@@ -231,7 +236,7 @@ def runnable(name: str, backend: str) -> bool:
 
 
 def open_setting(model_dir: str, name: str, backend: str, args, root: str) -> Setting:
-    cfg = TrainerConfig(lr=args.lr, backend=backend, **SETTINGS[name])
+    cfg = TrainerConfig(lr=args.lr, backend=backend, device=args.device, **SETTINGS[name])
     trainer = Trainer(model_dir, cfg, policy="actor")
     store = FileBlobStore(os.path.join(root, f"{name}-{backend}"))
     st = Setting(trainer, store, StateWriter(store, "actor"), Row(name, backend))
@@ -290,19 +295,19 @@ def finish(st: Setting, version: int) -> None:
         st.store.delete(ref)
 
 
-def logprob_error(model_dir: str, batch: Batch) -> str:
+def logprob_error(model_dir: str, batch: Batch, device: str = "cpu") -> str:
     """bf16 autocast against fp32 token log-probs on the batch's completion tokens."""
     out = {}
     for ac in ("none", "bf16"):
-        tr = Trainer(model_dir, TrainerConfig(autocast=ac), policy="actor")
+        tr = Trainer(model_dir, TrainerConfig(autocast=ac, device=device), policy="actor")
         rows = tr._rows(batch)
         ids, attn, behaviour, mask, _ = tr._tensors(rows)
         with torch.no_grad():
             out[ac] = tr.token_logprobs(ids, attn)
         del tr
     on = mask > 0
-    d = (out["bf16"] - out["none"]).abs()[on]
-    e = (out["none"] - behaviour).abs()[on]
+    d = (out["bf16"] - out["none"]).abs().cpu()[on]
+    e = (out["none"].cpu() - behaviour).abs()[on]
     return (f"# log-prob |bf16 autocast - fp32| on {int(on.sum())} completion tokens: mean "
             f"{float(d.mean()):.4f}, max {float(d.max()):.4f} (|fp32 trainer - engine "
             f"behaviour|: max {float(e.max()):.1e})")
@@ -355,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="the trainer's torch device (cuda: the "
+                   "GPU; the batches are still sampled on the CPU)")
     p.add_argument("--dir", help="blob store directory (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -365,12 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.steps <= args.warmup or args.state_interval < 1:
         p.error(f"--settings/--backends: unknown {bad}" if bad
                 else "--steps must exceed --warmup, --state-interval be at least 1")
-    runs = [(n, b) for b in backends for n in names if runnable(n, b)]
+    runs = [(n, b) for b in backends for n in names if runnable(n, b, args.device)]
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     pool = build_groups(args.model, args.shape, args.prompts, args.samples, args.seed)
     batches = [make_batch(pool, v, args.groups) for v in range(args.steps)]
-    print(logprob_error(args.model, batches[0]))
+    print(logprob_error(args.model, batches[0], args.device))
     root = args.dir or tempfile.mkdtemp(prefix="astraflow-bench-trainer-")
     try:
         settings = [open_setting(args.model, n, b, args, root) for n, b in runs]

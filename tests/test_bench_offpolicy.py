@@ -65,6 +65,10 @@ def test_hyperparameters_the_objective_does_not_read_are_dropped():
     assert (masked.policies["actor"].trainer.loss, masked.policies["actor"].trainer.tis_mask,
             kept.policies["actor"].trainer.tis_mask) == ("decoupled_ppo", True, None)
     assert _trainer_flags(masked)["tis_mask"] is True
+    four = parse_topology(bench.build_cell(base, "decoupled_ppo_mb4", 4, model="/m",
+                                           state_dir="/s"))
+    assert (four.policies["actor"].trainer.loss, four.policies["actor"].trainer.minibatches,
+            _trainer_flags(four)["minibatches"]) == ("decoupled_ppo", 4, 4)
     with pytest.raises(ValueError, match="unknown objective"):
         bench.build_cell(base, "ppo", 4, model="/m", state_dir="/s")
     with pytest.raises(ValueError, match=">= 0"):

@@ -63,7 +63,7 @@ def test_bench_trainer_times_every_phase(tiny_model, tmp_path, capsys):
     batches = [bench.make_batch(pool, v, groups=2) for v in range(3)]
     assert [len(b.groups) for b in batches] == [2, 2, 2]
     assert batches[0].groups[0].prompt_id != batches[1].groups[0].prompt_id  # rotating
-    args = argparse.Namespace(lr=1e-4, threads=1, state_interval=2)
+    args = argparse.Namespace(lr=1e-4, threads=1, state_interval=2, device="cpu")
     runs = [("fp32", "torch"), ("bf16-tokens", "torch")]
     if megatron_usable():  # else tests/test_megatron skips
         runs.append(("fp32", "megatron"))

@@ -234,7 +234,7 @@ def test_every_typed_trainer_field_reaches_its_trainer_flag():
                   autocast="bf16", gradient_checkpointing=True, forward_on="master",
                   dtype="bf16", publish_dtype="same", device="cuda", threads=2,
                   deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s",
-                  loss="decoupled_ppo", tis_mask=True, backend="megatron")
+                  loss="decoupled_ppo", tis_mask=True, backend="megatron", minibatches=4)
     assert set(values) | {"std_normalize", "share_prompt", "micro_batch_size",
                           "m2_threshold"} == set(TrainerSpec.model_fields)
     data = _solver_verifier_data()

@@ -427,6 +427,55 @@ def test_off_policy_objectives_give_the_full_batch_update_in_micro_batches(tiny_
     assert m["trainer/m2"] > 0 and m["trainer/outside_nucleus_frac"] == 0.0
 
 
+def test_minibatches_step_each_part_against_the_proximal_policy_of_the_batch(tiny_model):
+    """minibatches=2: the batch's groups cut in two parts, one AdamW step each, each loss
+    divided by its own part's tokens; decoupled_ppo's second step is clipped around the
+    policy before the first (its log-probs taken before any step), not around its own."""
+    from astraflow.trainer.loss import decoupled_ppo_loss
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    batch = make_batch(7, groups=3, samples=4)
+    cfg = TrainerConfig(lr=3e-2, loss="decoupled_ppo", minibatches=2, share_prompt=False,
+                        forward_on="master")
+    tr = Trainer(tiny_model, cfg, policy="actor")
+    parts = tr.minibatches(tr._rows(batch))
+    assert [sorted({r.group for r in p}) for p in parts] == [[0], [1, 2]]
+    m = tr.train_step(batch)
+    assert m["trainer/minibatches"] == 2.0
+
+    ref = Trainer(tiny_model, dataclasses.replace(cfg, minibatches=1), policy="actor")
+    rows = ref._rows(batch)
+    first, second = [r for r in rows if r.group == 0], [r for r in rows if r.group > 0]
+    ids, attn, behaviour, mask, adv = ref._tensors(second)
+    with torch.no_grad():
+        prox = ref.token_logprobs(ids, attn)
+    for part in (first, second):
+        tokens = int(sum(sum(r.seq.loss_mask[1:]) for r in part))
+        ref.optimizer.zero_grad(set_to_none=True)
+        if part is first:
+            ref._accumulate(part, tokens)
+        else:
+            out = decoupled_ppo_loss(ref.token_logprobs(ids, attn), behaviour, adv, mask,
+                                     num_tokens=tokens, logprobs_proximal=prox)
+            out.loss.backward()
+            assert out.sums["clip_frac"] > 0  # the clip binds: the policy moved in step 1
+        ref._optimizer_step(tokens)
+    for (k, a), b in zip(tr.state_dict().items(), ref.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+    assert m["trainer/clip_frac"] > 0
+
+    # a loss without a proximal policy takes no extra forward pass
+    calls: list[int] = []
+    plain = Trainer(tiny_model, dataclasses.replace(cfg, loss="clipped_tis"), policy="actor")
+    real = plain.token_logprobs
+    plain.token_logprobs = lambda i, a, **kw: calls.append(len(i)) or real(i, a, **kw)
+    plain.train_step(batch)
+    assert sum(calls) == len([r for r in rows if r.advantage != 0.0])
+    with pytest.raises(ValueError, match=r"minibatches \(--minibatches\)"):
+        TrainerConfig(minibatches=0).validate()
+
+
 def test_tokens_outside_the_trainers_nucleus_keep_the_loss_finite(tiny_model):
     from astraflow.trainer.trainer import Trainer, TrainerConfig
 

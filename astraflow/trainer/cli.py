@@ -54,6 +54,10 @@ _LOSS: list[Option] = [
     (("--m2-threshold",), dict(type=float, default=0.04, metavar="TAU", help="m2po: tokens "
                                "with the largest (log pi/mu)^2 are masked until the mean over "
                                "the rest is at most TAU (default 0.04)")),
+    (("--minibatches",), dict(type=int, default=1, metavar="N", help="optimizer steps per "
+                              "batch: its groups cut into N parts, one step each; "
+                              "decoupled_ppo's proximal policy is the one before the first "
+                              "(default 1)")),
     (("--max-staleness",), dict(type=int, default=None, metavar="K", help="drop groups whose "
                                 "oldest token is > K versions behind the trained version")),
     (("--no-std-normalize",), dict(action="store_true",
@@ -254,6 +258,7 @@ def _options(args: argparse.Namespace) -> Any:
             tis_cap=args.tis_cap,
             tis_mask=args.tis_mask,
             m2_threshold=args.m2_threshold,
+            minibatches=args.minibatches,
             normalize_std=not args.no_std_normalize,
             micro_batch_size=args.micro_batch_size if args.micro_batch_size is not None else 8,
             micro_batch_tokens=args.micro_batch_tokens,

@@ -53,14 +53,15 @@ trust-region centre, from the behaviour policy ``mu``::
     w_t = stopgrad(min(pi_prox(y_t) / mu(y_t), tis_cap))
     J_t = w_t * min(r_t * A_t, clip(r_t) * A_t)
 
-``pi_prox`` is the policy before this optimizer step. The trainer takes exactly one AdamW
-step per batch (micro-batches only accumulate gradients), so ``pi_prox`` is the current
-policy at the forward pass: its log-probs are ``stopgrad(log pi_theta)``, with no forward
-pass of its own. ``r_t`` is then 1 (its gradient ``grad log pi``) and the clip never binds:
-with one step per batch the objective is the policy gradient weighted by the truncated
-importance weight ``min(pi_theta / mu, tis_cap)``; unlike ``clipped_tis`` it keeps the
-gradient of tokens whose ratio to ``mu`` left the clip range. (A caller training several
-steps on one batch passes ``logprobs_proximal``, the log-probs before its first step.)
+``pi_prox`` is the policy before the batch's first optimizer step. With the trainer's
+default of one AdamW step per batch (micro-batches only accumulate gradients) that is the
+current policy at the forward pass: its log-probs are ``stopgrad(log pi_theta)``, with no
+forward pass of its own. ``r_t`` is then 1 (its gradient ``grad log pi``) and the clip never
+binds: the objective is the policy gradient weighted by the truncated importance weight
+``min(pi_theta / mu, tis_cap)``; unlike ``clipped_tis`` it keeps the gradient of tokens
+whose ratio to ``mu`` left the clip range. With ``minibatches: N`` the trainer takes N steps
+a batch and passes ``logprobs_proximal``, the log-probs taken before the first: from the
+second step on the clip binds around ``pi_prox``.
 With ``tis_mask`` a token whose ``pi_prox / mu`` exceeds ``tis_cap`` gets weight 0 instead
 of ``tis_cap`` (AReaL masks them): the tokens the policy has moved furthest towards since
 they were sampled stop pulling it further.

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import logging
 import time
@@ -105,6 +106,10 @@ class TrainerConfig:
     m2_threshold: float = 0.04
     normalize_std: bool = True
     micro_batch_size: int = 8  # sequences per forward/backward
+    # optimizer steps per batch: its groups are cut into this many parts, one AdamW step
+    # each (AReaL's ppo_n_minibatches); the proximal policy of decoupled_ppo is the policy
+    # before the first of them, so its clip binds from the second on
+    minibatches: int = 1
     # padded tokens per forward/backward (sequences sorted by length); replaces
     # micro_batch_size when set
     micro_batch_tokens: int | None = None
@@ -146,6 +151,7 @@ class TrainerConfig:
             ("loss", "--loss", self.loss in LOSSES, f"must be one of {sorted(LOSSES)}"),
             ("micro_batch_size", "--micro-batch-size", self.micro_batch_size >= 1,
              "must be at least 1"),
+            ("minibatches", "--minibatches", self.minibatches >= 1, "must be at least 1"),
             ("micro_batch_tokens", "--micro-batch-tokens",
              self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
              "must be at least 1"),
@@ -194,6 +200,7 @@ FORWARD_ON = ("published", "master")
 class _Row:
     seq: Sequence
     advantage: float
+    group: int = 0  # the index of its group in the batch
 
 
 class Trainer:
@@ -313,7 +320,7 @@ class Trainer:
     def _rows(self, batch: Batch) -> list[_Row]:
         policy = self.policy or batch.policy
         rows: list[_Row] = []
-        for g in batch.groups:
+        for gi, g in enumerate(batch.groups):
             seqs = [s for s in g.sequences if not s.policy or not policy or s.policy == policy]
             if not seqs:
                 continue
@@ -326,7 +333,7 @@ class Trainer:
                         f"loss_mask ({len(s.loss_mask)}) and logprobs ({len(s.logprobs)}) "
                         "must have the same length"
                     )
-                rows.append(_Row(s, a))
+                rows.append(_Row(s, a, gi))
         return rows
 
     def micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
@@ -463,19 +470,22 @@ class Trainer:
         log_ratio = torch.cat(ratios) if ratios else torch.zeros(0, device=self.device)
         return {**options, **stats(log_ratio, **options)}
 
-    def _accumulate(self, live: list[_Row], total_tokens: int) -> dict[str, Any]:
-        """Forward/backward of every micro-batch of ``live``, gradients summed."""
+    def _accumulate(self, live: list[_Row], total_tokens: int,
+                    proximal: list[torch.Tensor | None] | None = None) -> dict[str, Any]:
+        """Forward/backward of every micro-batch of ``live``, gradients summed.
+        ``proximal``: per pass of ``passes(live)``, the proximal policy's log-probs (a loss
+        that reads ``logprobs_proximal``); None: the policy of this step itself."""
         loss_fn = get_loss(self.config.loss)
         options = self._loss_options(live)
-        acc: dict[str, Any] = {"loss": 0.0, "ratio_max": 0.0, "micro_batches": 0,
-                               "padded_tokens": 0, "sums": dict.fromkeys(SUM_KEYS, 0.0)}
-        acc["sums"]["outside_nucleus_frac"] = 0.0
-        for prompt_len, part in self.passes(live):
+        acc = _new_acc()
+        for i, (prompt_len, part) in enumerate(self.passes(live)):
             got = self._pass_logprobs(prompt_len, part)
             if got is None:
                 continue
             new, behaviour, mask, adv = got
-            out = loss_fn(new, behaviour, adv, mask, num_tokens=total_tokens, **options)
+            extra = {} if proximal is None else {"logprobs_proximal": proximal[i]}
+            out = loss_fn(new, behaviour, adv, mask, num_tokens=total_tokens, **options,
+                          **extra)
             out.loss.backward()
             acc["loss"] += float(out.loss.detach())
             acc["micro_batches"] += 1
@@ -487,6 +497,35 @@ class Trainer:
             outside = (new.detach() <= LOGPROB_FLOOR) & (mask > 0)
             acc["sums"]["outside_nucleus_frac"] += float(outside.sum())
         return acc
+
+    def minibatches(self, rows: list[_Row]) -> list[list[_Row]]:
+        """``rows`` cut into ``config.minibatches`` parts of whole groups, in order, as
+        even in groups as they divide (fewer parts when the batch has fewer groups)."""
+        groups: dict[int, list[_Row]] = {}
+        for r in rows:
+            groups.setdefault(r.group, []).append(r)
+        parts = list(groups.values())
+        k = min(self.config.minibatches, len(parts))
+        if k <= 1:
+            return [rows]
+        return [[r for g in parts[i * len(parts) // k:(i + 1) * len(parts) // k] for r in g]
+                for i in range(k)]
+
+    def _proximal(self, parts: list[list[_Row]]) -> list[list[torch.Tensor | None] | None]:
+        """Per minibatch, the log-probs of its live rows' passes under the current weights
+        (no gradient), taken before the first step: the proximal policy of a loss that
+        reads one. None for the first (its own forward is that policy) and for every part
+        when the loss reads none."""
+        params = inspect.signature(get_loss(self.config.loss)).parameters
+        if len(parts) == 1 or "logprobs_proximal" not in params:
+            return [None] * len(parts)
+        out: list[list[torch.Tensor | None] | None] = [None]
+        with torch.no_grad():
+            for part in parts[1:]:
+                live = [r for r in part if r.advantage != 0.0]
+                out.append([None if (got := self._pass_logprobs(n, p)) is None
+                            else got[0].detach() for n, p in self.passes(live)])
+        return out
 
     def _optimizer_step(self, total_tokens: int) -> float:
         """Clip and apply the accumulated gradients; the gradient norm."""
@@ -514,7 +553,8 @@ class Trainer:
         return time.perf_counter()
 
     def train_step(self, batch: Batch, current_version: int | None = None) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns ``trainer/*`` metrics.
+        """One batch: ``config.minibatches`` optimizer steps (one by default); returns
+        ``trainer/*`` metrics.
 
         ``current_version``: the weight version being trained from (only for the staleness
         metrics: how many versions behind it the batch's generated tokens are).
@@ -528,41 +568,73 @@ class Trainer:
             stale_dropped = len(batch.groups) - len(kept)
             batch = dataclasses.replace(batch, groups=kept)
         rows = self._rows(batch)
-        tokens = [sum(1 for m in r.seq.loss_mask[1:] if m) for r in rows]
-        total_tokens = sum(tokens)
-        # A sequence with advantage 0 (every one of a group whose rewards are all equal)
-        # adds exactly 0 to the loss and its gradient: it is left out of the forward and
-        # backward passes. The loss is still divided by the tokens of all sequences, so
-        # the update is the one the whole batch gives.
-        live = [r for r in rows if r.advantage != 0.0]
-        live_tokens = sum(t for t, r in zip(tokens, rows) if r.advantage != 0.0)
-        self.optimizer.zero_grad(set_to_none=True)
-        acc = self._accumulate(live, total_tokens)
-        t1 = self._sync()
-        grad_norm = self._optimizer_step(total_tokens)
-        t2 = self._sync()
+        acc = self._steps(rows)
         self.steps += 1
         rewards = [r.seq.reward for r in rows]
         metrics = {
             "trainer/loss": acc["loss"],
             "trainer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "trainer/grad_norm": grad_norm,
+            "trainer/grad_norm": acc["grad_norm"],
             "trainer/sequences": float(len(rows)),
-            "trainer/loss_tokens": float(total_tokens),
-            "trainer/zero_advantage_frac": 1.0 - len(live) / len(rows) if rows else 0.0,
+            "trainer/loss_tokens": float(acc["tokens"]),
+            "trainer/zero_advantage_frac": 1.0 - acc["live"] / len(rows) if rows else 0.0,
             "trainer/ratio_max": acc["ratio_max"],
             "trainer/micro_batches": float(acc["micro_batches"]),
+            "trainer/minibatches": float(acc["minibatches"]),
             "trainer/padded_tokens": float(acc["padded_tokens"]),
-            "trainer/forward_backward_seconds": t1 - t0,
-            "trainer/optimizer_seconds": t2 - t1,
-            "trainer/step_seconds": t2 - t0,
+            "trainer/forward_backward_seconds": acc["forward_backward_seconds"],
+            "trainer/optimizer_seconds": acc["optimizer_seconds"],
+            "trainer/step_seconds": time.perf_counter() - t0,
             "trainer/stale_dropped_groups": float(stale_dropped),
         }
-        denom = max(live_tokens, 1)  # the ratio and clipping figures: of trained tokens
+        denom = max(acc["live_tokens"], 1)  # the ratio and clipping figures: of trained tokens
         for k, total in acc["sums"].items():
             metrics[f"trainer/{k}"] = total / denom
         metrics.update(_staleness_metrics(rows, current_version))
         return metrics
+
+    def _steps(self, rows: list[_Row]) -> dict[str, Any]:
+        """The optimizer steps on ``rows``, one per minibatch, with their figures summed
+        (``grad_norm``: their mean)."""
+        total = _new_acc()
+        total.update(tokens=0, live=0, live_tokens=0, grad_norm=0.0, minibatches=0,
+                     forward_backward_seconds=0.0, optimizer_seconds=0.0)
+        t0 = time.perf_counter()
+        parts = self.minibatches(rows)
+        proximal = self._proximal(parts)
+        for part, prox in zip(parts, proximal):
+            tokens = [sum(1 for m in r.seq.loss_mask[1:] if m) for r in part]
+            # A sequence with advantage 0 (every one of a group whose rewards are all
+            # equal) adds exactly 0 to the loss and its gradient: it is left out of the
+            # passes. The loss is still divided by the tokens of all sequences, so the
+            # update is the one the whole part gives.
+            live = [r for r in part if r.advantage != 0.0]
+            self.optimizer.zero_grad(set_to_none=True)
+            acc = self._accumulate(live, sum(tokens), prox)
+            t1 = self._sync()
+            total["grad_norm"] += self._optimizer_step(sum(tokens)) / len(parts)
+            t2 = self._sync()
+            total["forward_backward_seconds"] += t1 - t0
+            total["optimizer_seconds"] += t2 - t1
+            t0 = t2
+            total["tokens"] += sum(tokens)
+            total["live"] += len(live)
+            total["live_tokens"] += sum(t for t, r in zip(tokens, part) if r.advantage != 0.0)
+            total["minibatches"] += 1
+            for k in ("loss", "micro_batches", "padded_tokens"):
+                total[k] += acc[k]
+            total["ratio_max"] = max(total["ratio_max"], acc["ratio_max"])
+            for k, v in acc["sums"].items():
+                total["sums"][k] = total["sums"].get(k, 0.0) + v
+        return total
+
+
+def _new_acc() -> dict[str, Any]:
+    """The figures ``_accumulate`` sums over passes."""
+    sums = dict.fromkeys(SUM_KEYS, 0.0)
+    sums["outside_nucleus_frac"] = 0.0
+    return {"loss": 0.0, "ratio_max": 0.0, "micro_batches": 0, "padded_tokens": 0,
+            "sums": sums}
 
 
 def _staleness_metrics(rows: list[_Row], current_version: int | None) -> dict[str, float]:
