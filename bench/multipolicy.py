@@ -437,13 +437,19 @@ def main(argv: list[str] | None = None) -> int:
             log = runs_dir / f"bench-multipolicy-{kind}-s{seed}.log"
             fig = figures(run_up(topo, args.duration, runs_dir, log), args)
             runs.append({"name": f"{kind} seed {seed}", "kind": kind, "seed": seed, **fig})
+            write_out(runs, args)  # after every run: an interrupted bench keeps its runs
     report(runs, args)
+    print(f"\nwrote {write_out(runs, args)}")
+    return 0
+
+
+def write_out(runs: list[dict[str, Any]], args: argparse.Namespace) -> Path:
+    """``--out``: the runs so far, with the settings they ran with."""
     out = REPO / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"duration_s": args.duration, "topology": args.topology,
                                "seeds": args.seeds, "runs": runs}, indent=1) + "\n")
-    print(f"\nwrote {out}")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ For every staleness bound (``--staleness``, default ``0,4,16``) and every object
 ``topology/smollm2.yaml``, the real model) for ``--duration`` seconds, one cell after the
 other from the same starting model and seed. A cell's variant differs from the topology
 only in its run id (``bench-op-<objective>-s<bound>``), the policy's ``max_staleness``
-(the bound) and ``trainer.loss`` (the objective; ``decoupled_ppo_mask`` and
-``decoupled_ppo_mb4``, named only by ``--objectives``, are ``decoupled_ppo`` with
-``tis_mask`` and with ``minibatches: 4``), with every version's weights kept and the online
-evaluator removed (so it takes no CPU from training).
+(the bound) and ``trainer.loss`` (the objective; ``decoupled_ppo_mask``,
+``decoupled_ppo_mb4`` and ``decoupled_ppo_mb4_mask``, named only by ``--objectives``, are
+``decoupled_ppo`` with ``tis_mask``, with ``minibatches: 4``, and with both, AReaL's
+recipe), with every version's weights kept and the online evaluator removed (so it takes
+no CPU from training).
 
 At each checkpoint time ``t`` (``--checkpoints``, seconds from the launch of ``up``;
 default a quarter, half, three quarters and all of ``--duration``) it takes the newest
@@ -70,6 +71,7 @@ OBJECTIVES = ("clipped_tis", "decoupled_ppo", "m2po")
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_ppo_mask": ("decoupled_ppo", {"tis_mask": True}),
     "decoupled_ppo_mb4": ("decoupled_ppo", {"minibatches": 4}),
+    "decoupled_ppo_mb4_mask": ("decoupled_ppo", {"minibatches": 4, "tis_mask": True}),
 }
 KNOWN = (*OBJECTIVES, *VARIANTS)
 STALENESS = (0, 4, 16)
@@ -272,7 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--objectives", default=",".join(OBJECTIVES),
                     help=f"comma-separated, from {','.join(KNOWN)} "
                     "(decoupled_ppo_mask: decoupled_ppo with tis_mask; decoupled_ppo_mb4: "
-                    "with 4 optimizer steps a batch)")
+                    "with 4 optimizer steps a batch; decoupled_ppo_mb4_mask: both)")
     ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS),
                     help="comma-separated max_staleness bounds (default 0,4,16)")
     ap.add_argument("--checkpoints", default=None, help="comma-separated seconds from the "

@@ -122,3 +122,24 @@ def test_intervals_over_seeds_and_the_paired_difference():
     alone, together, diff = bench._paired(runs, lambda r: r["solver"]["final"])
     assert alone == [0.5, 0.7] and together == [0.6, 0.7]
     assert diff == pytest.approx([0.1, 0.0])
+
+
+def test_the_json_is_written_after_every_run(tmp_path, monkeypatch):
+    """An interrupted bench keeps the runs it finished: --out is rewritten after each."""
+    calls: list[str] = []
+
+    def fake_up(topology, duration, runs_dir, log):
+        calls.append(Path(topology).name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {}
+
+    monkeypatch.setattr(bench, "run_up", fake_up)
+    monkeypatch.setattr(bench, "figures", lambda summary, args: {"final": 0.5})
+    out = tmp_path / "mp.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--runs-dir", str(tmp_path / "runs"), "--out", str(out), "--seeds", "3"])
+    data = json.loads(out.read_text())
+    assert calls == ["bench-multipolicy-alone-s3.yaml", "bench-multipolicy-together-s3.yaml"]
+    assert data["seeds"] == [3]
+    assert data["runs"] == [{"name": "alone seed 3", "kind": "alone", "seed": 3, "final": 0.5}]

@@ -4,6 +4,7 @@ that stop a component with one line, and no secret anywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -350,6 +351,39 @@ def _denials(broker, run: str) -> list[str]:
     return [ln for ln in log.splitlines() if "Denied" in ln and f"User:{run}." in ln]
 
 
+@contextlib.contextmanager
+def _up_secure(path: Path, broker, tmp_path: Path):
+    """``up PATH --secure`` in the background, its output in ``tmp_path/up.log``: yields
+    ``(process, log path)``; when the body is done, Ctrl-C (SIGINT) and a clean exit."""
+    env = {**os.environ, "ASTRAFLOW_STATE": str(broker.state), "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "up.log"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "astraflow.cli", "up", str(path), "--secure",
+             "--duration", "300", "--runs-dir", str(tmp_path / "runs")],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        yield proc, out
+        proc.send_signal(signal.SIGINT)  # seen all it needs: stop as Ctrl-C does
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, out.read_text()[-3000:]
+
+
+def _versions(config: KafkaConfig, topic: str, proc: subprocess.Popen, out: Path) -> int:
+    """Records on a weights topic (0 before it exists); fails once ``up`` has exited."""
+    from astraflow.kafka.clients import read_all
+
+    assert proc.poll() is None, out.read_text()[-3000:]
+    try:
+        return len(read_all(config, topic, timeout_s=10, idle_s=0.5))
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+
+
 def _all_bytes(config: KafkaConfig, topo: Topology) -> bytes:
     """Every record (key and value, aborted ones too) of every topic of the run."""
     from confluent_kafka import OFFSET_BEGINNING
@@ -416,28 +450,11 @@ def test_up_secure_trains_with_one_principal_per_component_and_no_secret_leaks(
     data["eval"] = {"every_versions": 2, "size": 20, "levels": "1"}
     path = tmp_path / "sec.yaml"
     path.write_text(yaml.safe_dump(data))
-    env = dict(os.environ)
-    env.update(ASTRAFLOW_STATE=str(secure_broker.state), PYTHONUNBUFFERED="1")
-    out = tmp_path / "up.log"
-    with open(out, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.cli", "up", str(path), "--secure",
-             "--duration", "180", "--runs-dir", str(tmp_path / "runs")],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    try:
-        topo = parse_topology(data, source=str(path))
-        config = admin_config(secure_broker)
-        weights = topo.full_name("weights.actor")
-
-        def versions() -> int:
-            if proc.poll() is not None:
-                raise AssertionError(out.read_text()[-3000:])
-            try:
-                return len(read_all(config, weights, timeout_s=10, idle_s=0.5))
-            except Exception:  # noqa: BLE001 - not created yet
-                return 0
-
-        wait_for(lambda: versions() >= 3, 300, "three weight versions", step=2)
+    topo = parse_topology(data, source=str(path))
+    config = admin_config(secure_broker)
+    with _up_secure(path, secure_broker, tmp_path) as (proc, out):
+        wait_for(lambda: _versions(config, topo.full_name("weights.actor"), proc, out) >= 3,
+                 300, "three weight versions", step=2)
         forged = _forge(topo, secure_broker, tmp_path)
 
         def refused() -> list:
@@ -448,14 +465,7 @@ def test_up_secure_trains_with_one_principal_per_component_and_no_secret_leaks(
         letters = wait_for(refused, 60, "the forged manifest dead-lettered", step=1)
         assert any("raas" in d.component_id or "local" in d.component_id
                    for d in letters), [d.component_id for d in letters]
-        proc.send_signal(signal.SIGINT)  # seen all it needs: stop as Ctrl-C does
-        proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
     text = out.read_text()
-    assert proc.returncode == 0, text[-3000:]
     run_dir = tmp_path / "runs" / run
     assert "Traceback" not in text
     for log_file in (run_dir / "logs").glob("*.log"):
@@ -540,10 +550,10 @@ def test_a_component_run_as_a_principal_without_its_acls_stops_with_one_line(
 def test_up_secure_runs_every_component_of_a_shipped_topology_undenied(
         secure_broker, tmp_path, source):
     """Each other shipped topology (the real-model ones aside: they need SmolLM2) under
-    `up --secure` for a short while: every component (feeder, processors, pools, trainers,
-    evaluators) runs as its own principal with exactly the ACLs `topology acls` prints,
-    the broker denies none of them anything, and each trainer publishes."""
-    from astraflow.kafka.clients import read_all
+    `up --secure` until each trainer has published two versions, then Ctrl-C: every
+    component (feeder, processors, pools, trainers, evaluators) runs as its own principal
+    with exactly the ACLs `topology acls` prints, and the broker denies none of them
+    anything."""
 
     data = yaml.safe_load((REPO / "topology" / source).read_text())
     run = data["run"] = random_name("up-sec")
@@ -553,20 +563,16 @@ def test_up_secure_runs_every_component_of_a_shipped_topology_undenied(
         spec["warm_start"].pop("until", None)
     path = tmp_path / source
     path.write_text(yaml.safe_dump(data))
-    env = dict(os.environ)
-    env.update(ASTRAFLOW_STATE=str(secure_broker.state), PYTHONUNBUFFERED="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "astraflow.cli", "up", str(path), "--secure", "--duration",
-         "45", "--runs-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    topo = parse_topology(data, source=str(path))
+    config = admin_config(secure_broker)
+    with _up_secure(path, secure_broker, tmp_path) as (proc, out):
+        # two versions a trainer: every component has run through its own loop a while
+        wait_for(lambda: all(_versions(config, topo.full_name(f"weights.{p}"), proc, out) >= 2
+                             for p in topo.policies),
+                 240, "two published versions of every policy", step=2)
     logs = tmp_path / "runs" / run / "logs"
     for log_file in logs.glob("*.log"):
         text = log_file.read_text()
         assert "was denied" not in text and "refused the login" not in text, log_file
         assert "Traceback" not in text, (log_file, text[-2000:])
     assert _denials(secure_broker, run) == []
-    topo = parse_topology(data, source=str(path))
-    config = admin_config(secure_broker)
-    for policy in topo.policies:
-        assert read_all(config, topo.full_name(f"weights.{policy}"), timeout_s=20), policy
