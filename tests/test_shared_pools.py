@@ -118,7 +118,7 @@ def test_the_default_topology_keeps_tasks_in_flight_within_the_target(
     topo = _topology(tmp_path, kafka_bootstrap, "lag")
     topo["feeder"]["rate"] = 200  # far more than one tiny-model node rolls out
     run = topo["run"]
-    up = _start_up(tmp_path, topo, kafka_bootstrap, "--duration", "75")
+    up = _start_up(tmp_path, topo, kafka_bootstrap, "--duration", "50")
     lags = LagReader(kafka_config)
     counter = RecordCounter(kafka_config, random_name("counter"))
     readings: list[tuple[float, int]] = []

@@ -443,6 +443,7 @@ def test_minibatches_step_each_part_against_the_proximal_policy_of_the_batch(tin
     assert [sorted({r.group for r in p}) for p in parts] == [[0], [1, 2]]
     m = tr.train_step(batch)
     assert m["trainer/minibatches"] == 2.0
+    losses: list[float] = []
 
     ref = Trainer(tiny_model, dataclasses.replace(cfg, minibatches=1), policy="actor")
     rows = ref._rows(batch)
@@ -454,16 +455,18 @@ def test_minibatches_step_each_part_against_the_proximal_policy_of_the_batch(tin
         tokens = int(sum(sum(r.seq.loss_mask[1:]) for r in part))
         ref.optimizer.zero_grad(set_to_none=True)
         if part is first:
-            ref._accumulate(part, tokens)
+            losses.append(ref._accumulate(part, tokens)["loss"])
         else:
             out = decoupled_ppo_loss(ref.token_logprobs(ids, attn), behaviour, adv, mask,
                                      num_tokens=tokens, logprobs_proximal=prox)
             out.loss.backward()
+            losses.append(float(out.loss))
             assert out.sums["clip_frac"] > 0  # the clip binds: the policy moved in step 1
         ref._optimizer_step(tokens)
     for (k, a), b in zip(tr.state_dict().items(), ref.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), k
     assert m["trainer/clip_frac"] > 0
+    assert m["trainer/loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
 
     # a loss without a proximal policy takes no extra forward pass
     calls: list[int] = []

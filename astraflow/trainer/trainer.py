@@ -595,7 +595,7 @@ class Trainer:
 
     def _steps(self, rows: list[_Row]) -> dict[str, Any]:
         """The optimizer steps on ``rows``, one per minibatch, with their figures summed
-        (``grad_norm``: their mean)."""
+        (``loss`` and ``grad_norm``: their means)."""
         total = _new_acc()
         total.update(tokens=0, live=0, live_tokens=0, grad_norm=0.0, minibatches=0,
                      forward_backward_seconds=0.0, optimizer_seconds=0.0)
@@ -621,7 +621,8 @@ class Trainer:
             total["live"] += len(live)
             total["live_tokens"] += sum(t for t, r in zip(tokens, part) if r.advantage != 0.0)
             total["minibatches"] += 1
-            for k in ("loss", "micro_batches", "padded_tokens"):
+            total["loss"] += acc["loss"] / len(parts)  # each part's loss is a token mean
+            for k in ("micro_batches", "padded_tokens"):
                 total[k] += acc[k]
             total["ratio_max"] = max(total["ratio_max"], acc["ratio_max"])
             for k, v in acc["sums"].items():
