@@ -9,8 +9,9 @@ only in its run id (``bench-op-<objective>-s<bound>``), the policy's ``max_stale
 (the bound) and ``trainer.loss`` (the objective; ``decoupled_ppo_mask``,
 ``decoupled_ppo_mb4`` and ``decoupled_ppo_mb4_mask``, named only by ``--objectives``, are
 ``decoupled_ppo`` with ``tis_mask``, with ``minibatches: 4``, and with both, AReaL's
-recipe), with every version's weights kept and the online evaluator removed (so it takes
-no CPU from training).
+recipe; ``decoupled_ppo_mb4_lr`` is ``minibatches: 4`` at ``lr`` 7.5e-6), with every
+version's weights kept and the online evaluator removed (so it takes no CPU from
+training).
 
 At each checkpoint time ``t`` (``--checkpoints``, seconds from the launch of ``up``;
 default a quarter, half, three quarters and all of ``--duration``) it takes the newest
@@ -72,6 +73,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_ppo_mask": ("decoupled_ppo", {"tis_mask": True}),
     "decoupled_ppo_mb4": ("decoupled_ppo", {"minibatches": 4}),
     "decoupled_ppo_mb4_mask": ("decoupled_ppo", {"minibatches": 4, "tis_mask": True}),
+    # a quarter of smollm2.yaml's lr (3e-5) a step: about one step's movement per batch
+    "decoupled_ppo_mb4_lr": ("decoupled_ppo", {"minibatches": 4, "lr": 7.5e-6}),
 }
 KNOWN = (*OBJECTIVES, *VARIANTS)
 STALENESS = (0, 4, 16)
@@ -274,7 +277,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--objectives", default=",".join(OBJECTIVES),
                     help=f"comma-separated, from {','.join(KNOWN)} "
                     "(decoupled_ppo_mask: decoupled_ppo with tis_mask; decoupled_ppo_mb4: "
-                    "with 4 optimizer steps a batch; decoupled_ppo_mb4_mask: both)")
+                    "with 4 optimizer steps a batch; decoupled_ppo_mb4_mask: both; "
+                    "decoupled_ppo_mb4_lr: 4 steps at lr 7.5e-6)")
     ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS),
                     help="comma-separated max_staleness bounds (default 0,4,16)")
     ap.add_argument("--checkpoints", default=None, help="comma-separated seconds from the "

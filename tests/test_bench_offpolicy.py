@@ -69,6 +69,9 @@ def test_hyperparameters_the_objective_does_not_read_are_dropped():
                                            state_dir="/s"))
     assert (four.policies["actor"].trainer.loss, four.policies["actor"].trainer.minibatches,
             _trainer_flags(four)["minibatches"]) == ("decoupled_ppo", 4, 4)
+    slow = parse_topology(bench.build_cell(base, "decoupled_ppo_mb4_lr", 4, model="/m",
+                                           state_dir="/s"))
+    assert (slow.policies["actor"].trainer.lr, _trainer_flags(slow)["lr"]) == (7.5e-6, 7.5e-6)
     with pytest.raises(ValueError, match="unknown objective"):
         bench.build_cell(base, "ppo", 4, model="/m", state_dir="/s")
     with pytest.raises(ValueError, match=">= 0"):
