@@ -275,10 +275,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=1800.0,
                     help="seconds of `astraflow up` per cell (default 1800)")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES),
-                    help=f"comma-separated, from {','.join(KNOWN)} "
-                    "(decoupled_ppo_mask: decoupled_ppo with tis_mask; decoupled_ppo_mb4: "
-                    "with 4 optimizer steps a batch; decoupled_ppo_mb4_mask: both; "
-                    "decoupled_ppo_mb4_lr: 4 steps at lr 7.5e-6)")
+                    help=f"comma-separated, from {','.join(KNOWN)} (" + "; ".join(
+                        f"{name}: {loss} with {settings}"
+                        for name, (loss, settings) in VARIANTS.items()) + ")")
     ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS),
                     help="comma-separated max_staleness bounds (default 0,4,16)")
     ap.add_argument("--checkpoints", default=None, help="comma-separated seconds from the "

@@ -251,6 +251,10 @@ class Trainer:
             weight_decay=c.weight_decay,
         )
         self.steps = 0
+        # the loss reads a proximal policy apart from this step's (decoupled_ppo): with
+        # several minibatches, its log-probs are taken before the first step
+        self._reads_proximal = "logprobs_proximal" in inspect.signature(
+            get_loss(c.loss)).parameters
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -516,8 +520,7 @@ class Trainer:
         (no gradient), taken before the first step: the proximal policy of a loss that
         reads one. None for the first (its own forward is that policy) and for every part
         when the loss reads none."""
-        params = inspect.signature(get_loss(self.config.loss)).parameters
-        if len(parts) == 1 or "logprobs_proximal" not in params:
+        if len(parts) == 1 or not self._reads_proximal:
             return [None] * len(parts)
         out: list[list[torch.Tensor | None] | None] = [None]
         with torch.no_grad():
