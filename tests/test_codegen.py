@@ -200,6 +200,34 @@ def test_rewards_policies_roles_and_metrics():
     assert m["code/sandbox_runs"] == 4.0  # the reference and 3 distinct attempts
 
 
+def test_a_batch_of_tasks_samples_each_role_in_one_call_and_a_bad_task_fails_alone():
+    def engines():
+        return {"solver": ScriptedEngine("solver", solver=["x*x+9\n", "\n", "x*3+9\n",
+                                                           "x*x+9\n"]),
+                "generator": ScriptedEngine("generator", generator=[
+                    "f(2)==13\n", "f(1)==11\n", "f(2)==13\n", "f(0)==9\n"])}
+
+    bad = code_task(tid="bad")
+    bad.payload = json.dumps({k: v for k, v in PROBLEM.payload().items() if k != "tests"})
+    eng = engines()
+    out = make_workflow("code_tests").run_batch(
+        [code_task(tid="a"), bad, code_task(tid="c")], eng, 2)
+    assert [len(c) for c in eng["solver"].calls] == [2]  # tasks a and c, one call
+    assert [len(c) for c in eng["generator"].calls] == [2]
+    assert isinstance(out[1], TaskError) and "tests" in str(out[1])
+    assert [(s.role, s.reward) for s in out[0]] == [
+        ("solver", 1.0), ("solver", 0.0),  # right; empty (an error, not catchable)
+        ("generator", 0.0), ("generator", 0.0)]  # nothing to catch; invalid
+    assert [(s.role, s.reward) for s in out[2]] == [
+        ("solver", 0.5), ("solver", 1.0),
+        ("generator", 1.0), ("generator", 0.0)]  # catches x*3+9; valid, catches nothing
+    # the same replies, task by task, give the same sequences
+    eng = engines()
+    one_by_one = [make_workflow("code_tests").run(code_task(tid=t), eng, 2) for t in "ac"]
+    assert [[s.token_ids for s in g] for g in one_by_one] == [
+        [s.token_ids for s in g] for g in (out[0], out[2])]
+
+
 def test_node_puts_the_code_metrics_into_the_group():
     from astraflow.raas.node import NodeOptions, RaaSNode
     from astraflow.topology import parse_topology

@@ -74,6 +74,10 @@ solver alone); the sampling options of ``single_turn`` for the solver (default
 ``max_tests`` (items read per generator completion, default 8; more are ignored);
 ``sandbox`` (keyword arguments of ``astraflow.sandbox.run_function``: ``cpu_s`` default 1,
 ``mem_mb`` 256, ``timeout_s`` 5, ``max_procs`` 32, ...); ``sandbox_workers`` (default 2).
+
+The tasks of one transaction (``--tasks-per-transaction``) are sampled together
+(``run_batch``): one ``generate`` call for every task's solver samples, one for the
+generator's, then each task is judged on its own.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ from astraflow.raas.workflows.inputs import (
     speaks_chat,
 )
 from astraflow.raas.workflows.registry import register_workflow
-from astraflow.raas.workflows.sequences import role_sequence
+from astraflow.raas.workflows.sequences import prepare_each, role_sequence, unbatched
 from astraflow.records import Sequence, Task
 from astraflow.sandbox import CaseResult, FunctionRun, normalise, run_function
 from astraflow.tasks.code import (
@@ -379,13 +383,41 @@ class CodeTests:
     # --- run -----------------------------------------------------------------------------
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         """Solver and generator samples for ``task``, judged in the sandbox (module doc)."""
-        payload, func, params, reference, hidden = self._task_spec(task)
+        return unbatched(self.run_batch([task], engines, n))
+
+    def run_batch(
+        self, tasks: list[Task], engines: dict[str, Engine], n: int
+    ) -> list[list[Sequence] | Exception]:
+        """Every task's solver samples in one ``generate`` call, every task's generator
+        samples in another, then each task judged in the sandbox on its own: a task that
+        fails (a bad payload, its judging) fails alone."""
         s_policy, solver, g_policy, generator = self.engines_for(engines)
         chat = speaks_chat(self.prompt_format, solver)
-        s_ids, s_gens = self._sample(solver, ROLE_SOLVER, payload, chat, self.n_solver or n)
+        results, ready = prepare_each(tasks, self._task_spec)
+        if not ready:
+            return results
+        payloads = [spec[0] for _, spec in ready]
+        s_ids, s_gens = self._sample(solver, ROLE_SOLVER, payloads, chat, self.n_solver or n)
         n_g = n if self.n_generator is None else self.n_generator
-        g_ids, g_gens = (self._sample(generator, ROLE_GENERATOR, payload, chat, n_g)
-                         if n_g > 0 else ([], []))
+        g_ids, g_gens = (self._sample(generator, ROLE_GENERATOR, payloads, chat, n_g)
+                         if n_g > 0 else ([[] for _ in ready], [[] for _ in ready]))
+        for k, (i, spec) in enumerate(ready):
+            try:
+                results[i] = self._sequences(spec, (s_policy, solver, s_ids[k], s_gens[k]),
+                                             (g_policy, generator, g_ids[k], g_gens[k]), chat)
+            except Exception as e:  # noqa: BLE001 - this task fails, the others go on
+                results[i] = e
+        return results
+
+    def _sequences(self, spec: tuple[dict[str, Any], str, list[str], str, list[Test]],
+                   solved: tuple[str, Engine, list[int], list[Generation]],
+                   tested: tuple[str, Engine, list[int], list[Generation]],
+                   chat: bool) -> list[Sequence]:
+        """One task's sequences: its samples (``(policy, engine, prompt ids, generations)``
+        of each role) read, run in the sandbox and rewarded."""
+        payload, func, params, reference, hidden = spec
+        s_policy, solver, s_ids, s_gens = solved
+        g_policy, generator, g_ids, g_gens = tested
         texts = [solver.decode(g.token_ids) for g in s_gens]
         if chat:
             exprs = [extract_program(t, func) for t in texts]
@@ -407,27 +439,29 @@ class CodeTests:
                                        read),
         ]
 
-    def _sample(self, engine: Engine, role: str, payload: Mapping[str, Any], chat: bool,
-                count: int) -> tuple[list[int], list[Generation]]:
-        """``(prompt ids, count samples)`` of ``role``: the compact prompt (the payload's
-        ``<role>_prompt`` or the task's) cut at the first newline, or the chat instruction
-        through the engine's template, ended by the end of sequence."""
-        spec, params = str(payload["spec"]), payload["params"]
-        func = str(payload.get("func", "f"))
+    def _sample(self, engine: Engine, role: str, payloads: list[dict[str, Any]], chat: bool,
+                count: int) -> tuple[list[list[int]], list[list[Generation]]]:
+        """Per payload, ``(prompt ids, count samples)`` of ``role``, all in one ``generate``
+        call: the compact prompt (the payload's ``<role>_prompt`` or the task's) cut at the
+        first newline, or the chat instruction through the engine's template, ended by the
+        end of sequence."""
         solver = role == ROLE_SOLVER
-        if chat:
-            make = chat_solver_prompt if solver else chat_generator_prompt
-            ids = chat_ids(engine, {"prompt": str(payload.get(f"chat_{role}_prompt")
-                                                  or make(spec, params, func))})
-            stop: tuple[str, ...] = ()
-        else:
-            make = solver_prompt if solver else generator_prompt
-            ids = encode_prompt(engine, str(payload.get(f"{role}_prompt")
-                                            or make(spec, params, func)))
-            stop = ("\n",)
+        prompts = []
+        for payload in payloads:
+            spec, params = str(payload["spec"]), payload["params"]
+            func = str(payload.get("func", "f"))
+            if chat:
+                make = chat_solver_prompt if solver else chat_generator_prompt
+                prompts.append(chat_ids(engine, {"prompt": str(
+                    payload.get(f"chat_{role}_prompt") or make(spec, params, func))}))
+            else:
+                make = solver_prompt if solver else generator_prompt
+                prompts.append(encode_prompt(engine, str(
+                    payload.get(f"{role}_prompt") or make(spec, params, func))))
+        stop: tuple[str, ...] = () if chat else ("\n",)
         options = self.sampling if solver else self.generator_sampling
-        return ids, engine.generate([ids], sampling_params(options, engine, count,
-                                                           stop=stop))[0]
+        return prompts, engine.generate(prompts, sampling_params(options, engine, count,
+                                                                 stop=stop))
 
     def _parse_suite(self, text: str, func: str, arity: int,
                      chat: bool) -> tuple[list[Test], int] | None:
