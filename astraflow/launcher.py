@@ -693,7 +693,14 @@ def write_policy_model(policy: str, spec) -> bool:
 def _import_model(policy: str, spec) -> bool:
     """Import the policy's pretrained model (``import_from``) when its directory has none;
     True if it was imported."""
+    from astraflow.models.recipe import INIT_RECIPE
+
     if Path(spec.model, "config.json").exists():
+        if Path(spec.model, INIT_RECIPE).exists():  # a tiny model, not this import
+            raise MissingModel(
+                f"policy {policy}: {spec.model} holds a tiny model written by `astraflow "
+                f"model init` ({INIT_RECIPE}), not one imported from {spec.import_from}; "
+                f"delete that directory or give the policy another `model:`")
         return False
     source = (["--gguf", spec.import_from] if spec.import_from.endswith(".gguf")
               else [spec.import_from])

@@ -39,7 +39,10 @@ Usage (needs Java and Maven for the embedded broker, like ``astraflow up``):
 
     python bench/multipolicy.py [--duration 330] [--seeds 0,1,2]
         [--topology topology/solver-verifier.yaml] [--cpu-checkpoints 60,120,240,400,600]
-        [--out bench/results/multipolicy.json]
+        [--eval-every VERSIONS] [--out bench/results/multipolicy.json]
+
+On SmolLM2-135M-Instruct: ``--topology topology/smollm2-solver-verifier.yaml`` (the solver
+alone keeps its reward, exact match + closeness, without the verdict's share).
 
 Both topologies share the solver's model recipe, so the first run writes the warm-started
 model (about 80 s, not timed: the clock of a run starts when its processes do).
@@ -70,10 +73,12 @@ def alone_topology(together: dict[str, Any], solver: str = "solver") -> dict[str
     """The solver of a two-policy topology (dict) trained alone: every other policy, its
     topics and the processors that serve only it removed, the workflow ``single_turn``."""
     topo = copy.deepcopy(together)
-    topo["run"] = f"{solver}-alone"
+    # a model path of its own per two-policy topology: a tiny solver and an imported one
+    # never share a directory
+    topo["run"] = f"{together['run']}-alone"
     others = [p for p in topo["policies"] if p != solver]
     topo["policies"] = {solver: topo["policies"][solver]}
-    topo["policies"][solver]["model"] = f"runs/{solver}-alone/{solver}"
+    topo["policies"][solver]["model"] = f"runs/{topo['run']}/{solver}"
 
     def theirs(topic: str) -> bool:
         return any(topic.startswith(f"{kind}.{p}") for p in others
@@ -102,13 +107,28 @@ def alone_topology(together: dict[str, Any], solver: str = "solver") -> dict[str
     return topo
 
 
-SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed")
+# the solver's options of a ``solve_verify`` pool that ``single_turn`` takes too: its
+# sampling and its reward (``reward``: the solver's, before any verdict is mixed in)
+SOLVER_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed", "reward")
 
 
 def _single_turn_options(opts: dict[str, Any]) -> dict[str, Any]:
     """The ``single_turn`` options of a ``solve_verify`` pool: the solver's sampling
-    options only."""
-    return {k: v for k, v in opts.items() if k in SAMPLING_OPTIONS}
+    options and reward only."""
+    return {k: v for k, v in opts.items() if k in SOLVER_OPTIONS}
+
+
+def evaluated_every(topo: dict[str, Any], versions: int | None) -> dict[str, Any]:
+    """The topology (dict) with its evaluators scoring every ``versions``-th version
+    (None: unchanged); a policy's own ``eval.every_versions`` is overridden too."""
+    if versions is None:
+        return topo
+    topo = copy.deepcopy(topo)
+    topo.setdefault("eval", {})["every_versions"] = versions
+    for spec in topo["policies"].values():
+        if "every_versions" in (spec.get("eval") or {}):
+            spec["eval"]["every_versions"] = versions
+    return topo
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -408,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-checkpoints", type=floats,
                     default=[60.0, 120.0, 240.0, 400.0, 600.0],
                     help="training CPU-seconds at which to read the curves")
+    ap.add_argument("--eval-every", type=int, metavar="VERSIONS",
+                    help="evaluate every VERSIONS-th version (default: the topology's)")
     ap.add_argument("--tail", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.90)
     ap.add_argument("--runs-dir", default="runs")
@@ -429,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         order = []
         for kind, doc in (("alone", alone_topology(together)), ("together", together)):
             path = runs_dir / f"bench-multipolicy-{kind}-s{seed}.yaml"
-            path.write_text(yaml.safe_dump(seeded(doc, seed), sort_keys=False))
+            doc = evaluated_every(seeded(doc, seed), args.eval_every)
+            path.write_text(yaml.safe_dump(doc, sort_keys=False))
             order.append((kind, str(path)))
         if i % 2:
             order.reverse()

@@ -23,7 +23,7 @@ TOGETHER = yaml.safe_load((REPO / "topology" / "solver-verifier.yaml").read_text
 def test_alone_topology_is_the_same_solver_without_the_verifier():
     doc = bench.alone_topology(TOGETHER)
     alone, together = parse_topology(doc), parse_topology(TOGETHER)
-    assert alone.run == "solver-alone" and list(alone.policies) == ["solver"]
+    assert alone.run == "solver-verifier-alone" and list(alone.policies) == ["solver"]
     # the same model recipe, trainer and pool: only the model's place differs
     a, t = alone.policies["solver"], together.policies["solver"]
     assert _model_init_command(a)[3:] == _model_init_command(t)[3:]
@@ -47,6 +47,21 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     assert feeder.workflow == "single_turn"
     assert feeder.policies == ["solver"] and feeder.rate == 60
     assert TOGETHER["policies"]["verifier"]  # the input is not modified
+
+
+def test_the_real_model_solver_alone_keeps_its_reward_and_evaluations_can_be_denser():
+    doc = yaml.safe_load((REPO / "topology" / "smollm2-solver-verifier.yaml").read_text())
+    alone = parse_topology(bench.evaluated_every(bench.alone_topology(doc), 5))
+    raas = plan_processes(alone, "alone.yaml")["raas-local-0"]
+    opts = json.loads(next(x for x in raas if x.startswith("single_turn=")).split("=", 1)[1])
+    assert opts["reward"] == doc["pools"]["local"]["workflows"]["solve_verify"]["reward"]
+    assert "verdict_weight" not in opts and "judge_reward" not in opts
+    assert alone.eval.every_versions == 5
+    assert alone.run == "smollm2-solver-verifier-alone"
+    assert alone.policies["solver"].model == "runs/smollm2-solver-verifier-alone/solver"
+    together = parse_topology(bench.evaluated_every(doc, 5))
+    assert together.eval.every_versions == 5
+    assert bench.evaluated_every(doc, None) is doc
 
 
 def test_figures_read_the_curves_at_equal_time():

@@ -164,6 +164,26 @@ def test_up_writes_every_policys_model_the_same_way(tmp_path, monkeypatch):
     assert ran == []
 
 
+def test_an_imported_policy_never_starts_from_a_tiny_model_left_at_its_path(tmp_path,
+                                                                          monkeypatch):
+    ran: list[list[str]] = []
+    monkeypatch.setattr(launcher.subprocess, "run",
+                        lambda cmd: ran.append(cmd) or launcher.subprocess.CompletedProcess(
+                            cmd, 0))
+    spec = parse_topology({"run": "r", "policies": {"solver": {
+        "model": str(tmp_path / "solver"), "init_tiny": False,
+        "import_from": "smollm2"}}}).policies["solver"]
+    assert launcher.write_policy_model("solver", spec) is True  # nothing there: imported
+    assert ran[0][3:5] == ["model", "import"]
+    (tmp_path / "solver").mkdir()
+    (tmp_path / "solver" / "config.json").write_text("{}")
+    assert launcher.write_policy_model("solver", spec) is False  # a model there: kept
+    (tmp_path / "solver" / INIT_RECIPE).write_text("{}")  # ... unless it is a tiny one
+    with pytest.raises(MissingModel, match="solver: .* holds a tiny model .* smollm2"):
+        launcher.write_policy_model("solver", spec)
+    assert len(ran) == 1
+
+
 # --- the plan: each component's command line from the typed topology -------------------
 
 def _flags(cmd: list[str]):
