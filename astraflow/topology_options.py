@@ -189,6 +189,9 @@ class CodeTestsOptions(SamplingOptions):
     format_weight: float | None = Field(
         default=None, ge=0, le=1, description="default 0: the mutation reward's share for "
         "well-formed asserts")
+    value_weight: float | None = Field(
+        default=None, ge=0, le=1, description="default 0: the mutation reward's share for "
+        "asserted values near the reference's")
 
 
 # workflow name -> the model of its options

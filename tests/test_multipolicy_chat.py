@@ -436,6 +436,21 @@ def test_code_tests_format_weight_pays_for_well_formed_asserts():
         make_workflow("code_tests", format_weight=2)
 
 
+def test_code_tests_value_weight_pays_for_asserted_values_near_the_references():
+    _, seqs = run_code(value_weight=0.5)
+    gen = [s for s in seqs if s.role == "generator"]
+    # f(x) = x*x+9. Suite 2: f(3)==18 right (1), f(1)==5 against 10 (1 - 5/10), f(2)==4
+    # against 13 (1 - 9/13). Suite 4: one item well-formed and right of two read
+    near = [1.0, (1 + 0.5 + 4 / 13) / 3, 0.0, 0.5]
+    assert [s.reward for s in gen] == pytest.approx(
+        [0.5 * n + 0.5 * r for n, r in zip(near, [4 / 6, 1 / 3, 0.0, 1 / 3])])
+    assert [float(s.meta["value_nearness"]) for s in gen] == pytest.approx(near, abs=1e-3)
+    with pytest.raises(ValueError, match="value_weight must be in"):
+        make_workflow("code_tests", value_weight=-0.1)
+    with pytest.raises(ValueError, match="format_weight \\+ value_weight"):
+        make_workflow("code_tests", format_weight=0.6, value_weight=0.5)
+
+
 def test_code_tests_new_options_are_checked():
     with pytest.raises(ValueError, match="generator_reward"):
         make_workflow("code_tests", generator_reward="coverage")

@@ -46,6 +46,12 @@ programs* that fail at least one of the valid tests. The wrong programs are the
 reference expression's mutants (``astraflow.tasks.mutants``; those the hidden tests tell
 apart from the reference, all run in one sandboxed process) and the group's catchable
 failing attempts. Options ``max_mutants`` (6) and ``format_weight`` (0).
+``value_weight`` (0) pays part of it for asserted values near the reference's:
+``format_weight * formed + value_weight * near + (1 - both) * valid * caught``, where
+``near`` is the mean over its test items of ``1 - |expected - f(args)| / max(|f(args)|,
+1)`` (at least 0; 1 for a right value of any type, 0 for a wrong one that is not a
+number): a denser signal than validity for a model that cannot yet compute ``f`` (as
+``closeness`` is for an answer), so that its samples of a task differ in reward.
 
 Policies. The engines are looked up by the option names ``solver_policy`` (default
 ``solver``) and ``generator_policy`` (default ``generator``); the task's ``policies`` list
@@ -203,6 +209,7 @@ class _Judged:
     ref_out: dict[str, CaseResult] = field(default_factory=dict)  # on generated inputs
     valid_share: list[float] = field(default_factory=list)  # tests the reference passes
     mutation: list[float] = field(default_factory=list)  # wrong programs caught, a share
+    nearness: list[float] = field(default_factory=list)  # asserted values to the reference's
 
     def judge_attempts(self, exprs: list[str], runs: dict[str, FunctionRun],
                        order: list[str], hidden: list[Test]) -> None:
@@ -247,11 +254,40 @@ class _Judged:
         for suite, size in zip(suites, read):
             good = [(a, x) for a, x in suite or () if _passes(ref_out.get(_key(a)), x)]
             self.valid_share.append(len(good) / size if size else 0.0)
+            self.nearness.append(sum(_nearness(ref_out.get(_key(a)), x) for a, x in suite or ())
+                                 / size if size else 0.0)
             killed = sum(any(_mutant_fails(mutant_out.get(_key(a)), m, x) for a, x in good)
                          for m in live)
             killed += sum(any(not _passes(self.outputs[i].get(_key(a)), x) for a, x in good)
                           for i in self.catchable)
             self.mutation.append(killed / wrong if wrong else 1.0)
+
+
+def _shares(format_weight: float, value_weight: float) -> tuple[float, float]:
+    """The mutation reward's weights, checked: each in [0, 1], together at most 1."""
+    for name, w in (("format_weight", format_weight), ("value_weight", value_weight)):
+        if not 0.0 <= w <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], not {w}")
+    if format_weight + value_weight > 1.0:
+        raise ValueError(f"format_weight + value_weight must be at most 1, not "
+                         f"{format_weight} + {value_weight}")
+    return float(format_weight), float(value_weight)
+
+
+def _nearness(case: CaseResult | None, expected: Any) -> float:
+    """How near an asserted ``expected`` is to the reference's value in ``case``: 1 when
+    equal, else ``1 - |difference| / max(|value|, 1)`` (at least 0) for two numbers, 0
+    for anything else."""
+    if case is None or not case.ok:
+        return 0.0
+    if case.value == expected:
+        return 1.0
+    numbers = [v for v in (case.value, expected)
+               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(numbers) < 2:
+        return 0.0
+    want = float(case.value)
+    return max(0.0, 1.0 - abs(float(expected) - want) / max(abs(want), 1.0))
 
 
 def _mutant_fails(case: CaseResult | None, m: int, expected: Any) -> bool:
@@ -287,11 +323,10 @@ class CodeTests:
         generator_reward: str = "discriminating",
         max_mutants: int = MAX_MUTANTS,
         format_weight: float = 0.0,
+        value_weight: float = 0.0,
         **sampling: Any,
     ):
-        if not 0.0 <= format_weight <= 1.0:
-            raise ValueError(f"format_weight must be in [0, 1], not {format_weight}")
-        self.format_weight = float(format_weight)
+        self.format_weight, self.value_weight = _shares(format_weight, value_weight)
         if generator_reward not in GENERATOR_REWARDS:
             raise ValueError(f"generator_reward must be one of {', '.join(GENERATOR_REWARDS)}, "
                              f"not {generator_reward!r}")
@@ -565,11 +600,14 @@ class CodeTests:
             mutation = {}
             if judged.mutation:
                 formed = len(suite or ()) / reads[j] if reads[j] else 0.0
-                reward = (self.format_weight * formed + (1 - self.format_weight)
+                reward = (self.format_weight * formed
+                          + self.value_weight * judged.nearness[j]
+                          + (1 - self.format_weight - self.value_weight)
                           * judged.valid_share[j] * judged.mutation[j])
                 mutation = {"valid_share": f"{judged.valid_share[j]:.3f}",
                             "mutation_score": f"{judged.mutation[j]:.3f}",
-                            "formed_share": f"{formed:.3f}"}
+                            "formed_share": f"{formed:.3f}",
+                            "value_nearness": f"{judged.nearness[j]:.3f}"}
             elif not judged.valid[j]:
                 reward = 0.0
             elif disc:
