@@ -57,7 +57,8 @@ class SamplingOptions(_Options):
     temperature: float | None = Field(
         default=None, ge=0, description="default: the policies' temperature, else 1.0")
     top_p: float | None = Field(default=None, gt=0, le=1, description="default 1.0")
-    seed: int | None = None
+    seed: int | None = Field(default=None, description="seeds every generate call alike: "
+                             "for tests, not training")
     stop_token_ids: list[int] | None = None
 
 

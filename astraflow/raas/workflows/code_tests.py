@@ -286,8 +286,12 @@ def _nearness(case: CaseResult | None, expected: Any) -> float:
                if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if len(numbers) < 2:
         return 0.0
-    want = float(case.value)
-    return max(0.0, 1.0 - abs(float(expected) - want) / max(abs(want), 1.0))
+    try:
+        want, got = float(case.value), float(expected)
+    except OverflowError:  # an integer past float's range: no nearness to speak of
+        return 0.0
+    near = 1.0 - abs(got - want) / max(abs(want), 1.0)
+    return near if near > 0.0 else 0.0  # nan (an inf asserted) is not > 0
 
 
 def _mutant_fails(case: CaseResult | None, m: int, expected: Any) -> bool:
