@@ -101,6 +101,12 @@ def numeric() -> Reward:
     return lambda completion, payload: check_answer(completion, _answer(payload))
 
 
+def nearness(distance: float, size: float) -> float:
+    """``1 - distance / max(size, 1)``, at least 0 (nan, from an infinite distance, is 0):
+    how near a number is to one of magnitude ``size`` it is ``distance`` away from."""
+    return max(0.0, 1.0 - distance / max(size, 1.0))
+
+
 @register_reward("closeness")
 def closeness(alone: bool = False) -> Reward:
     def reward(completion: str, payload: Mapping[str, Any]) -> float:
@@ -112,7 +118,7 @@ def closeness(alone: bool = False) -> Reward:
         value = to_decimal(got)
         if value is None:
             return 0.0
-        return max(0.0, 1.0 - float(abs(value - want)) / max(float(abs(want)), 1.0))
+        return nearness(float(abs(value - want)), float(abs(want)))
 
     return reward
 
@@ -157,4 +163,5 @@ def weighted_sum(terms: list[Any]) -> Reward:
     return lambda completion, payload: sum(w * r(completion, payload) for w, r in parts)
 
 
-__all__ = ["REWARDS", "Reward", "RewardError", "make_reward", "register_reward"]
+__all__ = ["REWARDS", "Reward", "RewardError", "make_reward", "nearness",
+           "register_reward"]

@@ -126,6 +126,7 @@ from astraflow.tasks.code_parsing import (
     solver_expression,
 )
 from astraflow.tasks.mutants import MAX_MUTANTS, mutants, mutants_source
+from astraflow.tasks.rewards import nearness
 
 ROLE_SOLVER = "solver"
 ROLE_GENERATOR = "generator"
@@ -274,24 +275,22 @@ def _shares(format_weight: float, value_weight: float) -> tuple[float, float]:
     return float(format_weight), float(value_weight)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _nearness(case: CaseResult | None, expected: Any) -> float:
     """How near an asserted ``expected`` is to the reference's value in ``case``: 1 when
-    equal, else ``1 - |difference| / max(|value|, 1)`` (at least 0) for two numbers, 0
-    for anything else."""
-    if case is None or not case.ok:
-        return 0.0
-    if case.value == expected:
+    equal, else ``rewards.nearness`` for two numbers, 0 for anything else."""
+    if _passes(case, expected):
         return 1.0
-    numbers = [v for v in (case.value, expected)
-               if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if len(numbers) < 2:
+    if case is None or not case.ok or not (_is_number(case.value) and _is_number(expected)):
         return 0.0
     try:
         want, got = float(case.value), float(expected)
     except OverflowError:  # an integer past float's range: no nearness to speak of
         return 0.0
-    near = 1.0 - abs(got - want) / max(abs(want), 1.0)
-    return near if near > 0.0 else 0.0  # nan (an inf asserted) is not > 0
+    return nearness(abs(got - want), abs(want))
 
 
 def _mutant_fails(case: CaseResult | None, m: int, expected: Any) -> bool:
