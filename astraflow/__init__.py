@@ -5,10 +5,11 @@ config, and the processor runtime. Components with heavy dependencies (torch) li
 their own packages: ``astraflow.weights``, ``astraflow.trainer``, ``astraflow.raas``.
 """
 
-from astraflow.codec import Codec, RecordDecodeError, make_codec
+from astraflow.config.topology import Topology, TopologyError, load_topology
 from astraflow.dataflow import Incoming, InvalidRecord, Outgoing, Processor
 from astraflow.kafka.config import KafkaConfig
-from astraflow.records import (
+from astraflow.wire.codec import Codec, RecordDecodeError, make_codec
+from astraflow.wire.records import (
     Batch,
     BlobChunk,
     ComponentStatus,
@@ -19,7 +20,6 @@ from astraflow.records import (
     TrajectoryGroup,
     WeightManifest,
 )
-from astraflow.topology import Topology, TopologyError, load_topology
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from astraflow.errors import AstraflowError
-from astraflow.records import ComponentStatus
+from astraflow.wire.records import ComponentStatus
 
 # the cumulative counts of groups dropped as too stale, by the stage that drops them: one
 # definition for `astraflow status`, `up`'s progress line and summary, and Prometheus

@@ -21,7 +21,7 @@ case's topology gets N nodes with one task per transaction (``--nodes``, default
 slot per task of a batch, as a synchronous engine has the whole batch in flight), the
 delay, a ``tasks`` topic with a partition per node, every weight blob kept, and no online
 evaluator: held-out accuracy is scored after the runs, off the clock, with the
-evaluator's settings and scoring (``astraflow.evaluator.held_out_scorer``) on every
+evaluator's settings and scoring (``astraflow.eval.evaluator.held_out_scorer``) on every
 k-th version of both modes (k: the topology's ``eval`` interval); the async versions are
 rebuilt from the run's weight stream.
 
@@ -106,7 +106,7 @@ def without_eval(doc: dict[str, Any]) -> dict[str, Any]:
 
 def write_topologies(case: str, args: argparse.Namespace) -> tuple[Path, Any, Any]:
     """The case's run file (no evaluator) and its topologies: ``(path, run, with eval)``."""
-    from astraflow.topology import load_topology, parse_topology
+    from astraflow.config.topology import load_topology, parse_topology
 
     base = yaml.safe_load((REPO / CASES[case]).read_text())
     latency = latency_option(args.scale_s, args.alpha, args.max_s, args.seed)
@@ -121,7 +121,7 @@ def write_topologies(case: str, args: argparse.Namespace) -> tuple[Path, Any, An
 
 def ensure_models(topo: Any) -> None:
     """Write each policy's warm-started tiny model unless it is there and up to date."""
-    from astraflow.launcher import write_policy_model
+    from astraflow.launch.up import write_policy_model
 
     for policy, spec in topo.policies.items():
         write_policy_model(policy, spec)
@@ -135,11 +135,11 @@ def run_async(path: Path, topo: Any, args: argparse.Namespace) -> dict[str, Any]
     ``--startup-s`` (the processes' start before the trainer publishes version 0; the
     versions after ``--duration`` from version 0 are left out), its log in the runs dir;
     its summary.json."""
-    from astraflow.runs import start_over
+    from astraflow.launch.runs import start_over
 
     start_over(topo.run)
     log = args.runs_dir / RUN_PREFIX / f"{topo.run}-up.log"
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--keep-broker",
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--keep-broker",
            "--duration", str(args.duration + args.startup_s), "--runs-dir",
            str(args.runs_dir)]
     print(f"[async] $ astraflow {' '.join(cmd[3:])}  (log {log})", flush=True)
@@ -155,7 +155,7 @@ def run_async(path: Path, topo: Any, args: argparse.Namespace) -> dict[str, Any]
 def read_versions(topo: Any, policy: str) -> tuple[dict[int, float], list[Any]]:
     """``({version: seconds since version 0 was published}, manifests)`` of ``policy``."""
     from astraflow.kafka.clients import read_all
-    from astraflow.records import WeightManifest
+    from astraflow.wire.records import WeightManifest
 
     config = topo.kafka.effective()
     recs = read_all(config, topo.full_name(f"weights.{policy}"), idle_s=3.0, timeout_s=300.0,
@@ -175,8 +175,8 @@ class Scorer:
     """Held-out accuracy of a policy's weights, as the topology's evaluator scores them."""
 
     def __init__(self, topo_eval: Any, policy: str):
-        from astraflow.evaluator import held_out_scorer
-        from astraflow.launcher import eval_args
+        from astraflow.eval.evaluator import held_out_scorer
+        from astraflow.launch.up import eval_args
         from astraflow.models.loading import load_policy
 
         a = sync_loop._parse(eval_args(topo_eval, "-", policy))

@@ -30,11 +30,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from astraflow.config.topology import load_topology  # noqa: E402
 from astraflow.dataflow.admission import RecordCounter  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
 from astraflow.kafka.lag import LagReader, total_lag  # noqa: E402
-from astraflow.records import ComponentStatus  # noqa: E402
-from astraflow.topology import load_topology  # noqa: E402
+from astraflow.wire.records import ComponentStatus  # noqa: E402
 
 VARIANTS = ("passthrough", "admission")
 
@@ -89,12 +89,12 @@ class InFlight:
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from astraflow.runs import start_over
+    from astraflow.launch.runs import start_over
 
     path = variant_topology(variant, args.runs_dir)
     topo = load_topology(path)
     start_over(topo.run)
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--keep-broker",
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--keep-broker",
            "--duration", str(args.duration), "--runs-dir", str(args.runs_dir)]
     print(f"[bench] {variant}: {' '.join(cmd[2:])}", flush=True)
     log = open(args.runs_dir / f"bench-bp-{variant}.log", "w")

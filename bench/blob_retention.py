@@ -23,9 +23,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from astraflow.broker import EmbeddedBroker, free_port  # noqa: E402
+from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
-from astraflow.weights.kafka_store import read_manifests  # noqa: E402
+from astraflow.weights.stores.kafka import read_manifests  # noqa: E402
 
 
 def _named_bytes(manifests) -> int:
@@ -57,7 +57,7 @@ def main() -> int:
             path = work / "default.yaml"
             path.write_text(yaml.safe_dump(topo))
             env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap}
-            subprocess.run([sys.executable, "-m", "astraflow.cli", "up", str(path),
+            subprocess.run([sys.executable, "-m", "astraflow.cli.main", "up", str(path),
                             "--duration", str(args.duration), "--runs-dir", str(work / "runs")],
                            cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
             config = KafkaConfig(bootstrap_servers=bootstrap)

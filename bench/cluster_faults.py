@@ -1,6 +1,6 @@
 """Broker faults on a 3-node cluster -> how long training stalled, and the books after.
 
-The bench starts an embedded cluster of three KRaft nodes (``astraflow.cluster``) in a
+The bench starts an embedded cluster of three KRaft nodes (``astraflow.broker.cluster``) in a
 temporary directory and, once per scenario, runs the default topology on it with
 ``astraflow up --brokers 3`` (a fresh run each time). Once the trainer has published two
 versions the fault starts:
@@ -14,7 +14,7 @@ versions the fault starts:
 - ``c``: the weights leader shut down for ``--stop`` seconds (default 180), then started.
 
 The run goes on ``--duration`` seconds after the fault ends, then stops (Ctrl-C) and the
-bench accounts for every record (``astraflow.audit``). Per scenario it reports the longest
+bench accounts for every record (``astraflow.launch.audit``). Per scenario it reports the longest
 gap between consecutive published versions from the fault's start to the run's end, the
 longest time from a fault (each node's stop or kill) until the next version, the counts,
 component restarts, and the exactly-once verdict.
@@ -40,9 +40,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from astraflow.audit import audit_run, newest_version, version_times, versions  # noqa: E402
-from astraflow.cluster import EmbeddedCluster  # noqa: E402
-from astraflow.faults import (  # noqa: E402
+from astraflow.broker.cluster import EmbeddedCluster  # noqa: E402
+from astraflow.broker.faults import (  # noqa: E402
     kill_up,
     out_of_isr,
     pick_victim,
@@ -50,6 +49,7 @@ from astraflow.faults import (  # noqa: E402
     transactional_ids,
 )
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
+from astraflow.launch.audit import audit_run, newest_version, version_times, versions  # noqa: E402
 
 SCENARIOS = {"none": "baseline: no fault", "a": "SIGKILL of the weights leader",
              "b": "rolling restart of all three", "c": "weights leader stopped"}
@@ -87,7 +87,7 @@ class Run:
         self.runs = work / "runs"
         self.logs = self.runs / self.run / "logs"
         self.up = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.cli", "up", str(path), "--brokers", "3",
+            [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--brokers", "3",
              "--runs-dir", str(self.runs)], cwd=REPO, env=env,
             stdout=open(work / "up.log", "wb"), stderr=subprocess.STDOUT)
 
@@ -193,7 +193,7 @@ def table(results: list[dict]) -> str:
 def run_all(chosen: list[str], tmp: Path, args: argparse.Namespace) -> list[dict]:
     """The model, the cluster under ``tmp``, and one run per scenario."""
     model = tmp / "model"
-    subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(model),
+    subprocess.run([sys.executable, "-m", "astraflow.cli.main", "model", "init", str(model),
                     "--warm-start-steps", str(args.warm_start)], check=True, cwd=REPO,
                    capture_output=True)
     cluster = EmbeddedCluster(tmp / "cluster", size=3)

@@ -150,8 +150,8 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     if spec.get("init_tiny", True) is False:
         path = Path(spec["model"])
         return path if path.is_absolute() else REPO / path
-    from astraflow.launcher import _model_init_command, _tiny_model_outdated
-    from astraflow.topology import PolicySpec
+    from astraflow.config.topology import PolicySpec
+    from astraflow.launch.up import _model_init_command, _tiny_model_outdated
 
     d_steps, d_slip = warm_start_of(base)
     steps = d_steps if steps is None else steps
@@ -165,7 +165,7 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
         print(f"[bench] shared model: {path} (cached)", flush=True)
         return path
     shutil.rmtree(path, ignore_errors=True)
-    cmd = [sys.executable, "-m", "astraflow.cli", *_model_init_command(policy)]
+    cmd = [sys.executable, "-m", "astraflow.cli.main", *_model_init_command(policy)]
     print(f"[bench] writing the shared model: {' '.join(cmd[2:])}", flush=True)
     t0 = time.time()
     subprocess.run(cmd, check=True, env={"OMP_NUM_THREADS": "1", **os.environ})
@@ -178,10 +178,10 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
 
 def run_up(topology_file: Path, args: argparse.Namespace, label: str) -> tuple[int, float]:
     """``astraflow up`` on one variant, its output streamed with a ``[label]`` prefix."""
-    from astraflow.runs import start_over
+    from astraflow.launch.runs import start_over
 
     start_over(yaml.safe_load(topology_file.read_text())["run"])
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(topology_file), "--keep-broker",
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(topology_file), "--keep-broker",
            "--versions", str(args.versions), "--duration", str(args.duration),
            "--runs-dir", str(args.runs_dir)]
     print(f"[bench] {label}: {' '.join(cmd[2:])}", flush=True)
@@ -208,7 +208,7 @@ def _read(config, topic: str, expect=None) -> list:
 
 def collect(topo, budget: int) -> dict[str, Any]:
     """Counts at the version budget, read back from the run's retained topics."""
-    from astraflow.records import Batch, ComponentStatus, TrajectoryGroup, WeightManifest
+    from astraflow.wire.records import Batch, ComponentStatus, TrajectoryGroup, WeightManifest
 
     config = topo.kafka.effective()
     policy = next(iter(topo.policies))
@@ -285,8 +285,8 @@ def eval_version(topo, model_dir: Path, manifests: list, version: int | None) ->
     of the topology's evaluator (``eval:``) as ``astraflow eval run`` scores it."""
     import torch
 
-    from astraflow.cli import build_parser
-    from astraflow.launcher import eval_args
+    from astraflow.cli.main import build_parser
+    from astraflow.launch.up import eval_args
     from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
     from astraflow.tasks.arithmetic import eval_problems
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown variants {unknown} (known: {', '.join(VARIANTS)})")
 
-    from astraflow.topology import load_topology
+    from astraflow.config.topology import load_topology
 
     base = yaml.safe_load(Path(args.topology).read_text())
     load_topology(args.topology)  # the base must be valid as it is

@@ -202,7 +202,7 @@ def counting_store(config, topic: str, fetch_bytes: int | None):
     from confluent_kafka import Consumer
 
     from astraflow.kafka.config import BLOB_READER_GROUP_PREFIX
-    from astraflow.weights.kafka_store import KafkaBlobStore
+    from astraflow.weights.stores.kafka import KafkaBlobStore
 
     class CountingBlobStore(KafkaBlobStore):
         consumed = 0
@@ -306,7 +306,7 @@ def worker_main(spec: WorkerSpec, results, stop) -> None:
 
     from astraflow.kafka.config import KafkaConfig
     from astraflow.kafka.table import TopicReader
-    from astraflow.records import WeightManifest
+    from astraflow.wire.records import WeightManifest
 
     torch.set_num_threads(1)
     states = _States(load_file(spec.base_path))
@@ -346,12 +346,12 @@ class Brokers:
 def start_brokers(n: int, work: Path) -> Brokers:
     """One embedded broker, or a 3-node cluster with a rack a node (for KIP-392)."""
     if n == 1:
-        from astraflow.broker import EmbeddedBroker, free_port
+        from astraflow.broker.embedded import EmbeddedBroker, free_port
 
         b = EmbeddedBroker(work / "broker")
         st = b.start(port=free_port(), log=log)
         return Brokers(st.bootstrap, [int(st.pid)], b.destroy)
-    from astraflow.cluster import EmbeddedCluster
+    from astraflow.broker.cluster import EmbeddedCluster
 
     c = EmbeddedCluster(work / "cluster", size=n, racks=RACKS[:n] if n == 3 else None)
     c.start(log=log)
@@ -388,7 +388,7 @@ def create_topics(bootstrap: str, run: str, partitions: int) -> tuple[str, str]:
 
     from astraflow.kafka.config import KafkaConfig
     from astraflow.kafka.replication import replication
-    from astraflow.weights.kafka_store import create_blob_topic
+    from astraflow.weights.stores.kafka import create_blob_topic
 
     config = KafkaConfig(bootstrap_servers=bootstrap)
     manifests, blobs = f"{run}.weights.actor", f"{run}.weights.blobs"
@@ -468,11 +468,11 @@ def publish_versions(phase: Phase, brokers: Brokers, topics: tuple[str, str], ba
     import torch
     from confluent_kafka import Producer
 
-    from astraflow.codec import make_codec
     from astraflow.kafka.config import KafkaConfig
     from astraflow.weights.delta import apply_delta
     from astraflow.weights.history import WeightPublisher
-    from astraflow.weights.kafka_store import KafkaBlobStore
+    from astraflow.weights.stores.kafka import KafkaBlobStore
+    from astraflow.wire.codec import make_codec
 
     config = KafkaConfig(bootstrap_servers=brokers.bootstrap)
     codec = make_codec()

@@ -37,9 +37,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from astraflow.chat import ChatFormat  # noqa: E402
-from astraflow.records import Batch, Sequence, TrajectoryGroup  # noqa: E402
+from astraflow.models.chat import ChatFormat  # noqa: E402
 from astraflow.tasks.rewards import make_reward  # noqa: E402
+from astraflow.wire.records import Batch, Sequence, TrajectoryGroup  # noqa: E402
 
 # the training reward of topology/smollm2.yaml
 REWARD = yaml.safe_load((REPO / "topology" / "smollm2.yaml").read_text()

@@ -113,7 +113,7 @@ FORMATS = {
 
 def run(args: argparse.Namespace) -> dict:
     if not Path(args.model, "config.json").exists():
-        subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "import", "smollm2",
+        subprocess.run([sys.executable, "-m", "astraflow.cli.main", "model", "import", "smollm2",
                         args.model], check=True, cwd=ROOT)
     probe = Probe(args.model)
     rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines()

@@ -86,19 +86,19 @@ def ensure_model(doc: dict[str, Any]) -> Path:
         source = policy.get("import_from") or "smollm2"
         cmd = ["model", "import", *(["--gguf", source] if source.endswith(".gguf") else [source]),
                str(model)]
-        subprocess.run([sys.executable, "-m", "astraflow.cli", *cmd], check=True)
+        subprocess.run([sys.executable, "-m", "astraflow.cli.main", *cmd], check=True)
     return model
 
 
 # --- AstraFlow --------------------------------------------------------------------------
 def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     """``astraflow up`` for ``--duration`` s; the newest version at each checkpoint."""
-    from astraflow.runs import start_over
-    from astraflow.topology import load_topology
+    from astraflow.config.topology import load_topology
+    from astraflow.launch.runs import start_over
 
     topo = load_topology(path)
     start_over(topo.run)
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(path), "--keep-broker",
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--keep-broker",
            "--duration", str(args.duration), "--runs-dir", str(args.runs_dir)]
     t0 = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -127,7 +127,7 @@ def manifest_times(topo: Any, t0: float,
     """A policy's (default: the first one's) weight manifests of a finished run, and the
     seconds from ``t0`` at which each version was first published."""
     from astraflow.kafka.clients import read_all
-    from astraflow.records import WeightManifest
+    from astraflow.wire.records import WeightManifest
 
     policy = policy or next(iter(topo.policies))
     records = read_all(topo.kafka.effective(), topo.full_name(f"weights.{policy}"),
@@ -222,7 +222,7 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from astraflow.chat import ChatFormat
+    from astraflow.models.chat import ChatFormat
     from astraflow.models.loading import load_policy
     from astraflow.tasks.datasets import load_dataset_file
     from astraflow.tasks.rewards import make_reward
@@ -336,7 +336,7 @@ def make_scorer(doc: dict[str, Any]) -> dict[str, Any]:
     """``score(state) -> accuracy`` with the topology's evaluator settings."""
     import torch
 
-    from astraflow.chat import ChatFormat
+    from astraflow.models.chat import ChatFormat
     from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
     from astraflow.tasks.datasets import load_dataset_file
@@ -365,7 +365,7 @@ def exploration(doc: dict[str, Any], prompts: int) -> str:
     held-out reward: what RL has to start from. One line per term."""
     import torch
 
-    from astraflow.chat import ChatFormat
+    from astraflow.models.chat import ChatFormat
     from astraflow.raas.engine import SamplingParams, load_torch_engine
     from astraflow.tasks.datasets import load_dataset_file
     from astraflow.tasks.rewards import make_reward
@@ -440,11 +440,11 @@ def policy_scorer(topology: Path, doc: dict[str, Any], policy: str,
     the CLI; ``size`` overrides the held-out size. None = version 0."""
     import torch
 
-    from astraflow.cli import build_parser
-    from astraflow.evaluator import held_out_scorer
-    from astraflow.launcher import eval_args
+    from astraflow.cli.main import build_parser
+    from astraflow.config.topology import parse_topology
+    from astraflow.eval.evaluator import held_out_scorer
+    from astraflow.launch.up import eval_args
     from astraflow.models.loading import load_policy
-    from astraflow.topology import parse_topology
 
     torch.set_num_threads(os.cpu_count() or 1)
     command = eval_args(parse_topology(doc), str(topology), policy)
@@ -511,9 +511,9 @@ def rollout_rewards(topo_run: str, doc: dict[str, Any]) -> dict[str, dict[str, f
     and the share that is not zero (the reward distribution the trainers saw)."""
     import statistics
 
+    from astraflow.config.topology import parse_topology
     from astraflow.kafka.clients import read_all
-    from astraflow.records import TrajectoryGroup
-    from astraflow.topology import parse_topology
+    from astraflow.wire.records import TrajectoryGroup
 
     topo = parse_topology({**doc, "run": topo_run})
     groups = [r.record for r in read_all(topo.kafka.effective(),

@@ -237,10 +237,10 @@ def run_up(topology: str, duration: float, runs_dir: Path, log: Path) -> dict[st
     """``astraflow up TOPOLOGY --duration D`` from version 0; its summary.json, each
     evaluation with the training CPU-seconds spent by then (``with_cpu``)."""
     run = yaml.safe_load(Path(REPO / topology).read_text())["run"]
-    from astraflow.runs import start_over
+    from astraflow.launch.runs import start_over
 
     start_over(run)
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", topology, "--keep-broker",
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "up", topology, "--keep-broker",
            "--duration", str(duration), "--runs-dir", str(runs_dir)]
     print(f"$ {' '.join(cmd[2:])}  (log {log})", flush=True)
     t0 = time.time()

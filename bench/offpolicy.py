@@ -99,7 +99,7 @@ def build_cell(base: dict[str, Any], objective: str, staleness: int, *, model: s
     hyperparameters that the objective does not read dropped), the model ``model``
     (never rewritten: ``init_tiny`` off), every version kept, no online evaluator,
     absolute dataset paths."""
-    from astraflow.topology import LOSS_HYPERPARAMETERS
+    from astraflow.config.topology import LOSS_HYPERPARAMETERS
 
     loss, settings = VARIANTS.get(objective, (objective, {}))
     if loss not in LOSS_HYPERPARAMETERS:
@@ -151,7 +151,7 @@ def shared_model(base: dict[str, Any], runs_dir: Path) -> Path:
 def make_score(base: dict[str, Any], model: Path) -> Callable[[list, int | None], float]:
     """``score(manifests, version) -> accuracy`` (version None: the starting model) with
     the base topology's evaluator settings."""
-    from astraflow.topology import parse_topology
+    from astraflow.config.topology import parse_topology
 
     doc = copy.deepcopy(base)
     spec = next(iter(doc["policies"].values()))
@@ -189,7 +189,7 @@ def versions_at(first_at: dict[int, float], checkpoints: list[float]) -> dict[fl
 
 def run_cell(path: Path, args: argparse.Namespace, label: str) -> dict[str, Any]:
     """``astraflow up`` on one cell; its versions at the checkpoints and trainer figures."""
-    from astraflow.topology import load_topology
+    from astraflow.config.topology import load_topology
 
     topo = load_topology(path)
     t0 = time.time()
@@ -348,7 +348,7 @@ def run_all(args: argparse.Namespace, base: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from astraflow.topology import load_topology
+    from astraflow.config.topology import load_topology
 
     load_topology(args.topology)  # the base must be valid as it is
     base = yaml.safe_load(args.topology.read_text())

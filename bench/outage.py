@@ -29,10 +29,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from astraflow.broker import EmbeddedBroker, free_port  # noqa: E402
+from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
-from astraflow.records import ComponentStatus, WeightManifest  # noqa: E402
+from astraflow.wire.records import ComponentStatus, WeightManifest  # noqa: E402
 
 
 def _progress(st: ComponentStatus) -> int:
@@ -84,7 +84,7 @@ def run_one(length_s: float, model: Path, work: Path, settle_s: float) -> dict:
     path = work / "topology.yaml"
     path.write_text(yaml.safe_dump(topo))
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap}
-    up = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(path),
+    up = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "up", str(path),
                            "--runs-dir", str(work / "runs")], cwd=REPO, env=env,
                           stdout=open(work / "up.log", "wb"), stderr=subprocess.STDOUT)
     try:
@@ -133,7 +133,7 @@ def main() -> int:
     lengths = [float(x) for x in args.lengths.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-outage-") as tmp:
         model = Path(tmp) / "model"
-        subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(model),
+        subprocess.run([sys.executable, "-m", "astraflow.cli.main", "model", "init", str(model),
                         "--warm-start-steps", "100"], check=True, cwd=REPO,
                        capture_output=True)
         results = []

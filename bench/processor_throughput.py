@@ -40,15 +40,15 @@ from collections.abc import Callable
 from confluent_kafka import Consumer, Producer
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 
-from astraflow.broker import EmbeddedBroker, free_port
-from astraflow.codec import SingleObjectCodec
+from astraflow.broker.embedded import EmbeddedBroker, free_port
+from astraflow.config.topology import ProcessorSpec, Topology, parse_topology
+from astraflow.dataflow.runtime import ProcessorRuntime
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
-from astraflow.kafka.runtime import ProcessorRuntime
 from astraflow.kafka.topics import apply_topics
-from astraflow.records import Task, TrajectoryGroup
-from astraflow.runs import Runs
-from astraflow.topology import ProcessorSpec, Topology, parse_topology
+from astraflow.launch.runs import Runs
+from astraflow.wire.codec import SingleObjectCodec
+from astraflow.wire.records import Task, TrajectoryGroup
 
 HEADER = 10  # single-object encoding: magic and fingerprint before the Avro body
 
@@ -275,7 +275,7 @@ def processor_throughput(topo: Topology, config: KafkaConfig, name: str, n: int)
 
 # --- the codec against plain fastavro -----------------------------------------------------
 def group_record(i: int) -> TrajectoryGroup:
-    from astraflow.records import Sequence
+    from astraflow.wire.records import Sequence
 
     seqs = [Sequence(policy="actor", token_ids=list(range(64)), loss_mask=[0] * 16 + [1] * 48,
                      logprobs=[-0.5] * 64, versions=[-1] * 16 + [3] * 48, reward=1.0,

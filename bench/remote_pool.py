@@ -49,10 +49,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from astraflow.broker import EmbeddedBroker, free_port  # noqa: E402
+from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
-from astraflow.records import Batch, ComponentStatus, TrajectoryGroup, WeightManifest  # noqa: E402
+from astraflow.wire.records import Batch, ComponentStatus, TrajectoryGroup, WeightManifest  # noqa: E402
 
 POOLS = ("local", "remote")
 
@@ -210,7 +210,7 @@ def run_up(path: Path, work: Path, bootstrap: str, duration: float) -> None:
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap}
     print(f"$ astraflow up {path.name} --duration {duration:.0f}  (log {log})", flush=True)
     with open(log, "wb") as out:
-        rc = subprocess.run([sys.executable, "-m", "astraflow.cli", "up", str(path),
+        rc = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "up", str(path),
                              "--duration", str(duration), "--runs-dir", str(work / "runs")],
                             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     if rc:
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bootstrap, proxied, toxi, link = shaped_link(args, work, broker)
         model = work / "model"
-        subprocess.run([sys.executable, "-m", "astraflow.cli", "model", "init", str(model),
+        subprocess.run([sys.executable, "-m", "astraflow.cli.main", "model", "init", str(model),
                         "--warm-start-steps", "100"], check=True, cwd=REPO,
                        capture_output=True)
         results: dict[str, dict[str, Any]] = {}

@@ -35,17 +35,17 @@ sys.path.insert(0, str(REPO))
 
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
-from astraflow.broker import EmbeddedBroker, free_port  # noqa: E402
+from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.clients import make_admin  # noqa: E402
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
 from astraflow.kafka.offsets import Offsets  # noqa: E402
 from astraflow.kafka.topics import apply_topics  # noqa: E402
-from astraflow.replay import clamp_range, copy_range  # noqa: E402
-from astraflow.weights.kafka_store import read_manifests  # noqa: E402
+from astraflow.replay.ranges import clamp_range, copy_range  # noqa: E402
+from astraflow.weights.stores.kafka import read_manifests  # noqa: E402
 
 
 def cli(*args: str, env: dict[str, str], out: Path | None = None) -> str:
-    res = subprocess.run([sys.executable, "-m", "astraflow.cli", *args], cwd=REPO, env=env,
+    res = subprocess.run([sys.executable, "-m", "astraflow.cli.main", *args], cwd=REPO, env=env,
                          capture_output=True, text=True)
     if out is not None:
         out.write_text(res.stdout + res.stderr)
@@ -106,7 +106,7 @@ def main() -> int:
 
 
 def measure(work: Path, bootstrap: str, args) -> None:
-    from astraflow.topology import load_topology
+    from astraflow.config.topology import load_topology
 
     topo, path, env = source_run(work, bootstrap, args)
     run, config = topo["run"], KafkaConfig(bootstrap_servers=bootstrap)

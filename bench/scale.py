@@ -282,7 +282,7 @@ class LightTrainer:
         self.thread.start()
 
     def _run(self) -> None:
-        from astraflow.records import Batch
+        from astraflow.wire.records import Batch
 
         while not self._stop.is_set():
             for m in self.consumer.consume(100, 0.5):
@@ -399,9 +399,9 @@ class Cell:
     _seed: int = 0
 
     def start(self, base: dict[str, Any]) -> None:
+        from astraflow.config.topology import load_topology
         from astraflow.kafka.clients import make_admin
         from astraflow.kafka.topics import apply_topics
-        from astraflow.topology import load_topology
 
         s = self.spec
         run = f"bench-scale-{s.nodes}n{s.partitions}p{s.replicas}r-{uuid.uuid4().hex[:6]}"
@@ -462,7 +462,7 @@ class Cell:
     def spawn(self, run: str, name: str, args: list[str]) -> subprocess.Popen:
         """``astraflow <args>`` as a process of its own, its output in the work dir."""
         log = open(self.workdir / f"{run}-{name}.log", "w")
-        return subprocess.Popen([sys.executable, "-m", "astraflow.cli", *args], stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", *args], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def add_node(self) -> Any:
@@ -578,7 +578,7 @@ def processor_rates(cell: Cell, a: Edge, b: Edge) -> dict[str, dict[str, float]]
     """Per processor instance, from its status records in the window: transactions/s and
     the fraction of the time it was busy handling records."""
     from astraflow.kafka.clients import read_all
-    from astraflow.records import ComponentStatus
+    from astraflow.wire.records import ComponentStatus
 
     seen: dict[str, list[Any]] = {}
     for r in read_all(cell.config, cell.topo.full_name("status"), expect=ComponentStatus,
@@ -898,7 +898,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def broker() -> tuple[int | None, Any]:
     """(the broker's pid if known, the embedded broker this bench started or None); sets
     ASTRAFLOW_BOOTSTRAP for every client and processor."""
-    from astraflow.broker import EmbeddedBroker, free_port
+    from astraflow.broker.embedded import EmbeddedBroker, free_port
 
     if os.environ.get("ASTRAFLOW_BOOTSTRAP"):
         pid = os.environ.get("ASTRAFLOW_BROKER_PID")

@@ -36,12 +36,12 @@ import time
 import uuid
 from pathlib import Path
 
-from astraflow.acls_apply import apply
-from astraflow.broker import EmbeddedBroker, free_port
-from astraflow.codec import SingleObjectCodec
+from astraflow.broker.embedded import EmbeddedBroker, free_port
+from astraflow.config.topology import Topology, parse_topology
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.topics import apply_topics
-from astraflow.topology import Topology, parse_topology
+from astraflow.security.acls_apply import apply
+from astraflow.wire.codec import SingleObjectCodec
 
 PROTOCOLS = ("PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL")
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from astraflow.records import Batch, Task, TrajectoryGroup
-from astraflow.topology import Topology
+from astraflow.config.topology import Topology
+from astraflow.wire.records import Batch, Task, TrajectoryGroup
 
 
 @dataclass
@@ -64,15 +64,15 @@ class Iteration:
 
 
 def _parse(argv: list[str]) -> Any:
-    from astraflow.cli import build_parser
+    from astraflow.cli.main import build_parser
 
     return build_parser().parse_args(argv)
 
 
 def feeder_tasks(topo: Topology, path: str) -> Iterator[Task]:
     """The tasks ``topo``'s feeder would write, in its order and with its task ids."""
-    from astraflow.feeder import TASK_FAMILIES, iter_tasks, load_payloads
-    from astraflow.launcher import _feeder_args
+    from astraflow.dataflow.feeder import TASK_FAMILIES, iter_tasks, load_payloads
+    from astraflow.launch.up import _feeder_args
 
     assert topo.feeder is not None, "the topology has no feeder"
     a = _parse(["feeder", "run", "--topology", path, *_feeder_args(topo.feeder)])
@@ -90,9 +90,9 @@ def feeder_tasks(topo: Topology, path: str) -> Iterator[Task]:
 def build_slots(topo: Topology, path: str, pool: str, slots: int) -> list[Any]:
     """``slots`` RaaS nodes of ``pool`` (engines loaded as ``raas run`` loads them, weights
     not followed): the rollout slots."""
+    from astraflow.cli.raas import load_engine, node_options
     from astraflow.kafka.config import KafkaConfig
-    from astraflow.launcher import _raas_args
-    from astraflow.raas.cli import load_engine, node_options
+    from astraflow.launch.up import _raas_args
     from astraflow.raas.node import RaaSNode
 
     a = _parse(_raas_args(topo, path, pool, 0))
@@ -111,8 +111,8 @@ def build_slots(topo: Topology, path: str, pool: str, slots: int) -> list[Any]:
 
 def build_trainers(topo: Topology, path: str) -> dict[str, Any]:
     """Policy -> the ``Trainer`` that ``astraflow trainer run`` would build for it."""
-    from astraflow.launcher import trainer_args
-    from astraflow.trainer.cli import _options
+    from astraflow.cli.trainer import _options
+    from astraflow.launch.up import trainer_args
     from astraflow.trainer.trainer import Trainer
 
     out = {}

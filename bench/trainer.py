@@ -72,11 +72,11 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astraflow.records import Batch, Sequence, TrajectoryGroup
 from astraflow.trainer.state import StateWriter, write_state
 from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.weights.delta import EncodeStats, iter_encode_delta
-from astraflow.weights.store import FileBlobStore
+from astraflow.weights.stores import FileBlobStore
+from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "fp32": {"autocast": "none", "micro_batch_size": 8, "share_prompt": False},

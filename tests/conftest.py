@@ -6,10 +6,10 @@ temporary state directory and removed afterwards.
 
 Markers: every test whose fixtures (directly or through another fixture) include
 ``kafka_bootstrap`` is marked ``kafka`` here, at collection, so ``pytest -m "not kafka"``
-never starts a broker (tests/test_markers.py checks it). A test that uses
+never starts a broker (tests/project/test_markers.py checks it). A test that uses
 ``secure_broker`` (the secured embedded broker: SASL_SSL, SCRAM, ACLs enforced) is marked
 ``secure`` and ``kafka``; one that uses ``embedded_cluster`` (the embedded 3-node KRaft
-cluster, ``astraflow.cluster``) ``cluster`` and ``kafka``. ``slow``, ``chaos`` and
+cluster, ``astraflow.broker.cluster``) ``cluster`` and ``kafka``. ``slow``, ``chaos`` and
 ``vllm`` are written on the tests.
 Tests wait with ``wait_for`` (a condition), never a bare sleep.
 """
@@ -31,10 +31,10 @@ import pytest
 import yaml
 from confluent_kafka.admin import NewTopic
 
+from astraflow.config.topology import Topology, parse_topology
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import apply_topics
-from astraflow.topology import Topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -91,7 +91,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         finally:
             container.stop()
         return
-    from astraflow.broker import EmbeddedBroker, free_port
+    from astraflow.broker.embedded import EmbeddedBroker, free_port
 
     broker = EmbeddedBroker(state=tmp_path_factory.mktemp("embedded-broker"))
     status = broker.start(port=free_port(), log=lambda m: print(f"[broker] {m}"))
@@ -107,7 +107,7 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory):
     SASL controller listener, StandardAuthorizer without fallback) in a temporary state
     directory, once per session; its ``EmbeddedBroker`` (``status().secure`` has the CA
     and the admin password file). Always the embedded one: the security is its own."""
-    from astraflow.broker import EmbeddedBroker, free_port
+    from astraflow.broker.embedded import EmbeddedBroker, free_port
 
     broker = EmbeddedBroker(state=tmp_path_factory.mktemp("secure-broker"))
     broker.start(port=free_port(), secure=True, log=lambda m: print(f"[secure broker] {m}"))
@@ -119,13 +119,13 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def embedded_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """The embedded cluster of three KRaft nodes (``astraflow.cluster.EmbeddedCluster``)
+    """The embedded cluster of three KRaft nodes (``astraflow.broker.cluster.EmbeddedCluster``)
     in a temporary state directory, once per session; always the embedded one, whatever
     ``ASTRAFLOW_BOOTSTRAP`` says. Node i is in rack ``r<i>`` (``CLUSTER_RACKS``), with the
     rack-aware replica selector: a consumer without ``client.rack`` reads from leaders as
     on any cluster, one with it from the replica in its rack. A test that stops or kills a
     node starts it again."""
-    from astraflow.cluster import EmbeddedCluster
+    from astraflow.broker.cluster import EmbeddedCluster
 
     cluster = EmbeddedCluster(state=tmp_path_factory.mktemp("cluster"), size=3,
                               racks=list(CLUSTER_RACKS))
@@ -196,7 +196,7 @@ def astraflow_cli(kafka_bootstrap: str) -> Callable[..., subprocess.Popen]:
     def start(*args: str, log: Path | None = None) -> subprocess.Popen:
         env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "PYTHONUNBUFFERED": "1"}
         out = open(log, "ab") if log else subprocess.DEVNULL
-        p = subprocess.Popen([sys.executable, "-m", "astraflow.cli", *args], env=env,
+        p = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", *args], env=env,
                              stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         procs.append(p)
         return p
@@ -244,8 +244,8 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     import torch
 
-    from astraflow.model_import import INSTALL_SMOLLM2, import_gguf, smollm2_gguf
     from astraflow.models.errors import ModelError
+    from astraflow.models.gguf import INSTALL_SMOLLM2, import_gguf, smollm2_gguf
 
     try:
         gguf = smollm2_gguf()

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
-from astraflow.records import ComponentStatus, ScalingAdvice
+from astraflow.wire.records import ComponentStatus, ScalingAdvice
 
 log = logging.getLogger("astraflow.autoscaler")
 

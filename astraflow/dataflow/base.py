@@ -1,7 +1,7 @@
 """What a stream processor is: decision logic between topics, free of Kafka.
 
 A processor gets decoded records (``Incoming``) and returns records to produce
-(``Outgoing``). The runtime (``astraflow.kafka.runtime``) does the consuming, producing,
+(``Outgoing``). The runtime (``astraflow.dataflow.runtime``) does the consuming, producing,
 transactions and dead-lettering, so a processor's logic is tested by calling its methods.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from astraflow.records import Record
+from astraflow.wire.records import Record
 
 
 class InvalidRecord(Exception):
@@ -50,9 +50,9 @@ class ProcessorControl(Protocol):
 class ProcessorContext:
     """What the runtime hands a processor when it opens: for side readers of other topics."""
 
-    topology: Any  # astraflow.topology.Topology
+    topology: Any  # astraflow.config.topology.Topology
     config: Any  # astraflow.kafka.config.KafkaConfig
-    codec: Any  # astraflow.codec.Codec
+    codec: Any  # astraflow.wire.codec.Codec
     component_id: str
     control: ProcessorControl | None = None  # pause/resume of the inputs (logical names)
 
@@ -60,7 +60,7 @@ class ProcessorContext:
 @dataclass(frozen=True)
 class SideAccess:
     """What a processor reaches beside consuming its inputs and producing its outputs, for
-    least-privilege ACLs (``astraflow.acls``): topics it reads without a consumer group
+    least-privilege ACLs (``astraflow.security.acls``): topics it reads without a consumer group
     (logical names), consumer groups whose committed offsets it reads (full ids: lag), and
     the assign-only reader groups its readers name (``astraflow.kafka.config``)."""
 

@@ -29,7 +29,7 @@ from astraflow.dataflow.staleness import staleness
 from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
 from astraflow.kafka.config import TABLE_GROUP
 from astraflow.kafka.table import TopicReader
-from astraflow.records import Batch, OffsetRange, TrajectoryGroup, now_ms
+from astraflow.wire.records import Batch, OffsetRange, TrajectoryGroup, now_ms
 
 log = logging.getLogger("astraflow.batcher")
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.groups import with_sequences
-from astraflow.records import Sequence, TrajectoryGroup
+from astraflow.wire.records import Sequence, TrajectoryGroup
 
 
 class ClassBalanceOptions(BaseModel):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.groups import with_sequences
-from astraflow.records import TrajectoryGroup
+from astraflow.wire.records import TrajectoryGroup
 
 
 class DownsampleOptions(BaseModel):

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.groups import all_equal, rewards_of, with_sequences
-from astraflow.records import TrajectoryGroup
+from astraflow.wire.records import TrajectoryGroup
 
 
 class DynamicSamplingOptions(BaseModel):

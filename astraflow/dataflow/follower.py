@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from astraflow.dataflow.base import Processor, ProcessorContext, SideAccess
 from astraflow.kafka.config import TABLE_GROUP
 from astraflow.kafka.table import Entry, TopicReader
-from astraflow.records import Record, TrajectoryGroup
+from astraflow.wire.records import Record, TrajectoryGroup
 
 
 @dataclass

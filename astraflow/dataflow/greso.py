@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from astraflow.dataflow.base import Incoming, Outgoing
 from astraflow.dataflow.follower import Observed, ObservingProcessor
 from astraflow.dataflow.groups import EASY, HARD, MIXED, classify, rewards_of, unit_hash
-from astraflow.records import Task, TrajectoryGroup
+from astraflow.wire.records import Task, TrajectoryGroup
 
 
 class GresoOptions(BaseModel):

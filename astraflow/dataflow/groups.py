@@ -6,8 +6,8 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from astraflow import records
-from astraflow.records import TrajectoryGroup
+from astraflow.wire import records
+from astraflow.wire.records import TrajectoryGroup
 
 EASY = "easy"
 HARD = "hard"

@@ -28,7 +28,7 @@ from typing import Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
-from astraflow.records import now_ms
+from astraflow.wire.records import now_ms
 
 T = TypeVar("T")
 

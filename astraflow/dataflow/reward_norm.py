@@ -30,7 +30,7 @@ from dataclasses import replace
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
-from astraflow.records import TrajectoryGroup
+from astraflow.wire.records import TrajectoryGroup
 
 RAW_REWARDS = "raw_rewards"
 RAW_REWARD = "raw_reward"

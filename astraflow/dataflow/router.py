@@ -15,7 +15,7 @@ from dataclasses import replace
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
-from astraflow.records import TrajectoryGroup
+from astraflow.wire.records import TrajectoryGroup
 
 
 def split_by_policy(group: TrajectoryGroup) -> dict[str, TrajectoryGroup]:

@@ -33,7 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
-from astraflow.records import Record, TrajectoryGroup
+from astraflow.wire.records import Record, TrajectoryGroup
 
 
 class Range(BaseModel):

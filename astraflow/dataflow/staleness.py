@@ -10,7 +10,7 @@ from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorCont
 from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
 from astraflow.kafka.config import TABLE_GROUP
 from astraflow.metrics import observe_staleness
-from astraflow.records import TrajectoryGroup
+from astraflow.wire.records import TrajectoryGroup
 
 
 def staleness(group: TrajectoryGroup, versions: VersionSource) -> int:

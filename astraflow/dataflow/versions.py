@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from astraflow.kafka.table import TopicTable
-from astraflow.records import WeightManifest
+from astraflow.wire.records import WeightManifest
 
 
 class VersionSource(Protocol):

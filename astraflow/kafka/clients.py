@@ -11,11 +11,11 @@ from typing import Generic, TypeVar
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient
 
-from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.access import refusal
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.table import TopicReader
-from astraflow.records import DeadLetter, Record
+from astraflow.wire.codec import Codec, RecordDecodeError, make_codec
+from astraflow.wire.records import DeadLetter, Record
 
 R = TypeVar("R", bound=Record)
 log = logging.getLogger("astraflow.kafka")

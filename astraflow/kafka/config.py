@@ -19,7 +19,7 @@ from astraflow.kafka.security import (
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
 # group ids of readers that assign partitions and never join a group nor commit; the broker
-# still wants DESCRIBE on them (the least-privilege ACLs of ``astraflow.acls`` grant it)
+# still wants DESCRIBE on them (the least-privilege ACLs of ``astraflow.security.acls`` grant it)
 TABLE_GROUP = "astraflow-table"  # TopicReader, TopicTable: weights, status, followed topics
 ADMISSION_GROUP = "astraflow-admission"  # the admission processor's record counters
 REPLAY_GROUP = "astraflow-replay"  # replay copies (an operator command)
@@ -102,7 +102,7 @@ class KafkaConfig(BaseModel):
             return self.model_copy(update={"bootstrap_servers": env})
         if self.bootstrap_servers:
             return self
-        from astraflow.broker import EmbeddedBroker
+        from astraflow.broker.embedded import EmbeddedBroker
 
         embedded = EmbeddedBroker().status()
         update: dict[str, Any] = {
@@ -199,7 +199,7 @@ def resolve_bootstrap() -> str:
     env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
     if env:
         return env
-    from astraflow.broker import EmbeddedBroker
+    from astraflow.broker.embedded import EmbeddedBroker
 
     recorded = EmbeddedBroker().bootstrap()
     return recorded or _cluster_bootstrap() or DEFAULT_BOOTSTRAP
@@ -208,6 +208,6 @@ def resolve_bootstrap() -> str:
 def _cluster_bootstrap() -> str | None:
     """The embedded cluster's nodes while it runs (``astraflow broker start --brokers N``),
     else None."""
-    from astraflow.cluster import EmbeddedCluster
+    from astraflow.broker.cluster import EmbeddedCluster
 
     return EmbeddedCluster.recorded().running_bootstrap()

@@ -36,14 +36,14 @@ from typing import Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from astraflow.codec import Codec
 from astraflow.errors import AstraflowError
 from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal, without_write
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
 from astraflow.metrics import PrometheusExporter, exporter_from_env
-from astraflow.records import ComponentStatus, DeadLetter, Record, now_ms
+from astraflow.wire.codec import Codec
+from astraflow.wire.records import ComponentStatus, DeadLetter, Record, now_ms
 
 log = logging.getLogger("astraflow.loop")
 

@@ -29,10 +29,10 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from astraflow.codec import Codec, RecordDecodeError, make_codec
 from astraflow.kafka.access import refusal
 from astraflow.kafka.config import TABLE_GROUP, KafkaConfig
-from astraflow.records import Record
+from astraflow.wire.codec import Codec, RecordDecodeError, make_codec
+from astraflow.wire.records import Record
 
 log = logging.getLogger("astraflow.kafka.table")
 

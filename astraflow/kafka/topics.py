@@ -15,8 +15,8 @@ from confluent_kafka.admin import (
     TopicMetadata,
 )
 
+from astraflow.config.topology import ResolvedTopic
 from astraflow.errors import AstraflowError
-from astraflow.topology import ResolvedTopic
 
 
 @dataclass

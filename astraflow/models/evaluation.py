@@ -68,13 +68,13 @@ def evaluate(
 ) -> float:
     """Greedy accuracy on ``tasks`` (mean reward, a fraction in [0, 1] for 0/1 rewards).
 
-    ``chat``: the policy's ``astraflow.chat.ChatFormat`` (default: the chat template when
+    ``chat``: the policy's ``astraflow.models.chat.ChatFormat`` (default: the chat template when
     the tokenizer has one, else the plain prompt). ``reward``: a reward function
     ``(completion, payload)`` from ``astraflow.tasks.rewards`` (default: the final number
     against the answer). Pass a dict as ``per_level`` to get each payload ``level``'s
     accuracy filled in.
     """
-    from astraflow.chat import ChatFormat
+    from astraflow.models.chat import ChatFormat
     from astraflow.tasks.rewards import make_reward
 
     if not tasks:

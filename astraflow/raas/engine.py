@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from astraflow.chat import ChatFormat
+from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
 from astraflow.models.sampling import check_top_p, sampling_logprobs
 from astraflow.raas.prefix_cache import PrefixCache
@@ -107,7 +107,7 @@ class TorchEngine:
     ``model``: a ``PreTrainedModel`` (e.g. from ``AutoModelForCausalLM``); ``tokenizer``:
     its tokenizer (used for ``encode``/``decode``, stop strings and the eos id).
     ``version``: the version of the weights the model holds now (0: loaded from disk).
-    ``chat``: the policy's prompt format (``astraflow.chat.ChatFormat``; workflows read it).
+    ``chat``: the policy's prompt format (``astraflow.models.chat.ChatFormat``; workflows read it).
     """
 
     def __init__(

@@ -28,20 +28,20 @@ from typing import Any
 
 from confluent_kafka import KafkaException, Message
 
-from astraflow.codec import RecordDecodeError
+from astraflow.config.topology import Topology
 from astraflow.dataflow.base import InvalidRecord
+from astraflow.dataflow.runtime import loop_spec
 from astraflow.kafka.clients import dead_letter, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RecordTooLarge, RuntimeCounters, TransactionalLoop
-from astraflow.kafka.runtime import loop_spec
 from astraflow.kafka.topics import missing_topics
 from astraflow.raas.engine import Engine
 from astraflow.raas.weights_follow import FollowingEngine, WeightWatcher
 from astraflow.raas.workflows import Workflow, make_workflow
-from astraflow.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
-from astraflow.topology import Topology
-from astraflow.validate import check_record
 from astraflow.weights.signing import verifier_from
+from astraflow.wire.codec import RecordDecodeError
+from astraflow.wire.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
+from astraflow.wire.validate import check_record
 
 log = logging.getLogger("astraflow.raas")
 

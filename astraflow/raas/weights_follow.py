@@ -24,11 +24,11 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from astraflow.codec import Codec
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.table import TopicTable
 from astraflow.raas.engine import Engine
-from astraflow.records import DeadLetter, WeightManifest
+from astraflow.wire.codec import Codec
+from astraflow.wire.records import DeadLetter, WeightManifest
 
 log = logging.getLogger("astraflow.raas.weights")
 

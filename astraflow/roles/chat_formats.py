@@ -2,7 +2,7 @@
 
 The tiny model's one-line formats (``formats``: ``37+45=82?`` -> ``82y``) mean nothing to
 a chat model; these are natural instructions, sent as chat messages and formatted by the
-policy's chat template (``astraflow.chat``), with lenient parsers of the replies:
+policy's chat template (``astraflow.models.chat``), with lenient parsers of the replies:
 
 ==========  ===========================================  ================================
 role        user message                                 reply

@@ -63,7 +63,7 @@ def chat_role_scorer(role: str, payloads: Sequence[Mapping[str, Any]], chat: Any
                      max_new_tokens: int = 4, blind: bool = False, corrective: bool = False,
                      agreement: bool = False) -> Callable[[Any, Any], float]:
     """``score(model, tokenizer)``: greedy verdict (pick) accuracy on ``payloads``'
-    examples, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``); ``blind``:
+    examples, prompts built by ``chat`` (an ``astraflow.models.chat.ChatFormat``); ``blind``:
     the verifier answers each problem first (``agreement``: its verdict is its answer's
     agreement with the candidate); ``corrective``: the judge replies with the correct
     answer (module doc)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from astraflow.models.evaluation import generate_answers
-from astraflow.sandbox import normalise, run_function
+from astraflow.sandbox.runner import normalise, run_function
 from astraflow.tasks.code import (
     CodeProblem,
     chat_generator_prompt,
@@ -69,7 +69,7 @@ def mutation_reward(reply: str, p: CodeProblem, max_tests: int = 8) -> float:
 def code_role_scorer(role: str, levels: list[int], n: int, chat: Any,
                      max_new_tokens: int = 64) -> Callable[[Any, Any], float]:
     """``score(model, tokenizer)`` of a ``role`` of ``CODE_ROLES`` on ``n`` held-out
-    specs of ``levels``, prompts built by ``chat`` (an ``astraflow.chat.ChatFormat``)."""
+    specs of ``levels``, prompts built by ``chat`` (an ``astraflow.models.chat.ChatFormat``)."""
     if role not in CODE_ROLES:
         raise ValueError(f"unknown code role {role!r} (known: {', '.join(CODE_ROLES)})")
     problems = code_problems(levels, "eval", n)

@@ -1,7 +1,7 @@
 """Task sources: synthetic arithmetic, local datasets, and the math answer checker.
 
 Every task is a JSON payload with at least ``prompt``, ``answer`` and ``level`` (0 for
-dataset tasks); ``make_task`` wraps a payload into an ``astraflow.records.Task``.
+dataset tasks); ``make_task`` wraps a payload into an ``astraflow.wire.records.Task``.
 """
 
 from astraflow.tasks.arithmetic import (

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from astraflow.records import Task
+from astraflow.wire.records import Task
 
 
 def prompt_id(prompt: str) -> str:

@@ -89,7 +89,7 @@ def write_jsonl(rows: list[dict[str, Any]], out: str | Path) -> Path:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``data`` command group (``data generate``)."""
-    from astraflow.cliargs import add_command, add_group
+    from astraflow.cli.args import add_command, add_group
 
     examples = ["astraflow data generate addition data/addition.eval.jsonl --split eval",
                 "astraflow data generate multistep data/multistep.train.jsonl --count 5000"]

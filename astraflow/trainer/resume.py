@@ -20,9 +20,9 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from astraflow.kafka.config import TRAINER_REPLAY_GROUP_PREFIX, KafkaConfig
-from astraflow.records import Batch, BlobRef, WeightManifest
 from astraflow.trainer.state import recorded_state_version
 from astraflow.weights.delta import state_bytes_equal
+from astraflow.wire.records import Batch, BlobRef, WeightManifest
 
 log = logging.getLogger("astraflow.trainer")
 

@@ -51,30 +51,30 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
-from astraflow.codec import RecordDecodeError
+from astraflow.config.topology import Topology
 from astraflow.dataflow.base import InvalidRecord
+from astraflow.dataflow.runtime import loop_spec
 from astraflow.kafka.clients import (
     dead_letter,
     make_codec_for,
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
-from astraflow.kafka.runtime import loop_spec
-from astraflow.records import (
+from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
+from astraflow.trainer.state import StateWriter, WrittenState
+from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.weights.delta import state_bytes_equal
+from astraflow.weights.errors import BlobError
+from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
+from astraflow.wire.codec import RecordDecodeError
+from astraflow.wire.records import (
     Batch,
     BlobRef,
     ComponentStatus,
     PartitionOffset,
     WeightManifest,
 )
-from astraflow.topology import Topology
-from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
-from astraflow.trainer.state import StateWriter, WrittenState
-from astraflow.trainer.trainer import Trainer, TrainerConfig
-from astraflow.validate import check_record
-from astraflow.weights.delta import state_bytes_equal
-from astraflow.weights.errors import BlobError
-from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
+from astraflow.wire.validate import check_record
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -214,7 +214,7 @@ class TrainerService:
 
     # --- start-up ------------------------------------------------------------------------
     def _open(self):
-        from astraflow.weights.store import open_store
+        from astraflow.weights.stores import open_store
 
         self.store = open_store(self.blob_uri, self.config)
         self.writer = StateWriter(self.store, self.policy)
@@ -223,7 +223,7 @@ class TrainerService:
 
     def _restore(self) -> None:
         from astraflow.weights.history import WeightFollower, WeightPublisher
-        from astraflow.weights.kafka_store import read_manifests
+        from astraflow.weights.stores.kafka import read_manifests
 
         manifests = self._trusted([
             m for m in read_manifests(self.config, self.weights_topic) if m.policy == self.policy
@@ -665,8 +665,8 @@ class TrainerService:
 
     def _add_model_files(self, manifests: list[WeightManifest]) -> None:
         """Name the model's other files (config, tokenizer) in a full checkpoint's meta, so
-        that a reader needs nothing but Kafka (``astraflow.model_share``)."""
-        from astraflow.model_share import model_files_meta
+        that a reader needs nothing but Kafka (``astraflow.models.share``)."""
+        from astraflow.models.share import model_files_meta
 
         for m in manifests:
             if m.kind == "full":
@@ -676,7 +676,7 @@ class TrainerService:
     def _prune(self) -> None:
         """Remove the weight blobs no reader needs: those of versions before the newest full
         checkpoint at or below ``newest - keep_versions`` (recorded trainer states stay)."""
-        from astraflow.model_share import files_ref
+        from astraflow.models.share import files_ref
         from astraflow.weights.history import retained_manifests
 
         if not self.options.keep_versions:

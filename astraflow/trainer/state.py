@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from astraflow.records import BlobRef
+from astraflow.wire.records import BlobRef
 
 log = logging.getLogger("astraflow.trainer")
 

@@ -60,7 +60,6 @@ from typing import Any
 import torch
 
 from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
-from astraflow.records import Batch, Sequence
 from astraflow.trainer.backend import BACKENDS, PolicyModel, make_policy_model
 from astraflow.trainer.loss import (
     BATCH_STATS,
@@ -71,6 +70,7 @@ from astraflow.trainer.loss import (
     group_advantages,
 )
 from astraflow.trainer.state import StateSnapshot
+from astraflow.wire.records import Batch, Sequence
 
 log = logging.getLogger("astraflow.trainer")
 

@@ -4,8 +4,8 @@ Codec (``delta``): ``encode_delta(old, new) -> (blob, stats)``, ``apply_delta(st
 ``encode_full(state)``, ``decode_full(blob)``, ``apply_blob``, ``inspect_blob``.
 History (``history``): ``plan_update``, ``WeightPublisher``, ``WeightFollower``,
 ``retained_manifests``, ``collect_garbage``.
-Stores (``store``, ``kafka_store``): ``BlobStore``, ``FileBlobStore``, ``KafkaBlobStore``,
-``open_store``.
+Stores (``stores``: ``base``, ``filesystem``, ``kafka``): ``BlobStore``, ``FileBlobStore``,
+``KafkaBlobStore``, ``open_store``.
 """
 
 import importlib
@@ -18,15 +18,15 @@ _EXPORTS = {
     "BaseMismatchError": "errors",
     "BlobError": "errors",
     "BlobInfo": "delta",
-    "BlobStore": "store",
+    "BlobStore": "stores.base",
     "CorruptBlobError": "errors",
     "EncodeStats": "delta",
-    "FileBlobStore": "store",
+    "FileBlobStore": "stores.filesystem",
     "GcResult": "history",
-    "KafkaBlobStore": "kafka_store",
+    "KafkaBlobStore": "stores.kafka",
     "MissingBlobError": "errors",
     "NoPlanError": "errors",
-    "StoredBlob": "store",
+    "StoredBlob": "stores.base",
     "UnsupportedFormatError": "errors",
     "UpdateResult": "history",
     "WeightFollower": "history",
@@ -35,7 +35,7 @@ _EXPORTS = {
     "apply_blob": "delta",
     "apply_delta": "delta",
     "collect_garbage": "history",
-    "create_blob_topic": "kafka_store",
+    "create_blob_topic": "stores.kafka",
     "decode_full": "delta",
     "encode_delta": "delta",
     "encode_full": "delta",
@@ -43,10 +43,10 @@ _EXPORTS = {
     "iter_encode_delta": "delta",
     "iter_encode_full": "delta",
     "load_manifests": "history",
-    "open_store": "store",
+    "open_store": "stores",
     "plan_bytes": "history",
     "plan_update": "history",
-    "read_manifests": "kafka_store",
+    "read_manifests": "stores.kafka",
     "retained_manifests": "history",
     "save_manifest": "history",
     "state_bytes_equal": "delta",

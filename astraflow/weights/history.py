@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
-from astraflow.records import BlobRef, PartitionOffset, TensorInfo, WeightManifest, now_ms
 from astraflow.weights.delta import (
     CODEC_NAME,
     DEFAULT_LEVEL,
@@ -48,7 +47,9 @@ from astraflow.weights.errors import (
     NoPlanError,
     WeightsError,
 )
-from astraflow.weights.store import BlobStore, StoreResolver, blob_id_of, new_blob_id
+from astraflow.weights.stores import StoreResolver
+from astraflow.weights.stores.base import BlobStore, blob_id_of, new_blob_id
+from astraflow.wire.records import BlobRef, PartitionOffset, TensorInfo, WeightManifest, now_ms
 
 if TYPE_CHECKING:
     from astraflow.kafka.config import KafkaConfig
@@ -586,7 +587,7 @@ def collect_garbage(
             keep.add(blob.blob_id)
             continue
         result.unreachable.append(blob.blob_id)
-    from astraflow.weights.store import FileBlobStore
+    from astraflow.weights.stores import FileBlobStore
 
     if isinstance(store, FileBlobStore):
         if not dry_run:

@@ -32,8 +32,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from astraflow.errors import AstraflowError
-from astraflow.records import DeadLetter, Record, WeightManifest
 from astraflow.weights.errors import ManifestSignatureError, WeightsError
+from astraflow.wire.records import DeadLetter, Record, WeightManifest
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from astraflow.raas.engine import Engine
-from astraflow.records import Sequence, Task
+from astraflow.wire.records import Sequence, Task
 
 # ``checker(completion, answer) -> reward``
 Checker = Callable[[str, str], float]

@@ -10,7 +10,7 @@ Two roles, normally two policies, on one code task (``astraflow.tasks.code`` pay
   separated by ``;`` or newlines with Python literals for the arguments and the result:
   prompt ``"add 3 to x\\ntests of f(x): "``, completion ``f(1)==4;f(0)==3``.
 
-All code runs in ``astraflow.sandbox`` (one process per distinct solver expression, one
+All code runs in ``astraflow.sandbox.runner`` (one process per distinct solver expression, one
 for the reference on the generated inputs, ``sandbox_workers`` at a time); the expected
 values never enter the sandbox.
 
@@ -78,7 +78,7 @@ solver alone); the sampling options of ``single_turn`` for the solver (default
 ``max_new_tokens`` 32) and ``generator_sampling`` overrides for the generator (default
 ``max_new_tokens`` 48); ``solver_reward`` (``fraction``/``all``), ``no_failures_reward``,
 ``max_tests`` (items read per generator completion, default 8; more are ignored);
-``sandbox`` (keyword arguments of ``astraflow.sandbox.run_function``: ``cpu_s`` default 1,
+``sandbox`` (keyword arguments of ``astraflow.sandbox.runner.run_function``: ``cpu_s`` default 1,
 ``mem_mb`` 256, ``timeout_s`` 5, ``max_procs`` 32, ...); ``sandbox_workers`` (default 2).
 
 The tasks of one transaction (``--tasks-per-transaction``) are sampled together
@@ -109,8 +109,7 @@ from astraflow.raas.workflows.inputs import (
 )
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import prepare_each, role_sequence, unbatched
-from astraflow.records import Sequence, Task
-from astraflow.sandbox import CaseResult, FunctionRun, normalise, run_function
+from astraflow.sandbox.runner import CaseResult, FunctionRun, normalise, run_function
 from astraflow.tasks.code import (
     chat_generator_prompt,
     chat_solver_prompt,
@@ -127,6 +126,7 @@ from astraflow.tasks.code_parsing import (
 )
 from astraflow.tasks.mutants import MAX_MUTANTS, mutants, mutants_source
 from astraflow.tasks.rewards import nearness
+from astraflow.wire.records import Sequence, Task
 
 ROLE_SOLVER = "solver"
 ROLE_GENERATOR = "generator"

@@ -7,10 +7,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from astraflow.chat import PromptError, engine_chat
+from astraflow.models.chat import PromptError, engine_chat
 from astraflow.raas.engine import Engine, SamplingParams
 from astraflow.raas.workflows.base import TaskError
-from astraflow.records import Task
+from astraflow.wire.records import Task
 
 
 def parse_payload(task: Task, required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def prompt_task(
     task: Task, engines: Mapping[str, Engine]
 ) -> tuple[dict[str, Any], Engine, list[int]]:
     """``(payload, engine, prompt token ids)`` of a prompt/answer task, the prompt built by
-    the engine's chat format (``astraflow.chat``); ``TaskError`` if unusable."""
+    the engine's chat format (``astraflow.models.chat``); ``TaskError`` if unusable."""
     payload = parse_payload(task, ("answer",))
     engine = pick_engine(task, engines)
     try:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from astraflow.raas.engine import Generation
-from astraflow.records import Sequence, Task
+from astraflow.wire.records import Sequence, Task
 
 
 class SequenceBuilder:

@@ -11,7 +11,7 @@ from astraflow.raas.workflows.latency import Latency
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.scoring import Scorer
 from astraflow.raas.workflows.sequences import SequenceBuilder, prepare_each, unbatched
-from astraflow.records import Sequence, Task
+from astraflow.wire.records import Sequence, Task
 
 
 @register_workflow("single_turn")

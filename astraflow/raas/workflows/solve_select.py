@@ -50,7 +50,6 @@ from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import role_sequence
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
-from astraflow.records import Sequence, Task
 from astraflow.roles.chat_formats import (
     agreement,
     correction_messages,
@@ -58,6 +57,7 @@ from astraflow.roles.chat_formats import (
     select_messages,
 )
 from astraflow.roles.formats import parse_pick, select_prompt
+from astraflow.wire.records import Sequence, Task
 
 ROLE_SELECTOR = "selector"
 

@@ -92,7 +92,6 @@ from astraflow.raas.workflows.sequences import (
     unbatched,
 )
 from astraflow.raas.workflows.two_policy import ROLE_SOLVER, TwoPolicyWorkflow, flag, mean
-from astraflow.records import Sequence, Task
 from astraflow.roles.chat_formats import (
     agreement,
     correction_messages,
@@ -112,6 +111,7 @@ from astraflow.roles.formats import (
 )
 from astraflow.roles.teacher import wrong_answer
 from astraflow.tasks.check import cut_at_stop, extract_final_number
+from astraflow.wire.records import Sequence, Task
 
 ROLE_RETRY = "solver_retry"
 ROLE_VERIFIER = "verifier"

@@ -14,7 +14,7 @@ from astraflow.raas.workflows.latency import Latency
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.scoring import Scorer
 from astraflow.raas.workflows.sequences import SequenceBuilder
-from astraflow.records import Sequence, Task
+from astraflow.wire.records import Sequence, Task
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 

@@ -49,9 +49,9 @@ from astraflow.raas.workflows.inputs import (
     speaks_chat,
 )
 from astraflow.raas.workflows.scoring import Scorer, default_checker
-from astraflow.records import Task
 from astraflow.roles.chat_formats import chat_candidate
 from astraflow.roles.formats import candidate_answer
+from astraflow.wire.records import Task
 
 ROLE_SOLVER = "solver"
 JUDGE_SAMPLING = {"max_new_tokens": 8}  # own answer, verdict (pick), end of sequence

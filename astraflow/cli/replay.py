@@ -1,0 +1,405 @@
+"""``astraflow replay train|eval|process|export``: work from a run's retained topics
+(``astraflow.replay.ranges``, ``astraflow.replay.process``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_TRAIN_EXAMPLES = [
+    "astraflow replay train -t topology/default.yaml                 # all of run default",
+    "astraflow replay train -t topology/default.yaml --to-version 50 --into ablation",
+    "astraflow replay train -t topology/default.yaml -- --lr 5e-5 --loss gspo",
+]
+_EVAL_EXAMPLES = [
+    "astraflow replay eval -t topology/default.yaml --every 10 --out runs/default/curve.json",
+]
+_PROCESS_EXAMPLES = [
+    "astraflow replay process -t topology/default.yaml --set policies.actor.max_staleness=1",
+    "astraflow replay process -t topology/default.yaml --chain topology/data-algorithms.yaml "
+    "--into default-dyn",
+]
+_EXPORT_EXAMPLES = [
+    "astraflow replay export -t topology/default.yaml batches.actor --out batches.jsonl",
+    "astraflow replay export -t topology/default.yaml trajectories.raw --since "
+    "2026-11-24T15:00 --format parquet --out raw.parquet",
+]
+
+
+def register(subparsers: Any) -> None:
+    from astraflow.cli.args import add_command, add_group, add_run_options
+
+    verbs = add_group(subparsers, "replay", help="work from a run's retained topics: train, eval, "
+                      "process, export", dest="replay_command",
+                      examples=[_TRAIN_EXAMPLES[0], _EXPORT_EXAMPLES[0]])
+    p = add_command(verbs, "train", help="train again on a run's recorded batches",
+                    examples=_TRAIN_EXAMPLES,
+                    description="Copy the batches of run RUN (--run, else the topology's) "
+                    "into a new run (--into) and train a trainer on them from RUN's version 0, "
+                    "with the topology's trainer settings and any trainer flags given after "
+                    "--. Prints the sha256 of both runs' weights at the last version they have "
+                    "in common: equal when nothing was changed. Running it again continues an "
+                    "interrupted copy.")
+    add_run_options(p)
+    p.add_argument("--policy", help="the policy to train (default: the topology's only one)")
+    p.add_argument("--into", metavar="NEW_RUN", help="the new run (default RUN-replay; the "
+                   "same command again continues its copy)")
+    p.add_argument("--model", help="the model version 0 was (default: fetched from RUN's "
+                   "weight stream)")
+    p.add_argument("--runs-dir", default="runs", help="where the trainer's log goes")
+    _range_options(p, versions=True)
+    _key_option(p)
+    p.add_argument("trainer_flags", nargs=argparse.REMAINDER,
+                   help="after --: `astraflow trainer run` flags that override the topology's")
+    p.set_defaults(func=cmd_replay_train)
+    v = add_command(verbs, "eval", help="accuracy of every k-th published version",
+                    examples=_EVAL_EXAMPLES,
+                    description="Evaluate every --every-th version RUN published (rebuilt "
+                    "bit-exactly from its weight stream) on the topology's held-out set, "
+                    "without rollouts; write the accuracy-versus-version curve to --out "
+                    "(JSON, and a PNG beside it).")
+    add_run_options(v)
+    v.add_argument("--policy", help="the policy (default: the topology's only one)")
+    v.add_argument("--every", type=int, help="every k-th version (default: the topology's "
+                   "eval every_versions)")
+    v.add_argument("--out", help="the curve's file (default RUNS_DIR/RUN/replay-eval.json)")
+    v.add_argument("--runs-dir", default="runs")
+    _key_option(v)
+    v.set_defaults(func=cmd_replay_eval)
+    _register_process(verbs)
+    e = add_command(verbs, "export", help="a topic's records to JSON lines or Parquet",
+                    examples=_EXPORT_EXAMPLES)
+    add_run_options(e)
+    e.add_argument("topic", metavar="TOPIC", help="logical topic name, e.g. batches.actor")
+    e.add_argument("--out", required=True, help="the file to write")
+    e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    _range_options(e, versions=False)
+    e.set_defaults(func=cmd_replay_export)
+
+
+def _register_process(verbs: Any) -> None:
+    from astraflow.cli.args import add_command, add_run_options
+
+    p = add_command(verbs, "process", help="run a processor chain again over a run's "
+                    "recorded trajectories", examples=_PROCESS_EXAMPLES,
+                    description="Copy the recorded trajectories.raw of run RUN (--run, else "
+                    "the topology's) into a new run (--into) and run every processor "
+                    "downstream of it there: the topology's, or those of --chain FILE, with "
+                    "--set overrides. Each record is judged as of its recorded time (the "
+                    "weight versions RUN had published then). Prints what each processor "
+                    "kept and dropped beside RUN's own figures. Running it again continues.")
+    add_run_options(p)
+    p.add_argument("--chain", metavar="FILE", help="the topology whose processors make the "
+                   "chain (default: the run's own, -t)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the chain's topology, e.g. "
+                   "policies.actor.max_staleness=8 or processors.dyn.options.min_std=0.1 "
+                   "(repeatable)")
+    p.add_argument("--into", metavar="NEW_RUN", help="the new run (default RUN-process; the "
+                   "same command again continues it)")
+    _range_options(p, versions=True, what="the trajectories recorded before version N+1 "
+                   "was published")
+    _key_option(p)
+    p.set_defaults(func=cmd_replay_process)
+
+
+def _key_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--public-key", metavar="FILE", help="verify RUN's weight manifests with "
+                   "this public key (PEM): one it did not sign is refused, said and never used "
+                   "(default: $ASTRAFLOW_WEIGHTS_PUBLIC_KEY, else the topology's "
+                   "weight_signing.public_key; none: nothing is verified)")
+
+
+def _dlq(topo) -> str | None:
+    """The full name of ``topo``'s dlq topic, None when it has none."""
+    return topo.full_name("dlq") if "dlq" in topo.topics else None
+
+
+def _range_options(p: argparse.ArgumentParser, versions: bool,
+                   what: str = "the batches RUN trained into versions up to N") -> None:
+    p.add_argument("--offsets", metavar="FROM:TO", help="offsets FROM up to, not including, "
+                   "TO in every partition (either may be left out)")
+    p.add_argument("--since", metavar="TIME", help="records at or after TIME (ISO, or ms)")
+    p.add_argument("--until", metavar="TIME", help="records before TIME (ISO, or ms)")
+    if versions:
+        p.add_argument("--to-version", type=int, metavar="N", help=what)
+
+
+def _range(config, topic: str, args: argparse.Namespace, manifests=None,
+           by_batches: bool = True):
+    """The range of ``topic`` that the range options allow; ``--to-version`` by the
+    batches each version consumed (``by_batches``), else left to the caller."""
+    from astraflow.kafka.offsets import Offsets
+    from astraflow.replay.ranges import clamp_range, parse_offsets, parse_time, version_ends
+
+    offsets = Offsets(config)
+    bounds = parse_offsets(args.offsets) if args.offsets else (None, None)
+    since = offsets.at_time(topic, parse_time(args.since) if args.since else None)
+    until = offsets.at_time(topic, parse_time(args.until) if args.until else None)
+    ends = None
+    if by_batches and getattr(args, "to_version", None) is not None:
+        ends = version_ends(manifests or [], topic, args.to_version)
+    return clamp_range(offsets.watermarks(topic), bounds, (since, until), ends)
+
+
+def cmd_replay_eval(args: argparse.Namespace) -> int:
+    from astraflow.cli.main import build_parser, load_run_topology
+    from astraflow.eval.evaluator import cmd_eval_run
+    from astraflow.launch.up import eval_args
+    from astraflow.replay.ranges import ReplayError
+
+    topo = args.loaded_topology
+    policy = _policy(topo, args.policy)
+    if topo.eval is None:
+        raise ReplayError(f"{topo.source} has no eval: section (the held-out set to score)")
+    out = args.out or str(Path(args.runs_dir) / topo.run / "replay-eval.json")
+    argv = [*eval_args(topo, args.topology, policy), "--history", out, "--run", topo.run]
+    if args.every:
+        argv += ["--every", str(args.every)]
+    if getattr(args, "bootstrap", None):
+        argv += ["--bootstrap", args.bootstrap]
+    if args.public_key:
+        argv += ["--public-key", args.public_key]
+    ns = build_parser().parse_args(argv)
+    ns.loaded_topology = load_run_topology(ns)
+    return cmd_eval_run(ns)
+
+
+def cmd_replay_export(args: argparse.Namespace) -> int:
+    from astraflow.cli.main import kafka_config
+    from astraflow.kafka.offsets import Offsets
+    from astraflow.replay.ranges import export_topic
+
+    topo, config = args.loaded_topology, kafka_config(args)
+    topic = topo.full_name(args.topic)
+    Offsets(config).partitions(topic)  # a clear error when it does not exist
+    n = export_topic(config, topic, _range(config, topic, args), Path(args.out), args.format)
+    print(f"wrote {n} records of {topic} to {args.out}")
+    return 0
+
+
+def cmd_replay_process(args: argparse.Namespace) -> int:
+    from astraflow.cli.main import kafka_config
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.topics import apply_topics
+    from astraflow.replay.process import (
+        ROOT,
+        ChainRun,
+        chain_of,
+        load_chain_topology,
+        original_figures,
+        print_line,
+        report,
+        version_history,
+    )
+    from astraflow.replay.ranges import ReplayError, copy_range, print_progress
+    from astraflow.weights.signing import verifier_for
+
+    src, config = args.loaded_topology, kafka_config(args)
+    verifier = verifier_for(src.weight_signing, args.public_key)  # a bad key file: now
+    into = args.into or f"{src.run}-process"  # again: the same run continues
+    if into == src.run:
+        raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
+    new = load_chain_topology(args.chain or args.topology, args.set, into)
+    chain = chain_of(new)
+    apply_topics(make_admin(config), new.resolved_topics())
+    history = version_history(config, src, sorted(set(new.policies) | set(src.policies)),
+                              verifier, _dlq(new))
+    src_raw = src.full_name(ROOT)
+    if args.to_version is not None:
+        args.until = _until_version(history, args.to_version, args.until)
+    rng = _range(config, src_raw, args, by_batches=False)
+    print(f"replay process: {' -> '.join(chain)} over offsets {_fmt_range(rng)} of "
+          f"{src_raw} into run {into}", flush=True)
+    t0 = time.monotonic()
+    copied = copy_range(config, src_raw, new.full_name(ROOT), rng, print_progress("copy"),
+                        max_bytes=src.max_message_bytes(ROOT))
+    t1 = time.monotonic()
+    figures = ChainRun(new, chain, config, history).run(print_line)
+    print(f"copied {copied} records in {t1 - t0:.1f} s; the chain ran in "
+          f"{time.monotonic() - t1:.1f} s (its processors' start-up included)")
+    original = original_figures(config, src, chain)
+    print(report(chain, figures, original))
+    print(f"replay: this run of the command (run {into}); original: run {src.run}, all of it, "
+          "from its components' last status" if original else
+          f"run {src.run}'s figures are gone from its status topic (kept an hour by default)")
+    return 0
+
+
+def _until_version(history: dict[str, list[tuple[int, int]]], version: int,
+                   until: str | None) -> str | None:
+    """``--until`` as the time the first version after ``version`` was published (the
+    earlier of it and a given ``until``)."""
+    from astraflow.replay.ranges import ReplayError, parse_time
+
+    later = [ts for points in history.values() for ts, v in points if v > version]
+    if not any(points for points in history.values()):
+        raise ReplayError("--to-version: the run published no weight versions")
+    if not later:
+        return until  # no later version: up to the end
+    ms = min(later)
+    return str(min(ms, parse_time(until)) if until else ms)
+
+
+def cmd_replay_train(args: argparse.Namespace) -> int:
+    from astraflow.cli.main import kafka_config, with_overrides
+    from astraflow.kafka.clients import make_admin
+    from astraflow.kafka.topics import apply_topics
+    from astraflow.replay.ranges import ReplayError, copy_range, print_progress, trusted_manifests
+    from astraflow.weights.signing import verifier_for
+    from astraflow.weights.stores.kafka import read_manifests
+
+    topo, config = args.loaded_topology, kafka_config(args)
+    policy = _policy(topo, args.policy)
+    src_batches, src_weights = (topo.full_name(f"batches.{policy}"),
+                                topo.full_name(f"weights.{policy}"))
+    verifier = verifier_for(topo.weight_signing, args.public_key)
+    manifests = [m for m in read_manifests(config, src_weights) if m.policy == policy]
+    if not manifests:
+        raise ReplayError(f"run {topo.run} published no weights on {src_weights}")
+    into = args.into or f"{topo.run}-replay"  # again: the same copy continues
+    if into == topo.run:
+        raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
+    new = with_overrides(topo, into)
+    apply_topics(make_admin(config), new.resolved_topics())
+    manifests = trusted_manifests(manifests, verifier, src_weights, config, _dlq(new))
+    rng = _range(config, src_batches, args, manifests)
+    dst = new.full_name(f"batches.{policy}")
+    print(f"replay train: offsets {_fmt_range(rng)} of {src_batches} into run {into}")
+    copied = copy_range(config, src_batches, dst, rng, print_progress("copy"),
+                        max_bytes=topo.max_message_bytes(f"batches.{policy}"))
+    if not copied:
+        raise ReplayError(f"nothing to train: the range of {src_batches} is empty")
+    model = args.model or _start_model(topo, policy, config, src_weights,
+                                       Path(args.runs_dir) / into / "model-v0", verifier)
+    versions = _train(new, args, policy, model, config, dst)
+    _compare(config, policy, (topo.run, src_weights, manifests),
+             (into, new.full_name(f"weights.{policy}")), versions, verifier)
+    return 0
+
+
+def _policy(topo, policy: str | None) -> str:
+    from astraflow.replay.ranges import ReplayError
+
+    if policy is None:
+        if len(topo.policies) != 1:
+            raise ReplayError(f"--policy: the topology has {sorted(topo.policies)}")
+        return next(iter(topo.policies))
+    if policy not in topo.policies:
+        raise ReplayError(f"--policy {policy}: not one of {sorted(topo.policies)}")
+    return policy
+
+
+def _fmt_range(rng) -> str:
+    return ", ".join(f"[{p}] {rng.start[p]}..{rng.end[p]}" for p in sorted(rng.start))
+
+
+def _start_model(topo, policy: str, config, weights_topic: str, dest: Path,
+                 verifier: Any = None) -> str:
+    """The model the source run's trainer started from: the topology's model directory
+    when it is there (its fp32 weights, as the trainer loaded them; version 0 is checked
+    against the source's after training), else version 0 rebuilt from the weight stream
+    (bf16 when the run published bf16: the replay then starts from the rounded weights),
+    from the manifests ``verifier`` trusts."""
+    spec_model = Path(topo.policies[policy].model)
+    if (spec_model / "config.json").is_file():
+        return str(spec_model)
+    print(f"no model at {spec_model}: starting from version 0 of {weights_topic}")
+    return str(_version0_model(config, weights_topic, policy, dest, verifier))
+
+
+def _version0_model(config, weights_topic: str, policy: str, dest: Path,
+                    verifier: Any = None) -> Path:
+    from astraflow.models.share import fetch_model
+    from astraflow.replay.ranges import ReplayError
+
+    if (dest / "config.json").is_file():
+        return dest
+    try:
+        return fetch_model(config, weights_topic, policy, dest, wait_s=30, version=0,
+                           verifier=verifier)
+    except Exception as e:  # noqa: BLE001 - pruned blobs, a missing topic: say what to do
+        raise ReplayError(f"cannot rebuild version 0 from {weights_topic} ({e}); give the "
+                          "model it was trained from with --model DIR") from None
+
+
+def _train(new, args: argparse.Namespace, policy: str, model: str, config, dst: str) -> int:
+    """Run ``astraflow trainer run`` on the new run until it has committed every copied
+    batch; the newest version it published."""
+    from astraflow.launch.up import trainer_args
+    from astraflow.replay.ranges import run_trainer
+    from astraflow.weights.stores.kafka import read_manifests
+
+    flags = trainer_args(new, args.topology, policy)
+    flags[flags.index("--model") + 1] = model
+    extra = [f for f in (args.trainer_flags or []) if f != "--"]
+    run_dir = Path(args.runs_dir) / new.run
+    cmd = [sys.executable, "-m", "astraflow.cli.main", *flags, "--run", new.run,
+           "--state-dir", str(run_dir / f"trainer-state-{policy}"), *extra]
+    # one intra-op thread, as `astraflow up` runs its trainers: the same float sums
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers}
+    log_path = run_dir / "logs" / f"replay-trainer-{policy}.log"
+    proc = run_trainer(cmd, env, log_path)
+    print(f"trainer started (log {log_path})")
+    try:
+        _wait_trained(config, new.trainer_group(policy), dst, proc, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+    weights = new.full_name(f"weights.{policy}")
+    return max((m.version for m in read_manifests(config, weights)), default=0)
+
+
+def _wait_trained(config, group: str, dst: str, proc, log_path: Path) -> None:
+    from astraflow.kafka.lag import LagReader
+    from astraflow.replay.ranges import ReplayError
+
+    reader, last = LagReader(config), 0.0
+    try:
+        while True:
+            rows = reader.lag(group, [dst])
+            done = sum(r.committed or 0 for r in rows)
+            total = sum(r.end_offset for r in rows)
+            if rows and done >= total:
+                return
+            if proc.poll() is not None:
+                raise ReplayError(f"the trainer exited with {proc.returncode} after "
+                                  f"{done}/{total} offsets; see {log_path}")
+            if time.monotonic() - last >= 5:
+                print(f"train: {done}/{total} batch offsets committed", flush=True)
+                last = time.monotonic()
+            time.sleep(1.0)
+    finally:
+        reader.close()
+
+
+def _compare(config, policy: str, source: tuple, replay: tuple, replay_latest: int,
+             verifier: Any = None) -> None:
+    """Print the sha256 of both runs' weights at version 0 and at the last version they
+    have in common (the source run's from the manifests ``verifier`` trusts)."""
+    from astraflow.replay.ranges import digest_at
+
+    src_run, src_weights, manifests = source
+    new_run, new_weights = replay
+    common = min(max(m.version for m in manifests), replay_latest)
+    for v in sorted({0, common}):
+        try:
+            a = digest_at(config, src_weights, policy, v, verifier)
+            b = digest_at(config, new_weights, policy, v)
+        except Exception as e:  # noqa: BLE001 - e.g. a version whose blobs were pruned
+            print(f"cannot compare the weights at version {v}: {e}")
+            continue
+        print(f"version {v}: sha256 {a} (run {src_run})\n"
+              f"version {v}: sha256 {b} (run {new_run})\n"
+              + ("the same weights, bit for bit" if a == b else "the weights differ"))

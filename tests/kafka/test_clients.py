@@ -1,0 +1,118 @@
+"""Records, topics and lag on a real broker."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from confluent_kafka import Consumer, TopicPartition
+
+from astraflow.config.topology import parse_topology
+from astraflow.kafka.clients import RecordConsumer, RecordProducer, make_admin, read_all
+from astraflow.kafka.lag import lag, total_lag
+from astraflow.kafka.topics import apply_topics, describe_topic
+from astraflow.wire.records import Task
+from tests.conftest import random_name, wait_for
+from tests.unit.wire.test_codec import sample_records
+
+
+def test_avro_round_trip_through_kafka(kafka_config, new_topic, new_group):
+    topic = new_topic(partitions=2)
+    records = sample_records()
+    producer = RecordProducer(kafka_config)
+    for i, rec in enumerate(records):
+        producer.produce(topic, rec, key=f"k{i}")
+    producer.flush()
+    consumer = RecordConsumer(kafka_config, new_group(), [topic])
+    got = list(consumer.iter_until(len(records), timeout_s=30))
+    consumer.close()
+    assert len(got) == len(records)
+    by_key = {r.key.decode(): r.record for r in got}
+    assert by_key == {f"k{i}": rec for i, rec in enumerate(records)}
+
+
+def test_lag_is_exact_per_record_with_compression_and_linger(kafka_config, new_topic, new_group):
+    """Lag counts records, not producer batches: many records share each compressed batch."""
+    topic = new_topic(partitions=3)
+    n, m = 1000, 291  # m records consumed and committed on partition 0
+    producer = RecordProducer(kafka_config, **{"compression.type": "lz4", "linger.ms": 200,
+                                               "batch.num.messages": 10000})
+    per_partition = Counter()
+    for i in range(n):
+        p = i % 3
+        per_partition[p] += 1
+        producer.produce(topic, Task(task_id=f"t{i}", prompt_id=f"p{i}", workflow="w",
+                                     payload="{}", source="s"), key=f"p{i}", partition=p)
+    producer.flush()
+    group = new_group()
+    consumer = Consumer(kafka_config.consumer_conf(group))
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    seen = 0
+    last = None
+    deadline = time.time() + 30
+    while seen < m and time.time() < deadline:
+        for msg in consumer.consume(m - seen, 5):
+            assert not msg.error()
+            seen += 1
+            last = msg
+    consumer.commit(offsets=[TopicPartition(topic, 0, last.offset() + 1)], asynchronous=False)
+    consumer.close()
+
+    rows = {r.partition: r for r in lag(kafka_config, group, [topic])}
+    assert rows[0].end_offset == per_partition[0]
+    assert rows[0].committed == m
+    assert rows[0].lag == per_partition[0] - m
+    for p in (1, 2):
+        assert rows[p].committed is None
+        assert rows[p].end_offset == per_partition[p]
+        assert rows[p].lag == per_partition[p]
+    assert total_lag(list(rows.values())) == n - m
+
+
+def test_topics_apply_is_idempotent_and_applies_configs(kafka_config):
+    run = random_name("run")
+    data = {
+        "run": run,
+        "topics": {
+            "tasks": {"partitions": 2, "retention_ms": 3600000},
+            "trajectories": {"compression": "zstd", "max_message_bytes": 2097152},
+        },
+    }
+    topo = parse_topology(data)
+    admin = make_admin(kafka_config)
+    first = {c.topic: c.action for c in apply_topics(admin, topo.resolved_topics())}
+    assert first[f"{run}.tasks"] == "created"
+    assert first[f"{run}.dlq"] == "created"  # implicit topics come along
+    second = {c.topic: c.action for c in apply_topics(admin, topo.resolved_topics())}
+    assert set(second.values()) == {"unchanged"}
+    desc = describe_topic(admin, f"{run}.trajectories")
+    assert desc["configs"]["compression.type"] == "zstd"
+    assert desc["configs"]["max.message.bytes"] == "2097152"
+    assert len(describe_topic(admin, f"{run}.tasks")["partitions"]) == 2
+
+    data["topics"]["tasks"] = {"partitions": 4, "retention_ms": 7200000}
+    changes = {c.topic: c for c in apply_topics(admin, parse_topology(data).resolved_topics())}
+    assert changes[f"{run}.tasks"].action == "updated"
+    assert "partitions 2 -> 4" in changes[f"{run}.tasks"].detail
+    # config changes reach the broker's view through the KRaft metadata log, not at once
+    wait_for(lambda: describe_topic(admin, f"{run}.tasks")["configs"].get("retention.ms")
+             == "7200000", 15, "the altered retention.ms")
+    assert len(describe_topic(admin, f"{run}.tasks")["partitions"]) == 4
+
+
+def test_read_all_hides_aborted_transactions(kafka_config, new_topic):
+    topic = new_topic(partitions=1)
+    producer = RecordProducer(kafka_config, transactional_id=random_name("tx"))
+    task = Task(task_id="kept", prompt_id="p", workflow="w", payload="{}", source="s")
+    producer.begin()
+    producer.produce(topic, Task(task_id="aborted", prompt_id="p", workflow="w", payload="{}",
+                                 source="s"))
+    producer.producer.flush()
+    producer.abort()
+    producer.begin()
+    producer.produce(topic, task)
+    producer.commit()
+    committed = read_all(kafka_config, topic, expect=Task)
+    assert [r.record.task_id for r in committed] == ["kept"]
+    everything = read_all(kafka_config, topic, expect=Task, isolation="read_uncommitted")
+    assert [r.record.task_id for r in everything] == ["aborted", "kept"]

@@ -1,0 +1,299 @@
+"""Rack-aware pools: a pool's ``rack`` sets ``client.rack`` on every consumer of its nodes
+(the settings, without a broker), and on the embedded cluster (node i in rack r<i>, the
+rack-aware replica selector) a consumer in a follower's rack fetches from that follower,
+not from the leader (KIP-392), shown by librdkafka's statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import confluent_kafka
+import pytest
+import yaml
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import NewTopic
+
+from astraflow.cli.main import build_parser, main
+from astraflow.cli.topology import explain
+from astraflow.config.topology import TopologyError, parse_topology
+from astraflow.kafka.clients import make_admin
+from astraflow.kafka.config import RACK_ENV, TABLE_GROUP, KafkaConfig
+from astraflow.kafka.fetch_stats import partition_fetch
+from astraflow.launch.up import _raas_args
+from tests.conftest import CLUSTER_RACKS, random_name, wait_for
+
+LEADER, FOLLOWER = 1, 3  # node ids: the tests' topics are led by node 1, node 3 follows
+
+
+def _topology(remote: dict | None = None, **extra) -> object:
+    pools = {"local": {}, "remote": {"rack": "r3", **(remote or {})}}
+    return parse_topology({"run": "r", "kafka": {"bootstrap_servers": "b:9092"},
+                           "pools": pools, **extra}, source="t.yaml")
+
+
+# --- the settings, without a broker ---------------------------------------------------
+def test_a_pools_rack_is_client_rack_on_every_consumer_of_its_nodes_only():
+    topo = _topology()
+    remote = topo.pool_kafka("remote")
+    assert remote.consumer_conf("g")["client.rack"] == "r3"
+    assert "client.rack" not in remote.producer_conf()  # producers write to the leader
+    assert "client.rack" not in remote.admin_conf()
+    assert "client.rack" not in topo.pool_kafka("local").consumer_conf("g")
+    assert "client.rack" not in topo.kafka.consumer_conf("g")
+    shown = explain(topo)  # `astraflow topology explain`
+    assert "as the tasks name them, rack r3" in shown and shown.count("rack ") == 1, shown
+    assert topo.pool_kafka("remote", rack="r1").consumer_conf("g")["client.rack"] == "r1"
+    with_kafka = _topology({"kafka": {"consumer_options": {"fetch.max.bytes": 1 << 20}}})
+    assert with_kafka.pool_kafka("remote").consumer_options == {
+        "fetch.max.bytes": 1 << 20, "client.rack": "r3"}
+
+
+@pytest.mark.parametrize("remote, error", [
+    ({"rack": ""}, "pools.remote.rack: '' is no rack name"),
+    ({"rack": "eu west"}, "pools.remote.rack: 'eu west' is no rack name"),
+    ({"rack": "r1,r2"}, "pools.remote.rack: 'r1,r2' is no rack name"),
+    ({"kafka": {"consumer_options": {"client.rack": "r1"}}},
+     "pools.remote.rack: 'r3', but kafka.consumer_options.client.rack says 'r1'"),
+])
+def test_a_bad_rack_names_its_key(remote, error):
+    with pytest.raises(TopologyError, match=f"^t.yaml: {error}"):
+        _topology(remote)
+
+
+def test_up_passes_the_pools_rack_and_a_node_by_hand_takes_rack_or_the_env(monkeypatch,
+                                                                          tmp_path, capsys):
+    from astraflow.cli.raas import node_rack
+
+    topo = _topology(policies={"actor": {"model": "m"}})
+    args = _raas_args(topo, "t.yaml", "remote", 0)
+    assert args[args.index("--rack") + 1] == "r3"
+    assert "--rack" not in _raas_args(topo, "t.yaml", "local", 0)
+
+    def rack(*flags: str) -> str | None:
+        return node_rack(build_parser().parse_args(
+            ["raas", "run", "-t", "t.yaml", "--policy-model", "actor=m", *flags]))
+
+    monkeypatch.delenv(RACK_ENV, raising=False)
+    assert rack() is None  # the pool's rack (pool_kafka) then applies
+    monkeypatch.setenv(RACK_ENV, "r2")
+    assert rack() == "r2"
+    assert rack("--rack", "r1") == "r1"  # the flag wins over the environment
+    monkeypatch.setenv(RACK_ENV, "r 2")
+    with pytest.raises(ValueError, match=f"^{RACK_ENV}: 'r 2' is no rack name"):
+        rack()
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"run": "r", "pools": {"remote": {}}}))
+    assert main(["raas", "run", "-t", str(path), "--pool", "remote", "--policy-model",
+                 "actor=m", "--rack", "a,b"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "astraflow raas run: --rack: 'a,b' is no rack name (a non-empty name without blanks "
+        "or commas, as a broker's broker.rack: r1, eu-west-1a ...)")
+
+
+def test_partition_fetch_reads_the_leader_the_broker_and_the_bytes_per_node():
+    report = {
+        "brokers": {
+            "h:1/1": {"nodeid": 1, "rxbytes": 900, "toppars": {}},
+            "h:3/3": {"nodeid": 3, "rxbytes": 50_000,
+                      "toppars": {"t-0": {"topic": "t", "partition": 0}}},
+            "h:1/bootstrap": {"nodeid": -1, "rxbytes": 700, "toppars": {}}},
+        "topics": {"t": {"partitions": {"0": {"leader": 1, "broker": 3, "rxmsgs": 40},
+                                        "-1": {"leader": -1, "broker": -1}}}}}
+    f = partition_fetch(json.dumps(report), "t", 0)
+    assert (f.leader, f.fetched_from, f.toppar_nodes, f.messages) == (1, 3, [3], 40)
+    assert f.rx_bytes == {1: 900, 3: 50_000} and f.from_follower
+    report["topics"]["t"]["partitions"]["0"]["broker"] = 1
+    assert not partition_fetch(report, "t", 0).from_follower
+    assert partition_fetch(report, "t", 1) is None and partition_fetch(report, "u", 0) is None
+
+
+# --- on the cluster ---------------------------------------------------------------------
+def _led_by_node_1(cluster, config: KafkaConfig, *topics: str) -> None:
+    """Create ``topics`` (1 partition, replicas on nodes 1, 2, 3, node 1 preferred) and
+    wait until node 1 leads each and all three replicas are in sync."""
+    admin = make_admin(config)
+    futures = admin.create_topics([NewTopic(t, 1, replica_assignment=[[1, 2, 3]],
+                                            config={"min.insync.replicas": "2"})
+                                   for t in topics])
+    for f in futures.values():
+        f.result(60)
+
+    def ready() -> bool:
+        md = admin.list_topics(timeout=10).topics
+        return all(t in md and md[t].partitions[0].leader == LEADER
+                   and sorted(md[t].partitions[0].isrs) == [1, 2, 3] for t in topics)
+
+    wait_for(ready, 60, f"node {LEADER} leading {', '.join(topics)} with 3 in sync")
+
+
+def _fetch_report(config: KafkaConfig, topic: str, expect: int) -> dict:
+    """Read ``expect`` records of ``topic``'s partition 0 with ``config``'s consumer
+    settings and statistics every 100 ms; the first report that counts them all."""
+    reports: list[str] = []
+    consumer = Consumer(config.consumer_conf(random_name("g"), **{
+        "statistics.interval.ms": 100, "stats_cb": reports.append,
+        "enable.partition.eof": True}))
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    got = 0
+
+    def counted() -> dict | None:
+        nonlocal got
+        m = consumer.poll(0.2)
+        if m is not None and not m.error():
+            got += 1
+        elif m is not None and m.error().code() != KafkaError._PARTITION_EOF:
+            raise AssertionError(m.error())
+        for r in reversed(reports):
+            f = partition_fetch(r, topic, 0)
+            if got >= expect and f is not None and f.messages >= expect:
+                return json.loads(r)
+        return None
+
+    try:
+        return wait_for(counted, 60, f"{expect} records of {topic} and a report of them",
+                        step=0)
+    finally:
+        consumer.close()
+
+
+def test_a_consumer_in_a_followers_rack_fetches_from_that_follower(embedded_cluster):
+    """Records of a topic led by node 1 (rack r1): a consumer with client.rack r3 gets
+    them all from node 3, its rack's replica, and next to nothing from node 1; one
+    without a rack gets them from the leader. Bytes per node from librdkafka's
+    statistics (``rxbytes``, and which node's connection holds the partition)."""
+    assert CLUSTER_RACKS[FOLLOWER - 1] == "r3" and CLUSTER_RACKS[LEADER - 1] == "r1"
+    config = KafkaConfig(bootstrap_servers=embedded_cluster.bootstrap, client_id="rack-test")
+    topic = random_name("rack")
+    _led_by_node_1(embedded_cluster, config, topic)
+    n, size = 64, 16 << 10  # random bytes: lz4 leaves them as large as they are
+    producer = Producer(config.producer_conf())
+    for _ in range(n):
+        producer.produce(topic, os.urandom(size), partition=0)
+    assert producer.flush(60) == 0
+    payload = n * size
+
+    near = partition_fetch(_fetch_report(config.with_rack("r3"), topic, n), topic, 0)
+    assert (near.leader, near.fetched_from, near.toppar_nodes) == (LEADER, FOLLOWER, [FOLLOWER])
+    assert near.rx_bytes[FOLLOWER] >= payload, near
+    assert near.rx_bytes.get(LEADER, 0) < payload // 20, near  # metadata, the first fetch
+    assert near.from_follower
+
+    plain = partition_fetch(_fetch_report(config, topic, n), topic, 0)
+    assert (plain.leader, plain.fetched_from, plain.toppar_nodes) == (LEADER, LEADER, [LEADER])
+    assert plain.rx_bytes[LEADER] >= payload, plain
+    assert plain.rx_bytes.get(FOLLOWER, 0) < payload // 20, plain
+
+
+class _ConsumerSpy:
+    """Every ``Consumer`` the node makes (in its own thread, through the modules that make
+    them): its config (``confs``) and its statistics reports (``reports``, by group id). A
+    consumer's last reports are served as it closes. The test's own readers, in the main
+    thread, are left as they are."""
+
+    def __init__(self) -> None:
+        self.confs: list[dict] = []
+        self.reports: dict[str, list[str]] = {}
+        spy = self
+
+        class Spied(confluent_kafka.Consumer):
+            def __init__(self, conf: dict) -> None:
+                if threading.current_thread() is threading.main_thread():
+                    super().__init__(conf)
+                    return
+                spy.confs.append(dict(conf))
+                into = spy.reports.setdefault(conf["group.id"], [])
+                super().__init__({**conf, "statistics.interval.ms": 100,
+                                  "stats_cb": into.append})
+
+            def close(self) -> None:
+                deadline = time.monotonic() + 0.3
+                while time.monotonic() < deadline:
+                    self.poll(0.1)
+                super().close()
+
+        self.cls = Spied
+
+    def fetches(self, topic: str) -> list:
+        """Every report of any consumer that lists ``topic``'s partition 0."""
+        return [f for rs in self.reports.values() for r in rs
+                if (f := partition_fetch(r, topic, 0)) is not None and f.messages > 0]
+
+
+@pytest.mark.slow
+def test_a_racked_pools_node_reads_tasks_and_weights_from_its_racks_replica(
+        embedded_cluster, monkeypatch, tmp_path):
+    """A RaaS node of pool ``remote`` (rack r3), built as ``raas run`` builds it, rolls out
+    a task after following two weight versions over the Kafka blob store; tasks, manifests
+    and blobs are led by node 1. Every consumer the node made carries client.rack r3; the
+    tasks, the manifests and the blobs came from node 3 (the statistics of the node's own
+    consumers: the partition's broker, the connection that holds it, bytes per node)."""
+    import torch
+
+    from astraflow.kafka import loop, table
+    from astraflow.kafka.clients import RecordProducer, read_all
+    from astraflow.raas.engine import TorchEngine
+    from astraflow.raas.node import NodeOptions, RaaSNode
+    from astraflow.weights import WeightPublisher
+    from astraflow.weights.stores import kafka as kafka_store
+    from astraflow.weights.stores.kafka import KafkaBlobStore
+    from astraflow.wire.records import TrajectoryGroup
+    from tests.conftest import running
+    from tests.kafka.test_raas import task_of, tiny_model, tiny_tokenizer
+
+    run = random_name("rack")
+    config = KafkaConfig(bootstrap_servers=embedded_cluster.bootstrap, client_id="rack-test")
+    names = ["tasks", "weights.actor", "weights.blobs"]
+    _led_by_node_1(embedded_cluster, config, *(f"{run}.{t}" for t in names))
+    topo = parse_topology({
+        "run": run, "kafka": {"bootstrap_servers": embedded_cluster.bootstrap},
+        "topics": {"tasks": {"partitions": 1}, "trajectories.raw": {"partitions": 1},
+                   "weights.actor": {"partitions": 1},
+                   "weights.blobs": {"partitions": 1, "max_message_bytes": 16 << 20}},
+        "pools": {"remote": {"rack": "r3"}}}, source="rack.yaml")
+    from astraflow.kafka.topics import apply_topics
+
+    apply_topics(make_admin(config), topo.resolved_topics())  # trajectories.raw
+    eng = TorchEngine(tiny_model(), tiny_tokenizer(), policy="actor", version=0)
+    pub = WeightPublisher(KafkaBlobStore(config, topo.full_name("weights.blobs")), "actor")
+    v0 = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    v1 = {k: v + 0.01 * torch.randn_like(v) for k, v in v0.items()}
+    producer = RecordProducer(config)
+    for state in (v0, v1):
+        for m in pub.publish(state):
+            producer.produce(topo.full_name("weights.actor"), m, key="actor")
+    producer.produce(topo.full_name("tasks"), task_of({"prompt": "1+2=", "answer": "3"}),
+                     key="p-t0")
+    producer.flush()
+
+    spy = _ConsumerSpy()
+    for module in (loop, table, kafka_store):
+        monkeypatch.setattr(module, "Consumer", spy.cls)
+    node = RaaSNode(topo, {"actor": eng}, NodeOptions(
+        pool="remote", instance="r3-0", n_samples=2, poll_timeout_s=0.2,
+        workflow_options={"single_turn": {"max_new_tokens": 4}}))
+    out = topo.full_name("trajectories.raw")
+    with running(node):
+        wait_for(lambda: read_all(config, out, idle_s=0.3), 90, "a trajectory group")
+        wait_for(lambda: spy.fetches(topo.full_name("tasks")), 30, "a report of the tasks")
+    assert eng.version == 1
+    assert [r.record.task_id for r in read_all(config, out, idle_s=0.3,
+                                                expect=TrajectoryGroup)] == ["t0"]
+
+    groups = {c["group.id"] for c in spy.confs}
+    assert topo.raas_group("remote") in groups and TABLE_GROUP in groups, groups
+    assert any(g.startswith("astraflow-blob-reader-") for g in groups), groups
+    assert {c.get("client.rack") for c in spy.confs} == {"r3"}, spy.confs
+    for name in ("tasks", "weights.actor"):
+        fetches = spy.fetches(topo.full_name(name))
+        assert fetches, name
+        assert all((f.leader, f.fetched_from) == (LEADER, FOLLOWER) for f in fetches), (
+            name, fetches)
+        assert all(f.toppar_nodes == [FOLLOWER] for f in fetches), (name, fetches)
+    blobs = spy.fetches(topo.full_name("weights.blobs"))
+    assert blobs and all((f.leader, f.fetched_from) == (LEADER, FOLLOWER) for f in blobs), blobs
+    # the two versions' blobs (near a MiB) from node 3; from node 1 metadata only
+    last = blobs[-1]
+    assert last.rx_bytes.get(LEADER, 0) < 64 << 10 < last.rx_bytes[FOLLOWER], last

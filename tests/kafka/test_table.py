@@ -1,0 +1,316 @@
+"""TopicTable and TopicReader: the folding and catch-up logic without Kafka, then on a
+real broker (tables that follow a topic, tombstones, undecodable records, the tail)."""
+
+from __future__ import annotations
+
+import pytest
+
+from astraflow.kafka.clients import RecordProducer, read_all
+from astraflow.kafka.table import (
+    CatchUp,
+    Entry,
+    TableState,
+    TopicReader,
+    TopicTable,
+    kafka_key,
+    start_offsets,
+)
+from astraflow.wire.records import ComponentStatus, Task
+
+
+def task(task_id: str, attempt: int = 0) -> Task:
+    return Task(task_id=task_id, prompt_id=task_id, workflow="math", payload="{}",
+                source="test", attempt=attempt)
+
+
+def entry(key: str | None, value: Task | None, offset: int = 0, partition: int = 0) -> Entry:
+    return Entry("t", partition, offset, key.encode() if key is not None else None, value, 0)
+
+
+# --- catch-up bookkeeping -----------------------------------------------------------------
+def test_catch_up_reaches_targets_by_position():
+    c = CatchUp(positions={0: 0, 1: 5})
+    c.retarget({0: 3, 1: 5})  # partition 1 starts at its end
+    assert c.behind() == [0]
+    c.advance(0, 2)
+    assert not c.done()
+    c.advance(0, 3)
+    assert c.done()
+
+
+def test_catch_up_end_of_partition_counts_before_an_open_transaction():
+    c = CatchUp(positions={0: 0})
+    c.retarget({0: 10})  # high watermark 10, last stable offset 6
+    c.advance(0, 6)
+    assert not c.done()
+    c.reached_end(0, 6)
+    assert c.done()
+    c.retarget({0: 10})  # same end: still there
+    assert c.done()
+    c.retarget({0: 12})  # the end moved: the old end-of-partition no longer counts
+    assert c.behind() == [0]
+    c.reached_end(0, 12)
+    c.advance(0, 13)  # a record after the end: behind again until the next end
+    c.retarget({0: 14})
+    assert not c.done()
+
+
+def test_start_offsets():
+    marks = {0: (2, 10), 1: (0, 3)}
+    assert start_offsets("beginning", marks) == {0: 2, 1: 0}
+    assert start_offsets("end", marks) == {0: 10, 1: 3}
+    assert start_offsets(-5, marks) == {0: 5, 1: 0}
+    assert start_offsets({0: 1}, marks) == {0: 2, 1: 0}  # never below the low watermark
+    with pytest.raises(ValueError):
+        start_offsets(4, marks)
+    with pytest.raises(ValueError):
+        start_offsets("middle", marks)  # type: ignore[arg-type]
+
+
+def test_setup_errors_worth_retrying():
+    from confluent_kafka import KafkaError
+
+    from astraflow.kafka.table import _retriable
+
+    assert _retriable(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION))  # a topic just made
+    assert _retriable(KafkaError(KafkaError._TRANSPORT))
+    assert not _retriable(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+    assert not _retriable(None)
+
+
+# --- folding records into a table ---------------------------------------------------------
+def test_kafka_key():
+    assert kafka_key(entry("a", None)) == "a"
+    assert kafka_key(entry(None, None)) is None
+    assert kafka_key(Entry("t", 0, 0, b"\xff\x00", None, 0)) == "ff00"
+
+
+def test_table_state_keeps_the_latest_value_and_reports_changes():
+    state: TableState[str, Task] = TableState()
+    changes = []
+    state.listeners.append(lambda k, old, new: changes.append((k, old, new)))
+    a0, a1, b0 = task("a"), task("a", 1), task("b")
+    assert state.apply(entry("a", a0))
+    assert state.apply(entry("b", b0, 1))
+    assert state.apply(entry("a", a1, 2))
+    assert state.values == {"a": a1, "b": b0}
+    assert changes == [("a", None, a0), ("b", None, b0), ("a", a0, a1)]
+
+
+def test_tombstones_delete_and_keyless_records_are_dropped():
+    state: TableState[str, Task] = TableState()
+    changes = []
+    state.listeners.append(lambda k, old, new: changes.append((k, old, new)))
+    a = task("a")
+    state.apply(entry("a", a))
+    assert state.apply(entry("a", None, 1))
+    assert state.values == {}
+    assert changes[-1] == ("a", a, None)
+    assert not state.apply(entry("a", None, 2))  # nothing to delete: no change
+    assert not state.apply(entry(None, task("x"), 3))
+    assert state.dropped == 1 and len(changes) == 2
+
+
+def test_key_function_filter_and_reduce():
+    state: TableState[str, Task] = TableState(
+        key=lambda e: e.value.task_id if e.value is not None else None,
+        filter=lambda e: e.value.source == "test",
+        reduce=lambda old, new: new if new.attempt > old.attempt else old)
+    changes = []
+    state.listeners.append(lambda k, old, new: changes.append(new))
+    first, retry = task("a", attempt=2), task("a", attempt=1)
+    assert state.apply(entry("ignored", first))
+    assert not state.apply(entry("other", retry, 1))  # reduce kept the higher attempt
+    other = Task(task_id="b", prompt_id="b", workflow="m", payload="{}", source="elsewhere")
+    assert not state.apply(entry("b", other, 2))  # filtered out
+    assert not state.apply(entry("a", None, 3))  # the key function drops tombstones
+    assert state.values == {"a": first} and changes == [first] and state.dropped == 2
+
+
+class ListSource:
+    """A ``RecordSource`` handing out prepared batches, one per poll."""
+
+    topic = "t"
+
+    def __init__(self, *batches: list[Entry]):
+        self.batches = list(batches)
+        self.polls = 0
+        self.retargets = 0
+        self.closed = False
+
+    def poll(self, timeout: float = 0.0) -> list[Entry]:
+        self.polls += 1
+        return self.batches.pop(0) if self.batches else []
+
+    def retarget(self, timeout: float = 5.0) -> bool:
+        self.retargets += 1
+        return True
+
+    def caught_up(self) -> bool:
+        return not self.batches
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_table_over_a_source_polls_waits_and_replays():
+    a, b = task("a"), task("b")
+    source = ListSource([], [entry("a", a)], [entry("b", b, 1)])
+    table: TopicTable[str, Task] = TopicTable(source)
+    assert table.wait_until(lambda t: t.get("b"), timeout_s=5) is b
+    assert source.polls == 3 and len(table) == 2 and "a" in table
+    assert table.items() == [("a", a), ("b", b)] and table.keys() == ["a", "b"]
+    seen = []
+    table.on_change(lambda k, old, new: seen.append(k), replay=True)
+    assert seen == ["a", "b"]
+    assert table.wait_until(lambda t: t.get("c"), timeout_s=0.05) is None
+    with table:
+        assert table.catch_up(1.0) and source.retargets == 1
+    assert source.closed
+
+
+def test_table_catch_up_applies_until_the_source_is_caught_up():
+    source = ListSource([entry("a", task("a"))], [entry("a", None, 1)], [entry("b", task("b"), 2)])
+    table: TopicTable[str, Task] = TopicTable(source)
+    assert not table.caught_up()
+    assert table.catch_up(5.0)
+    assert table.keys() == ["b"] and table.caught_up()
+
+
+# --- on a real broker ---------------------------------------------------------------------
+def status(component: str, produced: int) -> ComponentStatus:
+    return ComponentStatus(component_id=component, kind="processor", host="h", produced=produced)
+
+
+def test_table_follows_a_topic(kafka_config, new_topic):
+    topic = new_topic(partitions=3)
+    producer = RecordProducer(kafka_config)
+    for i in range(6):
+        producer.produce(topic, status(f"c{i % 3}", i), key=f"c{i % 3}")
+    producer.flush()
+    with TopicTable.open(kafka_config, topic, ComponentStatus) as table:
+        assert not table.caught_up()
+        assert table.catch_up(30)
+        assert {k: v.produced for k, v in table.items()} == {"c0": 3, "c1": 4, "c2": 5}
+        changes = []
+        table.on_change(lambda k, old, new: changes.append((k, old and old.produced,
+                                                            new and new.produced)))
+        producer.produce(topic, status("c1", 10), key="c1")
+        producer.produce_raw(topic, None, key="c2")  # tombstone
+        producer.produce(topic, status("c9", 11), key="c9")
+        producer.flush()
+        got = table.wait_until(lambda t: t.get("c9"), timeout_s=30)
+        assert got is not None and got.produced == 11
+        assert table.wait_until(lambda t: "c2" not in t, timeout_s=30)
+        assert {k: v.produced for k, v in table.items()} == {"c0": 3, "c1": 10, "c9": 11}
+        assert sorted(changes) == [("c1", 4, 10), ("c2", 5, None), ("c9", None, 11)]
+
+
+def test_undecodable_records_are_skipped_and_counted(kafka_config, new_topic):
+    topic = new_topic()
+    producer = RecordProducer(kafka_config)
+    producer.produce(topic, status("a", 1), key="a")
+    producer.produce_raw(topic, b"not avro", key="a")
+    producer.produce(topic, task("t"), key="b")  # the wrong record type
+    producer.produce(topic, status("c", 2), key="c")
+    producer.flush()
+    with TopicTable.open(kafka_config, topic, ComponentStatus) as table:
+        assert table.catch_up(30)
+        assert sorted(table.keys()) == ["a", "c"] and table.get("a").produced == 1
+        reader = table.source
+        assert isinstance(reader, TopicReader) and sum(reader.skipped.values()) == 2
+    from astraflow.wire.codec import RecordDecodeError
+
+    with pytest.raises(RecordDecodeError):  # strict readers (read_all) raise instead
+        read_all(kafka_config, topic, expect=ComponentStatus)
+
+
+def test_reader_from_the_end_and_from_the_tail(kafka_config, new_topic):
+    topic = new_topic(partitions=2)
+    producer = RecordProducer(kafka_config)
+    for i in range(8):
+        producer.produce(topic, task(f"t{i}"), key=f"t{i}", partition=i % 2)
+    producer.flush()
+    tail = TopicReader(kafka_config, topic, Task, start=-2)
+    try:
+        got = tail.catch_up(30)
+        assert tail.caught_up()
+        assert sorted(e.value.task_id for e in got) == ["t4", "t5", "t6", "t7"]
+    finally:
+        tail.close()
+    with TopicTable.open(kafka_config, topic, Task, start="end") as table:
+        assert table.caught_up() and len(table) == 0
+        producer.produce(topic, task("new"), key="new")
+        producer.flush()
+        assert table.wait_until(lambda t: t.get("new"), timeout_s=30) is not None
+        assert table.keys() == ["new"]
+
+
+def test_a_missing_topic_raises(kafka_config):
+    from confluent_kafka import KafkaException
+
+    with pytest.raises(KafkaException, match="does not exist"):
+        TopicTable.open(kafka_config, "no-such-topic-for-a-table", Task, metadata_timeout_s=5)
+
+
+class _Err:
+    """A stand-in for a consumer error message."""
+
+    def __init__(self, code: int, fatal: bool = False):
+        from confluent_kafka import KafkaError
+
+        self.err = KafkaError(code, "test error", fatal=fatal)
+
+    def error(self):
+        return self.err
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return 0
+
+
+class _FailingConsumer:
+    """Consumer calls that fail the way they do while the broker is away."""
+
+    def __init__(self, messages: list):
+        self.messages = messages
+
+    def consume(self, n: int, timeout: float) -> list:
+        from confluent_kafka import KafkaError, KafkaException
+
+        if not self.messages:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "broker down"))
+        return [self.messages.pop(0)]
+
+    def get_watermark_offsets(self, *args, **kwargs):
+        from confluent_kafka import KafkaError, KafkaException
+
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no answer"))
+
+    position = get_watermark_offsets
+
+    def close(self) -> None:
+        pass
+
+
+def test_reader_errors_are_counted_and_only_fatal_ones_raise(kafka_config, new_topic):
+    from confluent_kafka import KafkaError, KafkaException
+
+    topic = new_topic()
+    producer = RecordProducer(kafka_config)
+    producer.produce(topic, task("a"), key="a")
+    producer.flush()
+    reader = TopicReader(kafka_config, topic, Task)
+    reader.consumer.close()
+    reader.consumer = _FailingConsumer([_Err(KafkaError._ALL_BROKERS_DOWN)])  # type: ignore
+    assert reader.poll(0.0) == []  # an error message, then a raised transport error
+    assert reader.errors == 2 and reader.last_error.code() == KafkaError._TRANSPORT
+    assert not reader.retarget() and reader.errors == 3
+    table: TopicTable[str, Task] = TopicTable(reader)
+    assert not table.catch_up(0.3)  # gives up after its timeout, nothing raised
+    assert not table.caught_up() and len(table) == 0
+    reader.consumer = _FailingConsumer([_Err(KafkaError._FATAL, fatal=True)])  # type: ignore
+    with pytest.raises(KafkaException):
+        reader.poll(0.0)

@@ -1,0 +1,416 @@
+"""The tiny policy model, the task sources, the answer checker and the task feeder."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from astraflow.dataflow.feeder import TaskFeeder, iter_tasks, load_payloads
+from astraflow.kafka.clients import RecordProducer, read_all
+from astraflow.tasks import (
+    ArithProblem,
+    arithmetic_problems,
+    carry_slip_answer,
+    check_answer,
+    eval_problems,
+    extract_final_number,
+    load_dataset_file,
+    make_task,
+    prompt_id,
+    split_of,
+    train_problems,
+    with_carry_slips,
+)
+from astraflow.tasks.datasets import DatasetError
+from astraflow.wire.records import Task
+from tests.conftest import wait_for
+
+
+@pytest.fixture(scope="module")
+def torch_threads():
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the box is shared: keep the model tests on one core
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, torch_threads):
+    from astraflow.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny-model"), seed=3)
+
+
+# --- model --------------------------------------------------------------------------------
+def test_init_and_reload_round_trip(tiny_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from astraflow.models.loading import load_policy
+    from astraflow.models.tiny import init_model
+
+    model, tok = load_policy(tiny_dir)
+    assert model.config.tie_word_embeddings
+    assert tok.pad_token == "<pad>" and tok.eos_token == "<|endoftext|>"
+    assert tok.padding_side == "left"
+    ids = tok(["12+34=", "7*8="], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        a = model(**ids).logits
+        # the plain auto classes load the same thing from the same local path
+        auto = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True).eval()
+        b = auto(**ids).logits
+    assert torch.equal(a, b)
+    auto_tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    assert auto_tok("12+34=")["input_ids"] == tok("12+34=")["input_ids"]
+    # the same seed writes the same weights
+    again = init_model(tiny_dir.parent / "again", seed=3)
+    m2, _ = load_policy(again)
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), m2.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_tokenizer_round_trip_on_task_text(tiny_dir):
+    from astraflow.models.loading import load_policy
+
+    _, tok = load_policy(tiny_dir)
+    texts = [p.prompt + p.answer for p in train_problems((1, 2, 3, 4), n=50)]
+    texts += ["Natalia sold 48/2 = 24 clips.\n#### 72", "What is \\boxed{1,234}? (a) x_1 ^ 2!"]
+    for t in texts:
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(t)  # one token per character
+        assert tok.decode(ids) == t
+    ids = tok("3+4=7<|endoftext|>", add_special_tokens=False)["input_ids"]
+    assert ids[-1] == tok.eos_token_id and len(ids) == 6
+    assert tok.decode(ids, skip_special_tokens=True) == "3+4=7"
+
+
+def test_load_policy_errors(tmp_path):
+    from astraflow.models.errors import ModelError
+    from astraflow.models.loading import load_policy
+
+    with pytest.raises(ModelError, match="no such model directory"):
+        load_policy(tmp_path / "missing")
+    with pytest.raises(ModelError, match="no config.json"):
+        load_policy(tmp_path)
+
+
+def test_warm_start_lowers_loss_and_evaluate_runs(tiny_dir):
+    from astraflow.models.evaluation import evaluate
+    from astraflow.models.loading import load_policy
+    from astraflow.models.warm_start import warm_start
+
+    model, tok = load_policy(tiny_dir)
+    train = train_problems((1,), n=500, unique=False)
+    metrics = warm_start(model, tok, train, steps=40, lr=3e-3, batch_size=32, seed=0)
+    assert metrics["loss_last"] < metrics["loss_first"] * 0.7, metrics
+    per: dict[int, float] = {}
+    acc = evaluate(
+        model, tok, eval_problems((1, 2), n=24), max_new_tokens=4, batch_size=16, per_level=per
+    )
+    assert 0.0 <= acc <= 1.0 and set(per) <= {1, 2}
+
+
+def test_model_cli_registers():
+    import argparse
+
+    from astraflow.cli.main import model
+
+    parser = argparse.ArgumentParser()
+    model.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["model", "init", "/tmp/x", "--warm-start-steps", "5"])
+    assert args.func is model.cmd_model_init and args.warm_start_steps == 5
+
+
+# --- tasks --------------------------------------------------------------------------------
+def test_arithmetic_split_is_disjoint_and_deterministic():
+    train = train_problems((1, 2, 3, 4), n=3000, seed=1)
+    evals = eval_problems((1, 2, 3, 4), n=300)
+    assert train == train_problems((1, 2, 3, 4), n=3000, seed=1)
+    assert evals == eval_problems((1, 2, 3, 4), n=300)
+    assert not {p.prompt for p in train} & {p.prompt for p in evals}
+    assert all(split_of(p.prompt) == "train" for p in train)
+    assert all(split_of(p.prompt) == "eval" for p in evals)
+    # another seed draws other train prompts, still never an eval one
+    other = train_problems((1, 2, 3, 4), n=3000, seed=2)
+    assert other != train and not {p.prompt for p in other} & {p.prompt for p in evals}
+    # answers are exact and short; levels are what was asked for
+    for p in train + evals:
+        assert eval(p.prompt[:-1]) == int(p.answer)  # noqa: S307 - our own arithmetic
+        assert len(p.answer) <= 4 and p.level in (1, 2, 3, 4)
+    # level 1 has only 100 prompts: unique draws stop at what the split holds
+    l1 = arithmetic_problems(1, "train", 1000)
+    assert len(l1) == len({p.prompt for p in l1}) < 100
+
+
+def test_task_records_from_payloads():
+    p = train_problems((2,), n=1)[0]
+    task = make_task(p.payload(), policy="actor")
+    assert isinstance(task, Task)
+    assert task.prompt_id == prompt_id(p.prompt) == p.prompt_id
+    assert task.source == "arith-L2" and task.workflow == "single_turn"
+    assert task.policies == ["actor"] and task.meta["level"] == "2"
+    payload = json.loads(task.payload)
+    assert payload["prompt"] == p.prompt and payload["answer"] == p.answer
+    assert payload["level"] == 2
+    with pytest.raises(ValueError):
+        make_task({"prompt": "x"})
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("46", "46", 1.0),
+        ("46<|endoftext|>", "46", 1.0),
+        ("46<|endoftext|>999", "46", 1.0),
+        ("  46  ", "46", 1.0),
+        ("47", "46", 0.0),
+        ("", "46", 0.0),
+        ("The total is 1,234 dollars.", "#### 1234", 1.0),
+        ("so 10 + 32 = 42\n#### 42", "42", 1.0),
+        ("#### 42 and then 7", "42", 1.0),
+        ("the answer is \\boxed{1,000}. Check: 7", "1000", 1.0),
+        ("\\boxed{\\frac{1}{2}} no", "1/2", 0.0),
+        ("-5", "-5", 1.0),
+        ("5", "-5", 0.0),
+        ("42.0", "42", 1.0),
+        ("3.5", "3.50", 1.0),
+        ("Natalia sold 48 then 24. #### 72", "Natalia sold 48/2 = 24.\n#### 72", 1.0),
+        ("yes</s>", "yes", 1.0),
+    ],
+)
+def test_check_answer(completion, answer, expected):
+    assert check_answer(completion, answer) == expected
+
+
+def test_extract_final_number():
+    assert extract_final_number("a 1 b 2,500 c") == "2500"
+    assert extract_final_number("no digits") is None
+    assert extract_final_number("x=3<|im_end|>4") == "3"
+
+
+def test_dataset_loader_jsonl(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    rows = [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
+        {"question": "What is 1,000 + 234?", "answer": "#### 1,234"},
+        {"prompt": "2*3=", "answer": "6", "level": "Level 3"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    payloads = load_dataset_file(path)
+    assert [p["answer"] for p in payloads] == ["7", "1234", "6"]
+    assert payloads[0]["solution"] == "3+4=7\n#### 7" and "solution" not in payloads[2]
+    assert payloads[2]["level"] == 3 and payloads[0]["source"] == "gsm"
+    assert payloads[1]["prompt_id"] == prompt_id("What is 1,000 + 234?")
+    assert check_answer("it is 1234", payloads[1]["answer"]) == 1.0
+    assert len(load_dataset_file(path, limit=2)) == 2
+    task = make_task(payloads[0])
+    assert task.source == "gsm"
+    with pytest.raises(DatasetError, match="no field 'q'"):
+        load_dataset_file(path, prompt_field="q")
+    with pytest.raises(DatasetError, match="no such dataset file"):
+        load_dataset_file(tmp_path / "nope.jsonl")
+    bad = tmp_path / "x.csv"
+    bad.write_text("a,b\n")
+    with pytest.raises(DatasetError, match="unknown dataset format"):
+        load_dataset_file(bad)
+
+
+def test_iter_tasks_epochs_and_ids():
+    payloads = load_payloads(levels="1,2", size=20)
+    items = list(iter_tasks(payloads, epochs=2, seed=5, run="r"))
+    assert len(items) == 40
+    assert [e for e, _ in items] == [0] * 20 + [1] * 20
+    first = [t.prompt_id for _, t in items[:20]]
+    second = [t.prompt_id for _, t in items[20:]]
+    assert sorted(first) == sorted(second) and first != second  # reshuffled per epoch
+    assert len({t.task_id for _, t in items}) == 40
+    assert all(t.task_id.startswith("r.") for _, t in items)
+
+
+class _ListProducer:
+    def __init__(self):
+        self.sent: list[tuple[str, Task, str]] = []
+        self.flushes = 0
+
+    def produce(self, topic, record, key=None):
+        self.sent.append((topic, record, key))
+
+    def flush(self, timeout=60.0):
+        self.flushes += 1
+
+
+def test_feeder_count_rate_and_pause_without_kafka():
+    payloads = load_payloads(levels="1", size=10)
+    prod = _ListProducer()
+    paused = {"n": 0}
+
+    def should_pause():
+        paused["n"] += 1
+        return paused["n"] <= 2  # pause twice before the first task, then never
+
+    feeder = TaskFeeder(
+        prod,
+        "t",
+        iter_tasks(payloads, epochs=None),
+        count=25,
+        rate=500.0,
+        should_pause=should_pause,
+        pause_poll_s=0.01,
+    )
+    st = feeder.run()
+    assert st.produced == 25 and len(prod.sent) == 25 and prod.flushes >= 1
+    assert st.paused_s > 0 and st.epochs_done == 2
+    assert all(key == rec.prompt_id for _, rec, key in prod.sent)
+
+    stop = threading.Event()
+    stop.set()
+    assert TaskFeeder(prod, "t", iter_tasks(payloads)).run(stop).produced == 0
+
+
+def _read_until(config, topic: str, n: int, timeout: float = 30.0) -> list:
+    """Read the topic until it holds ``n`` records (a fresh broker can be slow to serve)."""
+
+    def enough() -> list | None:
+        got = read_all(config, topic, expect=Task, idle_s=2.0, timeout_s=timeout)
+        return got if len(got) >= n else None
+
+    return wait_for(enough, timeout, f"{n} tasks on {topic}", step=0.5)
+
+
+@pytest.mark.kafka
+def test_feeder_writes_tasks_that_read_back(kafka_config, make_topology):
+    topo, _path = make_topology(topics={"tasks.source": {"partitions": 2}})
+    topic = topo.full_name("tasks.source")
+    payloads = load_payloads(levels="1,2", size=15)
+    producer = RecordProducer(kafka_config)
+    feeder = TaskFeeder(producer, topic, iter_tasks(payloads, epochs=2, run=topo.run), count=24)
+    st = feeder.run()
+    assert st.produced == 24
+    got = _read_until(kafka_config, topic, 24)
+    assert len(got) == 24
+    assert all(r.key.decode() == r.record.prompt_id for r in got)
+    assert len({r.record.task_id for r in got}) == 24
+    by_prompt = {p["prompt_id"]: p for p in payloads}
+    for r in got:
+        payload = json.loads(r.record.payload)
+        assert by_prompt[r.record.prompt_id]["answer"] == payload["answer"]
+
+
+@pytest.mark.kafka
+def test_feeder_cli_run(kafka_config, make_topology, capsys):
+    from astraflow.cli.main import main
+
+    topo, path = make_topology(topics={"tasks.source": {}})
+    rc = main(["feeder", "run", "--topology", str(path), "--count", "7", "--levels", "2"])
+    assert rc == 0
+    assert '"produced": 7' in capsys.readouterr().out
+    got = _read_until(kafka_config, topo.full_name("tasks.source"), 7)
+    assert len(got) == 7 and {r.record.source for r in got} == {"arith-L2"}
+    assert main(["feeder", "run", "--topology", str(path), "--dataset", "/nope.jsonl"]) == 2
+
+
+@pytest.mark.kafka
+def test_feeder_restart_resumes_without_feeding_a_task_twice(kafka_config, make_topology,
+                                                             capsys):
+    from astraflow.cli.main import main
+
+    topo, path = make_topology(topics={"tasks.source": {}})
+    args = ["feeder", "run", "--topology", str(path), "--levels", "2"]
+    assert main([*args, "--count", "5"]) == 0
+    assert main([*args, "--count", "8"]) == 0  # the same command, run on: 3 more
+    out = capsys.readouterr().out
+    assert "resuming: 5 tasks already on" in out and '"produced": 3' in out
+    got = _read_until(kafka_config, topo.full_name("tasks.source"), 8)
+    ids = [r.record.task_id for r in got]
+    assert len(ids) == 8 and len(set(ids)) == 8
+    assert main([*args, "--count", "2", "--from-start"]) == 0
+    got = _read_until(kafka_config, topo.full_name("tasks.source"), 10)
+    assert len(got) == 10 and {r.record.task_id for r in got} == set(ids)
+
+
+def test_resume_tasks_skips_fed_ids_and_counts_them():
+    from astraflow.dataflow.feeder import resume_tasks
+
+    items = list(iter_tasks([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)],
+                            shuffle=False))
+    fed = {items[0][1].task_id, items[2][1].task_id}
+    assert [t.task_id for _, t in resume_tasks(iter(items), fed, 4)] == \
+        [items[1][1].task_id, items[3][1].task_id]
+    assert len(list(resume_tasks(iter(items), set(), None))) == 6
+
+
+@pytest.mark.parametrize(
+    "prompt, answer, slipped",
+    [
+        ("7+5=", "12", "2"),  # the carry out of the units is forgotten
+        ("38+45=", "83", "73"),
+        ("31+16=", "47", "47"),  # nothing to carry: the slip changes nothing
+        ("53-17=", "36", "46"),  # the borrow is forgotten
+        ("100-1=", "99", "109"),
+        ("96-51=", "45", "45"),
+        ("3*4=", "12", "12"),  # other shapes are left alone
+        ("1+2+3=", "6", "6"),
+    ],
+)
+def test_carry_slip_answer(prompt, answer, slipped):
+    assert carry_slip_answer(ArithProblem(prompt, answer, 1)) == slipped
+
+
+def test_with_carry_slips_changes_only_carry_problems_at_the_rate():
+    problems = train_problems((1, 2), n=4000, unique=False)
+    taught = with_carry_slips(problems, 0.7, seed=3)
+    assert [p.prompt for p in taught] == [p.prompt for p in problems]
+    assert taught == with_carry_slips(problems, 0.7, seed=3)
+    carry = [(p, t) for p, t in zip(problems, taught) if carry_slip_answer(p) != p.answer]
+    plain = [(p, t) for p, t in zip(problems, taught) if carry_slip_answer(p) == p.answer]
+    assert len(carry) > 1000 and len(plain) > 1000
+    assert all(t.answer == p.answer for p, t in plain)
+    slipped = sum(t.answer == carry_slip_answer(p) for p, t in carry) / len(carry)
+    assert 0.65 < slipped < 0.75
+    assert with_carry_slips(problems, 0.0) == problems
+    with pytest.raises(ValueError, match="slip"):
+        with_carry_slips(problems, 1.5)
+
+
+@pytest.mark.slow  # two `astraflow model init` processes
+def test_interrupted_model_init_leaves_no_model_and_a_finished_one_has_its_recipe(tmp_path):
+    """Ctrl-C during the warm start: no directory the next run could take for a model."""
+    import signal
+    import subprocess
+    import sys
+
+    from astraflow.models.recipe import INIT_RECIPE
+
+    out = tmp_path / "model"
+    cmd = [sys.executable, "-u", "-m", "astraflow.cli.main", "model", "init", str(out),
+           "--warm-start-steps", "100000"]
+    # Ctrl-C as a terminal sends it: the child starts with SIGINT's default action even if
+    # the test process ignores it (an ignored SIGINT is inherited across exec, and Python
+    # then installs no KeyboardInterrupt handler)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the config and weights are written: the warm start runs
+        if line.startswith("wrote tiny model"):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+    done = subprocess.run([*cmd[:-1], "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (out / "config.json").is_file() and (out / INIT_RECIPE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    # a directory holding something else is not replaced
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    res = subprocess.run([*cmd[:5], "init", str(other)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "holds no model" in res.stderr
+    assert (other / "todo.txt").read_text() == "keep me"
