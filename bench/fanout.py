@@ -35,6 +35,8 @@ produces blobs with ``compression.type=none`` already.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -47,6 +49,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -506,32 +509,52 @@ def publish_versions(phase: Phase, brokers: Brokers, topics: tuple[str, str], ba
 # --------------------------------------------------------------------------- loopback
 
 
-def loopback_copy(nbytes: int, n: int) -> list[float]:
+def _send_all(conn: socket.socket, payload: bytes) -> None:
+    conn.sendall(payload)
+
+
+def loopback_copy(nbytes: int, n: int, *,
+                  send: Callable[[socket.socket, bytes], None] = _send_all) -> list[float]:
     """Seconds until each of ``n`` loopback sockets has received ``nbytes`` that one
     process sends to all of them at once (a thread a socket, as a broker's network
-    threads): the physical limit of serving the same bytes."""
+    threads): the physical limit of serving the same bytes.
+
+    Every socket's bytes are counted and hashed as they arrive; a socket that got fewer
+    bytes than were sent, or other bytes, raises ``RuntimeError``, so a time is never
+    reported for a copy that did not arrive. ``send`` writes the payload to one connection
+    (tests replace it to cut or corrupt a delivery)."""
     payload = os.urandom(nbytes)
+    want = hashlib.sha256(payload).hexdigest()
     srv = socket.create_server(("127.0.0.1", 0), backlog=n)
     port = srv.getsockname()[1]
-    done: list[float] = []
+    done: list[tuple[float, int, str]] = []
     go = threading.Event()
 
     def client() -> None:
         with socket.create_connection(("127.0.0.1", port)) as s:
-            buf, got = bytearray(1 << 20), 0
+            buf, got, digest = bytearray(1 << 20), 0, hashlib.sha256()
             while got < nbytes:
                 k = s.recv_into(buf)
-                if not k:
+                if not k:  # the sender closed early: counted short below
                     break
+                digest.update(memoryview(buf)[:k])
                 got += k
-            done.append(time.perf_counter())
+            done.append((time.perf_counter(), got, digest.hexdigest()))
+
+    def sender(conn: socket.socket) -> None:
+        go.wait()
+        try:
+            send(conn, payload)
+        finally:
+            # EOF, so that a short send cannot leave a client waiting forever
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_WR)
 
     clients = [threading.Thread(target=client) for _ in range(n)]
     for t in clients:
         t.start()
     conns = [srv.accept()[0] for _ in range(n)]
-    senders = [threading.Thread(target=lambda c=c: (go.wait(), c.sendall(payload)))
-               for c in conns]
+    senders = [threading.Thread(target=sender, args=(c,)) for c in conns]
     for t in senders:
         t.start()
     t0 = time.perf_counter()
@@ -541,7 +564,14 @@ def loopback_copy(nbytes: int, n: int) -> list[float]:
     for c in conns:
         c.close()
     srv.close()
-    return [t - t0 for t in done]
+    bad = [(got, digest) for _, got, digest in done if got != nbytes or digest != want]
+    if bad or len(done) != n:
+        got, digest = bad[0] if bad else (0, "")
+        raise RuntimeError(
+            f"loopback copy: {len(bad) + n - len(done)} of {n} sockets did not receive the "
+            f"{nbytes} bytes sent (one got {got} bytes, sha256 {digest[:12] or '-'} against "
+            f"{want[:12]})")
+    return [t - t0 for t, _, _ in done]
 
 
 # --------------------------------------------------------------------------- report

@@ -120,8 +120,25 @@ def test_remedies_run_at_the_largest_n_and_rack_fetch_only_on_three_brokers():
 
 
 def test_loopback_copy_delivers_every_byte_to_every_socket():
-    times = bench.loopback_copy(1 << 20, 3)
+    sent: list[bytes] = []
+
+    def send(conn, payload):
+        sent.append(payload)
+        conn.sendall(payload)
+
+    times = bench.loopback_copy(1 << 20, 3, send=send)
     assert len(times) == 3 and all(t > 0 for t in times)
+    assert [len(p) for p in sent] == [1 << 20] * 3  # each socket was sent the whole payload
+
+
+@pytest.mark.parametrize("send, got", [
+    (lambda conn, payload: conn.sendall(payload[:-1]), (1 << 16) - 1),  # one byte short
+    (lambda conn, payload: conn.sendall(bytes([payload[0] ^ 1]) + payload[1:]), 1 << 16),
+])
+def test_loopback_copy_refuses_a_short_or_altered_delivery(send, got):
+    with pytest.raises(RuntimeError, match=rf"3 of 3 sockets did not receive the 65536 bytes "
+                                           rf"sent \(one got {got} bytes"):
+        bench.loopback_copy(1 << 16, 3, send=send)
 
 
 def test_bad_flags_fail_naming_the_flag(capsys):
