@@ -100,6 +100,10 @@ MAX_CODE_BYTES = 1 << 20
 
 STATUSES = ("ok", "error", "timeout", "killed", "memory", "limit")
 
+# util-linux's unshare (2.38) cannot re-raise SIGKILL on itself when its child died of it
+# (signal(SIGKILL, SIG_DFL) fails): it exits 1 with this message instead
+UNSHARE_SIGKILL = "unshare: sigprocmask unblock failed"
+
 # The program the sandboxed interpreter runs first (python -c PREAMBLE CONFIG_JSON). It sets
 # the limits, installs the audit hook, then runs main.py (script mode) or main.py plus the
 # calls of one function on JSON inputs read from stdin (function mode). Python 3.8 syntax.
@@ -566,7 +570,7 @@ def _run(
         cmd = [*prefix, interp, "-I", "-S", "-B", "-X", "utf8", "-c", _PREAMBLE, json.dumps(cfg)]
         proc, t0 = _spawn(cmd, root, stdin, user)
         try:
-            result = _wait(proc, t0, limits, isolation)
+            result = _wait(proc, t0, limits, isolation, wrapped=bool(prefix))
         finally:
             strays = _sweep(proc.pid, root, os.getuid() if user is None else user)
         result.strays = strays
@@ -652,14 +656,19 @@ def _spawn(cmd: list[str], root: str, stdin: bytes,
 
 
 def _wait(
-    proc: subprocess.Popen, t0: float, limits: SandboxLimits, isolation: list[str]
+    proc: subprocess.Popen, t0: float, limits: SandboxLimits, isolation: list[str],
+    wrapped: bool = False,
 ) -> SandboxResult:
+    """Wait for the run to end (``wrapped``: its process is ``unshare`` around the code's)
+    and say how it ended."""
     pipes = _Pipes([proc.stdout, proc.stderr], limits.max_output)
     status, usage, killed_for = _wait_exit(proc, pipes, t0 + float(limits.timeout_s))
     seconds = time.monotonic() - t0
     proc.returncode = rc = os.waitstatus_to_exitcode(status)
     pipes.drain()
     out, err = pipes.text(proc.stdout), pipes.text(proc.stderr)
+    if wrapped:
+        rc, err = _unwrapped(rc, err)
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
@@ -676,6 +685,16 @@ def _wait(
         truncated=pipes.truncated,
         isolation=isolation,
     )
+
+
+def _unwrapped(rc: int, err: str) -> tuple[int, str]:
+    """The exit code and stderr of the code run under ``unshare``: a child killed by
+    SIGKILL (the hard CPU limit, or a kill of its own) makes ``unshare`` exit 1 with
+    ``UNSHARE_SIGKILL`` as its last line; that is -SIGKILL, without the line."""
+    at = err.rfind(UNSHARE_SIGKILL)
+    if rc == 1 and at >= 0 and "\n" not in err[at:].rstrip("\n"):
+        return -signal.SIGKILL, err[:at]
+    return rc, err
 
 
 def _wait_exit(proc: subprocess.Popen, pipes: _Pipes, deadline: float) -> tuple[int, Any, str]:

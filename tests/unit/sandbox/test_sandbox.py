@@ -2,19 +2,23 @@
 
 Each protection is checked against a control where it matters: the same network probe
 connects when every layer is off, so a sandbox that let it through would fail the test.
+A kill is checked by its mechanism (the limit that fired, the reason and exit signal the
+result records), never by how long it took: that is measured by ``bench/sandbox.py``.
+The ``timeout_s`` of a run that must end otherwise is only a guard against a hang.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from astraflow.sandbox.runner import (
+    CPU_EXIT,
     STATUSES,
     check_cases,
     interpreter_and_user,
@@ -53,24 +57,33 @@ def test_normal_code_runs_with_stdin_and_a_scrubbed_environment(monkeypatch):
     assert lines[2] == "None"
     assert lines[3] == "1 1"
     assert r.stderr == "note\n"
-    assert r.seconds < 10
     err = run_python("raise ValueError('boom')")
     assert err.status == "error" and err.returncode == 1 and "ValueError: boom" in err.stderr
 
 
-def test_busy_loop_is_killed_at_the_cpu_limit():
-    r = run_python("while True:\n    pass", cpu_s=1, timeout_s=30)
+def test_busy_loop_is_stopped_by_the_cpu_limit():
+    r = run_python("while True:\n    pass", cpu_s=1, timeout_s=120)
+    # the kernel's SIGXCPU at the soft limit (RLIMIT_CPU, 1 s), caught by the preamble's
+    # handler, which exits with CPU_EXIT: no other path gives that exit code
     assert r.status == "timeout" and r.reason == "cpu time limit", r
-    assert 0.9 <= r.cpu_seconds < 2.5  # killed within the limit (+1 s hard limit at most)
-    assert r.seconds < 30
+    assert r.returncode == CPU_EXIT and "sandbox: cpu time limit" in r.stderr
+
+
+@pytest.mark.parametrize("namespaces", NS_MODES)
+def test_code_that_ignores_the_cpu_signal_is_killed_at_the_hard_cpu_limit(namespaces):
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
+    r = run_python(code, cpu_s=1, timeout_s=120, namespaces=namespaces)
+    # SIGKILL from the kernel at the hard limit (soft + 1 s): not the wall clock's kill
+    assert r.status == "timeout" and r.reason == "cpu time limit", r
+    assert r.returncode == -signal.SIGKILL and r.stderr == "", r
 
 
 def test_sleeping_code_is_killed_at_the_wall_clock_limit():
-    t0 = time.monotonic()
-    r = run_python("import time\nprint('started', flush=True)\ntime.sleep(60)", timeout_s=1)
+    r = run_python("import time\nprint('started', flush=True)\ntime.sleep(600)", timeout_s=1)
     assert r.status == "timeout" and r.reason == "wall-clock timeout", r
+    assert r.returncode == -signal.SIGKILL  # the group kill, not an exit of its own
     assert r.stdout == "started\n"
-    assert time.monotonic() - t0 < 5
+    assert r.seconds >= 1  # never before the limit (only checked after the deadline)
 
 
 def test_whole_process_group_is_killed():
@@ -79,15 +92,13 @@ def test_whole_process_group_is_killed():
         "import os, time\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    time.sleep(60)\n"
+        "    time.sleep(600)\n"
         "    os._exit(0)\n"
         "print(pid, flush=True)\n"
-        "time.sleep(60)"
+        "time.sleep(600)"
     )
-    t0 = time.monotonic()
     r = run_python(code, timeout_s=1, audit=False, namespaces=False)
-    assert r.status == "timeout", r
-    assert time.monotonic() - t0 < 5
+    assert r.status == "timeout" and r.returncode == -signal.SIGKILL, r
     child = int(r.stdout.split()[0])
     wait_for(lambda: not _alive(child), 5, f"the forked child {child} to be killed", step=0.05)
 
@@ -102,15 +113,13 @@ def test_pid_namespace_kills_a_child_that_left_the_process_group():
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    os.write(w, os.readlink('/proc/self').encode())\n"
-        "    time.sleep(60)\n"
+        "    time.sleep(600)\n"
         "    os._exit(0)\n"
         "print(os.read(r, 100).decode(), flush=True)\n"
-        "time.sleep(60)"
+        "time.sleep(600)"
     )
-    t0 = time.monotonic()
     r = run_python(code, timeout_s=1, audit=False, namespaces=True)
-    assert r.status == "timeout", r
-    assert time.monotonic() - t0 < 5  # an escaped child holding the pipes does not block
+    assert r.status == "timeout" and r.reason == "wall-clock timeout", r
     child = int(r.stdout.split()[0])
     wait_for(lambda: not _alive(child), 5, f"the forked child {child} to be killed", step=0.05)
 
@@ -290,14 +299,16 @@ THREAD_BOMB = (
 def test_limits_are_on_by_default_and_cannot_be_turned_off():
     code = (
         "import resource\n"
-        "print(resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_NPROC))"
+        "print(resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_NPROC),"
+        " resource.getrlimit(resource.RLIMIT_CPU))"
     )
     r = run_python(code)
     assert r.status == "ok", r
-    as_limit, nproc = r.stdout.strip().split(") (")
+    as_limit, nproc, cpu = r.stdout.strip().split(") (")
     assert as_limit == f"({256 << 20}, {256 << 20}"
+    assert cpu == "2, 3)"  # cpu_s 2: SIGXCPU at 2 s of CPU, SIGKILL at 3
     if HAVE_NAMESPACES:  # max_procs + the unshare process, counted in the run's namespace
-        assert nproc == "33, 33)"
+        assert nproc == "33, 33"
     assert "limit" in STATUSES
     for bad in ({"mem_mb": 0}, {"max_procs": 0}):
         with pytest.raises(ValueError, match="at least 1"):
@@ -314,11 +325,9 @@ def test_fork_bomb_is_refused_by_the_audit_hook():
 @pytest.mark.parametrize("namespaces", NS_MODES)
 def test_fork_bomb_is_stopped_by_the_kernel_process_limit(namespaces):
     # the audit hook off: only RLIMIT_NPROC stands between the bomb and the machine
-    t0 = time.monotonic()
-    r = run_python(FORK_BOMB, audit=False, namespaces=namespaces, max_procs=8, timeout_s=10)
+    r = run_python(FORK_BOMB, audit=False, namespaces=namespaces, max_procs=8, timeout_s=30)
     assert r.status == "limit" and r.reason == "process limit", r
     assert "sandbox: process limit: BlockingIOError" in r.stderr
-    assert time.monotonic() - t0 < 5
     assert ("nproc-userns" if namespaces else "nproc-uid") in r.isolation
     assert _procs_in(r.stdout.split()[0]) == []
     _caller_keeps_working()
@@ -328,23 +337,21 @@ def test_fork_bomb_is_stopped_by_the_kernel_process_limit(namespaces):
 @pytest.mark.parametrize("namespaces", NS_MODES)
 def test_thread_bomb_is_stopped_at_the_process_limit(namespaces):
     # the audit hook does not refuse threads; memory enough for 8 thread stacks
-    t0 = time.monotonic()
-    r = run_python(THREAD_BOMB, namespaces=namespaces, max_procs=8, mem_mb=1024, timeout_s=10)
+    r = run_python(THREAD_BOMB, namespaces=namespaces, max_procs=8, mem_mb=1024, timeout_s=30)
     assert r.status == "limit" and r.reason == "process limit", r
     assert "can't start new thread" in r.stderr
-    assert time.monotonic() - t0 < 5
     cwd, started = r.stdout.split()
     if namespaces:
         assert int(started) == 7  # max_procs tasks: the main thread and 7 more
     else:
-        assert 0 <= int(started) <= 7  # the uid's other tasks may take some of the room
+        assert int(started) <= 7  # the uid's other tasks may take some of the room
     assert _procs_in(cwd) == []
     _caller_keeps_working()
 
 
 def test_thread_bomb_against_the_memory_limit_is_a_memory_stop():
     # 8 MiB stacks (or more) do not fit in 64 MiB for long: memory, not the process limit
-    r = run_python(THREAD_BOMB, max_procs=1000, mem_mb=64, timeout_s=10)
+    r = run_python(THREAD_BOMB, max_procs=1000, mem_mb=64, timeout_s=30)
     assert r.status == "memory" and r.reason == "memory limit", r
     assert "no room for a thread stack" in r.stderr
     assert int(r.stdout.split()[1]) < 8
@@ -356,10 +363,9 @@ def test_memory_bomb_is_stopped():
         "import os\nprint(os.getcwd(), flush=True)\n"
         "x = []\nwhile True:\n    x.append(bytearray(2 ** 20))"
     )
-    t0 = time.monotonic()
-    r = run_python(code, mem_mb=128, timeout_s=10)
+    r = run_python(code, mem_mb=128, timeout_s=30)
     assert r.status == "memory" and r.reason == "memory limit", r
-    assert time.monotonic() - t0 < 5
+    assert "sandbox: MemoryError" in r.stderr  # the preamble's stop, not a crash
     assert _procs_in(r.stdout.split()[0]) == []
     _caller_keeps_working()
 
@@ -408,3 +414,29 @@ def test_sweep_kills_a_process_that_left_the_session_without_namespaces():
     assert not _alive(child)  # dead when run_python returns, not later
     clean = run_python("print(1)")
     assert clean.status == "ok" and clean.strays == 0, clean
+
+
+def test_a_survivor_holding_the_pipes_does_not_keep_the_run_waiting():
+    """Without namespaces a child that left the session and keeps stdout and stderr open
+    outlives the code: the run still ends (the pipes are read until they go quiet, not to
+    their end, which only the child's exit would bring) and the sweep kills the child."""
+    code = (
+        "import os, time\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.write(w, str(os.getpid()).encode())\n"
+        "    time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "print(os.read(r, 100).decode(), flush=True)\n"
+    )
+    box: dict = {}
+    t = threading.Thread(
+        target=lambda: box.update(r=run_python(code, audit=False, namespaces=False)),
+        daemon=True)
+    t.start()
+    t.join(300)  # only a guard against a hang: the child would hold the pipes for 600 s
+    assert "r" in box, "run_python is still waiting for the pipes the child holds"
+    r = box["r"]
+    assert r.status == "ok" and r.strays == 1, r
+    assert not _alive(int(r.stdout.split()[0]))
