@@ -20,13 +20,17 @@ temporary embedded broker it starts and removes; a few minutes at most. Usage:
 
     python bench/processor_throughput.py [--records 100000] [--record-bytes 1024]
         [--partitions 3] [--max-batch 100000] [--small-batch 1000] [--rounds 3]
-        [--light 200] [--interval-ms 20] [--codec-rounds 7]
+        [--light 200] [--interval-ms 20] [--codec-rounds 7] [--out FILE.json]
+
+``--out`` writes the printed figures as JSON, with the command, commit, machine and date
+(``bench/report.py`` makes ``docs/results/processor_throughput.md`` from it).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import shlex
 import statistics
@@ -36,6 +40,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Consumer, Producer
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
@@ -49,6 +55,9 @@ from astraflow.kafka.topics import apply_topics
 from astraflow.launch.runs import Runs
 from astraflow.wire.codec import SingleObjectCodec
 from astraflow.wire.records import Task, TrajectoryGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 HEADER = 10  # single-object encoding: magic and fingerprint before the Avro body
 
@@ -77,15 +86,24 @@ def main() -> None:
     ap.add_argument("--light", type=int, default=200, help="records for latency")
     ap.add_argument("--interval-ms", type=float, default=20.0, help="light load: one per")
     ap.add_argument("--codec-rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the figures as JSON here (for bench/report.py)")
     args = ap.parse_args()
     print("$ python " + " ".join(shlex.quote(a) for a in sys.argv))
-    codec_table(args)  # first: the broker is idle then
+    meta = run_meta("processor_throughput", ["python", *sys.argv])  # before the run: its commit
+    codec = codec_table(args)  # first: the broker is idle then
     bootstrap, own_broker = bootstrap_or_start()
     try:
-        run(bootstrap, args)
+        hop = run(bootstrap, args)
     finally:
         if own_broker:
             own_broker.destroy()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        args.out.write_text(json.dumps({"meta": meta, "args": settings, **hop, "codec": codec},
+                                       indent=1) + "\n")
+        print(f"wrote {args.out}")
 
 
 def task(i: int, pad: str) -> Task:
@@ -333,7 +351,8 @@ def codec_rows(label: str, records: list, k: int) -> list[tuple[str, float, floa
             (f"decode {label}", *rounds(dec_ours, dec_plain, n, k))]
 
 
-def codec_table(args) -> None:
+def codec_table(args) -> list[dict[str, Any]]:
+    """Print the codec against fastavro; the rows, for ``--out``."""
     pad = padding(SingleObjectCodec(), args.record_bytes)
     rows = codec_rows(f"Task ({args.record_bytes} B)", [task(i, pad) for i in range(20_000)],
                       args.codec_rounds)
@@ -342,6 +361,8 @@ def codec_table(args) -> None:
     print(f"\n{'Avro codec, records/s':38} {'AstraFlow':>10} {'fastavro':>10} {'ratio':>6}")
     for label, ours, plain, ratio in rows:
         print(f"{label:38} {ours:10.0f} {plain:10.0f} {ratio:6.2f}")
+    return [{"case": label, "AstraFlow records/s": round(ours), "fastavro records/s": round(plain),
+             "AstraFlow / fastavro": round(ratio, 3)} for label, ours, plain, ratio in rows]
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -365,17 +386,17 @@ def bench_topology(bootstrap: str, args) -> Topology:
     })
 
 
-def run(bootstrap: str, args: argparse.Namespace) -> None:
+def run(bootstrap: str, args: argparse.Namespace) -> dict[str, Any]:
     config = KafkaConfig(bootstrap_servers=bootstrap, client_id="astraflow-bench")
     topo = bench_topology(bootstrap, args)
     apply_topics(make_admin(config), topo.resolved_topics())
     try:
-        measure(config, topo, args)
+        return measure(config, topo, args)
     finally:  # a shared broker keeps no bench topics
         Runs(config).delete(topo.run)
 
 
-def measure(config: KafkaConfig, topo: Topology, args: argparse.Namespace) -> None:
+def measure(config: KafkaConfig, topo: Topology, args: argparse.Namespace) -> dict[str, Any]:
     full = topo.full_name
     pad = padding(SingleObjectCodec(), args.record_bytes)
     print(f"\nbroker {config.bootstrap_servers}; {args.partitions} partitions; records of "
@@ -401,7 +422,7 @@ def measure(config: KafkaConfig, topo: Topology, args: argparse.Namespace) -> No
     finally:
         raw.stop()
         stop_processor(proc)
-    report(lat, rates, produce_rate, args)
+    return report(lat, rates, produce_rate, args)
 
 
 def start_processor(topo: Topology, config: KafkaConfig, name: str) -> tuple:
@@ -423,7 +444,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(lat: dict[str, list[float]], rates: dict[str, list[float]], produce_rate: float,
-           args: argparse.Namespace) -> None:
+           args: argparse.Namespace) -> dict[str, Any]:
+    """Print the hop's figures; the same as a dict, for ``--out``."""
+    rows: list[dict[str, Any]] = []
     print("\nraw c+p: plain consume + decode + produce, auto-committed offsets, no "
           "transactions;\nprocessor: passthrough, exactly once (decode, check, one "
           "transaction per commit)")
@@ -432,14 +455,22 @@ def report(lat: dict[str, list[float]], rates: dict[str, list[float]], produce_r
                      ("latency p99, light load (ms)", 0.99)):
         raw, proc = pct(lat["raw"], q), pct(lat["processor"], q)
         print(f"{label:44} {raw:9.1f} {proc:10.1f} {proc / raw:6.2f}")
+        rows.append({"one hop": label, "raw c+p": round(raw, 2), "processor": round(proc, 2),
+                     "processor / raw": round(proc / raw, 3)})
     med = {k: statistics.median(v) for k, v in rates.items()}
     for kind, batch in (("tp", args.max_batch), ("small", args.small_batch)):
         ratios = [p / r for p, r in zip(rates[kind], rates["raw"])]
-        print(f"{f'throughput (records/s), max_batch {batch}':44} {med['raw']:9.0f} "
-              f"{med[kind]:10.0f} {statistics.median(ratios):6.2f}")
+        label = f"throughput (records/s), max_batch {batch}"
+        print(f"{label:44} {med['raw']:9.0f} {med[kind]:10.0f} {statistics.median(ratios):6.2f}")
+        rows.append({"one hop": label, "raw c+p": round(med["raw"]), "processor": round(med[kind]),
+                     "processor / raw": round(statistics.median(ratios), 3)})
     print(f"(medians of {args.rounds} rounds, ratio: median of the rounds' ratios; raw c+p "
           f"without decoding: {med['bytes']:.0f} records/s; plain produce of the backlog: "
           f"{produce_rate:.0f} records/s)")
+    return {"hop": rows,
+            "rounds_records_per_s": {k: [round(r) for r in v] for k, v in rates.items()},
+            "raw_bytes_only_records_per_s": round(med["bytes"]),
+            "produce_records_per_s": round(produce_rate)}
 
 
 if __name__ == "__main__":
