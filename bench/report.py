@@ -113,6 +113,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "security": (
         "Security protocols",
         "one processor chain over PLAINTEXT, SASL_PLAINTEXT and SASL_SSL"),
+    "sandbox": (
+        "Code sandbox",
+        "how soon the code sandbox stops what it must stop (CPU, wall time, memory, output, "
+        "processes): wall-clock and CPU seconds per kind of run"),
     "replay": (
         "Replay",
         "replay train, eval and process on a recorded run, beside baselines from the same run"),
