@@ -24,36 +24,25 @@ from pathlib import Path
 
 from astraflow.broker.embedded import (
     BrokerError,
-    _cluster_id,
     _format_storage,
-    _listeners,
-    _pid_alive,
     await_serving,
     free_port,
     jvm_command,
     kept_port,
     launch_server,
-    node_properties,
     read_json,
     server_runtime,
     serving_brokers,
-    state_dir,
     tail_file,
     terminate,
 )
+from astraflow.broker.properties import cluster_id as _cluster_id
+from astraflow.broker.properties import listeners as _listeners
+from astraflow.broker.properties import node_properties
+from astraflow.kafka.embedded import cluster_state_dir, node_pid
 
 NODE_HEAP_MB = 512  # per node: three JVMs on a small machine
 DEFAULT_CLUSTER_PORT = 19192  # node i listens on DEFAULT_CLUSTER_PORT + i - 1 when free
-
-
-def cluster_state_dir() -> Path:
-    """``$ASTRAFLOW_CLUSTER_STATE``, else the embedded broker's state directory with
-    ``-cluster`` appended (``~/.local/state/astraflow/broker-cluster``)."""
-    env = os.environ.get("ASTRAFLOW_CLUSTER_STATE")
-    if env:
-        return Path(env)
-    broker = state_dir()
-    return broker.with_name(broker.name + "-cluster")
 
 
 @dataclass
@@ -234,15 +223,7 @@ class EmbeddedCluster:
     def pid(self, node_id: int) -> int | None:
         """Node ``node_id``'s JVM pid while it runs, else None."""
         self._reap()
-        pid = read_json(self.node_dir(node_id) / "pid.json").get("pid")
-        if not pid or not _pid_alive(int(pid)):
-            return None
-        try:  # the pid of a node that died long ago may be another process's now
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return int(pid)  # no /proc: trust the pid
-        props = str(self.node_dir(node_id) / "server.properties").encode()
-        return int(pid) if props in cmdline else None
+        return node_pid(self.state, node_id)
 
     def running_bootstrap(self) -> str | None:
         """``bootstrap`` while any node runs, else None (no client call: cheap)."""

@@ -17,19 +17,22 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from astraflow.broker.properties import cluster_id as _cluster_id
+from astraflow.broker.properties import listeners as _listeners
+from astraflow.broker.properties import single_node_properties
 from astraflow.broker.secure import (
     PROTOCOLS,
     SecureFiles,
     describe,
     prepare,
     scram_bootstrap,
-    secure_files,
     secure_properties,
 )
+from astraflow.kafka.embedded import pid_alive as _pid_alive
+from astraflow.kafka.embedded import read_json, recorded_secure, state_dir
 from astraflow.security.tls import write_private
 
 DEFAULT_KAFKA_VERSION = "4.1.1"
@@ -44,11 +47,6 @@ class BrokerError(RuntimeError):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("ASTRAFLOW_CACHE", Path.home() / ".cache" / "astraflow"))
-
-
-def state_dir() -> Path:
-    default = Path.home() / ".local" / "state" / "astraflow" / "broker"
-    return Path(os.environ.get("ASTRAFLOW_STATE", default))
 
 
 def kafka_version() -> str:
@@ -272,36 +270,13 @@ def tail_file(path: Path, lines: int = 50) -> str:
         return "(no broker log yet)"
 
 
-def read_json(path: Path) -> dict:
-    """A state file's content, {} when it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.3)
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child still answers kill(0); check its state
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-RemoteListener = tuple[int, str]  # (port bound on 127.0.0.1, advertised "host:port")
+from astraflow.broker.properties import RemoteListener  # noqa: E402  (re-exported)
 
 
 def parse_remote_listener(text: str) -> RemoteListener:
@@ -390,10 +365,7 @@ class EmbeddedBroker:
     def secure_files(self) -> SecureFiles | None:
         """The secured broker's files (CA, admin password) if this state is a secured
         broker's, else None."""
-        mode = self._ports().get("secure")
-        if not mode:
-            return None
-        return secure_files(self.state, mode if isinstance(mode, str) else "SASL_SSL")
+        return recorded_secure(self.state)
 
     def _mode(self, secure: bool | None) -> bool:
         """Whether to start secured: as asked, else as the state was made; a state
@@ -522,12 +494,6 @@ class EmbeddedBroker:
         return tail_file(self.log_file, lines)
 
 
-def _cluster_id() -> str:
-    import base64
-
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-
-
 def _metadata_served(bootstrap: str, conf: dict | None = None, brokers: int = 1) -> bool:
     """True when ``bootstrap`` answers a metadata request listing ``brokers`` brokers."""
     return len(serving_brokers(bootstrap, conf)) >= brokers
@@ -569,23 +535,6 @@ def await_serving(procs: list[subprocess.Popen], bootstrap: str, timeout: float,
     )
 
 
-def _listeners(port: int, controller_port: int, remote: RemoteListener | None) -> str:
-    """The PLAINTEXT listeners' part of the config."""
-    listeners = f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"
-    advertised = f"PLAINTEXT://127.0.0.1:{port}"
-    protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
-    if remote is not None:
-        listeners += f",REMOTE://127.0.0.1:{remote[0]}"
-        advertised += f",REMOTE://{remote[1]}"
-        protocols += ",REMOTE:PLAINTEXT"
-    return f"""listeners={listeners}
-advertised.listeners={advertised}
-controller.listener.names=CONTROLLER
-inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map={protocols}
-"""
-
-
 def _server_properties(port: int, controller_port: int, data: Path | str,
                        remote: RemoteListener | None = None,
                        secure: SecureFiles | None = None, host: str = "127.0.0.1",
@@ -597,42 +546,7 @@ def _server_properties(port: int, controller_port: int, data: Path | str,
     ``host`` (``broker secure-config``: a broker of its own, e.g. in docker compose)."""
     listeners = (secure_properties(port, controller_port, secure, host, bind)
                  if secure is not None else _listeners(port, controller_port, remote))
-    return node_properties(1, f"controller.quorum.bootstrap.servers={host}:{controller_port}",
-                           listeners, data)
-
-
-def node_properties(node_id: int, quorum: str, listeners: str, data: Path | str,
-                    size: int = 1, rack: str | None = None) -> str:
-    """The config of KRaft node ``node_id`` (broker and controller) of a cluster of
-    ``size``: its ``quorum`` line, ``listeners`` part and ``log.dirs``. Internal topics
-    get replication factor ``size`` capped at 3, and ``min.insync.replicas`` 2 from 3
-    nodes (1 below), as do topics created without either."""
-    replicas = min(3, size)
-    min_isr = 2 if replicas >= 3 else 1
-    racks = (f"broker.rack={rack}\nreplica.selector.class="
-             "org.apache.kafka.common.replica.RackAwareReplicaSelector\n" if rack else "")
-    return f"""# written by astraflow broker start
-process.roles=broker,controller
-node.id={node_id}
-{quorum}
-{listeners}{racks}log.dirs={data}
-num.partitions=1
-auto.create.topics.enable=false
-default.replication.factor={replicas}
-min.insync.replicas={min_isr}
-offsets.topic.replication.factor={replicas}
-offsets.topic.num.partitions=8
-transaction.state.log.replication.factor={replicas}
-transaction.state.log.min.isr={min_isr}
-transaction.state.log.num.partitions=8
-share.coordinator.state.topic.replication.factor={replicas}
-share.coordinator.state.topic.min.isr={min_isr}
-group.initial.rebalance.delay.ms=0
-message.max.bytes=16777216
-# segments below a log start offset that DeleteRecords moved (pruned weight blobs) are
-# removed within 30 s instead of the default 5 min
-log.retention.check.interval.ms=30000
-"""
+    return single_node_properties(controller_port, listeners, data, host)
 
 
 _LOG4J2 = """status = error

@@ -13,53 +13,17 @@ certificate, ``astraflow.security.tls``), ``admin.password`` and ``controller.pa
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
 
-from astraflow.kafka.security import KafkaSecurity
-from astraflow.security.tls import TlsFiles, ensure_broker_tls, tls_files, write_private
+from astraflow.broker.properties import cluster_id, single_node_properties
+from astraflow.kafka.embedded import ADMIN_USER, MECHANISM, SecureFiles, secure_files
+from astraflow.security.tls import ensure_broker_tls, write_private
 
-ADMIN_USER = "admin"
 CONTROLLER_USER = "controller"
-MECHANISM = "SCRAM-SHA-512"
 AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
 
 
-@dataclass(frozen=True)
-class SecureFiles:
-    """A secured broker's files in its state directory."""
-
-    tls: TlsFiles
-    admin_password: Path
-    controller_password: Path
-    # the client listener's: SASL_SSL, or SASL_PLAINTEXT (benches: SASL without TLS)
-    protocol: str = "SASL_SSL"
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.protocol == "SASL_SSL"
-
-    def client_security(self) -> KafkaSecurity:
-        """The admin's client settings: SASL_SSL (this CA), SCRAM-SHA-512."""
-        return KafkaSecurity(protocol=self.protocol, sasl_mechanism=MECHANISM,
-                             username=ADMIN_USER, password_file=str(self.admin_password),
-                             ca_location=str(self.tls.ca) if self.uses_tls else None)
-
-    def client_conf(self) -> dict[str, str]:
-        """librdkafka properties of an admin client (the password read now)."""
-        conf = {"security.protocol": self.protocol, "sasl.mechanism": MECHANISM,
-                "sasl.username": ADMIN_USER, "sasl.password": _read(self.admin_password)}
-        if self.uses_tls:
-            conf["ssl.ca.location"] = str(self.tls.ca)
-        return conf
-
-
 PROTOCOLS = ("SASL_SSL", "SASL_PLAINTEXT")
-
-
-def secure_files(state: Path, protocol: str = "SASL_SSL") -> SecureFiles:
-    return SecureFiles(tls_files(state / "tls"), state / "admin.password",
-                       state / "controller.password", protocol)
 
 
 def _read(path: Path) -> str:
@@ -145,15 +109,14 @@ def write_cluster_config(out: Path, host: str, port: int, controller_port: int,
     interfaces, advertised as ``host``), ``cluster.id``, ``admin-client.properties`` (for
     Kafka's own tools) and, with ``weights_keys``, a weight-signing key pair in ``keys/``.
     What exists is kept; run it again safely."""
-    from astraflow.broker.embedded import _cluster_id, _server_properties
-
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
     files = prepare(out, log=log, dns=(host, "localhost"))
-    write_private(out / "server.properties", _server_properties(
-        port, controller_port, data_dir, None, files, host=host, bind="0.0.0.0"))
+    listeners = secure_properties(port, controller_port, files, host, "0.0.0.0")
+    write_private(out / "server.properties",
+                  single_node_properties(controller_port, listeners, data_dir, host))
     if not (out / "cluster.id").exists():
-        (out / "cluster.id").write_text(_cluster_id() + "\n")
+        (out / "cluster.id").write_text(cluster_id() + "\n")
     scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
     write_private(out / "admin-client.properties", (
         f"security.protocol=SASL_SSL\nsasl.mechanism={MECHANISM}\n"

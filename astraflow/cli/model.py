@@ -111,13 +111,7 @@ def _register_import(msub: Any) -> None:
     imp.add_argument("--dtype", default="bf16", choices=DTYPES,
                      help="dtype of the saved weights (default bf16: half the size of fp32)")
     imp.add_argument("--force", action="store_true", help="replace a non-empty DIR")
-    imp.set_defaults(func=_cmd_model_import)
-
-
-def _cmd_model_import(args: argparse.Namespace) -> int:
-    from astraflow.models.gguf import cmd_model_import
-
-    return cmd_model_import(args)
+    imp.set_defaults(func=cmd_model_import)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
@@ -207,3 +201,36 @@ def _warm_start_init(args: argparse.Namespace, model: Any, tok: Any) -> dict[str
 
 
 __all__ = ["cmd_model_init", "register"]
+
+
+def cmd_model_import(args: argparse.Namespace) -> int:
+    """``astraflow model import {smollm2 DIR | --gguf FILE DIR}``."""
+    from astraflow.models.gguf import (
+        IMPORT_RECORD,
+        SOURCES,
+        dir_bytes,
+        import_gguf,
+        smollm2_gguf,
+    )
+
+    try:
+        if args.gguf and args.source:
+            raise ModelError(f"give either a source ({', '.join(SOURCES)}) or --gguf, not both")
+        if args.gguf:
+            gguf = Path(args.gguf)
+        elif args.source == "smollm2":
+            gguf = smollm2_gguf()
+        elif args.source is None:
+            raise ModelError(f"name a source ({', '.join(SOURCES)}) or give --gguf FILE")
+        else:
+            raise ModelError(f"unknown source {args.source!r} (known: {', '.join(SOURCES)}; "
+                             "any other GGUF file: --gguf FILE)")
+        t0 = time.time()
+        out = import_gguf(gguf, args.dir, args.dtype, force=args.force)
+    except ModelError as e:
+        print(f"astraflow: {e}", file=sys.stderr)
+        return 2
+    record = json.loads((out / IMPORT_RECORD).read_text())
+    print(f"imported {gguf.name} to {out}: {args.dtype}, {record['parameters'] / 1e6:.1f}M "
+          f"parameters, {dir_bytes(out) / 1e6:.0f} MB, in {time.time() - t0:.1f}s", flush=True)
+    return 0

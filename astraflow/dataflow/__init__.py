@@ -2,7 +2,7 @@
 
 from astraflow.dataflow.admission import Admission
 from astraflow.dataflow.autoscaler import Autoscaler
-from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
+from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.batcher import Batcher
 from astraflow.dataflow.class_balance import ClassBalance
 from astraflow.dataflow.curriculum import Curriculum
@@ -15,6 +15,7 @@ from astraflow.dataflow.reward_norm import RewardNorm
 from astraflow.dataflow.router import PolicyRouter
 from astraflow.dataflow.rules import RuleRouter
 from astraflow.dataflow.staleness import StalenessFilter
+from astraflow.wire.validate import InvalidRecord
 
 PROCESSOR_KINDS: dict[str, type[Processor]] = {
     cls.kind: cls for cls in (Passthrough, StalenessFilter, PolicyRouter, Batcher)

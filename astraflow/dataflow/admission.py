@@ -46,11 +46,11 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from pydantic import BaseModel, ConfigDict, Field
 
+from astraflow.config.processors import AdmissionOptions
 from astraflow.dataflow.base import (
     Incoming,
     Outgoing,
@@ -65,33 +65,6 @@ from astraflow.kafka.lag import LagReader, PartitionLag
 log = logging.getLogger("astraflow.admission")
 
 DEFAULT_MAX_STALENESS = 4
-
-
-class AdmissionOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    pools: list[str] | None = Field(
-        default=None, description="RaaS pools to watch (default: the topology's pools, else "
-                                  "the node's default pool 'default')")
-    policies: list[str] | None = Field(
-        default=None, description="trainers to watch (default: the topology's policies)")
-    pool_capacity: int | None = Field(
-        default=None, ge=1, description="tasks one pool rolls out at once (default: nodes x "
-                                        "tasks_per_transaction from pools:)")
-    queue_factor: float = Field(default=2.0, gt=0, description="pool bound = factor x capacity")
-    max_pool_lag: int | None = Field(default=None, ge=1,
-                                     description="fixed pool bound instead of the measured target")
-    max_queue_s: float = Field(default=60.0, gt=0, description="the target never holds more "
-                               "than this many seconds of a group's measured throughput")
-    max_staleness: int | None = Field(
-        default=None, ge=0, description="default: the batcher's (or staleness filter's) "
-                                        "max_staleness for the policy, else 4")
-    max_trainer_lag: int | None = Field(
-        default=None, ge=0, description="trainer bound in batches, overrides max_staleness")
-    poll_interval_s: float = Field(default=0.5, gt=0, le=10, description="lag read period")
-    max_held: int = Field(default=1000, ge=1, description="pause the input beyond this")
-    route: Literal["least_lag", "key"] = Field(
-        default="least_lag", description="least_lag: each admitted task goes to the partition "
-                                         "with the fewest tasks in flight; key: by its key")
 
 
 # --- decision logic, no Kafka -----------------------------------------------------------

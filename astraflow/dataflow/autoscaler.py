@@ -32,8 +32,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from astraflow.config.processors import AutoscalerOptions, PoolBounds
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext
 from astraflow.wire.records import ComponentStatus, ScalingAdvice
 
@@ -41,56 +40,6 @@ log = logging.getLogger("astraflow.autoscaler")
 
 RAAS, TRAINER = "raas", "trainer"  # ComponentStatus.kind of RaaS nodes and trainers
 UP, DOWN, CLAMP, IDLE = "up", "down", "clamp", "idle"
-
-
-class PoolBounds(BaseModel):
-    """The sizes one RaaS pool may have, and the trainers whose waiting drives it."""
-
-    model_config = ConfigDict(extra="forbid")
-    min_size: int = Field(default=1, ge=0, description="fewest nodes advised")
-    max_size: int = Field(ge=1, description="most nodes advised")
-    policies: list[str] | None = Field(
-        default=None, description="trainers (by policy) that drive this pool; default: the "
-                                  "autoscaler's `policies`")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> PoolBounds:
-        if self.min_size > self.max_size:
-            raise ValueError(f"min_size {self.min_size} is above max_size {self.max_size}")
-        return self
-
-
-class AutoscalerOptions(BaseModel):
-    """Options of the ``autoscaler`` processor."""
-
-    model_config = ConfigDict(extra="forbid")
-    pools: dict[str, PoolBounds] = Field(
-        min_length=1, description="pool name -> {min_size, max_size, policies}")
-    upper: float = Field(default=0.10, gt=0, le=1,
-                         description="advise a node more above this waiting fraction")
-    lower: float = Field(default=0.05, ge=0, lt=1,
-                         description="advise a node less below this waiting fraction")
-    policies: list[str] | None = Field(
-        default=None, description="trainers (by policy) that drive every pool without its "
-                                  "own `policies`; default: every trainer on status")
-    idle_above: float = Field(
-        default=0.9, gt=0, le=1, description="advise a node less when the pool's nodes wait "
-                                             "for tasks more than this share of the time")
-    window_s: float = Field(default=60.0, gt=0,
-                            description="the waiting fraction and rates are over this span")
-    cooldown_s: float = Field(default=60.0, ge=0,
-                              description="no advice for a pool this long after its last")
-    stale_after_s: float = Field(
-        default=30.0, gt=0, description="a component silent this long is not counted (keep "
-                                        "it above status_interval_s and a node's longest "
-                                        "transaction)")
-
-    @model_validator(mode="after")
-    def _band(self) -> AutoscalerOptions:
-        if self.lower >= self.upper:
-            raise ValueError(f"lower ({self.lower}) must be below upper ({self.upper}): "
-                             "they bound the dead band")
-        return self
 
 
 # --- decision logic, no Kafka -----------------------------------------------------------

@@ -11,13 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from astraflow.config.processors import NoOptions
 from astraflow.wire.records import Record
-
-
-class InvalidRecord(Exception):
-    """Raised by ``process`` for a record that decodes but must not pass; it goes to dlq."""
 
 
 @dataclass(slots=True)  # one per input record: slots make it cheaper to build and read
@@ -67,10 +64,6 @@ class SideAccess:
     reads: tuple[str, ...] = ()
     lag_groups: tuple[str, ...] = ()
     reader_groups: tuple[str, ...] = ()
-
-
-class NoOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class Processor:

@@ -19,11 +19,10 @@ import statistics
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from confluent_kafka import KafkaError, KafkaException
-from pydantic import BaseModel, ConfigDict, Field
 
+from astraflow.config.processors import BatcherOptions, ReplaySelection
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext, SideAccess
 from astraflow.dataflow.staleness import staleness
 from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
@@ -32,29 +31,6 @@ from astraflow.kafka.table import TopicReader
 from astraflow.wire.records import Batch, OffsetRange, TrajectoryGroup, now_ms
 
 log = logging.getLogger("astraflow.batcher")
-
-ReplaySelection = Literal["uniform", "recent", "high_reward", "max_variance"]
-
-
-class BatcherOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    policy: str = "actor"
-    batch_size: int = Field(default=8, ge=1, description="groups per batch")
-    max_staleness: int | None = Field(
-        default=None, ge=0, description="re-check staleness when a batch is cut")
-    replay_ratio: float = Field(
-        default=0.0, ge=0.0, lt=1.0,
-        description="at most this fraction of each batch's groups is replayed (0: off)")
-    replay_capacity: int = Field(default=256, ge=1, description="groups kept for replay")
-    replay_selection: ReplaySelection = Field(
-        default="uniform",
-        description="uniform | recent | high_reward (mean reward) | max_variance (reward "
-                    "variance within the group: the groups with the most advantage signal)")
-    replay_max_uses: int | None = Field(
-        default=None, ge=1, description="times a group may be replayed (None: unlimited)")
-    replay_seed: int | None = Field(default=None, description="seed of uniform selection")
-    replay_rebuild: bool = Field(
-        default=True, description="refill the buffer from batches.<policy> when starting")
 
 
 @dataclass

@@ -19,23 +19,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from astraflow.config.processors import ClassBalanceOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.groups import with_sequences
 from astraflow.wire.records import Sequence, TrajectoryGroup
-
-
-class ClassBalanceOptions(BaseModel):
-    """Options of the ``class_balance`` processor."""
-
-    model_config = ConfigDict(extra="forbid")
-    policy: str = Field(description="the policy whose sequences are balanced")
-    key: str = Field(default="truth", description="Sequence.meta field holding the class")
-    single_class: Literal["drop", "keep"] = Field(
-        default="drop", description="what happens to a group whose sequences are one class")
 
 
 def balance(group: TrajectoryGroup, policy: str, key: str = "truth",

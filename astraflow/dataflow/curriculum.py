@@ -28,66 +28,13 @@ import json
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from astraflow.config.processors import CurriculumOptions, Stage
 from astraflow.dataflow.base import Incoming, Outgoing
 from astraflow.dataflow.follower import Observed, ObservingProcessor
 from astraflow.dataflow.groups import rewards_of, unit_hash
 from astraflow.wire.records import Task, TrajectoryGroup
-
-
-class Stage(BaseModel):
-    """One step of a level schedule."""
-
-    model_config = ConfigDict(extra="forbid")
-    until: int | None = Field(default=None, ge=0,
-                              description="applies while fewer groups were observed")
-    weights: dict[int, float] = Field(description="level -> acceptance probability")
-
-    @model_validator(mode="after")
-    def _probabilities(self) -> Stage:
-        for level, w in self.weights.items():
-            if not 0.0 <= w <= 1.0:
-                raise ValueError(f"weights[{level}] = {w} is not a probability in [0, 1]")
-        return self
-
-
-class CurriculumOptions(BaseModel):
-    """Options of the ``curriculum`` processor (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-    by: Literal["pass_rate", "level"] = "pass_rate"
-    observe_topic: str = "trajectories"
-    policy: str | None = Field(default=None, description="estimate on this policy's rewards")
-    # pass_rate mode
-    low: float = Field(default=0.2, ge=0, le=1)
-    high: float = Field(default=0.8, ge=0, le=1)
-    in_band_prob: float = Field(default=1.0, ge=0, le=1)
-    out_band_prob: float = Field(default=0.25, ge=0, le=1)
-    unseen_prob: float = Field(default=1.0, ge=0, le=1)
-    success_threshold: float = 1.0
-    min_samples: int = Field(default=1, ge=1)
-    history: int = Field(default=4, ge=1, description="groups per prompt in the estimate")
-    # level mode
-    stages: list[Stage] = Field(default_factory=list)
-    default_weight: float = Field(default=1.0, ge=0, le=1)
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _check(self) -> CurriculumOptions:
-        if self.low > self.high:
-            raise ValueError("low must not exceed high")
-        if self.by == "level" and not self.stages:
-            raise ValueError("by: level needs at least one stage")
-        untils = [s.until for s in self.stages]
-        if any(u is None for u in untils[:-1]):
-            raise ValueError("only the last stage may leave `until` unset")
-        bounded = [u for u in untils if u is not None]
-        if bounded != sorted(bounded):
-            raise ValueError("stages must be in increasing `until` order")
-        return self
 
 
 def level_of(task: Task) -> int | None:

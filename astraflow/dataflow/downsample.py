@@ -16,18 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from statistics import pvariance
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from astraflow.config.processors import DownsampleOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.groups import with_sequences
 from astraflow.wire.records import TrajectoryGroup
-
-
-class DownsampleOptions(BaseModel):
-    """Options of the ``downsample`` processor."""
-
-    model_config = ConfigDict(extra="forbid")
-    keep: int = Field(ge=2, description="samples kept per group")
 
 
 def max_variance_indices(rewards: Sequence[float], keep: int) -> list[int]:

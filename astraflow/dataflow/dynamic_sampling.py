@@ -13,20 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from astraflow.config.processors import DynamicSamplingOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.dataflow.groups import all_equal, rewards_of, with_sequences
 from astraflow.wire.records import TrajectoryGroup
-
-
-class DynamicSamplingOptions(BaseModel):
-    """Options of the ``dynamic_sampling`` processor."""
-
-    model_config = ConfigDict(extra="forbid")
-    tol: float = Field(default=1e-6, ge=0, description="rewards within tol are equal")
-    per_policy: bool = Field(default=False,
-                             description="judge and drop each policy's sequences separately")
 
 
 def informative(group: TrajectoryGroup, tol: float = 1e-6,

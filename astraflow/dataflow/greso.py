@@ -30,46 +30,13 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from astraflow.config.processors import GresoOptions
 from astraflow.dataflow.base import Incoming, Outgoing
 from astraflow.dataflow.follower import Observed, ObservingProcessor
 from astraflow.dataflow.groups import EASY, HARD, MIXED, classify, rewards_of, unit_hash
 from astraflow.wire.records import Task, TrajectoryGroup
-
-
-class GresoOptions(BaseModel):
-    """Options of the ``greso`` processor (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-    observe_topic: str = Field(default="trajectories",
-                               description="retained topic of TrajectoryGroups to learn from")
-    policy: str | None = Field(default=None,
-                               description="classify on this policy's rewards only")
-    easy_threshold: float = Field(default=1.0, description="common reward that counts as easy")
-    tol: float = Field(default=1e-6, ge=0, description="rewards within tol are equal")
-    min_group_size: int = Field(default=2, ge=1)
-    p_easy: float = Field(default=0.5, gt=0, le=1, description="initial base for easy streaks")
-    p_hard: float = Field(default=0.5, gt=0, le=1, description="initial base for hard streaks")
-    target_easy_ratio: float = Field(default=0.1, ge=0, le=1)
-    target_hard_ratio: float = Field(default=0.1, ge=0, le=1)
-    step: float = Field(default=0.01, gt=0)
-    step_mode: Literal["additive", "multiplicative"] = "additive"
-    min_base: float = Field(default=0.05, gt=0, le=1)
-    max_base: float = Field(default=1.0, gt=0, le=1)
-    min_submit_prob: float = Field(default=0.05, ge=0, le=1,
-                                   description="floor on the forwarding probability")
-    window: int = Field(default=256, ge=1, description="observations per ratio window")
-    adapt_every: int = Field(default=16, ge=1, description="observations between steps")
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _bounds(self) -> GresoOptions:
-        if self.min_base > self.max_base:
-            raise ValueError("min_base must not exceed max_base")
-        return self
 
 
 @dataclass

@@ -23,34 +23,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from astraflow.config.processors import MixerOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.wire.records import now_ms
 
 T = TypeVar("T")
-
-
-class MixerOptions(BaseModel):
-    """Options of the ``mixer`` processor (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-    by: Literal["topic", "source"] = "topic"
-    ratios: dict[str, float] = Field(min_length=1, description="key -> weight (> 0)")
-    unlisted: Literal["pass", "drop"] = "pass"
-    max_held: int = Field(default=1000, ge=0, description="records held at most")
-    max_hold_ms: int | None = Field(default=10_000, ge=0,
-                                    description="release a record held this long")
-
-    @field_validator("ratios")
-    @classmethod
-    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = sorted(k for k, w in v.items() if not w > 0)
-        if bad:
-            raise ValueError(f"ratios must be positive (not for {bad})")
-        return v
 
 
 @dataclass

@@ -27,22 +27,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from astraflow.config.processors import RewardNormOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.wire.records import TrajectoryGroup
 
 RAW_REWARDS = "raw_rewards"
 RAW_REWARD = "raw_reward"
-
-
-class RewardNormOptions(BaseModel):
-    """Options of the ``reward_norm`` processor."""
-
-    model_config = ConfigDict(extra="forbid")
-    divide_std: bool = Field(default=True, description="also divide by std + eps")
-    eps: float = Field(default=1e-6, gt=0)
-    per_policy: bool = Field(default=True, description="statistics per policy within a group")
 
 
 def normalise(rewards: Sequence[float], divide_std: bool = True, eps: float = 1e-6) -> list[float]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from pydantic import BaseModel, ConfigDict
-
-from astraflow.dataflow.base import Incoming, InvalidRecord, Outgoing, Processor
+from astraflow.config.processors import RouterOptions
+from astraflow.dataflow.base import Incoming, Outgoing, Processor
 from astraflow.wire.records import TrajectoryGroup
+from astraflow.wire.validate import InvalidRecord
 
 
 def split_by_policy(group: TrajectoryGroup) -> dict[str, TrajectoryGroup]:
@@ -40,11 +40,6 @@ def split_by_role(group: TrajectoryGroup) -> list[TrajectoryGroup]:
         gid = f"{group.group_id}/{role}" if role else group.group_id
         out.append(replace(group, group_id=gid, sequences=seqs, rewards=[s.reward for s in seqs]))
     return out
-
-
-class RouterOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    split_roles: bool = False  # one group per (policy, role) instead of per policy
 
 
 class PolicyRouter(Processor):

@@ -27,94 +27,10 @@ matching rule wins, or every matching rule with ``all_matches``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from fnmatch import fnmatchcase
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from astraflow.config.processors import RuleRouterOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor
-from astraflow.wire.records import Record, TrajectoryGroup
-
-
-class Range(BaseModel):
-    """An inclusive numeric range; either end may be left out."""
-
-    model_config = ConfigDict(extra="forbid")
-    min: float | None = None
-    max: float | None = None
-
-    def contains(self, x: float) -> bool:
-        """True when ``min <= x <= max`` (missing ends are unbounded)."""
-        return (self.min is None or x >= self.min) and (self.max is None or x <= self.max)
-
-
-class Match(BaseModel):
-    """Conditions on a record's metadata; all given ones must hold."""
-
-    model_config = ConfigDict(extra="forbid")
-    source: list[str] | None = Field(default=None, description="glob patterns on .source")
-    workflow: list[str] | None = Field(default=None, description="glob patterns on .workflow")
-    policy: list[str] | None = Field(default=None, description="any sequence of these")
-    meta: dict[str, str] | None = Field(default=None, description="meta key -> glob")
-    reward: Range | None = None
-    reward_of: Literal["mean", "min", "max"] = "mean"
-    version: Range | None = Field(default=None, description="generated-token versions")
-    created_at_ms: Range | None = None
-
-    def matches(self, rec: Record) -> bool:
-        """True when every given condition holds for ``rec``."""
-        if self.source is not None and not _any_glob(getattr(rec, "source", ""), self.source):
-            return False
-        if self.workflow is not None and not _any_glob(getattr(rec, "workflow", ""),
-                                                       self.workflow):
-            return False
-        if self.meta is not None:
-            meta = getattr(rec, "meta", {}) or {}
-            if any(k not in meta or not fnmatchcase(meta[k], pat) for k, pat in self.meta.items()):
-                return False
-        if self.created_at_ms is not None and not self.created_at_ms.contains(
-                getattr(rec, "created_at_ms", 0)):
-            return False
-        if self.policy is None and self.reward is None and self.version is None:
-            return True
-        if not isinstance(rec, TrajectoryGroup):
-            return False
-        if self.policy is not None and not any(s.policy in self.policy for s in rec.sequences):
-            return False
-        if self.reward is not None:
-            rewards = [s.reward for s in rec.sequences] if rec.sequences else rec.rewards
-            if not rewards:
-                return False
-            value = {"mean": sum(rewards) / len(rewards), "min": min(rewards),
-                     "max": max(rewards)}[self.reward_of]
-            if not self.reward.contains(value):
-                return False
-        if self.version is not None:
-            gen = [v for s in rec.sequences for v in s.versions if v >= 0]
-            if not gen or not (self.version.contains(min(gen)) and self.version.contains(max(gen))):
-                return False
-        return True
-
-
-def _any_glob(value: str, patterns: list[str]) -> bool:
-    return any(fnmatchcase(value, p) for p in patterns)
-
-
-class Rule(BaseModel):
-    """Send records that ``match`` to ``output``."""
-
-    model_config = ConfigDict(extra="forbid")
-    output: str
-    match: Match = Field(default_factory=Match)
-
-
-class RuleRouterOptions(BaseModel):
-    """Options of the ``rule_router`` processor (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-    rules: list[Rule] = Field(default_factory=list)
-    default: str | None = Field(default=None, description="output for unmatched records")
-    all_matches: bool = Field(default=False, description="every matching rule, not the first")
+from astraflow.wire.records import Record
 
 
 def matching_outputs(rec: Record, options: RuleRouterOptions) -> list[str]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from astraflow.config.processors import StalenessOptions
 from astraflow.dataflow.base import Incoming, Outgoing, Processor, ProcessorContext, SideAccess
 from astraflow.dataflow.versions import LatestVersions, VersionSource, known_versions
 from astraflow.kafka.config import TABLE_GROUP
@@ -26,12 +25,6 @@ def staleness(group: TrajectoryGroup, versions: VersionSource) -> int:
             continue
         worst = max(worst, latest - oldest)
     return worst
-
-
-class StalenessOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_staleness: int = Field(default=4, ge=0)
-    policies: list[str] = Field(default_factory=lambda: ["actor"], min_length=1)
 
 
 class StalenessFilter(Processor):

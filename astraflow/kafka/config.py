@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from astraflow.kafka.access import check_login, guarded_error_cb, principal_of_conf
+from astraflow.kafka.embedded import running_broker, running_cluster_bootstrap
 from astraflow.kafka.security import (
     SECURITY_OPTIONS,
     KafkaSecurity,
@@ -102,13 +103,11 @@ class KafkaConfig(BaseModel):
             return self.model_copy(update={"bootstrap_servers": env})
         if self.bootstrap_servers:
             return self
-        from astraflow.broker.embedded import EmbeddedBroker
-
-        embedded = EmbeddedBroker().status()
-        update: dict[str, Any] = {
-            "bootstrap_servers": embedded.bootstrap or _cluster_bootstrap() or DEFAULT_BOOTSTRAP}
-        if embedded.secure is not None and not self.security.with_env().enabled:
-            update["security"] = embedded.secure.client_security()
+        broker = running_broker()
+        update: dict[str, Any] = {"bootstrap_servers": (
+            broker.bootstrap if broker else running_cluster_bootstrap() or DEFAULT_BOOTSTRAP)}
+        if broker and broker.secure is not None and not self.security.with_env().enabled:
+            update["security"] = broker.secure.client_security()
         return self.model_copy(update=update)
 
     def with_rack(self, rack: str | None) -> KafkaConfig:
@@ -199,15 +198,5 @@ def resolve_bootstrap() -> str:
     env = os.environ.get("ASTRAFLOW_BOOTSTRAP")
     if env:
         return env
-    from astraflow.broker.embedded import EmbeddedBroker
-
-    recorded = EmbeddedBroker().bootstrap()
-    return recorded or _cluster_bootstrap() or DEFAULT_BOOTSTRAP
-
-
-def _cluster_bootstrap() -> str | None:
-    """The embedded cluster's nodes while it runs (``astraflow broker start --brokers N``),
-    else None."""
-    from astraflow.broker.cluster import EmbeddedCluster
-
-    return EmbeddedCluster.recorded().running_bootstrap()
+    broker = running_broker()
+    return broker.bootstrap if broker else running_cluster_bootstrap() or DEFAULT_BOOTSTRAP

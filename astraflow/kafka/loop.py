@@ -36,35 +36,18 @@ from typing import Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from astraflow.errors import AstraflowError
 from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal, without_write
+from astraflow.kafka.checkpoint import Checkpoint, RecordTooLarge
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.outage import BrokerUnreachable, Outage, kafka_error, transient
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
 from astraflow.metrics import PrometheusExporter, exporter_from_env
 from astraflow.wire.codec import Codec
-from astraflow.wire.records import ComponentStatus, DeadLetter, Record, now_ms
+from astraflow.wire.records import ComponentStatus, now_ms
 
 log = logging.getLogger("astraflow.loop")
 
-# errors that say "the broker (or its coordinator) is not answering right now"
-_TRANSIENT = {
-    KafkaError._TRANSPORT,
-    KafkaError._ALL_BROKERS_DOWN,
-    KafkaError._TIMED_OUT,
-    KafkaError._MSG_TIMED_OUT,
-    KafkaError._RESOLVE,
-    KafkaError.REQUEST_TIMED_OUT,
-    KafkaError.COORDINATOR_NOT_AVAILABLE,
-    KafkaError.NOT_COORDINATOR,
-    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-    KafkaError.NOT_ENOUGH_REPLICAS,
-    KafkaError.LEADER_NOT_AVAILABLE,
-    KafkaError.NOT_LEADER_FOR_PARTITION,
-    # a request in flight to a broker that left the cluster's metadata (a node of a
-    # cluster shut down): asked again, it goes to the partition's new leader
-    KafkaError._DESTROY_BROKER,
-}
 
 # the transactional producer's defaults (the config's producer_options win): a transaction
 # that begins while the broker still completes the previous one gets CONCURRENT_TRANSACTIONS
@@ -76,14 +59,6 @@ _TXN_PRODUCER = {"retry.backoff.ms": 1, "retry.backoff.max.ms": 20}
 # records handed to the work at a time while a transaction stays open: each such round's
 # outputs go to the broker while the next round is made (commit_interval_s)
 _CHUNK = 500
-
-
-class BrokerUnreachable(AstraflowError):
-    """Kafka did not answer for longer than the outage limit."""
-
-
-class RecordTooLarge(AstraflowError):
-    """A record is larger than its topic accepts (``max.message.bytes``)."""
 
 
 class _Stopping(Exception):
@@ -130,65 +105,6 @@ class LoopSpec:
     keeps_position: bool = False
     max_bytes: dict[str, int] = field(default_factory=dict)  # topic -> max.message.bytes
     topology_source: str = "<topology>"
-
-
-class Checkpoint:
-    """The records of one transaction, encoded when added, and what to do once committed."""
-
-    def __init__(self, codec: Codec, dlq: str, max_bytes: dict[str, int]):
-        self.codec = codec
-        self.dlq = dlq
-        self.max_bytes = max_bytes
-        # topic, value, key, partition, timestamp (ms; 0: the producer's clock)
-        self.records: list[tuple[str, bytes, bytes | str | None, int | None, int]] = []
-        self.sent = 0  # records[:sent] are in the open transaction
-        self.outputs = 0
-        self.dead = 0
-        self.after_commit: list[Callable[[], None]] = []
-
-    def add(self, topic: str, record: Record | None, key: bytes | str | None = None,
-            partition: int | None = None, raw: bytes | None = None,
-            timestamp_ms: int = 0) -> None:
-        """Add ``record`` (or its bytes ``raw``) for ``topic``, stamped ``timestamp_ms``
-        (0: when produced); ``RecordTooLarge`` when it is over the topic's
-        ``max.message.bytes`` (nothing is added then)."""
-        value = raw if raw is not None else self.codec.encode(record, topic)
-        limit = self.max_bytes.get(topic)
-        if limit is not None and len(value) > limit:
-            raise RecordTooLarge(
-                f"a {type(record).__name__ if record is not None else 'record'} of "
-                f"{len(value)} bytes for {topic}, which accepts at most {limit} "
-                f"(max.message.bytes)"
-            )
-        self.records.append((topic, value, key, partition, timestamp_ms))
-        if topic == self.dlq:
-            self.dead += 1
-        else:
-            self.outputs += 1
-
-    def mark(self) -> int:
-        """Where ``rollback`` goes back to: the number of records added so far."""
-        return len(self.records)
-
-    def rollback(self, mark: int) -> None:
-        """Drop what was added since ``mark()``."""
-        if mark < self.sent:
-            raise ValueError("cannot roll back records already sent in the transaction")
-        dead = sum(1 for r in self.records[mark:] if r[0] == self.dlq)
-        self.dead -= dead
-        self.outputs -= len(self.records) - mark - dead
-        del self.records[mark:]
-
-    def dead_letter(self, letter: DeadLetter) -> None:
-        try:
-            self.add(self.dlq, letter, letter.raw_key)
-        except RecordTooLarge:  # keep the reason and where it was; drop the bytes
-            letter.raw = b""
-            letter.error += " (raw bytes dropped: over the dlq's max.message.bytes)"
-            self.add(self.dlq, letter, letter.raw_key)
-
-    def __bool__(self) -> bool:
-        return bool(self.records)
 
 
 @dataclass
@@ -251,65 +167,6 @@ class Work(Protocol):
     def status(self) -> ComponentStatus: ...
 
     def close(self) -> None: ...
-
-
-class Outage:
-    """Tracks how long Kafka has not answered; logs once per interval, gives up past the
-    limit."""
-
-    def __init__(self, component_id: str, bootstrap: str, limit_s: float, interval_s: float):
-        self.component_id = component_id
-        self.bootstrap = bootstrap
-        self.limit_s = limit_s
-        self.interval_s = interval_s
-        self.since: float | None = None
-        self.last_log = 0.0
-        self.ended_at = 0.0
-        self.longest_s = 0.0
-
-    def failed(self, what: str) -> None:
-        now = time.monotonic()
-        if self.since is None:
-            self.since = self.last_log = now
-            log.warning("%s: Kafka at %s is not answering (%s); retrying for up to %.0fs "
-                        "(kafka.outage_limit_s)", self.component_id, self.bootstrap, what,
-                        self.limit_s)
-            return
-        down = now - self.since
-        if down > self.limit_s:
-            raise BrokerUnreachable(
-                f"{self.component_id}: Kafka at {self.bootstrap} has not answered for "
-                f"{down:.0f}s, over kafka.outage_limit_s={self.limit_s:.0f} (last: {what}); "
-                f"nothing uncommitted was kept, a restart resumes from the committed offsets"
-            )
-        if now - self.last_log >= self.interval_s:
-            self.last_log = now
-            log.warning("%s: Kafka at %s not answering for %.0fs (%s); giving up after %.0fs",
-                        self.component_id, self.bootstrap, down, what, self.limit_s)
-
-    def ok(self) -> None:
-        if self.since is None:
-            return
-        down = time.monotonic() - self.since
-        self.longest_s = max(self.longest_s, down)
-        log.warning("%s: Kafka at %s answers again after %.1fs", self.component_id,
-                    self.bootstrap, down)
-        self.since = None
-        self.ended_at = time.monotonic()
-
-    def recent(self, within_s: float = 600.0) -> bool:
-        """Whether Kafka is away now or was within ``within_s``."""
-        return self.since is not None or time.monotonic() - self.ended_at < within_s
-
-
-def kafka_error(e: BaseException) -> KafkaError | None:
-    arg = e.args[0] if e.args else None
-    return arg if isinstance(arg, KafkaError) else None
-
-
-def transient(err: KafkaError | None) -> bool:
-    """Whether ``err`` says to wait for the broker and retry."""
-    return err is not None and (err.code() in _TRANSIENT or bool(err.retriable()))
 
 
 class TransactionalLoop:

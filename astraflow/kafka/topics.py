@@ -1,8 +1,10 @@
-"""Idempotent topic creation from a topology, and topic inspection."""
+"""Topics as the cluster should hold them (``ResolvedTopic``, from a topology), their
+idempotent creation, and topic inspection."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
@@ -14,9 +16,40 @@ from confluent_kafka.admin import (
     NewTopic,
     TopicMetadata,
 )
+from pydantic import BaseModel
 
-from astraflow.config.topology import ResolvedTopic
 from astraflow.errors import AstraflowError
+from astraflow.kafka.replication import replication
+
+
+class ResolvedTopic(BaseModel):
+    """A topic as created on the cluster."""
+
+    name: str  # logical name, e.g. "tasks"
+    full_name: str  # with the run prefix, e.g. "demo.tasks"
+    partitions: int
+    replication_factor: int | None  # None: the cluster's default (``for_cluster``)
+    configs: dict[str, str]
+    schema_type: Any  # record class
+    replication_key: str = "topic_defaults.replication_factor"  # the key that sets it
+
+    def describe(self) -> str:
+        return f"{self.full_name} ({self.partitions} partitions, {self.schema_type.__name__})"
+
+    def for_cluster(self, brokers: int, replicas: int | None = None) -> ResolvedTopic:
+        """This topic on a cluster of ``brokers`` brokers: its replication factor set
+        (``min(3, brokers)`` unless the topology gives one) and ``min.insync.replicas``
+        (2 from 3 replicas, unless the topology's configs set it). ``replicas``: those the
+        topic has already (Kafka keeps them), which its ``min.insync.replicas`` follows.
+        A ``ReplicationError`` naming the key when the cluster is too small."""
+        if replicas is not None:  # however many brokers answer now
+            brokers, explicit = replicas, replicas
+        else:
+            explicit = self.replication_factor
+        rf, configs = replication(brokers, explicit, self.replication_key, self.configs,
+                                  f"topics.{self.name}.configs.min.insync.replicas")
+        return self.model_copy(update={"replication_factor": rf, "configs": configs})
+
 
 
 @dataclass

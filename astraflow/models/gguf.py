@@ -18,7 +18,6 @@ the parameter count.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import importlib.metadata
@@ -27,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -277,38 +275,11 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-# --- CLI ----------------------------------------------------------------------------------
-def cmd_model_import(args: argparse.Namespace) -> int:
-    """``astraflow model import {smollm2 DIR | --gguf FILE DIR}``."""
-    try:
-        if args.gguf and args.source:
-            raise ModelError(f"give either a source ({', '.join(SOURCES)}) or --gguf, not both")
-        if args.gguf:
-            gguf = Path(args.gguf)
-        elif args.source == "smollm2":
-            gguf = smollm2_gguf()
-        elif args.source is None:
-            raise ModelError(f"name a source ({', '.join(SOURCES)}) or give --gguf FILE")
-        else:
-            raise ModelError(f"unknown source {args.source!r} (known: {', '.join(SOURCES)}; "
-                             "any other GGUF file: --gguf FILE)")
-        t0 = time.time()
-        out = import_gguf(gguf, args.dir, args.dtype, force=args.force)
-    except ModelError as e:
-        print(f"astraflow: {e}", file=sys.stderr)
-        return 2
-    record = json.loads((out / IMPORT_RECORD).read_text())
-    print(f"imported {gguf.name} to {out}: {args.dtype}, {record['parameters'] / 1e6:.1f}M "
-          f"parameters, {dir_bytes(out) / 1e6:.0f} MB, in {time.time() - t0:.1f}s", flush=True)
-    return 0
-
-
 __all__ = [
     "DTYPES",
     "IMPORT_RECORD",
     "INSTALL_SMOLLM2",
     "SOURCES",
-    "cmd_model_import",
     "dir_bytes",
     "import_gguf",
     "sha256_of",

@@ -3,7 +3,6 @@ its weights, which ``astraflow up`` compares with the command it would run."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 # written by `astraflow model init` (and `model init-role`) next to the weights
@@ -13,9 +12,9 @@ INIT_RECIPE = "astraflow_init.json"
 OLD_ROLE_RECIPE = "astraflow_role.json"
 
 
-def init_recipe(args: argparse.Namespace) -> dict[str, Any]:
+def init_recipe(args: Any) -> dict[str, Any]:
     """What made a model: the parsed ``model init`` (or ``model init-role``) options that
-    shape it, the command included (not its path).
+    shape it (``args``: the parsed namespace), the command included (not its path).
 
     Both commands write it to ``INIT_RECIPE`` in the model directory; ``astraflow up``
     parses the command it would run the same way and rewrites the model when they differ.

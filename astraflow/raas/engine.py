@@ -28,6 +28,7 @@ import torch
 from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
 from astraflow.models.sampling import check_top_p, sampling_logprobs
+from astraflow.raas.hf_text import HFText
 from astraflow.raas.prefix_cache import PrefixCache
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -101,7 +102,7 @@ class Engine(Protocol):
         ...
 
 
-class TorchEngine:
+class TorchEngine(HFText):
     """Batched sampling with a KV cache from a transformers causal LM.
 
     ``model``: a ``PreTrainedModel`` (e.g. from ``AutoModelForCausalLM``); ``tokenizer``:
@@ -136,20 +137,6 @@ class TorchEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
         self._keep_logits = takes_logits_to_keep(self.model)
-
-    # --- text ------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return eos
 
     # --- weights ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

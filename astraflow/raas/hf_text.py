@@ -1,8 +1,9 @@
 """Text methods shared by engines that hold a Hugging Face tokenizer.
 
 ``HFText`` gives an engine with a ``tokenizer`` attribute the ``encode``, ``decode`` and
-``eos_token_id`` of the ``Engine`` protocol, with the same conventions as ``TorchEngine``:
-no special tokens added when encoding, special tokens skipped when decoding.
+``eos_token_id`` of the ``Engine`` protocol, one convention for every engine (torch, vLLM,
+an OpenAI-compatible server): no special tokens added when encoding, special tokens skipped
+when decoding.
 """
 
 from __future__ import annotations

@@ -12,26 +12,14 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-from dataclasses import dataclass
 from ipaddress import ip_address
 from pathlib import Path
+
+from astraflow.kafka.embedded import TlsFiles, tls_files
 
 CA_DAYS = 3650
 BROKER_DAYS = 825
 RENEW_BEFORE_DAYS = 30  # a broker certificate this close to expiry is made again
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """Where the CA and broker certificate are."""
-
-    ca: Path  # the CA certificate (PEM): what clients trust
-    ca_key: Path
-    broker: Path  # the broker's key, then its certificate and the CA's (PEM keystore)
-
-
-def tls_files(folder: Path) -> TlsFiles:
-    return TlsFiles(folder / "ca.pem", folder / "ca.key", folder / "broker.pem")
 
 
 def write_private(path: Path, data: bytes | str) -> None:

@@ -29,8 +29,8 @@ def default_schema_dir() -> Path:
     env = os.environ.get("ASTRAFLOW_SCHEMAS")
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "schemas", here / "_schemas"):
+    package = Path(__file__).resolve().parents[1]  # astraflow/ (this is astraflow/wire/)
+    for candidate in (package.parent / "schemas", package / "_schemas"):
         if candidate.is_dir():
             return candidate
     raise SchemaError(

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import math
 
-from astraflow.dataflow.base import InvalidRecord
 from astraflow.wire.records import Batch, Record, Sequence, Task, TrajectoryGroup
+
+
+class InvalidRecord(Exception):
+    """A record that decodes but must not pass (raised by these checks and by a
+    processor's ``process``); it goes to the dead-letter topic with the reason."""
 
 
 def sequence_problem(s: Sequence) -> str | None:

@@ -272,8 +272,9 @@ def test_a_generator_processor_that_fails_midway_dead_letters_its_input_alone():
     from confluent_kafka import Message
 
     from astraflow.config.topology import parse_topology
-    from astraflow.dataflow.base import InvalidRecord, Outgoing
+    from astraflow.dataflow.base import Outgoing
     from astraflow.wire.codec import SingleObjectCodec
+    from astraflow.wire.validate import InvalidRecord
 
     topo = parse_topology({
         "run": "gen", "kafka": {"bootstrap_servers": "127.0.0.1:1"},

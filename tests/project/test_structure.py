@@ -1,4 +1,4 @@
-"""The shape of the code: no import cycles, the layering contract, no long functions.
+"""The shape of the code: no import cycles, the layer order, argparse only in the CLI.
 
 No broker, no model: the checks read the source with ``ast`` (and one subprocess imports
 the light modules to see that torch stays out of them).
@@ -17,7 +17,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "astraflow"
-MAX_FUNCTION_LINES = 60
 
 
 @dataclass
@@ -123,9 +122,27 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_cycles():
-    graph = {m.name: {x for x in m.load_time if x in MODULES and x != m.name}
-             for m in MODULES.values()}
+def _package(module: str) -> str:
+    """The top-level package of ``module`` (``astraflow.kafka.loop`` -> ``kafka``); a
+    top-level module is its own (``astraflow.errors`` -> ``errors``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _internal(module: Module) -> set[str]:
+    """The package modules ``module`` imports anywhere (functions included)."""
+    return {x for x in module.anywhere if x in MODULES and x != module.name}
+
+
+def test_no_module_import_cycles_counting_imports_inside_functions():
+    assert _cycles({m.name: _internal(m) for m in MODULES.values()}) == []
+
+
+def test_no_package_import_cycles():
+    graph: dict[str, set[str]] = {}
+    for m in MODULES.values():
+        graph.setdefault(_package(m.name), set()).update(
+            _package(x) for x in _internal(m) if _package(x) != _package(m.name))
     assert _cycles(graph) == []
 
 
@@ -133,52 +150,77 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# The layers, lowest first: a package imports only from packages of lower layers (and
+# itself), counting imports inside functions. Packages of one layer do not import each
+# other. docs/architecture.md draws the same order.
+LAYER_ORDER: list[tuple[str, ...]] = [
+    ("errors",),  # the base of errors a user can act on
+    ("wire",),  # records, schemas, the Avro codec, semantic checks of records
+    ("metrics",),  # where every layer writes its figures
+    ("kafka",),  # client wrappers, config, the transactional loop, topics, tables
+    ("sandbox",),  # untrusted code in a limited child process
+    ("tasks",),  # task sources and rewards: plain Python
+    ("config",),  # the typed topology: one declaration per setting, torch-free
+    ("dataflow", "weights"),  # processors and their runtime; weight deltas and stores
+    ("security", "models"),  # ACLs and TLS; local models, GGUF import, sharing
+    ("broker", "roles"),  # the embedded broker and cluster; multi-policy role formats
+    ("raas", "trainer"),  # rollout nodes and the trainer
+    ("eval", "launch", "replay"),  # evaluator; `up` and its supervision; offline replay
+    ("cli",),  # the `astraflow` command: the only package that imports argparse
+]
+RANK = {package: i for i, layer in enumerate(LAYER_ORDER) for package in layer}
+
+
+def test_every_package_has_a_layer():
+    assert sorted({_package(m) for m in MODULES} - set(RANK) - {""}) == []
+
+
+def test_imports_follow_the_layers():
+    broken = sorted(
+        f"{m.name} imports {x}"
+        for m in MODULES.values() if _package(m.name) in RANK
+        for x in _internal(m)
+        if _package(x) != _package(m.name) and RANK[_package(x)] >= RANK[_package(m.name)]
+    )
+    assert not broken, "an import against the layer order:\n" + "\n".join(broken)
+
+
+def test_only_the_cli_imports_argparse():
+    users = sorted(m.name for m in MODULES.values()
+                   if "argparse" in m.anywhere and _package(m.name) != "cli")
+    assert users == []
+
+
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-# (modules, what they must not import anywhere, why). Lower layers first.
-LAYERS: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
-    (("astraflow.wire.records", "astraflow.wire.schemas", "astraflow.errors", "astraflow.wire.codec"),
-     ("torch", "transformers", "astraflow.kafka", "astraflow.dataflow", "astraflow.raas",
-      "astraflow.trainer", "astraflow.weights", "astraflow.models", "astraflow.roles",
-      "astraflow.config.topology"),
-     "the wire format is the bottom layer: records and their codec, nothing else"),
-    (("astraflow.kafka",),
-     ("torch", "astraflow.raas", "astraflow.trainer", "astraflow.weights", "astraflow.models",
-      "astraflow.roles", "astraflow.tasks", "astraflow.sandbox.runner", "astraflow.launch.up",
-      "astraflow.eval.evaluator", "astraflow.dataflow.feeder"),
-     "Kafka plumbing knows records and processors, not the RL components"),
-    (("astraflow.dataflow",),
-     ("torch", "astraflow.raas", "astraflow.trainer", "astraflow.weights", "astraflow.models",
-      "astraflow.roles", "astraflow.launch.up", "astraflow.eval.evaluator"),
-     "processors move records; they run where no GPU stack is installed"),
-    (("astraflow.sandbox.runner",), ("astraflow",), "the sandbox stands alone"),
-    (("astraflow.tasks",),
-     ("torch", "astraflow.kafka", "astraflow.dataflow", "astraflow.raas", "astraflow.trainer",
-      "astraflow.weights", "astraflow.models", "astraflow.roles"),
-     "tasks and rewards are plain Python"),
+# Beyond the layer order: (modules, what they must not import anywhere, why).
+FORBIDDEN: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
+    (("astraflow.wire", "astraflow.errors", "astraflow.metrics", "astraflow.kafka",
+      "astraflow.config", "astraflow.dataflow", "astraflow.tasks", "astraflow.sandbox"),
+     ("torch", "transformers"),
+     "the wire format, Kafka plumbing, the topology and the processors run where no GPU "
+     "stack is installed"),
+    (("astraflow.sandbox",), ("astraflow",), "the sandbox stands alone"),
     (("astraflow.models", "astraflow.roles"),
-     ("astraflow.kafka", "astraflow.dataflow", "astraflow.raas", "astraflow.trainer",
-      "astraflow.config.topology", "astraflow.launch.up"),
-     "models and role formats are local: no Kafka, no rollout or training service"),
+     ("astraflow.dataflow", "astraflow.raas", "astraflow.trainer", "astraflow.config",
+      "astraflow.launch"),
+     "models and role formats are local: no rollout or training service"),
     (("astraflow.raas.workflows",),
      ("astraflow.kafka", "astraflow.dataflow", "astraflow.trainer", "astraflow.weights",
-      "astraflow.raas.node", "astraflow.cli.raas"),
+      "astraflow.raas.node"),
      "a workflow turns a task into trajectories with engines; it knows no transport"),
     (("astraflow.trainer.loss", "astraflow.trainer.trainer"),
      ("astraflow.kafka", "astraflow.dataflow", "astraflow.raas", "astraflow.weights",
-      "astraflow.config.topology"),
+      "astraflow.config"),
      "the training step is pure torch; the service around it talks to Kafka"),
-    (("astraflow.metrics",),
-     ("torch", "astraflow.kafka", "astraflow.raas", "astraflow.trainer"),
-     "a metric sink is written to by every layer"),
 ]
 
 
-@pytest.mark.parametrize("modules,forbidden,why", LAYERS,
-                         ids=[",".join(m) for m, _, _ in LAYERS])
-def test_layering(modules, forbidden, why):
+@pytest.mark.parametrize("modules,forbidden,why", FORBIDDEN,
+                         ids=[",".join(m) for m, _, _ in FORBIDDEN])
+def test_forbidden_imports(modules, forbidden, why):
     broken = sorted(
         f"{m.name} imports {x}"
         for m in MODULES.values() if _within(m.name, modules)
@@ -192,8 +234,9 @@ def test_the_light_modules_import_without_torch():
     not pull in torch (or transformers): they start fast and run without a GPU stack."""
     code = (
         "import sys\n"
-        "import astraflow.wire.codec, astraflow.dataflow, astraflow.kafka.loop, astraflow.tasks\n"
-        "import astraflow.config.topology, astraflow.metrics, astraflow.cli.model, astraflow.cli.model_role\n"
+        "import astraflow.wire.codec, astraflow.dataflow, astraflow.kafka.loop\n"
+        "import astraflow.tasks, astraflow.config.topology, astraflow.metrics\n"
+        "import astraflow.cli.model, astraflow.cli.model_role\n"
         "from astraflow.cli.main import build_parser\n"
         "build_parser()\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
@@ -201,21 +244,3 @@ def test_the_light_modules_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
-    """``path:line name (N lines)`` of every function of the package over ``limit`` lines,
-    counted from ``def`` to its last line (decorators not counted)."""
-    out = []
-    for module in MODULES.values():
-        for node in ast.walk(ast.parse(module.path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > limit:
-                    rel = module.path.relative_to(REPO)
-                    out.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
-    return sorted(out)
-
-
-def test_no_function_is_over_60_lines():
-    assert long_functions() == []

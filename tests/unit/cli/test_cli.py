@@ -242,7 +242,7 @@ def test_run_is_exported_to_the_processes_a_command_starts(monkeypatch):
     topology file), and leaves the environment as it was."""
     import os
 
-    from astraflow.cli.main import main as cli
+    from astraflow.cli import main as cli
 
     seen = {}
 
@@ -251,7 +251,7 @@ def test_run_is_exported_to_the_processes_a_command_starts(monkeypatch):
         return 0
 
     monkeypatch.delenv("ASTRAFLOW_RUN", raising=False)
-    monkeypatch.setattr("astraflow.launch.up.cmd_down", fake)
+    monkeypatch.setattr("astraflow.cli.up.cmd_down", fake)
     assert cli.main(["run", "down", "-t", "topology/default.yaml", "--run", "trial2"]) == 0
     assert seen == {"run": "trial2", "env": "trial2"}
     assert "ASTRAFLOW_RUN" not in os.environ

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 
+from astraflow.config.processors import Match, Range
 from astraflow.config.topology import TopologyError, parse_topology
 from astraflow.dataflow import PROCESSOR_KINDS, Incoming
 from astraflow.dataflow.curriculum import Curriculum, CurriculumOptions, CurriculumPolicy, level_of
@@ -31,7 +32,7 @@ from astraflow.dataflow.reward_norm import (
     normalise_group,
     raw_rewards,
 )
-from astraflow.dataflow.rules import Match, Range, RuleRouter, RuleRouterOptions, route
+from astraflow.dataflow.rules import RuleRouter, RuleRouterOptions, route
 from astraflow.wire.records import Sequence, Task, TrajectoryGroup
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.cli.main import weights as wcli
+from astraflow.cli import weights as wcli
 from astraflow.weights import (
     BaseMismatchError,
     CorruptBlobError,

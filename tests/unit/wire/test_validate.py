@@ -6,9 +6,8 @@ import dataclasses
 
 import pytest
 
-from astraflow.dataflow.base import InvalidRecord
 from astraflow.wire.records import Batch, Sequence, Task, TrajectoryGroup
-from astraflow.wire.validate import check_record
+from astraflow.wire.validate import InvalidRecord, check_record
 
 
 def seq(**kw) -> Sequence:
