@@ -31,7 +31,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from astraflow.sandbox.runner import SandboxResult, run_python  # noqa: E402
+from astraflow.sandbox import SandboxResult, run_python  # noqa: E402
 
 THREAD_BOMB = (
     "import threading\n"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from astraflow.models.evaluation import generate_answers
-from astraflow.sandbox.runner import normalise, run_function
+from astraflow.sandbox import normalise, run_function
 from astraflow.tasks.code import (
     CodeProblem,
     chat_generator_prompt,

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from astraflow.sandbox.runner import normalise
+from astraflow.sandbox import normalise
 from astraflow.tasks.check import cut_at_stop
 
 Test = tuple[list[Any], Any]

@@ -137,7 +137,7 @@ def format_match(pattern: str = r"-?\d+") -> Reward:
 def code_tests(cpu_s: int = 2, mem_mb: int = 256, timeout_s: float = 5.0,
                max_procs: int = 32) -> Reward:
     def reward(completion: str, payload: Mapping[str, Any]) -> float:
-        from astraflow.sandbox.runner import check_cases
+        from astraflow.sandbox import check_cases
 
         tests = payload.get("tests")
         if not isinstance(tests, list) or not tests:

@@ -78,7 +78,7 @@ solver alone); the sampling options of ``single_turn`` for the solver (default
 ``max_new_tokens`` 32) and ``generator_sampling`` overrides for the generator (default
 ``max_new_tokens`` 48); ``solver_reward`` (``fraction``/``all``), ``no_failures_reward``,
 ``max_tests`` (items read per generator completion, default 8; more are ignored);
-``sandbox`` (keyword arguments of ``astraflow.sandbox.runner.run_function``: ``cpu_s`` default 1,
+``sandbox`` (keyword arguments of ``astraflow.sandbox.run_function``: ``cpu_s`` default 1,
 ``mem_mb`` 256, ``timeout_s`` 5, ``max_procs`` 32, ...); ``sandbox_workers`` (default 2).
 
 The tasks of one transaction (``--tasks-per-transaction``) are sampled together
@@ -109,7 +109,7 @@ from astraflow.raas.workflows.inputs import (
 )
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.sequences import prepare_each, role_sequence, unbatched
-from astraflow.sandbox.runner import CaseResult, FunctionRun, normalise, run_function
+from astraflow.sandbox import CaseResult, FunctionRun, normalise, run_function
 from astraflow.tasks.code import (
     chat_generator_prompt,
     chat_solver_prompt,

@@ -445,7 +445,7 @@ def test_code_tests_value_weight_pays_for_asserted_values_near_the_references():
         [0.5 * n + 0.5 * r for n, r in zip(near, [4 / 6, 1 / 3, 0.0, 1 / 3])])
     assert [float(s.meta["value_nearness"]) for s in gen] == pytest.approx(near, abs=1e-3)
     from astraflow.raas.workflows.code_tests import _nearness
-    from astraflow.sandbox.runner import CaseResult
+    from astraflow.sandbox import CaseResult
 
     # what a model may assert: past float's range, infinite, not a number, a string
     for odd in (10 ** 400, float("inf"), float("nan"), "25", None):

@@ -17,8 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from astraflow.sandbox.runner import (
-    CPU_EXIT,
+from astraflow.sandbox import (
     STATUSES,
     check_cases,
     interpreter_and_user,
@@ -26,6 +25,7 @@ from astraflow.sandbox.runner import (
     run_function,
     run_python,
 )
+from astraflow.sandbox.child import CPU_EXIT
 from tests.conftest import wait_for
 
 HAVE_NAMESPACES = bool(namespace_prefix(*interpreter_and_user()))

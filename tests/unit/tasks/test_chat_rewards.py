@@ -15,7 +15,7 @@ from astraflow.models.chat import ChatFormat, PromptError, payload_messages
 from astraflow.models.evaluation import evaluate
 from astraflow.models.tiny import build_tokenizer
 from astraflow.raas.workflows import make_workflow
-from astraflow.sandbox.runner import interpreter_and_user
+from astraflow.sandbox import interpreter_and_user
 from astraflow.tasks import make_task
 from astraflow.tasks.datasets import DatasetError, load_dataset_file
 from astraflow.tasks.generate import addition_rows, multistep_rows
