@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -25,7 +24,12 @@ from astraflow.cli.args import (
     examples_epilog,
     fill,
 )
-from astraflow.config.topology import Topology, TopologyError, load_topology
+from astraflow.config.topology import (  # with_overrides: also for cli.replay
+    Topology,
+    TopologyError,
+    load_topology,
+    with_overrides,
+)
 from astraflow.errors import AstraflowError
 from astraflow.kafka.access import EXIT_REFUSED, KafkaAccessError, refusal
 from astraflow.kafka.config import KafkaConfig
@@ -464,15 +468,15 @@ _EXTENSIONS = (
     "astraflow.cli.trainer",
     "astraflow.cli.model",
     "astraflow.cli.model_role",  # model init-role: adds to the `model` group, so after models.cli
-    "astraflow.dataflow.feeder",
+    "astraflow.cli.feeder",
     "astraflow.cli.raas",
-    "astraflow.eval.evaluator",
-    "astraflow.tasks.generate",
-    "astraflow.launch.up",
+    "astraflow.cli.eval",
+    "astraflow.cli.data",
+    "astraflow.cli.up",
     "astraflow.cli.runs",  # run list|delete: adds to the `run` group, so after launcher
-    "astraflow.launch.plots",  # run plot, and the `plot` shortcut
+    "astraflow.cli.plot",  # run plot, and the `plot` shortcut
     "astraflow.cli.topology",
-    "astraflow.launch.status",
+    "astraflow.cli.status",
     "astraflow.cli.replay",
 )
 
@@ -481,22 +485,6 @@ def _extension_registrars() -> list[Callable[[argparse._SubParsersAction], None]
     import importlib
 
     return [importlib.import_module(name).register for name in _EXTENSIONS]
-
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9_\-]+")
-
-
-def with_overrides(topo: Topology, run: str | None = None,
-                   bootstrap: str | None = None) -> Topology:
-    """``topo`` with another run name (its topic and group prefix) and bootstrap servers."""
-    if run and run != topo.run:
-        if not _RUN_NAME.fullmatch(run):
-            raise TopologyError(f"--run {run!r}: use letters, digits, '_' and '-' only")
-        topo = topo.model_copy(update={"run": run})
-    if bootstrap:
-        kafka = topo.kafka.model_copy(update={"bootstrap_servers": bootstrap})
-        topo = topo.model_copy(update={"kafka": kafka})
-    return topo
 
 
 def load_run_topology(args: argparse.Namespace) -> Topology | None:

@@ -6,35 +6,45 @@ Before the typed topology, a file carried component flags as argv lists
 ``anchor_interval``, ``warm_start_steps``, ``warm_start_slip``) and ``max_staleness``
 three times (staleness filter, batcher, ``--max-staleness``). ``old_format_errors``
 names every such key of a raw (YAML-parsed) topology and, where it can, translates the
-old value into the typed fields: the argv lists are parsed by the component's own
-command-line parser.
+old value into the typed fields: the argv lists are parsed with the component's flags,
+which are derived from the typed fields (``astraflow.config.overrides``).
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-# dest of a component flag -> (section, field) of the typed topology; section "" is the
-# policy (or the pool) itself; a missing dest keeps its name in the section
-TRAINER_DESTS = {"max_staleness": ("", "max_staleness"),
-                 "no_std_normalize": ("trainer", "std_normalize"),
-                 "no_share_prompt": ("trainer", "share_prompt"),
-                 "temperature": ("", "temperature"),
-                 "top_p": ("", "top_p")}
-INIT_DESTS = {"warm_start_steps": ("warm_start", "steps"),
-              "carry_slip": ("warm_start", "slip"),
-              "warm_start_until": ("warm_start", "until")}
-EVAL_DESTS = {"every": ("eval", "every_versions")}
-RAAS_DESTS = {"no_follow_weights": ("", "follow_weights"),
-              "workflow_options": ("", "workflows")}
-FEEDER_DESTS = {"policy": ("", "policies")}
-INVERTED = {"no_std_normalize", "no_share_prompt", "no_follow_weights"}
-# argv flags no typed field takes: the launcher sets them per process
-PER_PROCESS = {"topology", "bootstrap", "policy", "model", "pool", "instance", "verbose",
-               "policy_model", "chat", "dir", "role", "json", "once", "func"}
+from astraflow.config.overrides import (
+    EVAL_FLAGS,
+    FEEDER_FLAGS,
+    NODE_FLAGS,
+    TRAINER_FLAGS,
+    WARM_START_FLAGS,
+    Flag,
+    by_dest,
+    parse_argv,
+    settings_value,
+)
+from astraflow.config.sections import (
+    EvalSpec,
+    FeederSpec,
+    PolicyEvalSpec,
+    PolicySpec,
+    PoolSpec,
+    WarmStartSpec,
+)
+
+# flags of the old command lines that no typed field takes: the launcher set them per
+# process (flag -> the number of values it takes)
+PER_PROCESS = {"--topology": 1, "-t": 1, "--run": 1, "--bootstrap": 1, "--policy": 1,
+               "--instance": 1, "--pool": 1, "--rack": 1, "--role": 1, "-v": 0,
+               "--verbose": 0, "--json": 0, "--once": 0, "--history": 1, "--public-key": 1,
+               "--max-steps": 1}
+# dests of the old command lines a file no longer sets in that section
+NOT_TRANSLATED = {"model", "policy_model", "chat", "dtype", "role"}
 
 
 def flow(value: Any) -> str:
@@ -43,36 +53,25 @@ def flow(value: Any) -> str:
     return text.strip().removesuffix("...").strip()  # a scalar ends its document
 
 
-def _set_dests(command: list[str], argv: list[str]) -> dict[str, Any] | None:
-    """Dest -> value of the flags ``argv`` gives on ``command`` (parsed by the real CLI
-    parser); None when ``argv`` does not parse."""
-    from astraflow.cli.main import build_parser
-
-    parser = build_parser()
-    try:
-        base = vars(parser.parse_args(command))
-        full = vars(parser.parse_args([*command, *[str(a) for a in argv]]))
-    except SystemExit:
-        return None
-    except argparse.ArgumentError:
-        return None
-    # a flag written with its default value counts too: the file said it
-    named = {str(a)[2:].split("=")[0].replace("-", "_") for a in argv if str(a).startswith("--")}
-    return {k: v for k, v in full.items()
-            if (base.get(k) != v or k in named) and k not in PER_PROCESS}
-
-
-def _translate(dests: dict[str, Any], table: dict[str, tuple[str, str]],
+def _translate(flags: tuple[Flag, ...], dests: dict[str, Any], model: type[BaseModel],
                section: str) -> dict[str, dict[str, Any]]:
-    """Section -> {field: value} of the typed topology for the flags in ``dests``."""
+    """Section -> {field: value} of the typed topology for the flags in ``dests`` (those
+    ``model``, the section's model, declares), ``section`` the section they sit in."""
+    table = by_dest(flags)
     out: dict[str, dict[str, Any]] = {}
     for dest, value in dests.items():
-        where, name = table.get(dest, (section, dest))
-        if dest in INVERTED:
-            value = not value
-        elif dest == "workflow_options":
-            value = dict(value)
-        out.setdefault(where, {})[name] = value
+        flag = table[dest]
+        if flag.key is None or dest in NOT_TRANSLATED:
+            continue
+        if flag.key.split(".")[0] not in model.model_fields:
+            continue
+        where, _, name = ".".join(p for p in (section, flag.key) if p).rpartition(".")
+        value = settings_value(flag, value)
+        if "." in where:  # a nested section (eval.dataset): one mapping under its parent
+            where, _, sub = where.rpartition(".")
+            out.setdefault(where, {}).setdefault(sub, {})[name] = value
+        else:
+            out.setdefault(where, {})[name] = value
     return out
 
 
@@ -87,13 +86,17 @@ def _write(prefix: str, sections: dict[str, dict[str, Any]]) -> str:
     return "write " + " and ".join(parts) if parts else "remove it"
 
 
-def _argv_message(key: str, prefix: str, command: list[str], argv: Any,
-                  table: dict[str, tuple[str, str]], section: str) -> str:
-    dests = _set_dests(command, argv) if isinstance(argv, list) else None
+def _argv_message(key: str, prefix: str, flags: tuple[Flag, ...], argv: Any,
+                  model: type[BaseModel], section: str, hint: str = "") -> str:
+    """What to write instead of the argv list ``argv`` of ``key``: its flags (a table of
+    ``astraflow.config.overrides``) as the typed fields of ``prefix`` (``hint``: the
+    section named when ``argv`` does not parse)."""
+    dests = parse_argv(flags, argv, PER_PROCESS) if isinstance(argv, list) else None
     if dests is None:
+        where = hint or section or "<field>"
         return (f"{key}: no longer accepted (argv lists are gone); write the typed fields "
-                f"of {prefix}.{section or '<field>'} instead (docs/topology.md)")
-    return f"{key}: no longer accepted; {_write(prefix, _translate(dests, table, section))}"
+                f"of {prefix}.{where} instead (docs/topology.md)")
+    return f"{key}: no longer accepted; {_write(prefix, _translate(flags, dests, model, section))}"
 
 
 def _policy_errors(name: str, spec: dict[str, Any]) -> list[str]:
@@ -106,21 +109,15 @@ def _policy_errors(name: str, spec: dict[str, Any]) -> list[str]:
         if old in spec:
             out.append(f"{key}.{old}: moved; write {key}.{section}: "
                        f"{flow({field: spec[old]})}")
-    model = str(spec.get("model", "m"))
     if "trainer_args" in spec:
-        out.append(_argv_message(f"{key}.trainer_args", key, [
-            "trainer", "run", "--topology", "-", "--policy", name, "--model", model],
-            spec["trainer_args"], TRAINER_DESTS, "trainer"))
+        out.append(_argv_message(f"{key}.trainer_args", key, TRAINER_FLAGS,
+                                 spec["trainer_args"], PolicySpec, "", hint="trainer"))
     if "init_args" in spec:
-        role = spec.get("role", "solver")
-        command = (["model", "init", model] if role == "solver"
-                   else ["model", "init-role", model, "--role", str(role)])
-        out.append(_argv_message(f"{key}.init_args", key, command, spec["init_args"],
-                                 INIT_DESTS, "warm_start"))
+        out.append(_argv_message(f"{key}.init_args", key, WARM_START_FLAGS,
+                                 spec["init_args"], WarmStartSpec, "warm_start"))
     if "eval_args" in spec:
-        out.append(_argv_message(f"{key}.eval_args", key, [
-            "eval", "run", "--topology", "-", "--model", model], spec["eval_args"],
-            {**EVAL_DESTS}, "eval"))
+        out.append(_argv_message(f"{key}.eval_args", key, EVAL_FLAGS, spec["eval_args"],
+                                 PolicyEvalSpec, "eval"))
     return out
 
 
@@ -156,14 +153,12 @@ def old_format_errors(data: dict[str, Any]) -> list[str]:
     for name, spec in (data.get("pools") or {}).items():
         if isinstance(spec, dict) and "raas_args" in spec:
             key = f"pools.{name}"
-            out.append(_argv_message(f"{key}.raas_args", key, [
-                "raas", "run", "--topology", "-", "--policy-model", "p=m"],
-                spec["raas_args"], RAAS_DESTS, ""))
-    for section, command in (("feeder", ["feeder", "run", "--topology", "-"]),
-                             ("eval", ["eval", "run", "--topology", "-", "--model", "m"])):
+            out.append(_argv_message(f"{key}.raas_args", key, NODE_FLAGS, spec["raas_args"],
+                                     PoolSpec, ""))
+    for section, flags, model in (("feeder", FEEDER_FLAGS, FeederSpec),
+                                  ("eval", EVAL_FLAGS, EvalSpec)):
         spec = data.get(section)
         if isinstance(spec, dict) and "args" in spec:
-            table = FEEDER_DESTS if section == "feeder" else {"every": ("", "every_versions")}
-            out.append(_argv_message(f"{section}.args", section, command, spec["args"],
-                                     table, ""))
+            out.append(_argv_message(f"{section}.args", section, flags, spec["args"],
+                                     model, ""))
     return out + _processor_errors(data)

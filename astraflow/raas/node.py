@@ -28,8 +28,8 @@ from typing import Any
 
 from confluent_kafka import KafkaException, Message
 
-from astraflow.config.topology import Topology
-from astraflow.dataflow.base import InvalidRecord
+from astraflow.config.components import NodeSettings
+from astraflow.config.topology import PoolSpec, Topology
 from astraflow.dataflow.runtime import loop_spec
 from astraflow.kafka.clients import dead_letter, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
@@ -41,28 +41,45 @@ from astraflow.raas.workflows import Workflow, make_workflow
 from astraflow.weights.signing import verifier_from
 from astraflow.wire.codec import RecordDecodeError
 from astraflow.wire.records import ComponentStatus, DeadLetter, Task, TrajectoryGroup
-from astraflow.wire.validate import check_record
+from astraflow.wire.validate import InvalidRecord, check_record
 
 log = logging.getLogger("astraflow.raas")
 
 
+_POOL = PoolSpec()  # the one declaration of a pool's defaults
+
+
 @dataclass
 class NodeOptions:
+    """What a node runs with; ``from_settings`` builds it from its pool's typed section of
+    the topology, whose defaults these are."""
+
     pool: str = "default"
     instance: str | None = None  # default: $ASTRAFLOW_INSTANCE or the host name
-    n_samples: int = 4
-    tasks_per_transaction: int = 1
+    n_samples: int = _POOL.n_samples
+    tasks_per_transaction: int = _POOL.tasks_per_transaction
     poll_timeout_s: float = 0.5
-    session_timeout_ms: int = 10_000
+    session_timeout_ms: int = _POOL.session_timeout_ms
     max_poll_interval_ms: int = 600_000  # longest rollout batch before the group evicts us
-    follow_weights: bool = True
-    speed: float = 1.0  # < 1: pause (1/speed - 1) x each rollout batch's duration
+    follow_weights: bool = _POOL.follow_weights
+    speed: float = _POOL.speed  # < 1: pause (1/speed - 1) x each rollout batch's duration
     weights_catchup_s: float = 10.0
     workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
             raise ValueError(f"speed {self.speed}: must be above 0 and at most 1")
+
+    @classmethod
+    def from_settings(cls, settings: NodeSettings, instance: str | None = None) -> NodeOptions:
+        """A node of ``settings.pool`` as its typed configuration (its pool's section,
+        flags applied: ``astraflow.config.components.node_settings``) declares it."""
+        spec = settings.spec
+        return cls(pool=settings.pool, instance=instance, n_samples=spec.n_samples,
+                   tasks_per_transaction=spec.tasks_per_transaction,
+                   session_timeout_ms=spec.session_timeout_ms,
+                   follow_weights=spec.follow_weights, speed=spec.speed,
+                   workflow_options={k: dict(v) for k, v in settings.workflow_options.items()})
 
 
 @dataclass

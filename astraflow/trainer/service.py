@@ -51,8 +51,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
-from astraflow.config.topology import Topology
-from astraflow.dataflow.base import InvalidRecord
+from astraflow.config.topology import PolicySpec, Topology, TrainerSpec
 from astraflow.dataflow.runtime import loop_spec
 from astraflow.kafka.clients import (
     dead_letter,
@@ -74,7 +73,7 @@ from astraflow.wire.records import (
     PartitionOffset,
     WeightManifest,
 )
-from astraflow.wire.validate import check_record
+from astraflow.wire.validate import InvalidRecord, check_record
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -93,29 +92,48 @@ def default_blob_store(topology: Topology, state_dir: Path) -> str:
     return (state_dir / "blobs").absolute().as_uri()
 
 
+_SPEC = TrainerSpec()  # the one declaration of the trainer's defaults
+
+
 @dataclass
 class ServiceOptions:
+    """What the trainer process runs with; ``from_spec`` builds it from the policy's typed
+    section of the topology, whose defaults these are."""
+
     policy: str
     model_path: str
-    blob_store: str | None = None  # default: file://<state_dir>/blobs
-    state_dir: str | None = None
+    blob_store: str | None = _SPEC.blob_store  # default: file://<state_dir>/blobs
+    state_dir: str | None = _SPEC.state_dir
     instance: str | None = None
-    anchor_interval: int = 10
+    anchor_interval: int = _SPEC.anchor_interval
     # trainer state (optimizer, master weights) written every N versions, in the background
-    state_interval: int = 10
+    state_interval: int = _SPEC.state_interval
     # a state write is recorded at the latest in the manifest of version k + lag (the step
     # waits for it there); None: the interval (the next state waits for it)
-    state_max_lag: int | None = None
-    keep_optimizer: int = 3  # the newest K written trainer states are kept
+    state_max_lag: int | None = _SPEC.state_max_lag
+    keep_optimizer: int = _SPEC.keep_optimizer  # the newest K written trainer states are kept
     # weight blobs of versions older than the newest full checkpoint at or below the
     # newest version - keep_versions are removed (Kafka: DeleteRecords); 0 keeps all
-    keep_versions: int = 20
-    max_steps: int | None = None  # stop (cleanly) after this many steps in this process
+    keep_versions: int = _SPEC.keep_versions
+    max_steps: int | None = _SPEC.max_steps  # stop (cleanly) after this many steps
     poll_timeout_s: float = 0.5
     session_timeout_ms: int = 10_000
     max_poll_interval_ms: int = 3_600_000  # a step may take long on a big model
     commit_retries: int = 3
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @classmethod
+    def from_spec(cls, policy: str, spec: PolicySpec,
+                  instance: str | None = None) -> ServiceOptions:
+        """The trainer of ``policy`` as its typed section ``spec`` (flags applied:
+        ``astraflow.config.components.trainer_spec``) declares it."""
+        t = spec.trainer
+        return cls(policy=policy, model_path=spec.model, blob_store=t.blob_store,
+                   state_dir=t.state_dir, instance=instance,
+                   anchor_interval=t.anchor_interval, state_interval=t.state_interval,
+                   state_max_lag=t.state_max_lag, keep_optimizer=t.keep_optimizer,
+                   keep_versions=t.keep_versions, max_steps=t.max_steps,
+                   trainer=TrainerConfig.from_spec(spec))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (and its CLI flag) of a bad setting."""

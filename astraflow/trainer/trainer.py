@@ -55,7 +55,7 @@ import io
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,6 +72,9 @@ from astraflow.trainer.loss import (
 from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
+if TYPE_CHECKING:  # the step imports no configuration: a spec is only read here
+    from astraflow.config.sections import PolicySpec
+
 log = logging.getLogger("astraflow.trainer")
 
 DTYPES = {
@@ -86,9 +89,12 @@ DTYPES = {
 
 @dataclass
 class TrainerConfig:
-    """Hyper-parameters of the step (all have CLI flags in ``astraflow trainer run``)."""
+    """Hyper-parameters of the step. A trainer process builds them from its policy's
+    typed section of the topology (``from_spec``: ``astraflow.config.sections``, where
+    each one is declared with its default and its ``trainer run`` flag); the defaults
+    here are the same (a test keeps them equal), for a step built in code."""
 
-    lr: float = 1e-6
+    lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
@@ -143,6 +149,24 @@ class TrainerConfig:
     # drop groups whose oldest generated token is more than this many versions behind the
     # version being trained (the last guard of the staleness bound); None: keep all
     max_staleness: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> TrainerConfig:
+        """The step of a policy's trainer as its typed section ``spec`` declares it (its
+        ``trainer:`` and the policy's sampling and ``max_staleness``)."""
+        t = spec.trainer
+        return cls(
+            lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), adam_eps=t.adam_eps,
+            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, loss=t.loss,
+            clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap,
+            tis_mask=t.tis_mask, m2_threshold=t.m2_threshold, normalize_std=t.std_normalize,
+            micro_batch_size=t.micro_batch_size, minibatches=t.minibatches,
+            micro_batch_tokens=t.micro_batch_tokens, dtype=t.dtype,
+            publish_dtype=t.publish_dtype, autocast=t.autocast,
+            gradient_checkpointing=t.gradient_checkpointing, share_prompt=t.share_prompt,
+            forward_on=t.forward_on, temperature=spec.temperature, top_p=spec.top_p,
+            device=t.device, backend=t.backend, max_staleness=spec.max_staleness,
+        )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field (and its CLI flag) of a bad setting."""

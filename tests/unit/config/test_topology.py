@@ -257,17 +257,17 @@ def test_losses_of_the_topology_are_the_trainers():
 
 
 def test_top_p_reaches_the_trainer_and_the_workflows():
-    from astraflow.launch import up as launcher
+    from astraflow.config.components import node_settings, trainer_spec
+    from astraflow.trainer.service import ServiceOptions
 
     data = typed(policies={"actor": {"model": "m", "temperature": 0.7, "top_p": 0.9}},
                  pools={"local": {"workflows": {"single_turn": {"max_new_tokens": 8}}}})
-    plan = launcher.plan_processes(parse_topology(data), "t.yaml")
-    trainer = plan["trainer-actor"]
-    assert trainer[trainer.index("--temperature") + 1] == "0.7"
-    assert trainer[trainer.index("--top-p") + 1] == "0.9"
-    raas = plan["raas-local-0"]
-    options = raas[raas.index("--workflow-options") + 1]
-    assert options == 'single_turn={"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 8}'
+    topo = parse_topology(data)
+    trainer = ServiceOptions.from_spec("actor", trainer_spec(topo, "actor")).trainer
+    assert (trainer.temperature, trainer.top_p) == (0.7, 0.9)
+    node = node_settings(topo, "local")
+    assert node.workflow_options == {
+        "single_turn": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 8}}
     # a workflow may repeat the policies' own sampling; greedy is reported at T 1, top-p 1
     data["pools"]["local"]["workflows"]["single_turn"].update(top_p=0.9, temperature=0.7)
     parse_topology(data)
@@ -348,7 +348,7 @@ def test_an_old_format_file_names_each_key_and_what_to_write(tmp_path):
         "policies.actor.trainer_args: no longer accepted; write policies.actor.max_staleness: 4"
         " and policies.actor.trainer: {state_interval: 50}",
         "policies.actor.init_args: no longer accepted; write policies.actor.warm_start: "
-        "{seed: 1, until: 0.9}",
+        "{until: 0.9, seed: 1}",
         "policies.actor.eval_args: no longer accepted; write policies.actor.eval: "
         "{every_versions: 20}",
         "pools.local.raas_args: no longer accepted; write pools.local.tasks_per_transaction: 4"
@@ -414,8 +414,7 @@ def test_feeder_task_families_are_the_feeders():
     from astraflow.dataflow.feeder import TASK_FAMILIES
 
     annotation = FeederSpec.model_fields["task_family"].annotation
-    (literal,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-    assert set(typing.get_args(literal)) == set(TASK_FAMILIES)
+    assert set(typing.get_args(annotation)) == set(TASK_FAMILIES)
 
 
 def test_consumer_groups_cover_processors_raas_pools_and_trainers():

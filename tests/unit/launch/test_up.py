@@ -10,18 +10,25 @@ from pathlib import Path
 import pytest
 import yaml
 
+from astraflow.cli.components import configuration
 from astraflow.cli.main import build_parser
+from astraflow.cli.up import recipe_of
 from astraflow.config.topology import PolicySpec, parse_topology
 from astraflow.launch import up as launcher
-from astraflow.launch.up import (
-    MissingModel,
-    _model_init_command,
-    _tiny_model_outdated,
-    _write_tiny_models,
-)
+from astraflow.launch.up import MissingModel, _model_init_command, _tiny_model_outdated
 from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
 
 REPO = Path(__file__).resolve().parents[3]
+
+
+def _outdated(spec: PolicySpec) -> str:
+    """Why `up` would rewrite ``spec``'s tiny model, judged by the CLI's `model init`."""
+    return _tiny_model_outdated(spec, recipe_of)
+
+
+def _write_models(topo) -> bool:
+    """What `up` does first: write each policy's missing or outdated tiny model."""
+    return launcher._write_tiny_models(topo, recipe_of)
 
 
 def _warm(spec: PolicySpec, **update) -> PolicySpec:
@@ -38,9 +45,9 @@ def _written_by(spec: PolicySpec) -> None:
 
 def test_tiny_model_is_rewritten_only_when_its_recipe_changes(tmp_path):
     spec = PolicySpec(model=str(tmp_path / "m"), warm_start={"steps": 2000, "slip": 0.7})
-    assert _tiny_model_outdated(spec) == ""  # no recipe: not ours, or not written yet
+    assert _outdated(spec) == ""  # no recipe: not ours, or not written yet
     _written_by(spec)
-    assert _tiny_model_outdated(spec) == ""
+    assert _outdated(spec) == ""
     # the recipe records what shapes the model, not where it lives
     recipe = json.loads((tmp_path / "m" / INIT_RECIPE).read_text())
     assert recipe["warm_start_steps"] == 2000 and recipe["carry_slip"] == 0.7
@@ -51,11 +58,11 @@ def test_tiny_model_is_rewritten_only_when_its_recipe_changes(tmp_path):
         _warm(spec, steps=100),
         _warm(spec, levels="1"),
     ):
-        why = _tiny_model_outdated(changed)
+        why = _outdated(changed)
         assert why.startswith("the topology changed how it is made"), why
-    assert "carry_slip 0.7 -> 0.5" in _tiny_model_outdated(_warm(spec, slip=0.5))
+    assert "carry_slip 0.7 -> 0.5" in _outdated(_warm(spec, slip=0.5))
     # a model the user brought is never rewritten
-    assert _tiny_model_outdated(
+    assert _outdated(
         _warm(spec, slip=0.5).model_copy(update={"init_tiny": False})) == ""
 
 
@@ -67,8 +74,8 @@ def test_an_option_added_after_the_model_was_written_counts_as_its_default(tmp_p
     for key in ("retry_share", "retry_slip"):  # options a newer `model init` has
         del recipe[key]
     recipe_file.write_text(json.dumps(recipe))
-    assert _tiny_model_outdated(spec) == ""
-    why = _tiny_model_outdated(_warm(spec, retry_share=0.25))
+    assert _outdated(spec) == ""
+    why = _outdated(_warm(spec, retry_share=0.25))
     assert "retry_share 0.0 -> 0.25" in why, why
 
 
@@ -92,9 +99,9 @@ def test_a_verifier_is_written_by_init_role_with_the_topologys_slip(tmp_path):
 def test_a_role_model_is_rewritten_only_when_its_recipe_changes(tmp_path):
     spec = PolicySpec(model=str(tmp_path / "v"), role="verifier",
                       warm_start={"steps": 300, "levels": "1"})
-    assert _tiny_model_outdated(spec) == ""
+    assert _outdated(spec) == ""
     _written_by(spec)
-    assert _tiny_model_outdated(spec) == ""
+    assert _outdated(spec) == ""
     for changed, change in (
         (spec.model_copy(update={"role": "selector"}), "role verifier -> selector"),
         (_warm(spec, steps=400), "warm_start_steps 300 -> 400"),
@@ -104,19 +111,19 @@ def test_a_role_model_is_rewritten_only_when_its_recipe_changes(tmp_path):
         (_warm(spec, seed=3), "seed 0 -> 3"),
         (spec.model_copy(update={"role": "solver"}), "model_command init-role -> init"),
     ):
-        why = _tiny_model_outdated(changed)
+        why = _outdated(changed)
         assert why.startswith("the topology changed how it is made") and change in why, why
     # a solver's model turned into a verifier's
     solver = spec.model_copy(update={"role": "solver", "model": str(tmp_path / "s")})
     _written_by(solver)
-    assert "model_command init -> init-role" in _tiny_model_outdated(
+    assert "model_command init -> init-role" in _outdated(
         solver.model_copy(update={"role": "verifier"}))
     # a role model with only the recipe file of an older astraflow is rewritten once
     (tmp_path / "v" / INIT_RECIPE).rename(tmp_path / "v" / OLD_ROLE_RECIPE)
-    assert "older `model init-role`" in _tiny_model_outdated(spec)
-    assert _tiny_model_outdated(spec.model_copy(update={"init_tiny": False})) == ""
+    assert "older `model init-role`" in _outdated(spec)
+    assert _outdated(spec.model_copy(update={"init_tiny": False})) == ""
     (tmp_path / "v" / OLD_ROLE_RECIPE).unlink()
-    assert _tiny_model_outdated(spec) == ""  # no recipe at all: not ours, left alone
+    assert _outdated(spec) == ""  # no recipe at all: not ours, left alone
 
 
 def _solver_verifier(tmp_path) -> dict:
@@ -142,25 +149,25 @@ def test_up_writes_every_policys_model_the_same_way(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher.subprocess, "run", fake_run)
     data = _solver_verifier(tmp_path)
     topo = parse_topology(data)
-    assert _write_tiny_models(topo) is True
+    assert _write_models(topo) is True
     assert [c[:2] for c in ran] == [["model", "init"], ["model", "init-role"]]
     assert ran[1][ran[1].index("--role") + 1] == "verifier"
     assert ran[1][ran[1].index("--carry-slip") + 1] == "0.0"
     ran.clear()
-    assert _write_tiny_models(topo) is False and ran == []  # nothing changed
+    assert _write_models(topo) is False and ran == []  # nothing changed
 
     data["policies"]["verifier"]["warm_start"] = {"steps": 200, "levels": "1"}
-    assert _write_tiny_models(parse_topology(data)) is True
+    assert _write_models(parse_topology(data)) is True
     assert ran == [_model_init_command(parse_topology(data).policies["verifier"])]
     ran.clear()
 
     # a model without a recipe is never rewritten; a missing one up may not write is an error
     (tmp_path / "solver" / INIT_RECIPE).unlink()
     data["policies"]["solver"]["warm_start"]["steps"] = 10
-    assert _write_tiny_models(parse_topology(data)) is False and ran == []
+    assert _write_models(parse_topology(data)) is False and ran == []
     data["policies"]["verifier"].update(model=str(tmp_path / "elsewhere"), init_tiny=False)
     with pytest.raises(MissingModel, match="verifier"):
-        _write_tiny_models(parse_topology(data))
+        _write_models(parse_topology(data))
     assert ran == []
 
 
@@ -184,17 +191,17 @@ def test_an_imported_policy_never_starts_from_a_tiny_model_left_at_its_path(tmp_
     assert len(ran) == 1
 
 
-# --- the plan: each component's command line from the typed topology -------------------
+# --- the plan: each component with the file and its identity; the file its settings ------
 
-def _flags(cmd: list[str]):
-    """``cmd`` (an ``astraflow`` command line of the plan) parsed by the real CLI."""
+def _run(cmd: list[str], topo):
+    """The configuration the planned command ``cmd`` runs with (``topo``: its file)."""
     assert cmd[:3] == [launcher.sys.executable, "-m", "astraflow.cli.main"]
-    return build_parser().parse_args(cmd[3:])
+    return configuration(cmd[3:], topo)
 
 
-def test_the_default_plan_is_the_one_before_the_typed_topology():
-    """topology/default.yaml's plan, flag for flag as `up` started it when the file carried
-    argv lists (trainer_args, raas_args, feeder.args)."""
+def test_up_starts_each_component_with_the_file_and_its_identity_only():
+    """topology/default.yaml's plan: the file, the component (policy, pool and instance,
+    where its model is) and nothing else; the settings come from the file."""
     from astraflow.config.topology import load_topology
 
     path = "topology/default.yaml"
@@ -202,20 +209,39 @@ def test_the_default_plan_is_the_one_before_the_typed_topology():
         load_topology(REPO / path), path).items()}
     assert plan == {
         "trainer-actor": ["trainer", "run", "--topology", path, "--policy", "actor", "--model",
-                          "runs/default/model", "--lr", "0.0001", "--anchor-interval", "10",
-                          "--temperature", "1.0", "--top-p", "1.0", "--max-staleness", "4"],
+                          "runs/default/model"],
         **{f"processor-{n}": ["processor", "run", n, "--topology", path, "--instance", "up"]
            for n in ("admission", "staleness", "router", "batcher")},
         "raas-local-0": ["raas", "run", "--topology", path, "--pool", "local", "--instance",
-                         "local-0", "--n-samples", "8", "--policy-model",
-                         "actor=runs/default/model", "--workflow-options",
-                         'single_turn={"temperature": 1.0, "max_new_tokens": 8}'],
-        "feeder": ["feeder", "run", "--topology", path, "--rate", "60.0", "--epochs", "0",
-                   "--levels", "1,2"],
+                         "local-0", "--policy-model", "actor=runs/default/model"],
+        "feeder": ["feeder", "run", "--topology", path],
         "eval-actor": ["eval", "run", "--topology", path, "--policy", "actor", "--model",
-                       "runs/default/model", "--every", "5", "--size", "200",
-                       "--max-new-tokens", "8"],
+                       "runs/default/model"],
     }
+
+
+def test_the_default_plan_runs_the_configuration_it_ran_before_the_typed_topology():
+    """The settings topology/default.yaml's components run with are those `up` passed as
+    flags when the file carried argv lists (trainer_args, raas_args, feeder.args)."""
+    from astraflow.config.topology import load_topology
+
+    path = "topology/default.yaml"
+    topo = load_topology(REPO / path)
+    plan = launcher.plan_processes(topo, path)
+    trainer = _run(plan["trainer-actor"], topo)
+    assert (trainer.model_path, trainer.trainer.lr, trainer.anchor_interval,
+            trainer.trainer.temperature, trainer.trainer.top_p,
+            trainer.trainer.max_staleness) == ("runs/default/model", 1e-4, 10, 1.0, 1.0, 4)
+    node = _run(plan["raas-local-0"], topo)
+    assert (node.options.pool, node.options.instance, node.options.n_samples) == (
+        "local", "local-0", 8)
+    assert node.options.workflow_options == {
+        "single_turn": {"temperature": 1.0, "max_new_tokens": 8}}
+    assert node.settings.models == {"actor": "runs/default/model"}
+    feeder = _run(plan["feeder"], topo)
+    assert (feeder.rate, feeder.epochs, feeder.levels) == (60.0, 0, "1,2")
+    ev = _run(plan["eval-actor"], topo)
+    assert (ev.every_versions, ev.size, ev.max_new_tokens) == (5, 200, 8)
 
 
 def test_max_staleness_is_set_once_per_policy():
@@ -224,14 +250,15 @@ def test_max_staleness_is_set_once_per_policy():
     topo = load_topology(REPO / "topology" / "solver-verifier.yaml")
     plan = launcher.plan_processes(topo, "t.yaml")
     for policy in ("solver", "verifier"):
-        assert _flags(plan[f"trainer-{policy}"]).max_staleness == 16
+        assert _run(plan[f"trainer-{policy}"], topo).trainer.max_staleness == 16
         assert topo.processors[f"batcher-{policy}"].options["max_staleness"] == 16
     assert topo.processors["staleness"].options["max_staleness"] == 16
     data = _solver_verifier_data()
     data["policies"]["solver"]["max_staleness"] = 3
     data["policies"]["verifier"]["max_staleness"] = 3
     topo = parse_topology(data)
-    assert _flags(launcher.plan_processes(topo, "t")["trainer-solver"]).max_staleness == 3
+    assert _run(launcher.plan_processes(topo, "t")["trainer-solver"],
+                topo).trainer.max_staleness == 3
     assert topo.processors["batcher-verifier"].options["max_staleness"] == 3
     del data["policies"]["solver"]["max_staleness"]  # the one default
     with pytest.raises(Exception, match=r"processors.staleness: .*solver 4, verifier 3"):
@@ -242,11 +269,37 @@ def _solver_verifier_data() -> dict:
     return yaml.safe_load((REPO / "topology" / "solver-verifier.yaml").read_text())
 
 
-def test_every_typed_trainer_field_reaches_its_trainer_flag():
-    """Each TrainerSpec field set to a non-default value comes out as that value of the
-    `trainer run` flag; unset ones leave the trainer's own defaults."""
+# TrainerSpec field -> where the trainer process holds it: (ServiceOptions attribute) or
+# ("trainer", TrainerConfig attribute) or ("spec", the handler reads it: torch settings)
+TRAINER_FIELDS = {
+    **{f: ("trainer", f) for f in (
+        "lr", "weight_decay", "adam_eps", "max_grad_norm", "loss", "clip_low", "clip_high",
+        "tis_cap", "tis_mask", "m2_threshold", "minibatches", "micro_batch_size",
+        "micro_batch_tokens", "dtype", "publish_dtype", "autocast", "gradient_checkpointing",
+        "share_prompt", "forward_on", "device", "backend")},
+    "adam_beta1": ("trainer", "betas", 0), "adam_beta2": ("trainer", "betas", 1),
+    "std_normalize": ("trainer", "normalize_std"),
+    **{f: ("options", f) for f in ("anchor_interval", "state_interval", "state_max_lag",
+                                   "keep_optimizer", "keep_versions", "max_steps",
+                                   "blob_store", "state_dir")},
+    **{f: ("spec", f) for f in ("seed", "threads", "deterministic")},
+}
+
+
+def _held(opts, spec, field: str):
+    """Where the trainer process holds TrainerSpec ``field`` (``TRAINER_FIELDS``)."""
+    where, name, *index = TRAINER_FIELDS[field]
+    value = getattr({"trainer": opts.trainer, "options": opts, "spec": spec}[where], name)
+    return value[index[0]] if index else value
+
+
+def test_every_typed_trainer_field_reaches_the_trainer():
+    """Each TrainerSpec field set in the file is what the trainer `up` starts runs with;
+    the fields the file leaves unset keep their one default."""
+    from astraflow.config.components import trainer_spec
     from astraflow.config.topology import TrainerSpec
 
+    assert set(TRAINER_FIELDS) == set(TrainerSpec.model_fields)
     values = dict(lr=0.5, anchor_interval=7, state_interval=3, state_max_lag=2,
                   keep_optimizer=5, keep_versions=0, seed=9, weight_decay=0.1,
                   adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, max_grad_norm=0.5,
@@ -254,29 +307,28 @@ def test_every_typed_trainer_field_reaches_its_trainer_flag():
                   autocast="bf16", gradient_checkpointing=True, forward_on="master",
                   dtype="bf16", publish_dtype="same", device="cuda", threads=2,
                   deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s",
-                  loss="decoupled_ppo", tis_mask=True, backend="megatron", minibatches=4)
-    assert set(values) | {"std_normalize", "share_prompt", "micro_batch_size",
-                          "m2_threshold"} == set(TrainerSpec.model_fields)
+                  loss="decoupled_ppo", tis_mask=True, backend="megatron", minibatches=4,
+                  std_normalize=False, share_prompt=False)
+    assert set(values) | {"micro_batch_size", "m2_threshold"} == set(TrainerSpec.model_fields)
     data = _solver_verifier_data()
-    data["policies"]["solver"]["trainer"] = {**values, "std_normalize": False,
-                                             "share_prompt": False}
-    plan = launcher.plan_processes(parse_topology(data), "t")
-    args = vars(_flags(plan["trainer-solver"]))
-    assert {k: args[k] for k in values} == values
-    assert args["no_std_normalize"] and args["no_share_prompt"]
-    # the verifier sets only lr and anchor_interval: the rest is the trainer's default
-    default = vars(build_parser().parse_args(["trainer", "run", "--topology", "t", "--policy",
-                                              "verifier", "--model", "m"]))
-    verifier = vars(_flags(plan["trainer-verifier"]))
-    assert {k for k in default if default[k] != verifier[k]} == {
-        "model", "lr", "max_staleness"}
+    data["policies"]["solver"]["trainer"] = dict(values)
+    topo = parse_topology(data)
+    plan = launcher.plan_processes(topo, "t")
+    opts, spec = _run(plan["trainer-solver"], topo), trainer_spec(topo, "solver").trainer
+    assert {k: _held(opts, spec, k) for k in values} == values
+    # the verifier sets only lr and anchor_interval: the rest is the one default
+    verifier = _run(plan["trainer-verifier"], topo)
+    default = TrainerSpec()
+    assert {k for k in TrainerSpec.model_fields
+            if _held(verifier, default, k) != getattr(default, k)} == {"lr"}
     # m2po reads m2_threshold (the other losses refuse it: see test_topology)
     data["policies"]["solver"]["trainer"] = {"loss": "m2po", "m2_threshold": 0.01}
-    args = vars(_flags(launcher.plan_processes(parse_topology(data), "t")["trainer-solver"]))
-    assert (args["loss"], args["m2_threshold"]) == ("m2po", 0.01)
+    topo = parse_topology(data)
+    opts = _run(launcher.plan_processes(topo, "t")["trainer-solver"], topo)
+    assert (opts.trainer.loss, opts.trainer.m2_threshold) == ("m2po", 0.01)
 
 
-def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():
+def test_warm_start_feeder_pool_and_eval_fields_reach_their_components():
     data = _solver_verifier_data()
     data["policies"]["solver"]["warm_start"].update(levels=[1, 2, 3], lr=0.01, batch_size=16,
                                                     train_size=100, eval_size=10)
@@ -294,26 +346,30 @@ def test_warm_start_feeder_pool_and_eval_fields_reach_their_flags():
     verifier = build_parser().parse_args(_model_init_command(topo.policies["verifier"]))
     assert verifier.blind and verifier.label_noise == 0.15 and verifier.carry_slip == 0.0
     plan = launcher.plan_processes(topo, "t")
-    feeder = _flags(plan["feeder"])
+    feeder = _run(plan["feeder"], topo)
     assert (feeder.seed, feeder.count, feeder.size, feeder.split, feeder.from_start,
-            feeder.dataset, feeder.prompt_field, feeder.policy, feeder.workflow) == (
-        3, 50, 10, "eval", True, "d.jsonl", "q", ["solver", "verifier"], "solve_verify")
-    raas = _flags(plan["raas-local-0"])
-    assert (raas.device, raas.prefix_cache_mib, raas.session_timeout_ms,
-            raas.no_follow_weights, raas.engine_options, raas.tasks_per_transaction,
-            raas.speed) == ("cuda", 0.0, 9000, True, {"dtype": "float16"}, 8, 0.3)
-    assert dict(raas.workflow_options)["solve_verify"] == {
+            feeder.dataset.path, feeder.dataset.prompt_field, feeder.policies,
+            feeder.workflow) == (3, 50, 10, "eval", True, "d.jsonl", "q",
+                                 ["solver", "verifier"], "solve_verify")
+    raas = _run(plan["raas-local-0"], topo)
+    assert (raas.settings.spec.device, raas.settings.spec.prefix_cache_mib,
+            raas.options.session_timeout_ms, raas.options.follow_weights,
+            raas.settings.engine_options, raas.options.tasks_per_transaction,
+            raas.options.speed) == ("cuda", 0.0, 9000, False, {"dtype": "float16"}, 8, 0.3)
+    assert raas.options.workflow_options["solve_verify"] == {
         "temperature": 1.0, "max_new_tokens": 8, "blind": True, "verdicts_per_prompt": 4}
-    solver, verifier = _flags(plan["eval-solver"]), _flags(plan["eval-verifier"])
-    assert (solver.every, solver.size, solver.levels, solver.blind) == (5, 30, "1", False)
-    assert (verifier.every, verifier.size, verifier.blind, verifier.role) == (
+    solver, verifier = _run(plan["eval-solver"], topo), _run(plan["eval-verifier"], topo)
+    assert (solver.every_versions, solver.size, solver.levels, solver.blind) == (
+        5, 30, "1", False)
+    assert (verifier.every_versions, verifier.size, verifier.blind, verifier.role) == (
         20, 30, True, "verifier")
 
 
 def test_pool_engine_options_pass_on_only_what_the_file_sets():
     data = _solver_verifier_data()
     data["pools"]["local"].update(engine="vllm", engine_options={"cpus": 1, "kv_cache_gib": 1})
-    raas = _flags(launcher.plan_processes(parse_topology(data), "t")["raas-local-0"])
+    topo = parse_topology(data)
+    raas = _run(launcher.plan_processes(topo, "t")["raas-local-0"], topo).settings
     assert raas.engine == "vllm" and raas.engine_options == {"cpus": 1, "kv_cache_gib": 1}
 
 
