@@ -284,6 +284,39 @@ def test_every_component_service_runs_what_astraflow_up_runs(name):
     assert command == _planned(SERVICES[name])
 
 
+# what a component's service may name besides its topology: who it is and where its model is
+IDENTITY = {"model", "policy_model"}
+
+
+def _copied_settings(service: dict) -> list[str]:
+    """The override flags (``astraflow.config.overrides``) a component service gives: a
+    setting copied out of its topology, which the component reads from the file."""
+    from astraflow.cli.flags import given
+    from astraflow.config.overrides import EVAL_FLAGS, FEEDER_FLAGS, NODE_FLAGS, TRAINER_FLAGS
+
+    args = _parsed(service)
+    flags = {"trainer": TRAINER_FLAGS, "raas": NODE_FLAGS, "eval": EVAL_FLAGS,
+             "feeder": FEEDER_FLAGS}.get(getattr(args, "command", None), ())
+    return sorted(set(given(args, flags)) - IDENTITY)
+
+
+@pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if _planned(s) is not None])
+def test_component_services_carry_no_copied_setting_flags(name):
+    """A component service names its topology and its identity; every setting (lr,
+    samples per task, workflow options ...) comes from the file, so a setting changed
+    there reaches the service (tests/unit/cli/test_component_settings.py)."""
+    assert _copied_settings(SERVICES[name]) == []
+
+
+def test_the_copied_flag_check_fails_on_a_copied_setting():
+    trainer, raas = SERVICES["trainer-actor"], SERVICES["raas-local-0"]
+    assert _copied_settings({**trainer, "command": [*trainer["command"], "--lr", "0.0001"]}) \
+        == ["lr"]
+    assert _copied_settings({**raas, "command": [*raas["command"], "--n-samples", "8",
+                                                 "--workflow-options", "single_turn={}"]}) \
+        == ["n_samples", "workflow_options"]
+
+
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_the_default_services_train_sharing_nothing_but_kafka(kafka_bootstrap, kafka_config,
