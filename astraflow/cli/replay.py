@@ -4,10 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,13 +145,14 @@ def _range(config, topic: str, args: argparse.Namespace, manifests=None,
 
 
 def cmd_replay_eval(args: argparse.Namespace) -> int:
+    from astraflow.cli.eval import cmd_eval_run
     from astraflow.cli.main import build_parser, load_run_topology
-    from astraflow.eval.evaluator import cmd_eval_run
     from astraflow.launch.up import eval_args
     from astraflow.replay.ranges import ReplayError
+    from astraflow.replay.train import pick_policy
 
     topo = args.loaded_topology
-    policy = _policy(topo, args.policy)
+    policy = pick_policy(topo, args.policy)
     if topo.eval is None:
         raise ReplayError(f"{topo.source} has no eval: section (the held-out set to score)")
     out = args.out or str(Path(args.runs_dir) / topo.run / "replay-eval.json")
@@ -198,7 +195,7 @@ def cmd_replay_process(args: argparse.Namespace) -> int:
         report,
         version_history,
     )
-    from astraflow.replay.ranges import ReplayError, copy_range, print_progress
+    from astraflow.replay.ranges import ReplayError, copy_range, describe_range, print_progress
     from astraflow.weights.signing import verifier_for
 
     src, config = args.loaded_topology, kafka_config(args)
@@ -215,7 +212,7 @@ def cmd_replay_process(args: argparse.Namespace) -> int:
     if args.to_version is not None:
         args.until = _until_version(history, args.to_version, args.until)
     rng = _range(config, src_raw, args, by_batches=False)
-    print(f"replay process: {' -> '.join(chain)} over offsets {_fmt_range(rng)} of "
+    print(f"replay process: {' -> '.join(chain)} over offsets {describe_range(rng)} of "
           f"{src_raw} into run {into}", flush=True)
     t0 = time.monotonic()
     copied = copy_range(config, src_raw, new.full_name(ROOT), rng, print_progress("copy"),
@@ -248,158 +245,15 @@ def _until_version(history: dict[str, list[tuple[int, int]]], version: int,
 
 
 def cmd_replay_train(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config, with_overrides
-    from astraflow.kafka.clients import make_admin
-    from astraflow.kafka.topics import apply_topics
-    from astraflow.replay.ranges import ReplayError, copy_range, print_progress, trusted_manifests
+    from astraflow.cli.main import kafka_config
+    from astraflow.replay.train import ReplayTrain, replay_train
     from astraflow.weights.signing import verifier_for
-    from astraflow.weights.stores.kafka import read_manifests
 
     topo, config = args.loaded_topology, kafka_config(args)
-    policy = _policy(topo, args.policy)
-    src_batches, src_weights = (topo.full_name(f"batches.{policy}"),
-                                topo.full_name(f"weights.{policy}"))
-    verifier = verifier_for(topo.weight_signing, args.public_key)
-    manifests = [m for m in read_manifests(config, src_weights) if m.policy == policy]
-    if not manifests:
-        raise ReplayError(f"run {topo.run} published no weights on {src_weights}")
-    into = args.into or f"{topo.run}-replay"  # again: the same copy continues
-    if into == topo.run:
-        raise ReplayError(f"--into {into}: that is the run replayed; name a new run")
-    new = with_overrides(topo, into)
-    apply_topics(make_admin(config), new.resolved_topics())
-    manifests = trusted_manifests(manifests, verifier, src_weights, config, _dlq(new))
-    rng = _range(config, src_batches, args, manifests)
-    dst = new.full_name(f"batches.{policy}")
-    print(f"replay train: offsets {_fmt_range(rng)} of {src_batches} into run {into}")
-    copied = copy_range(config, src_batches, dst, rng, print_progress("copy"),
-                        max_bytes=topo.max_message_bytes(f"batches.{policy}"))
-    if not copied:
-        raise ReplayError(f"nothing to train: the range of {src_batches} is empty")
-    model = args.model or _start_model(topo, policy, config, src_weights,
-                                       Path(args.runs_dir) / into / "model-v0", verifier)
-    versions = _train(new, args, policy, model, config, dst)
-    _compare(config, policy, (topo.run, src_weights, manifests),
-             (into, new.full_name(f"weights.{policy}")), versions, verifier)
+    job = ReplayTrain(topology_path=args.topology, policy=args.policy, into=args.into,
+                      model=args.model, runs_dir=Path(args.runs_dir),
+                      trainer_flags=list(args.trainer_flags or []),
+                      verifier=verifier_for(topo.weight_signing, args.public_key))
+    replay_train(topo, config, job,
+                 lambda topic, manifests: _range(config, topic, args, manifests))
     return 0
-
-
-def _policy(topo, policy: str | None) -> str:
-    from astraflow.replay.ranges import ReplayError
-
-    if policy is None:
-        if len(topo.policies) != 1:
-            raise ReplayError(f"--policy: the topology has {sorted(topo.policies)}")
-        return next(iter(topo.policies))
-    if policy not in topo.policies:
-        raise ReplayError(f"--policy {policy}: not one of {sorted(topo.policies)}")
-    return policy
-
-
-def _fmt_range(rng) -> str:
-    return ", ".join(f"[{p}] {rng.start[p]}..{rng.end[p]}" for p in sorted(rng.start))
-
-
-def _start_model(topo, policy: str, config, weights_topic: str, dest: Path,
-                 verifier: Any = None) -> str:
-    """The model the source run's trainer started from: the topology's model directory
-    when it is there (its fp32 weights, as the trainer loaded them; version 0 is checked
-    against the source's after training), else version 0 rebuilt from the weight stream
-    (bf16 when the run published bf16: the replay then starts from the rounded weights),
-    from the manifests ``verifier`` trusts."""
-    spec_model = Path(topo.policies[policy].model)
-    if (spec_model / "config.json").is_file():
-        return str(spec_model)
-    print(f"no model at {spec_model}: starting from version 0 of {weights_topic}")
-    return str(_version0_model(config, weights_topic, policy, dest, verifier))
-
-
-def _version0_model(config, weights_topic: str, policy: str, dest: Path,
-                    verifier: Any = None) -> Path:
-    from astraflow.models.share import fetch_model
-    from astraflow.replay.ranges import ReplayError
-
-    if (dest / "config.json").is_file():
-        return dest
-    try:
-        return fetch_model(config, weights_topic, policy, dest, wait_s=30, version=0,
-                           verifier=verifier)
-    except Exception as e:  # noqa: BLE001 - pruned blobs, a missing topic: say what to do
-        raise ReplayError(f"cannot rebuild version 0 from {weights_topic} ({e}); give the "
-                          "model it was trained from with --model DIR") from None
-
-
-def _train(new, args: argparse.Namespace, policy: str, model: str, config, dst: str) -> int:
-    """Run ``astraflow trainer run`` on the new run until it has committed every copied
-    batch; the newest version it published."""
-    from astraflow.launch.up import trainer_args
-    from astraflow.replay.ranges import run_trainer
-    from astraflow.weights.stores.kafka import read_manifests
-
-    flags = trainer_args(new, args.topology, policy)
-    flags[flags.index("--model") + 1] = model
-    extra = [f for f in (args.trainer_flags or []) if f != "--"]
-    run_dir = Path(args.runs_dir) / new.run
-    cmd = [sys.executable, "-m", "astraflow.cli.main", *flags, "--run", new.run,
-           "--state-dir", str(run_dir / f"trainer-state-{policy}"), *extra]
-    # one intra-op thread, as `astraflow up` runs its trainers: the same float sums
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "ASTRAFLOW_BOOTSTRAP": config.bootstrap_servers}
-    log_path = run_dir / "logs" / f"replay-trainer-{policy}.log"
-    proc = run_trainer(cmd, env, log_path)
-    print(f"trainer started (log {log_path})")
-    try:
-        _wait_trained(config, new.trainer_group(policy), dst, proc, log_path)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
-    weights = new.full_name(f"weights.{policy}")
-    return max((m.version for m in read_manifests(config, weights)), default=0)
-
-
-def _wait_trained(config, group: str, dst: str, proc, log_path: Path) -> None:
-    from astraflow.kafka.lag import LagReader
-    from astraflow.replay.ranges import ReplayError
-
-    reader, last = LagReader(config), 0.0
-    try:
-        while True:
-            rows = reader.lag(group, [dst])
-            done = sum(r.committed or 0 for r in rows)
-            total = sum(r.end_offset for r in rows)
-            if rows and done >= total:
-                return
-            if proc.poll() is not None:
-                raise ReplayError(f"the trainer exited with {proc.returncode} after "
-                                  f"{done}/{total} offsets; see {log_path}")
-            if time.monotonic() - last >= 5:
-                print(f"train: {done}/{total} batch offsets committed", flush=True)
-                last = time.monotonic()
-            time.sleep(1.0)
-    finally:
-        reader.close()
-
-
-def _compare(config, policy: str, source: tuple, replay: tuple, replay_latest: int,
-             verifier: Any = None) -> None:
-    """Print the sha256 of both runs' weights at version 0 and at the last version they
-    have in common (the source run's from the manifests ``verifier`` trusts)."""
-    from astraflow.replay.ranges import digest_at
-
-    src_run, src_weights, manifests = source
-    new_run, new_weights = replay
-    common = min(max(m.version for m in manifests), replay_latest)
-    for v in sorted({0, common}):
-        try:
-            a = digest_at(config, src_weights, policy, v, verifier)
-            b = digest_at(config, new_weights, policy, v)
-        except Exception as e:  # noqa: BLE001 - e.g. a version whose blobs were pruned
-            print(f"cannot compare the weights at version {v}: {e}")
-            continue
-        print(f"version {v}: sha256 {a} (run {src_run})\n"
-              f"version {v}: sha256 {b} (run {new_run})\n"
-              + ("the same weights, bit for bit" if a == b else "the weights differ"))

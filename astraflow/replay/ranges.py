@@ -366,6 +366,23 @@ def run_trainer(cmd: list[str], env: dict[str, str], log_path: Path) -> subproce
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-__all__ = ["Range", "ReplayError", "clamp_range", "copy_range", "digest_at", "export_topic",
-           "parse_offsets", "parse_time", "report_refused", "trusted_manifests",
-           "version_ends", "weights_digest"]
+def describe_range(rng: Range) -> str:
+    """``[0] 10..20, [1] 5..9``: the offsets of each partition a range holds."""
+    return ", ".join(f"[{p}] {rng.start[p]}..{rng.end[p]}" for p in sorted(rng.start))
+
+
+__all__ = [
+    "Range",
+    "ReplayError",
+    "clamp_range",
+    "copy_range",
+    "describe_range",
+    "digest_at",
+    "export_topic",
+    "parse_offsets",
+    "parse_time",
+    "report_refused",
+    "trusted_manifests",
+    "version_ends",
+    "weights_digest",
+]

@@ -165,7 +165,8 @@ LAYER_ORDER: list[tuple[str, ...]] = [
     ("security", "models"),  # ACLs and TLS; local models, GGUF import, sharing
     ("broker", "roles"),  # the embedded broker and cluster; multi-policy role formats
     ("raas", "trainer"),  # rollout nodes and the trainer
-    ("eval", "launch", "replay"),  # evaluator; `up` and its supervision; offline replay
+    ("eval", "launch"),  # the evaluator; `up`, its plan and its supervision
+    ("replay",),  # offline replay of a run's retained topics (trains as `up` would)
     ("cli",),  # the `astraflow` command: the only package that imports argparse
 ]
 RANK = {package: i for i, layer in enumerate(LAYER_ORDER) for package in layer}
@@ -202,7 +203,9 @@ FORBIDDEN: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      ("torch", "transformers"),
      "the wire format, Kafka plumbing, the topology and the processors run where no GPU "
      "stack is installed"),
-    (("astraflow.sandbox",), ("astraflow",), "the sandbox stands alone"),
+    (("astraflow.sandbox",),
+     tuple(f"astraflow.{p}" for p in RANK if p != "sandbox"),
+     "the sandbox stands alone"),
     (("astraflow.models", "astraflow.roles"),
      ("astraflow.dataflow", "astraflow.raas", "astraflow.trainer", "astraflow.config",
       "astraflow.launch"),
