@@ -169,9 +169,16 @@ def test_a_killed_node_leaves_the_topic_under_replicated_but_writable_and_rejoin
 
     c.start_node(victim, timeout=120)
     wait_for(lambda: not [t for t, _p in c.status().under_replicated if t == topic], 120,
-             "the in-sync replicas back to 3")
-    isrs = make_admin(config).list_topics(topic, timeout=10).topics[topic].partitions
-    assert all(sorted(p.isrs) == [1, 2, 3] for p in isrs.values())
+             "the status to show no under-replicated partition of the topic")
+
+    def isrs() -> dict[int, list[int]]:
+        """Each partition's in-sync replicas, as a fresh admin's metadata has them (which
+        may trail the status read just before)."""
+        parts = make_admin(config).list_topics(topic, timeout=10).topics[topic].partitions
+        return {p: sorted(m.isrs) for p, m in parts.items()}
+
+    wait_for(lambda: isrs() == {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}, 120,
+             "a fresh admin's metadata to show the in-sync replicas back to 3", step=1.0)
     assert all(n.alive for n in c.status().nodes)
 
     # what `astraflow broker status` and `broker logs --node` show of it

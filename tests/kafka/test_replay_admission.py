@@ -2,8 +2,9 @@
 
 1. With the RaaS pool stalled, the tasks in flight for it (records on ``tasks`` past its
    group's committed offset) never exceed the admission bound while the feeder keeps
-   producing; feeding resumes within about a second once the pool commits again, and
-   nothing is lost or duplicated.
+   producing; each task the pool commits frees one place, which admission fills with one
+   task, and nothing is lost or duplicated. (How soon it does is measured by
+   ``bench/backpressure.py``, not asserted.)
 2. A trainer behind on ``batches.<policy>`` holds admission until it catches up.
 3. Replayed groups never violate the staleness bound, checked from what was published:
    the batches topic against the manifests on the weights topic.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import signal
-import statistics
 import threading
 import time
 from collections import Counter
@@ -164,19 +164,15 @@ def test_admission_bounds_tasks_in_flight_while_the_pool_is_stalled(kafka_config
         wait_for(lambda: rt.paused_topics == {"tasks.source": None}, 20, "input paused")
         assert rt.status().metrics["admission/input_paused"] == 1
 
-        # B. reaction time: the pool commits one task; how soon does the next one arrive?
-        reactions = []
+        # B. each task the pool commits frees one place: admission fills it with exactly
+        # one more task, and the pool is back at its bound
         for _ in range(5):
             before = follower.drain()
             assert pool.step(timeout=5.0)
-            t0 = pool.commit_times[-1]
-            wait_for(lambda n=before: follower.drain(0.02) > n, 10, "a task admitted",
+            wait_for(lambda n=before: follower.drain(0.02) > n, 60, "a task admitted",
                      step=0.0)
-            reactions.append(time.monotonic() - t0)
-            watch(3)
-        print(f"admission reaction after a pool commit: median "
-              f"{statistics.median(reactions):.2f}s, max {max(reactions):.2f}s")
-        assert max(reactions) < 2.0, reactions
+            watch(3)  # the feeder goes on meanwhile: no second task follows
+            assert follower.drain() == before + 1 and in_flight() == bound
 
         # C. the pool works (0.1 s per task): tasks flow, never beyond the bound
         done_before = pool.done
@@ -255,10 +251,8 @@ def test_admission_holds_while_the_trainer_is_behind(kafka_config, make_topology
         trainer = Consumer(kafka_config.consumer_conf(f"{topo.run}.trainer.actor"))
         trainer.commit(offsets=[TopicPartition(batches, 0, 2)], asynchronous=False)
         trainer.close()
-        t0 = time.monotonic()
-        wait_for(lambda: len(read_all(kafka_config, tasks, idle_s=0.2)) == 5, 20,
+        wait_for(lambda: len(read_all(kafka_config, tasks, idle_s=0.2)) == 5, 60,
                  "tasks admitted once the trainer caught up", step=0.05)
-        print(f"admission reaction after the trainer caught up: {time.monotonic() - t0:.2f}s")
         assert rt.status().state == "admitting"
     finally:
         rt.stop()

@@ -118,18 +118,55 @@ def test_the_processor_check_fails_when_a_service_is_missing():
     assert "topology/data-algorithms.yaml: greso" in _missing_processor_services(moved)
 
 
-@pytest.mark.parametrize("name", [n for n in SERVICES if n != "kafka"])
+def _profiles_of_users(name: str, services: dict) -> set[str | None]:
+    """The profiles of the services that depend on ``name`` (None: one without a profile)."""
+    return {p for s in services.values() if name in (s.get("depends_on") or {})
+            for p in (s.get("profiles") or [None])}
+
+
+def _profile_mismatch(name: str, services: dict) -> str:
+    """Why a service without a topology (model init, a Kafka node, the secure config) does
+    not start exactly when the services that use it do; "" when it does: without a profile
+    only if a service without one uses it, else with its users' profiles, all of them."""
+    own = set(services[name].get("profiles") or [])
+    users = _profiles_of_users(name, services)
+    if not users:
+        return f"{name}: no service depends on it"
+    if not own:
+        return "" if None in users else f"{name} starts without a profile, used only by {users}"
+    if None in users:
+        return f"{name} sits behind {sorted(own)}, but a service without a profile uses it"
+    named = {p for p in users if p is not None}
+    return "" if own == named else f"{name}: profiles {sorted(own)}, its users' {sorted(named)}"
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
 def test_only_default_run_services_start_without_a_profile(name):
-    """`docker compose up` runs the default run; other topologies sit behind profiles."""
+    """`docker compose up` runs the default run; other topologies sit behind profiles. A
+    service without a topology (model init, Kafka, the secure config) is judged by the
+    services that use it: it starts exactly when they do."""
     service = SERVICES[name]
     topology = getattr(_parsed(service), "topology", None)
-    if topology is None:  # model init: judged by the services that use its model
-        return
-    if topology == DEFAULT_TOPOLOGY:
+    if topology is None:
+        assert _profile_mismatch(name, SERVICES) == ""
+    elif topology == DEFAULT_TOPOLOGY:
         assert service.get("profiles") in (None, [SECURE], [CLUSTER]), \
             f"{name} runs the default topology"
     else:
         assert service.get("profiles"), f"{name} runs {topology} but has no profile"
+
+
+def test_the_profile_check_fails_for_a_misplaced_setup_service():
+    unprofiled = {**SERVICES, "da-model-init": {**SERVICES["da-model-init"], "profiles": None}}
+    assert "starts without a profile" in _profile_mismatch("da-model-init", unprofiled)
+    elsewhere = {**SERVICES, "sv-model-init-solver": {**SERVICES["sv-model-init-solver"],
+                                                      "profiles": ["data-algorithms"]}}
+    assert "its users' ['solver-verifier']" in _profile_mismatch("sv-model-init-solver",
+                                                                 elsewhere)
+    hidden = {**SERVICES, "kafka": {**SERVICES["kafka"], "profiles": [SECURE]}}
+    assert "a service without a profile uses it" in _profile_mismatch("kafka", hidden)
+    orphan = {**SERVICES, "orphan": {"command": ["astraflow", "model", "init", "x"]}}
+    assert _profile_mismatch("orphan", orphan) == "orphan: no service depends on it"
 
 
 COMPONENTS = {"processor", "trainer", "raas", "feeder", "eval"}

@@ -405,7 +405,6 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
     from astraflow.launch.up import _model_init_command, _tiny_model_outdated
     from astraflow.models.loading import load_policy
     from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
-    from astraflow.roles.scoring import evaluate_role
 
     d = tmp_path / "verifier"
     spec = PolicySpec(model=str(d), role="verifier", warm_start={
@@ -430,9 +429,8 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
         spec.model_copy(update={"role": "selector"}))
     assert "warm_start_steps 3 -> 4" in _tiny_model_outdated(spec.model_copy(update={
         "warm_start": spec.warm_start.model_copy(update={"steps": 4})}))
-    model, tok = load_policy(d)
-    acc = evaluate_role(model, tok, "verifier", role_eval_examples("verifier", (1,), 6))
-    assert 0.0 <= acc <= 1.0
+    model, tok = load_policy(d)  # loads (how well it verifies is a bench's question)
+    assert model.config.vocab_size == len(tok)
     with pytest.raises(SystemExit):
         main(["model", "init-role", str(d), "--role", "critic"])
 
@@ -443,7 +441,7 @@ def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
     from astraflow.launch.up import _model_init_command, _tiny_model_outdated
     from astraflow.models.loading import load_policy
     from astraflow.models.recipe import INIT_RECIPE
-    from astraflow.roles.scoring import blind_verdicts, evaluate_role
+    from astraflow.roles.scoring import blind_verdicts
 
     d = tmp_path / "blind"
     spec = PolicySpec(model=str(d), role="verifier", warm_start={
@@ -461,11 +459,71 @@ def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
     assert len(out) == 6
     for own, verdict in out:  # no own answer: no verdict asked
         assert own is not None or verdict == ""
-    assert 0.0 <= evaluate_role(model, tok, "verifier", examples, blind=True) <= 1.0
-    with pytest.raises(ValueError, match="blind"):
-        evaluate_role(model, tok, "selector", examples, blind=True)
     assert main(["model", "init-role", str(tmp_path / "s"), "--role", "selector", "--blind",
                  "--warm-start-steps", "0"]) == 2
+
+
+def bigram_model(next_char: dict[str, str]):
+    """A real Llama (the tiny model's tokenizer, one layer) whose greedy next token is a
+    fixed function of the current one: ``next_char[c]`` after ``c``, else end of sequence.
+    Attention and MLP write nothing (zero output projections), so the last position holds
+    its token's one-hot embedding, and the untied head maps it to the chosen next token:
+    what it answers is known, so is every accuracy it gets."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from astraflow.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    vocab = len(tok)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=8,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    assert vocab <= cfg.hidden_size
+    model = LlamaForCausalLM(cfg).eval()
+    ids = tok.convert_tokens_to_ids
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
+        model.model.norm.weight.fill_(1.0)
+        head = model.lm_head.weight
+        head[tok.eos_token_id, :vocab] = 1.0  # by default: stop
+        for a, b in next_char.items():
+            head[:, ids(a)] = 0.0
+            head[ids(b), ids(a)] = 1.0
+    return model, tok
+
+
+def test_evaluate_role_scores_known_answers_exactly():
+    """Role models whose answers are known: a verifier that approves everything, blind or
+    not, and a selector that always picks the first answer score exactly one half on the
+    balanced held-out examples, and as many as their labels agree on a subset."""
+    from astraflow.roles.scoring import blind_verdicts, evaluate_role
+
+    verifier, tok = bigram_model({"?": "y"})  # "37+45=82?" -> "y"
+    examples = role_eval_examples("verifier", (1, 2), 8)
+    assert evaluate_role(verifier, tok, "verifier", examples) == 0.5
+    # labels y, n, y: two of three approvals are right
+    assert evaluate_role(verifier, tok, "verifier", examples[:3]) == 2 / 3
+    rejecting, tok = bigram_model({"?": "n"})
+    assert evaluate_role(rejecting, tok, "verifier", examples[:3]) == 1 / 3
+
+    # blind: "37+45=" -> "|" (an empty own answer ends the first turn), "...|82?" -> "y"
+    blind, tok = bigram_model({"=": "|", "?": "y"})
+    assert blind_verdicts(blind, tok, examples) == [("", "y")] * 8
+    assert evaluate_role(blind, tok, "verifier", examples, blind=True) == 0.5
+    mute, tok = bigram_model({})  # ends every turn at once: no own answer, no verdict
+    assert evaluate_role(mute, tok, "verifier", examples, blind=True) == 0.0
+    with pytest.raises(ValueError, match="blind"):
+        evaluate_role(blind, tok, "selector", examples, blind=True)
+
+    selector, tok = bigram_model({">": "1"})  # "37+45=82|83>" -> "1"
+    picks = role_eval_examples("selector", (1, 2), 6)
+    assert [e["label"] for e in picks] == ["1", "2"] * 3
+    assert evaluate_role(selector, tok, "selector", picks) == 0.5
+    assert evaluate_role(selector, tok, "selector", picks[:1]) == 1.0
 
 
 # --- router, launcher -----------------------------------------------------------------------
