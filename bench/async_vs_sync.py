@@ -176,14 +176,12 @@ class Scorer:
 
     def __init__(self, topo_eval: Any, policy: str):
         from astraflow.eval.evaluator import held_out_scorer
-        from astraflow.launch.up import eval_args
         from astraflow.models.loading import load_policy
 
-        a = sync_loop._parse(eval_args(topo_eval, "-", policy))
-        self.every = int(a.every)
-        self.score, self.prompts = held_out_scorer(a)
-        self.model, self.tokenizer = load_policy(topo_eval.policies[policy].model,
-                                                 dtype=a.dtype)
+        s = sync_loop.launched(topo_eval, "-", f"eval-{policy}")  # EvalSettings
+        self.every = s.every_versions
+        self.score, self.prompts = held_out_scorer(s)
+        self.model, self.tokenizer = load_policy(s.model, dtype=s.dtype)
 
     def __call__(self, state: dict[str, Any]) -> float:
         self.model.load_state_dict(state)

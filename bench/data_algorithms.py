@@ -150,6 +150,7 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     if spec.get("init_tiny", True) is False:
         path = Path(spec["model"])
         return path if path.is_absolute() else REPO / path
+    from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
     from astraflow.launch.up import _model_init_command, _tiny_model_outdated
 
@@ -161,7 +162,7 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     policy = PolicySpec(**{**spec, "model": str(path), "warm_start": {
         **(spec.get("warm_start") or {}), "steps": steps, "slip": slip}})
     if (path / "config.json").is_file() and (path / "astraflow_init.json").is_file() \
-            and not _tiny_model_outdated(policy):
+            and not _tiny_model_outdated(policy, recipe_of):
         print(f"[bench] shared model: {path} (cached)", flush=True)
         return path
     shutil.rmtree(path, ignore_errors=True)
@@ -285,7 +286,7 @@ def eval_version(topo, model_dir: Path, manifests: list, version: int | None) ->
     of the topology's evaluator (``eval:``) as ``astraflow eval run`` scores it."""
     import torch
 
-    from astraflow.cli.main import build_parser
+    from astraflow.cli.components import configuration
     from astraflow.launch.up import eval_args
     from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
@@ -295,7 +296,7 @@ def eval_version(topo, model_dir: Path, manifests: list, version: int | None) ->
     policy = next(iter(topo.policies))
     command = (eval_args(topo, "-", policy) if topo.eval is not None
                else ["eval", "run", "--topology", "-", "--policy", policy])
-    ev = build_parser().parse_args([*command, "--model", str(model_dir)])
+    ev = configuration([*command, "--model", str(model_dir)], topo)  # EvalSettings
     torch.set_num_threads(1)
     model, tokenizer = load_policy(model_dir)
     if version is not None:

@@ -433,26 +433,34 @@ def where_time_went(result: dict[str, Any]) -> str:
 
 
 # --- several policies ---------------------------------------------------------------------
+def policy_eval_settings(topology: Path, doc: dict[str, Any], policy: str,
+                         size: int | None) -> Any:
+    """The ``EvalSettings`` of ``policy``'s evaluator: the ``eval run`` command ``astraflow
+    up`` would start for it on ``doc`` (its role's metric), ``size`` (``--size``) overriding
+    the held-out size."""
+    from astraflow.cli.components import configuration
+    from astraflow.config.topology import parse_topology
+    from astraflow.launch.up import eval_args
+
+    topo = parse_topology(doc, source=str(topology))
+    command = eval_args(topo, str(topology), policy)
+    return configuration([*command, *(["--size", str(size)] if size is not None else [])],
+                         topo)
+
+
 def policy_scorer(topology: Path, doc: dict[str, Any], policy: str,
                   size: int | None) -> Any:
-    """``score(state or None) -> accuracy`` of ``policy`` as its evaluator scores it: the
-    ``eval run`` command ``astraflow up`` would start for it (its role's metric), parsed by
-    the CLI; ``size`` overrides the held-out size. None = version 0."""
+    """``score(state or None) -> accuracy`` of ``policy`` as its evaluator scores it
+    (``policy_eval_settings``); ``size`` overrides the held-out size. None = version 0."""
     import torch
 
-    from astraflow.cli.main import build_parser
-    from astraflow.config.topology import parse_topology
     from astraflow.eval.evaluator import held_out_scorer
-    from astraflow.launch.up import eval_args
     from astraflow.models.loading import load_policy
 
     torch.set_num_threads(os.cpu_count() or 1)
-    command = eval_args(parse_topology(doc), str(topology), policy)
-    if size is not None:
-        command[command.index("--size") + 1] = str(size)
-    args = build_parser().parse_args(command)
-    scorer, _ = held_out_scorer(args)
-    model, tokenizer = load_policy(doc["policies"][policy]["model"], dtype=args.dtype)
+    settings = policy_eval_settings(topology, doc, policy, size)
+    scorer, _ = held_out_scorer(settings)
+    model, tokenizer = load_policy(settings.model, dtype=settings.dtype)
     base = {k: v.clone() for k, v in model.state_dict().items()}
 
     def score(state: dict[str, Any] | None) -> float:

@@ -10,7 +10,7 @@ like one node each), waits for the whole batch, builds each policy's GRPO batch 
 the post-rollout processors do (``split_by_policy``, ``split_by_role`` when the router
 splits roles, ``class_balance`` where the topology balances a policy), takes one
 optimizer step per policy with the trainer the topology configures (``Trainer`` with the
-``TrainerConfig`` that ``astraflow trainer run`` builds from the same flags), loads the
+``TrainerConfig`` that ``astraflow trainer run`` builds from the same file), loads the
 new published weights into every slot's engines, and repeats. Nothing goes through Kafka.
 
 B is the batch size of the first policy's batcher (the groups a version of it trains on
@@ -63,64 +63,71 @@ class Iteration:
         return self.rollout_s + self.train_s + self.load_s
 
 
-def _parse(argv: list[str]) -> Any:
-    from astraflow.cli.main import build_parser
+def launched(topo: Topology, path: str, name: str) -> Any:
+    """The configuration of process ``name`` of ``astraflow up PATH`` (``trainer-<policy>``,
+    ``raas-<pool>-<i>``, ``eval-<policy>``, ``feeder``): its command line in up's plan, as
+    the command would build it (``astraflow.cli.components.configuration``)."""
+    from astraflow.cli.components import configuration
+    from astraflow.launch.up import plan_processes
 
-    return build_parser().parse_args(argv)
+    command = plan_processes(topo, path)[name]
+    return configuration(command[3:], topo)  # after `python -m astraflow.cli.main`
 
 
 def feeder_tasks(topo: Topology, path: str) -> Iterator[Task]:
-    """The tasks ``topo``'s feeder would write, in its order and with its task ids."""
+    """The tasks ``topo``'s feeder would write, in its order and with its task ids (what
+    ``astraflow.dataflow.feeder.feed`` writes for up's feeder, without the topic)."""
     from astraflow.dataflow.feeder import TASK_FAMILIES, iter_tasks, load_payloads
-    from astraflow.launch.up import _feeder_args
 
     assert topo.feeder is not None, "the topology has no feeder"
-    a = _parse(["feeder", "run", "--topology", path, *_feeder_args(topo.feeder)])
-    payloads = load_payloads(dataset=a.dataset, levels=a.levels, split=a.split, size=a.size,
-                             seed=a.seed, prompt_field=a.prompt_field,
-                             answer_field=a.answer_field, family=a.task_family,
-                             messages_field=a.messages_field)
-    workflow, policies = TASK_FAMILIES[a.task_family]
-    tasks = iter_tasks(payloads, epochs=a.epochs or None, seed=a.seed,
-                       policies=a.policy or list(policies), workflow=a.workflow or workflow,
-                       run=topo.run)
+    spec = launched(topo, path, "feeder")  # FeederSpec
+    d = spec.dataset
+    payloads = load_payloads(dataset=d.path if d else None, levels=spec.levels,
+                             split=spec.split, size=spec.size, seed=spec.seed,
+                             prompt_field=d.prompt_field if d else None,
+                             answer_field=d.answer_field if d else None,
+                             family=spec.task_family,
+                             messages_field=d.messages_field if d else None)
+    workflow, policies = TASK_FAMILIES[spec.task_family]
+    tasks = iter_tasks(payloads, epochs=spec.epochs or None, seed=spec.seed,
+                       policies=spec.policies or list(policies),
+                       workflow=spec.workflow or workflow, run=topo.run)
     return (task for _, task in tasks)
 
 
 def build_slots(topo: Topology, path: str, pool: str, slots: int) -> list[Any]:
     """``slots`` RaaS nodes of ``pool`` (engines loaded as ``raas run`` loads them, weights
     not followed): the rollout slots."""
-    from astraflow.cli.raas import load_engine, node_options
+    from astraflow.cli.raas import load_engine
     from astraflow.kafka.config import KafkaConfig
-    from astraflow.launch.up import _raas_args
+    from astraflow.models.chat import ChatFormat
     from astraflow.raas.node import RaaSNode
 
-    a = _parse(_raas_args(topo, path, pool, 0))
-    chats = dict(a.chat or [])
+    node = launched(topo, path, f"raas-{pool}-0")  # NodeConfiguration
     nodes = []
     for i in range(slots):
         engines = {}
-        for policy, model in a.policy_model:
-            engines[policy] = load_engine(a, policy, model)
-            if policy in chats:
-                engines[policy].chat = chats[policy]
-        options = replace(node_options(a), instance=f"sync-{i}", follow_weights=False)
+        for policy, model in node.settings.models.items():
+            engines[policy] = load_engine(node.settings, policy, model)
+            if policy in node.settings.chats:
+                engines[policy].chat = ChatFormat.from_options(
+                    node.settings.chats[policy].model_dump())
+        options = replace(node.options, instance=f"sync-{i}", follow_weights=False)
         nodes.append(RaaSNode(topo, engines, options, config=KafkaConfig()))
     return nodes
 
 
 def build_trainers(topo: Topology, path: str) -> dict[str, Any]:
     """Policy -> the ``Trainer`` that ``astraflow trainer run`` would build for it."""
-    from astraflow.cli.trainer import _options
-    from astraflow.launch.up import trainer_args
+    from astraflow.config.components import trainer_spec
     from astraflow.trainer.trainer import Trainer
 
     out = {}
     for policy in topo.policies:
-        a = _parse(trainer_args(topo, path, policy))
+        opts = launched(topo, path, f"trainer-{policy}")  # ServiceOptions
         if policy == next(iter(topo.policies)):
-            torch.manual_seed(a.seed)
-        opts = _options(a)
+            # what `trainer run` seeds torch with: its policy's trainer seed
+            torch.manual_seed(trainer_spec(topo, policy).trainer.seed)
         out[policy] = Trainer(opts.model_path, opts.trainer, policy)
     return out
 
@@ -290,4 +297,4 @@ def breakdown(history: list[Iteration]) -> dict[str, float]:
 
 
 __all__ = ["Iteration", "SyncLoop", "breakdown", "build_slots", "build_trainers",
-           "feeder_tasks", "first_batch_size", "policy_groups"]
+           "feeder_tasks", "first_batch_size", "launched", "policy_groups"]

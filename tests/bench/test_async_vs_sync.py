@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from astraflow.cli.components import configuration
 from astraflow.config.topology import parse_topology
 from astraflow.launch.up import plan_processes
 from astraflow.raas.workflows import latency as latency_module
@@ -143,7 +144,9 @@ def test_the_long_tail_topology_is_the_base_with_n_nodes_and_a_delay(case):
     procs = plan_processes(run, "x.yaml")
     assert sum(n.startswith("raas-") for n in procs) == 5 and not any(
         n.startswith("eval-") for n in procs)
-    assert any('"per_task": true' in a for a in procs["raas-local-0"])
+    node = configuration(procs["raas-local-0"][3:], run)  # what up's first node runs with
+    assert node.options.workflow_options and all(
+        o["env_latency"] == latency for o in node.options.workflow_options.values())
     assert base["pools"]["local"]["nodes"] == 1  # the base is left alone
 
 

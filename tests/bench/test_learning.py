@@ -1,4 +1,4 @@
-"""bench/learning.py on a multi-policy topology: every policy's evaluator command (its
+"""bench/learning.py on a multi-policy topology: every policy's evaluator settings (its
 role's metric) and the table of held-out scores against version 0 (no Kafka, no model)."""
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.cli.main import build_parser
-from astraflow.config.topology import load_topology, parse_topology
-from astraflow.launch.up import eval_args
+from astraflow.config.topology import load_topology
 from tests.conftest import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,8 +24,10 @@ def test_every_policy_is_scored_by_its_roles_evaluator(name, roles, tmp_path):
     assert load_topology(path).eval is None  # the run has no evaluator
     assert doc["eval"] and set(doc["policies"]) == set(roles)
     for policy, role in roles.items():
-        args = build_parser().parse_args(eval_args(parse_topology(doc), str(path), policy))
-        assert args.role == role and args.policy == policy
+        settings = bench.policy_eval_settings(path, doc, policy, None)
+        assert settings.role == role and settings.policy == policy
+        assert settings.size == doc["eval"]["size"]  # the file's held-out size
+        assert bench.policy_eval_settings(path, doc, policy, 7).size == 7  # --eval-size
 
 
 def test_the_policies_table_sets_each_checkpoint_against_version_0():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from astraflow.cli.components import configuration
 from astraflow.config.topology import parse_topology
 from astraflow.launch.up import _model_init_command, plan_processes
 from tests.conftest import load_bench
@@ -17,6 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 bench = load_bench("multipolicy")
 
 TOGETHER = yaml.safe_load((REPO / "topology" / "solver-verifier.yaml").read_text())
+
+
+def _first_node(topo):
+    """The ``NodeOptions`` of the first node ``astraflow up`` starts for ``topo`` (its
+    command line in up's plan, as ``raas run`` builds them)."""
+    return configuration(plan_processes(topo, "x.yaml")["raas-local-0"][3:], topo).options
 
 
 def test_alone_topology_is_the_same_solver_without_the_verifier():
@@ -34,14 +41,12 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     assert alone.processors["router"].outputs == ["samples.solver"]
     procs = plan_processes(alone, "alone.yaml")
     assert not [n for n in procs if "verifier" in n]
-    raas = procs["raas-local-0"]
-    k = TOGETHER["pools"]["local"]["tasks_per_transaction"]
-    assert raas[raas.index("--tasks-per-transaction") + 1] == str(k)
-    assert any(x.startswith("single_turn=") for x in raas)
+    node = _first_node(alone)
+    assert node.tasks_per_transaction == TOGETHER["pools"]["local"]["tasks_per_transaction"]
     # the solver's sampling options only: nothing of the verifier's
-    opts = json.loads(next(x for x in raas if x.startswith("single_turn=")).split("=", 1)[1])
-    assert opts == {"temperature": 1.0, "max_new_tokens": 8}  # the policy's temperature
-    assert not any("solve_verify" in x for x in raas)
+    assert list(node.workflow_options) == ["single_turn"]
+    assert node.workflow_options["single_turn"] == {"temperature": 1.0,  # the policy's
+                                                    "max_new_tokens": 8}
     feeder = alone.feeder
     assert feeder.workflow == "single_turn"
     assert feeder.policies == ["solver"] and feeder.rate == 60
@@ -51,8 +56,7 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
 def test_the_real_model_solver_alone_keeps_its_reward_and_evaluations_can_be_denser():
     doc = yaml.safe_load((REPO / "topology" / "smollm2-solver-verifier.yaml").read_text())
     alone = parse_topology(bench.evaluated_every(bench.alone_topology(doc), 5))
-    raas = plan_processes(alone, "alone.yaml")["raas-local-0"]
-    opts = json.loads(next(x for x in raas if x.startswith("single_turn=")).split("=", 1)[1])
+    opts = _first_node(alone).workflow_options["single_turn"]
     assert opts["reward"] == doc["pools"]["local"]["workflows"]["solve_verify"]["reward"]
     assert "verdict_weight" not in opts and "judge_reward" not in opts
     assert alone.eval.every_versions == 5
@@ -81,10 +85,9 @@ def test_seeded_topologies_parse_and_seed_the_feeder_and_trainers_not_sampling()
         topo = parse_topology(bench.seeded(doc, 7))
         assert topo.feeder.seed == 7
         assert {p.trainer.seed for p in topo.policies.values()} == {7}
-        procs = plan_processes(topo, "x.yaml")
-        raas = procs["raas-local-0"]
-        opts = json.loads(next(x for x in raas if "={" in x).split("=", 1)[1])
-        assert "seed" not in opts  # one seed for every generate call: the same draws
+        options = _first_node(topo).workflow_options
+        assert options  # one seed for every generate call: the same draws
+        assert not [name for name, opts in options.items() if "seed" in opts]
     assert "seed" not in (TOGETHER.get("feeder") or {})  # the input is not modified
 
 

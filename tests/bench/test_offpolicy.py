@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astraflow.cli.main import build_parser
+from astraflow.cli.components import configuration
 from astraflow.config.topology import parse_topology
 from astraflow.launch import up as launcher
 from tests.conftest import load_bench
@@ -19,9 +19,11 @@ BASES = {name: yaml.safe_load((REPO / "topology" / name).read_text())
          for name in ("default.yaml", "smollm2.yaml")}
 
 
-def _trainer_flags(topo) -> dict:
+def _trainer_config(topo):
+    """The ``TrainerConfig`` the trainer that ``astraflow up`` starts for ``topo`` runs
+    with (its command line in up's plan, as ``trainer run`` builds it)."""
     cmd = launcher.plan_processes(topo, "t.yaml")["trainer-actor"]
-    return vars(build_parser().parse_args(cmd[3:]))
+    return configuration(cmd[3:], topo).trainer
 
 
 @pytest.mark.parametrize("base", sorted(BASES))
@@ -41,9 +43,9 @@ def test_every_cell_is_a_valid_topology_with_its_bound_and_objective(base, objec
     # the bound reaches every stage that enforces it, the objective the trainer
     assert topo.processors["staleness"].options["max_staleness"] == staleness
     assert topo.processors["batcher"].options["max_staleness"] == staleness
-    flags = _trainer_flags(topo)
-    assert (flags["loss"], flags["max_staleness"]) == (objective, staleness)
-    assert flags["m2_threshold"] == (0.02 if objective == "m2po" else 0.04)
+    trainer = _trainer_config(topo)
+    assert (trainer.loss, trainer.max_staleness) == (objective, staleness)
+    assert trainer.m2_threshold == (0.02 if objective == "m2po" else 0.04)
     if topo.feeder.dataset is not None:
         assert Path(topo.feeder.dataset.path).is_absolute()
     assert "bench-op" not in BASES[base]["run"]  # the base document is left alone
@@ -53,7 +55,7 @@ def test_hyperparameters_the_objective_does_not_read_are_dropped():
     base = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
     base["policies"]["actor"]["trainer"].update(tis_cap=3.0, clip_high=0.3)
     m2po = parse_topology(bench.build_cell(base, "m2po", 4, model="/m", state_dir="/s"))
-    assert m2po.policies["actor"].trainer.tis_cap is None
+    assert "tis_cap" not in m2po.policies["actor"].trainer.model_fields_set
     kept = parse_topology(bench.build_cell(base, "decoupled_ppo", 4, model="/m",
                                            state_dir="/s"))
     assert (kept.policies["actor"].trainer.tis_cap, kept.policies["actor"].trainer.clip_high
@@ -61,16 +63,17 @@ def test_hyperparameters_the_objective_does_not_read_are_dropped():
     masked = parse_topology(bench.build_cell(base, "decoupled_ppo_mask", 4, model="/m",
                                              state_dir="/s"))
     assert masked.run == "bench-op-decoupled-ppo-mask-s4"
-    assert (masked.policies["actor"].trainer.loss, masked.policies["actor"].trainer.tis_mask,
-            kept.policies["actor"].trainer.tis_mask) == ("decoupled_ppo", True, None)
-    assert _trainer_flags(masked)["tis_mask"] is True
+    assert (masked.policies["actor"].trainer.loss, masked.policies["actor"].trainer.tis_mask
+            ) == ("decoupled_ppo", True)
+    assert "tis_mask" not in kept.policies["actor"].trainer.model_fields_set
+    assert _trainer_config(masked).tis_mask is True and _trainer_config(kept).tis_mask is False
     four = parse_topology(bench.build_cell(base, "decoupled_ppo_mb4", 4, model="/m",
                                            state_dir="/s"))
     assert (four.policies["actor"].trainer.loss, four.policies["actor"].trainer.minibatches,
-            _trainer_flags(four)["minibatches"]) == ("decoupled_ppo", 4, 4)
+            _trainer_config(four).minibatches) == ("decoupled_ppo", 4, 4)
     slow = parse_topology(bench.build_cell(base, "decoupled_ppo_mb4_lr", 4, model="/m",
                                            state_dir="/s"))
-    assert (slow.policies["actor"].trainer.lr, _trainer_flags(slow)["lr"]) == (7.5e-6, 7.5e-6)
+    assert (slow.policies["actor"].trainer.lr, _trainer_config(slow).lr) == (7.5e-6, 7.5e-6)
     with pytest.raises(ValueError, match="unknown objective"):
         bench.build_cell(base, "ppo", 4, model="/m", state_dir="/s")
     with pytest.raises(ValueError, match=">= 0"):

@@ -16,13 +16,14 @@ import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
+from astraflow.cli.components import configuration
 from astraflow.cli.main import build_parser, main
 from astraflow.cli.topology import explain
 from astraflow.config.topology import TopologyError, parse_topology
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import RACK_ENV, TABLE_GROUP, KafkaConfig
 from astraflow.kafka.fetch_stats import partition_fetch
-from astraflow.launch.up import _raas_args
+from astraflow.launch.up import plan_processes
 from tests.conftest import CLUSTER_RACKS, random_name, wait_for
 
 LEADER, FOLLOWER = 1, 3  # node ids: the tests' topics are led by node 1, node 3 follows
@@ -63,20 +64,26 @@ def test_a_bad_rack_names_its_key(remote, error):
         _topology(remote)
 
 
-def test_up_passes_the_pools_rack_and_a_node_by_hand_takes_rack_or_the_env(monkeypatch,
-                                                                          tmp_path, capsys):
+def test_a_node_up_starts_takes_its_pools_rack_and_one_by_hand_takes_rack_or_the_env(
+        monkeypatch, tmp_path, capsys):
     from astraflow.cli.raas import node_rack
 
+    monkeypatch.delenv(RACK_ENV, raising=False)
     topo = _topology(policies={"actor": {"model": "m"}})
-    args = _raas_args(topo, "t.yaml", "remote", 0)
-    assert args[args.index("--rack") + 1] == "r3"
-    assert "--rack" not in _raas_args(topo, "t.yaml", "local", 0)
+    procs = plan_processes(topo, "t.yaml")
+    for name, pool_rack in (("raas-remote-0", "r3"), ("raas-local-0", None)):
+        argv = procs[name][3:]  # the node's command line, after `python -m ...`
+        assert "--rack" not in argv  # up passes no rack: the node reads its pool's
+        node = configuration(argv, topo).settings
+        assert node.spec.rack == pool_rack
+        # the node's consumers (`raas run`: its own rack, else its pool's)
+        consumer = topo.pool_kafka(node.pool, node_rack(build_parser().parse_args(argv)))
+        assert consumer.consumer_conf("g").get("client.rack") == pool_rack
 
     def rack(*flags: str) -> str | None:
         return node_rack(build_parser().parse_args(
             ["raas", "run", "-t", "t.yaml", "--policy-model", "actor=m", *flags]))
 
-    monkeypatch.delenv(RACK_ENV, raising=False)
     assert rack() is None  # the pool's rack (pool_kafka) then applies
     monkeypatch.setenv(RACK_ENV, "r2")
     assert rack() == "r2"

@@ -348,7 +348,8 @@ def test_bombs_in_solver_code_get_reward_0_with_the_reason():
 
 # --- feeder -------------------------------------------------------------------------------
 def test_feeder_feeds_code_tasks_to_code_tests():
-    from astraflow.dataflow.feeder import TASK_FAMILIES, iter_tasks, load_payloads, register
+    from astraflow.cli.feeder import register
+    from astraflow.dataflow.feeder import TASK_FAMILIES, iter_tasks, load_payloads
 
     payloads = load_payloads(family="code", levels="1,3", size=12, seed=1)
     assert len(payloads) == 12 and {p["source"] for p in payloads} <= {"code-L1", "code-L3"}

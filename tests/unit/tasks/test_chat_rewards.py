@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from astraflow.cli.components import configuration
 from astraflow.config.topology import TopologyError, load_topology, parse_topology
 from astraflow.launch.up import plan_processes
 from astraflow.models.chat import ChatFormat, PromptError, payload_messages
@@ -202,23 +203,22 @@ def tiny_model(tmp_path):
     return load_policy(tmp_path / "m")
 
 
-def test_smollm2_topology_maps_to_component_flags():
+def test_smollm2_topology_maps_to_component_settings():
     topo = load_topology(REPO / "topology" / "smollm2.yaml")
-    procs = plan_processes(topo, "topology/smollm2.yaml")
+    # what each process `up` starts runs with (its command line, as the command builds it)
+    procs = {name: configuration(cmd[3:], topo)
+             for name, cmd in plan_processes(topo, "topology/smollm2.yaml").items()
+             if name in ("raas-local-0", "trainer-actor", "eval-actor", "feeder")}
     raas = procs["raas-local-0"]
-    wf = raas[raas.index("--workflow-options") + 1]
-    assert wf.startswith("single_turn=") and json.loads(wf.split("=", 1)[1])["reward"]["name"] \
-        == "sum"
-    assert raas[raas.index("--dtype") + 1] == "float32"  # fp32 compute on CPU
-    assert raas[raas.index("--tasks-per-transaction") + 1] == "4"
-    assert json.loads(wf.split("=", 1)[1])["temperature"] == 1.0  # the policy's
-    trainer = procs["trainer-actor"]
-    assert trainer[trainer.index("--temperature") + 1] == "1.0"
+    wf = raas.options.workflow_options
+    assert list(wf) == ["single_turn"] and wf["single_turn"]["reward"]["name"] == "sum"
+    assert raas.settings.dtype == "float32"  # fp32 compute on CPU
+    assert raas.options.tasks_per_transaction == 4
+    assert wf["single_turn"]["temperature"] == 1.0  # the policy's
+    assert procs["trainer-actor"].trainer.temperature == 1.0
     ev = procs["eval-actor"]
-    assert ev[ev.index("--dataset") + 1] == "data/addition.eval.jsonl"
-    assert ev[ev.index("--reward") + 1] == "exact_match"
-    feeder = procs["feeder"]
-    assert feeder[feeder.index("--dataset") + 1] == "data/addition.train.jsonl"
+    assert ev.dataset.path == "data/addition.eval.jsonl" and ev.reward == "exact_match"
+    assert procs["feeder"].dataset.path == "data/addition.train.jsonl"
 
 
 def test_topology_engine_and_chat_fields_are_checked():
@@ -226,10 +226,9 @@ def test_topology_engine_and_chat_fields_are_checked():
                                                                   "system_prompt": "S"}}},
             "pools": {"p": {"engine": "vllm", "engine_options": {"enforce_eager": True}}}}
     topo = parse_topology(base)
-    raas = plan_processes(topo, "f.yaml")["raas-p-0"]
-    assert raas[raas.index("--engine") + 1] == "vllm"
-    assert json.loads(raas[raas.index("--engine-options") + 1]) == {"enforce_eager": True}
-    assert json.loads(raas[raas.index("--chat") + 1].split("=", 1)[1])["system_prompt"] == "S"
+    node = configuration(plan_processes(topo, "f.yaml")["raas-p-0"][3:], topo).settings
+    assert node.engine == "vllm" and node.engine_options == {"enforce_eager": True}
+    assert node.chats["a"].system_prompt == "S"
     with pytest.raises(TopologyError, match="engine"):
         parse_topology({**base, "pools": {"p": {"engine": "tgi"}}})
     with pytest.raises(TopologyError, match="template"):
