@@ -121,7 +121,7 @@ def write_topologies(case: str, args: argparse.Namespace) -> tuple[Path, Any, An
 
 def ensure_models(topo: Any) -> None:
     """Write each policy's warm-started tiny model unless it is there and up to date."""
-    from astraflow.launch.up import write_policy_model
+    from astraflow.launch.provision import write_policy_model
 
     for policy, spec in topo.policies.items():
         write_policy_model(policy, spec)

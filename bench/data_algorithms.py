@@ -152,7 +152,7 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
         return path if path.is_absolute() else REPO / path
     from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
-    from astraflow.launch.up import _model_init_command, _tiny_model_outdated
+    from astraflow.launch.provision import model_init_command, tiny_model_outdated
 
     d_steps, d_slip = warm_start_of(base)
     steps = d_steps if steps is None else steps
@@ -162,11 +162,11 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     policy = PolicySpec(**{**spec, "model": str(path), "warm_start": {
         **(spec.get("warm_start") or {}), "steps": steps, "slip": slip}})
     if (path / "config.json").is_file() and (path / "astraflow_init.json").is_file() \
-            and not _tiny_model_outdated(policy, recipe_of):
+            and not tiny_model_outdated(policy, recipe_of):
         print(f"[bench] shared model: {path} (cached)", flush=True)
         return path
     shutil.rmtree(path, ignore_errors=True)
-    cmd = [sys.executable, "-m", "astraflow.cli.main", *_model_init_command(policy)]
+    cmd = [sys.executable, "-m", "astraflow.cli.main", *model_init_command(policy)]
     print(f"[bench] writing the shared model: {' '.join(cmd[2:])}", flush=True)
     t0 = time.time()
     subprocess.run(cmd, check=True, env={"OMP_NUM_THREADS": "1", **os.environ})
@@ -287,7 +287,7 @@ def eval_version(topo, model_dir: Path, manifests: list, version: int | None) ->
     import torch
 
     from astraflow.cli.components import configuration
-    from astraflow.launch.up import eval_args
+    from astraflow.launch.plan import eval_args
     from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
     from astraflow.tasks.arithmetic import eval_problems

@@ -440,7 +440,7 @@ def policy_eval_settings(topology: Path, doc: dict[str, Any], policy: str,
     the held-out size."""
     from astraflow.cli.components import configuration
     from astraflow.config.topology import parse_topology
-    from astraflow.launch.up import eval_args
+    from astraflow.launch.plan import eval_args
 
     topo = parse_topology(doc, source=str(topology))
     command = eval_args(topo, str(topology), policy)

@@ -68,7 +68,7 @@ def launched(topo: Topology, path: str, name: str) -> Any:
     ``raas-<pool>-<i>``, ``eval-<policy>``, ``feeder``): its command line in up's plan, as
     the command would build it (``astraflow.cli.components.configuration``)."""
     from astraflow.cli.components import configuration
-    from astraflow.launch.up import plan_processes
+    from astraflow.launch.plan import plan_processes
 
     command = plan_processes(topo, path)[name]
     return configuration(command[3:], topo)  # after `python -m astraflow.cli.main`

@@ -147,7 +147,7 @@ def _range(config, topic: str, args: argparse.Namespace, manifests=None,
 def cmd_replay_eval(args: argparse.Namespace) -> int:
     from astraflow.cli.eval import cmd_eval_run
     from astraflow.cli.main import build_parser, load_run_topology
-    from astraflow.launch.up import eval_args
+    from astraflow.launch.plan import eval_args
     from astraflow.replay.ranges import ReplayError
     from astraflow.replay.train import pick_policy
 

@@ -138,7 +138,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """``astraflow topology validate``: the load did the checking (``astraflow.cli.main.main``
     prints its error and exits 2); say what is there."""
-    from astraflow.launch.up import plan_processes
+    from astraflow.launch.plan import plan_processes
 
     topo: Topology = args.loaded_topology
     plan = plan_processes(topo, args.topology)

@@ -109,7 +109,7 @@ def _write_missing_model(topo, policy: str, path: str) -> None:
     but Kafka the trainer is the one component that holds the model on disk."""
     from pathlib import Path
 
-    from astraflow.launch.up import MissingModel, write_policy_model
+    from astraflow.launch.provision import MissingModel, write_policy_model
 
     spec = topo.policies.get(policy)
     if spec is None or Path(path, "config.json").exists():

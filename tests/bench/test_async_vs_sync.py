@@ -14,7 +14,7 @@ import yaml
 
 from astraflow.cli.components import configuration
 from astraflow.config.topology import parse_topology
-from astraflow.launch.up import plan_processes
+from astraflow.launch.plan import plan_processes
 from astraflow.raas.workflows import latency as latency_module
 from astraflow.raas.workflows import make_workflow
 from astraflow.raas.workflows.latency import Latency

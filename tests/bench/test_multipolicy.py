@@ -11,7 +11,8 @@ import yaml
 
 from astraflow.cli.components import configuration
 from astraflow.config.topology import parse_topology
-from astraflow.launch.up import _model_init_command, plan_processes
+from astraflow.launch.plan import plan_processes
+from astraflow.launch.provision import model_init_command
 from tests.conftest import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def test_alone_topology_is_the_same_solver_without_the_verifier():
     assert alone.run == "solver-verifier-alone" and list(alone.policies) == ["solver"]
     # the same model recipe, trainer and pool: only the model's place differs
     a, t = alone.policies["solver"], together.policies["solver"]
-    assert _model_init_command(a)[3:] == _model_init_command(t)[3:]
+    assert model_init_command(a)[3:] == model_init_command(t)[3:]
     assert (a.trainer, a.max_staleness) == (t.trainer, t.max_staleness)
     assert a.model != t.model
     assert not [n for n in alone.topics if "verifier" in n]

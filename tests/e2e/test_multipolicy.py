@@ -19,7 +19,7 @@ import yaml
 
 from astraflow.config.topology import parse_topology
 from astraflow.kafka.clients import read_all
-from astraflow.launch.up import _model_init_command
+from astraflow.launch.provision import model_init_command
 from astraflow.models.recipe import INIT_RECIPE
 from astraflow.wire.records import Batch, TrajectoryGroup, WeightManifest
 from tests.conftest import random_name
@@ -74,7 +74,7 @@ def test_up_trains_solver_and_verifier_together(kafka_bootstrap, kafka_config, t
     for policy in POLICIES:
         log = open(tmp_path / f"init-{policy}.log", "w")
         inits[policy] = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.cli.main", *_model_init_command(specs[policy])],
+            [sys.executable, "-m", "astraflow.cli.main", *model_init_command(specs[policy])],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         log.close()
     for policy, proc in inits.items():

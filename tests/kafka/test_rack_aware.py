@@ -23,7 +23,7 @@ from astraflow.config.topology import TopologyError, parse_topology
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import RACK_ENV, TABLE_GROUP, KafkaConfig
 from astraflow.kafka.fetch_stats import partition_fetch
-from astraflow.launch.up import plan_processes
+from astraflow.launch.plan import plan_processes
 from tests.conftest import CLUSTER_RACKS, random_name, wait_for
 
 LEADER, FOLLOWER = 1, 3  # node ids: the tests' topics are led by node 1, node 3 follows

@@ -24,7 +24,8 @@ from astraflow.broker.embedded import (
 from astraflow.cli.main import build_parser, kafka_config
 from astraflow.config.topology import TopologyError, parse_topology
 from astraflow.kafka.config import KafkaConfig
-from astraflow.launch.up import _spawner, pool_bootstrap
+from astraflow.launch.plan import pool_bootstrap
+from astraflow.launch.up import _spawner
 
 
 def _props(text: str) -> dict[str, str]:

@@ -67,7 +67,7 @@ def test_the_batches_of_a_version_end_after_the_last_offset_it_consumed():
 def _train_source(kafka_config, kafka_bootstrap, path, topo, tiny_model, tmp_path, n):  # noqa: F811
     """The run to replay: ``n`` batches trained by ``astraflow trainer run`` into versions
     1..n (as `up` runs it: the topology's trainer flags, one intra-op thread)."""
-    from astraflow.launch.up import trainer_args
+    from astraflow.launch.plan import trainer_args
 
     producer = RecordProducer(kafka_config)
     for i in range(n):

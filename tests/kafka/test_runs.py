@@ -10,6 +10,7 @@ import pytest
 from astraflow.cli.main import main
 from astraflow.config.topology import parse_topology
 from astraflow.kafka.clients import RecordProducer
+from astraflow.launch.plan import metrics_ports
 from astraflow.launch.runs import (
     RunNotFound,
     Runs,
@@ -21,7 +22,7 @@ from astraflow.launch.runs import (
     run_names,
     topics_of,
 )
-from astraflow.launch.up import fresh_run, metrics_ports
+from astraflow.launch.up import fresh_run
 from astraflow.wire.records import Task, WeightManifest
 
 

@@ -107,7 +107,7 @@ def test_tensorboard_sink_writes_event_files_tensorboard_reads():
 def test_up_writes_each_components_status_as_a_tensorboard_run(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from astraflow.launch.up import StatusSeries
+    from astraflow.launch.progress import StatusSeries
 
     series = StatusSeries(tmp_path, "r", started=0.0)
     for v in (3, 4):

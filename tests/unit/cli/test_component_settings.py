@@ -13,7 +13,7 @@ import yaml
 
 from astraflow.cli.components import configuration
 from astraflow.config.topology import load_topology
-from astraflow.launch.up import plan_processes
+from astraflow.launch.plan import plan_processes
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT = REPO / "topology" / "default.yaml"

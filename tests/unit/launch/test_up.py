@@ -15,7 +15,12 @@ from astraflow.cli.main import build_parser
 from astraflow.cli.up import recipe_of
 from astraflow.config.topology import PolicySpec, parse_topology
 from astraflow.launch import up as launcher
-from astraflow.launch.up import MissingModel, _model_init_command, _tiny_model_outdated
+from astraflow.launch.provision import (
+    MissingModel,
+    model_init_command,
+    tiny_model_outdated,
+    write_policy_model,
+)
 from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,12 +28,12 @@ REPO = Path(__file__).resolve().parents[3]
 
 def _outdated(spec: PolicySpec) -> str:
     """Why `up` would rewrite ``spec``'s tiny model, judged by the CLI's `model init`."""
-    return _tiny_model_outdated(spec, recipe_of)
+    return tiny_model_outdated(spec, recipe_of)
 
 
 def _write_models(topo) -> bool:
     """What `up` does first: write each policy's missing or outdated tiny model."""
-    return launcher._write_tiny_models(topo, recipe_of)
+    return launcher.write_tiny_models(topo, recipe_of)
 
 
 def _warm(spec: PolicySpec, **update) -> PolicySpec:
@@ -38,7 +43,7 @@ def _warm(spec: PolicySpec, **update) -> PolicySpec:
 
 def _written_by(spec: PolicySpec) -> None:
     """Leave the recipe `model init` would leave for ``spec`` in its model directory."""
-    args = build_parser().parse_args(_model_init_command(spec))
+    args = build_parser().parse_args(model_init_command(spec))
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     (Path(args.dir) / INIT_RECIPE).write_text(json.dumps(init_recipe(args)))
 
@@ -82,7 +87,7 @@ def test_an_option_added_after_the_model_was_written_counts_as_its_default(tmp_p
 def test_a_verifier_is_written_by_init_role_with_the_topologys_slip(tmp_path):
     spec = PolicySpec(model=str(tmp_path / "v"), role="verifier",
                       warm_start={"steps": 300, "levels": "1"})
-    cmd = _model_init_command(spec)
+    cmd = model_init_command(spec)
     assert cmd[:5] == ["model", "init-role", str(tmp_path / "v"), "--role", "verifier"]
     args = build_parser().parse_args(cmd)
     assert args.func.__name__ == "cmd_model_init_role"
@@ -92,7 +97,7 @@ def test_a_verifier_is_written_by_init_role_with_the_topologys_slip(tmp_path):
     assert recipe["role"] == "verifier" and recipe["model_command"] == "init-role"
     assert {"label_noise", "levels", "seed", "carry_slip", "train_size"} <= set(recipe)
     assert "dir" not in recipe
-    solver = _model_init_command(spec.model_copy(update={"role": "solver"}))
+    solver = model_init_command(spec.model_copy(update={"role": "solver"}))
     assert solver[:3] == ["model", "init", str(tmp_path / "v")] and "--role" not in solver
 
 
@@ -135,7 +140,7 @@ def _solver_verifier(tmp_path) -> dict:
 
 def test_up_writes_every_policys_model_the_same_way(tmp_path, monkeypatch):
     """One mechanism for all policies: missing or outdated models are written by the
-    command `_model_init_command` gives, and only those."""
+    command `model_init_command` gives, and only those."""
     ran: list[list[str]] = []
 
     def fake_run(cmd, check):  # what `model init` / `init-role` leave behind
@@ -158,7 +163,7 @@ def test_up_writes_every_policys_model_the_same_way(tmp_path, monkeypatch):
 
     data["policies"]["verifier"]["warm_start"] = {"steps": 200, "levels": "1"}
     assert _write_models(parse_topology(data)) is True
-    assert ran == [_model_init_command(parse_topology(data).policies["verifier"])]
+    assert ran == [model_init_command(parse_topology(data).policies["verifier"])]
     ran.clear()
 
     # a model without a recipe is never rewritten; a missing one up may not write is an error
@@ -180,14 +185,14 @@ def test_an_imported_policy_never_starts_from_a_tiny_model_left_at_its_path(tmp_
     spec = parse_topology({"run": "r", "policies": {"solver": {
         "model": str(tmp_path / "solver"), "init_tiny": False,
         "import_from": "smollm2"}}}).policies["solver"]
-    assert launcher.write_policy_model("solver", spec) is True  # nothing there: imported
+    assert write_policy_model("solver", spec) is True  # nothing there: imported
     assert ran[0][3:5] == ["model", "import"]
     (tmp_path / "solver").mkdir()
     (tmp_path / "solver" / "config.json").write_text("{}")
-    assert launcher.write_policy_model("solver", spec) is False  # a model there: kept
+    assert write_policy_model("solver", spec) is False  # a model there: kept
     (tmp_path / "solver" / INIT_RECIPE).write_text("{}")  # ... unless it is a tiny one
     with pytest.raises(MissingModel, match="solver: .* holds a tiny model .* smollm2"):
-        launcher.write_policy_model("solver", spec)
+        write_policy_model("solver", spec)
     assert len(ran) == 1
 
 
@@ -339,11 +344,11 @@ def test_warm_start_feeder_pool_and_eval_fields_reach_their_components():
                                   speed=0.3)
     data["eval"] = {"levels": "1", "size": 30}
     topo = parse_topology(data)
-    init = build_parser().parse_args(_model_init_command(topo.policies["solver"]))
+    init = build_parser().parse_args(model_init_command(topo.policies["solver"]))
     assert (init.levels, init.lr, init.batch_size, init.train_size, init.eval_size,
             init.warm_start_until, init.seed, init.retry_share) == (
         "1,2,3", 0.01, 16, 100, 10, 0.9, 1, 0.25)
-    verifier = build_parser().parse_args(_model_init_command(topo.policies["verifier"]))
+    verifier = build_parser().parse_args(model_init_command(topo.policies["verifier"]))
     assert verifier.blind and verifier.label_noise == 0.15 and verifier.carry_slip == 0.0
     plan = launcher.plan_processes(topo, "t")
     feeder = _run(plan["feeder"], topo)
@@ -374,7 +379,7 @@ def test_pool_engine_options_pass_on_only_what_the_file_sets():
 
 
 def test_up_ends_with_a_few_lines_and_where_the_summary_is(tmp_path):
-    from astraflow.launch.up import closing_lines
+    from astraflow.launch.progress import closing_lines
 
     summary = {"run": "r-2", "seconds": 61.2, "staleness_dropped": 3.0, "restarts": {},
                "policies": {"actor": {"version": 12, "train_reward": 0.5, "eval_accuracy": 0.25,
@@ -387,7 +392,7 @@ def test_up_ends_with_a_few_lines_and_where_the_summary_is(tmp_path):
 
 
 def test_stale_drops_are_counted_per_stage_in_the_line_and_the_closing_lines(tmp_path):
-    from astraflow.launch.up import Progress, closing_lines
+    from astraflow.launch.progress import Progress, closing_lines
     from astraflow.wire.records import ComponentStatus
 
     progress = Progress()

@@ -11,7 +11,7 @@ import pytest
 
 from astraflow.cli.components import configuration
 from astraflow.config.topology import TopologyError, load_topology, parse_topology
-from astraflow.launch.up import plan_processes
+from astraflow.launch.plan import plan_processes
 from astraflow.models.chat import ChatFormat, PromptError, payload_messages
 from astraflow.models.evaluation import evaluate
 from astraflow.models.tiny import build_tokenizer
