@@ -31,7 +31,8 @@ def configuration(argv: Sequence[str], topo: Any = None) -> Any:
     names a refused flag or key."""
     from astraflow.cli import eval as eval_cli
     from astraflow.cli import feeder, raas, trainer
-    from astraflow.cli.main import build_parser, load_run_topology
+    from astraflow.cli.context import load_run_topology
+    from astraflow.cli.main import build_parser
 
     args = build_parser().parse_args(list(argv))
     topo = topo or load_run_topology(args)

@@ -59,7 +59,7 @@ def settings(args: argparse.Namespace, topo: Any = None) -> Any:
 
 
 def cmd_eval_run(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.eval.evaluator import run_evaluator
 
     topo = args.loaded_topology

@@ -112,7 +112,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"astraflow raas run: {e}", file=sys.stderr)
         return 2
-    from astraflow.cli.main import kafka_config, stop_on_signals
+    from astraflow.cli.context import kafka_config, stop_on_signals
     from astraflow.config.topology import load_topology
     from astraflow.models.chat import ChatFormat
     from astraflow.models.errors import ModelError

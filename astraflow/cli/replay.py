@@ -145,8 +145,9 @@ def _range(config, topic: str, args: argparse.Namespace, manifests=None,
 
 
 def cmd_replay_eval(args: argparse.Namespace) -> int:
+    from astraflow.cli.context import load_run_topology
     from astraflow.cli.eval import cmd_eval_run
-    from astraflow.cli.main import build_parser, load_run_topology
+    from astraflow.cli.main import build_parser
     from astraflow.launch.plan import eval_args
     from astraflow.replay.ranges import ReplayError
     from astraflow.replay.train import pick_policy
@@ -169,7 +170,7 @@ def cmd_replay_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_replay_export(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.kafka.offsets import Offsets
     from astraflow.replay.ranges import export_topic
 
@@ -182,7 +183,7 @@ def cmd_replay_export(args: argparse.Namespace) -> int:
 
 
 def cmd_replay_process(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.kafka.clients import make_admin
     from astraflow.kafka.topics import apply_topics
     from astraflow.replay.process import (
@@ -245,7 +246,7 @@ def _until_version(history: dict[str, list[tuple[int, int]]], version: int,
 
 
 def cmd_replay_train(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.replay.train import ReplayTrain, replay_train
     from astraflow.weights.signing import verifier_for
 

@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_run_list(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.launch.runs import Runs, format_runs, format_topics
 
     runs = Runs(kafka_config(args))
@@ -63,7 +63,7 @@ def cmd_run_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run_delete(args: argparse.Namespace) -> int:
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.launch.runs import Runs, human_bytes
 
     runs = Runs(kafka_config(args))

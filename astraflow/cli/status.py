@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from confluent_kafka import KafkaException
 
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.errors import AstraflowError
 
     topo = args.loaded_topology

@@ -164,7 +164,7 @@ def _apply(args: argparse.Namespace, topo: Topology) -> int:
     """``topology acls --apply``: make the users and ACLs as the operator."""
     from pathlib import Path
 
-    from astraflow.cli.main import kafka_config
+    from astraflow.cli.context import kafka_config
     from astraflow.security.acls_apply import apply
 
     config = kafka_config(args)

@@ -59,7 +59,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def handler(args: argparse.Namespace) -> int:
     import torch
 
-    from astraflow.cli.main import kafka_config, stop_on_signals
+    from astraflow.cli.context import kafka_config, stop_on_signals
     from astraflow.config.topology import load_topology
     from astraflow.trainer.service import TrainerService
 

@@ -21,7 +21,8 @@ from astraflow.broker.embedded import (
     free_port,
     parse_remote_listener,
 )
-from astraflow.cli.main import build_parser, kafka_config
+from astraflow.cli.context import kafka_config
+from astraflow.cli.main import build_parser
 from astraflow.config.topology import TopologyError, parse_topology
 from astraflow.kafka.config import KafkaConfig
 from astraflow.launch.plan import pool_bootstrap

@@ -214,8 +214,9 @@ def test_old_spellings_parse_as_the_new_ones():
 
 
 def test_run_overrides_the_topology_run_name(monkeypatch):
-    from astraflow.cli.main import build_parser, load_run_topology, with_overrides
-    from astraflow.config.topology import TopologyError, load_topology
+    from astraflow.cli.context import load_run_topology
+    from astraflow.cli.main import build_parser
+    from astraflow.config.topology import TopologyError, load_topology, with_overrides
 
     topo = load_topology(REPO / "topology" / "default.yaml")
     other = with_overrides(topo, run="trial2", bootstrap="h:9092")

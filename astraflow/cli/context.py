@@ -1,0 +1,66 @@
+"""What every command handler shares: the run's topology as the command line gives it
+(``--topology``, ``--run``, ``--bootstrap``), its Kafka configuration, and a clean stop on
+SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from collections.abc import Callable
+
+from astraflow.config.topology import (  # with_overrides: also for cli.replay
+    Topology,
+    load_topology,
+    with_overrides,
+)
+from astraflow.errors import AstraflowError
+from astraflow.kafka.config import KafkaConfig
+
+
+def kafka_config(args: argparse.Namespace, base: KafkaConfig | None = None) -> KafkaConfig:
+    """The topology's Kafka config (or ``base``: a pool's), ``--bootstrap`` applied, then
+    made effective (``ASTRAFLOW_BOOTSTRAP`` wins, else the embedded broker)."""
+    topology: Topology | None = getattr(args, "loaded_topology", None)
+    if base is None:
+        base = topology.kafka if topology else KafkaConfig()
+    if getattr(args, "bootstrap", None):
+        base = base.model_copy(update={"bootstrap_servers": args.bootstrap})
+    return base.effective()
+
+
+def stop_on_signals(stop: Callable[[], None], log: logging.Logger, doing: str) -> None:
+    """On SIGTERM or SIGINT, log what the component still does (``doing``) and ``stop()``."""
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: %s", signum, doing)
+        stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+# --- topics and groups -------------------------------------------------------------------
+def run_name(args: argparse.Namespace) -> str | None:
+    """The run a command works on: the loaded topology's (``--run`` applied), else ``--run``
+    or ``$ASTRAFLOW_RUN`` alone (commands whose topology is optional), else ``None``."""
+    topo: Topology | None = getattr(args, "loaded_topology", None)
+    if topo is not None:
+        return topo.run
+    return getattr(args, "run", None) or os.environ.get("ASTRAFLOW_RUN") or None
+
+
+def load_run_topology(args: argparse.Namespace) -> Topology | None:
+    """The topology of ``--topology`` with ``--run`` (else ``$ASTRAFLOW_RUN``) and
+    ``--bootstrap`` applied; ``None`` for a command without one."""
+    path = getattr(args, "topology", None)
+    if not (isinstance(path, str) and path):
+        command = getattr(args, "topology_required", None)
+        if command:
+            raise AstraflowError(f"{command}: give the topology: --topology FILE")
+        return None
+    run = getattr(args, "run", None)
+    if run is None and hasattr(args, "run"):  # a command with --run: the environment's
+        run = os.environ.get("ASTRAFLOW_RUN") or None
+    return with_overrides(load_topology(path), run, getattr(args, "bootstrap", None))
