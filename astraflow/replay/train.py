@@ -22,7 +22,7 @@ from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.lag import LagReader
 from astraflow.kafka.topics import apply_topics
-from astraflow.launch.up import trainer_args
+from astraflow.launch.plan import trainer_args
 from astraflow.models.share import fetch_model
 from astraflow.replay.ranges import (
     ReplayError,
