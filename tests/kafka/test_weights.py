@@ -90,7 +90,7 @@ def test_kafka_default_chunks_and_publisher_follower(kafka_config, new_topic):
     pub = WeightPublisher(store, "policy-a", anchor_interval=3)
     manifests = [m for v in versions for m in pub.publish(v)]
     full0 = manifests[0]
-    assert full0.kind == "full" and full0.encoded_bytes > 4 << 20  # spans several chunks
+    assert full0.kind == "full" and full0.encoded_bytes > 4 * 2**20  # spans several chunks
     # the trainer would publish the manifests; do that, then read them back
     codec = make_codec(kafka_config.schema_registry_url)
     prod = Producer(kafka_config.producer_conf())
