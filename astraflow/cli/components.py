@@ -3,7 +3,7 @@
 ``configuration(argv)`` parses an ``astraflow trainer|raas|eval|feeder run`` command line
 as the command does and builds the typed configuration its handler builds: the
 component's section of the topology file with the flags of ``argv`` applied. A command
-started by hand, by ``astraflow up`` (``astraflow.launch.up.plan_processes``) or by a
+started by hand, by ``astraflow up`` (``astraflow.launch.plan.plan_processes``) or by a
 compose service is compared by its configuration; benches build their components'
 settings with it.
 """

@@ -234,8 +234,8 @@ def test_import_services_import_what_the_topology_names(name):
 
 def _recipe_mismatches(service: dict) -> list[str]:
     """How a model service writes its model differently from `astraflow up` (the recipe
-    of `_model_init_command` for every topology policy with that model directory)."""
-    from astraflow.launch.up import _model_init_command
+    of `model_init_command` for every topology policy with that model directory)."""
+    from astraflow.launch.provision import model_init_command
     from astraflow.models.recipe import init_recipe
 
     args = _parsed(service)
@@ -245,7 +245,7 @@ def _recipe_mismatches(service: dict) -> list[str]:
         for policy, spec in load_topology(REPO / path).policies.items():
             if spec.model != args.dir:
                 continue
-            want = init_recipe(build_parser().parse_args(_model_init_command(spec)))
+            want = init_recipe(build_parser().parse_args(model_init_command(spec)))
             out += [f"{path} {policy}: {k} {have.get(k)} != {v}"
                     for k, v in want.items() if have.get(k) != v]
             out += [f"{path} {policy}: {k} {have[k]} (the topology leaves it out)"
@@ -280,7 +280,7 @@ def _default_services() -> dict:
 def test_the_default_services_run_what_astraflow_up_runs():
     """The default run's services are the components `astraflow up` starts, with the same
     arguments (bar the instance name `up` gives processors), and mount no shared ./runs."""
-    from astraflow.launch.up import plan_processes
+    from astraflow.launch.plan import plan_processes
 
     topo = load_topology(REPO / "topology" / "default.yaml")
     planned = {tuple(c[3:]) for c in plan_processes(topo, "topology/default.yaml").values()}
@@ -296,7 +296,7 @@ def test_the_default_services_run_what_astraflow_up_runs():
 def _planned(service: dict) -> list[str] | None:
     """What `astraflow up` runs for the component ``service`` runs (its topology's plan;
     a processor without `up`'s instance name), or None for a service that is no component."""
-    from astraflow.launch.up import plan_processes
+    from astraflow.launch.plan import plan_processes
 
     args = _parsed(service)
     if args is None or args.command not in COMPONENTS:

@@ -161,7 +161,7 @@ def test_evaluate_scores_each_greedy_completion_and_each_level(tiny_dir):
 def test_model_cli_registers():
     import argparse
 
-    from astraflow.cli.main import model
+    from astraflow.cli import model
 
     parser = argparse.ArgumentParser()
     model.register(parser.add_subparsers(dest="command", required=True))

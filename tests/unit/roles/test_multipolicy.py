@@ -401,8 +401,9 @@ def test_role_eval_examples_are_held_out_and_balanced():
 
 def test_init_role_cli_writes_a_role_model(tmp_path):
     from astraflow.cli.main import build_parser, main
+    from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
-    from astraflow.launch.up import _model_init_command, _tiny_model_outdated
+    from astraflow.launch.provision import model_init_command, tiny_model_outdated
     from astraflow.models.loading import load_policy
     from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
 
@@ -414,9 +415,9 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
     d.mkdir()
     (d / INIT_RECIPE).write_text(json.dumps({"model_command": "init"}))
     (d / OLD_ROLE_RECIPE).write_text("{}")
-    assert _tiny_model_outdated(spec).startswith("the topology changed")
+    assert tiny_model_outdated(spec, recipe_of).startswith("the topology changed")
     # the very command `astraflow up` runs
-    cmd = _model_init_command(spec)
+    cmd = model_init_command(spec)
     assert main(cmd) == 0
     assert not (d / OLD_ROLE_RECIPE).exists()
     recipe = json.loads((d / INIT_RECIPE).read_text())
@@ -424,11 +425,11 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
     assert recipe["role"] == "verifier" and recipe["model_command"] == "init-role"
     assert recipe["label_noise"] == 0.02 and recipe["levels"] == "1" and recipe["seed"] == 0
     assert recipe["warm_start_steps"] == 3 and recipe["carry_slip"] == 0.5
-    assert _tiny_model_outdated(spec) == ""
-    assert "role verifier -> selector" in _tiny_model_outdated(
-        spec.model_copy(update={"role": "selector"}))
-    assert "warm_start_steps 3 -> 4" in _tiny_model_outdated(spec.model_copy(update={
-        "warm_start": spec.warm_start.model_copy(update={"steps": 4})}))
+    assert tiny_model_outdated(spec, recipe_of) == ""
+    assert "role verifier -> selector" in tiny_model_outdated(
+        spec.model_copy(update={"role": "selector"}), recipe_of)
+    assert "warm_start_steps 3 -> 4" in tiny_model_outdated(spec.model_copy(update={
+        "warm_start": spec.warm_start.model_copy(update={"steps": 4})}), recipe_of)
     model, tok = load_policy(d)  # loads (how well it verifies is a bench's question)
     assert model.config.vocab_size == len(tok)
     with pytest.raises(SystemExit):
@@ -437,8 +438,9 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
 
 def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
     from astraflow.cli.main import main
+    from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
-    from astraflow.launch.up import _model_init_command, _tiny_model_outdated
+    from astraflow.launch.provision import model_init_command, tiny_model_outdated
     from astraflow.models.loading import load_policy
     from astraflow.models.recipe import INIT_RECIPE
     from astraflow.roles.scoring import blind_verdicts
@@ -447,12 +449,12 @@ def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
     spec = PolicySpec(model=str(d), role="verifier", warm_start={
         "steps": 3, "blind": True, "train_size": 200, "eval_size": 10, "batch_size": 8,
         "levels": "1"})
-    assert main(_model_init_command(spec)) == 0
+    assert main(model_init_command(spec)) == 0
     assert json.loads((d / INIT_RECIPE).read_text())["blind"] is True
-    assert _tiny_model_outdated(spec) == ""
+    assert tiny_model_outdated(spec, recipe_of) == ""
     # the seen-format recipe is another model
-    assert "blind True -> False" in _tiny_model_outdated(spec.model_copy(update={
-        "warm_start": spec.warm_start.model_copy(update={"blind": False})}))
+    assert "blind True -> False" in tiny_model_outdated(spec.model_copy(update={
+        "warm_start": spec.warm_start.model_copy(update={"blind": False})}), recipe_of)
     model, tok = load_policy(d)
     examples = role_eval_examples("verifier", (1,), 6)
     out = blind_verdicts(model, tok, examples)
@@ -551,7 +553,7 @@ def test_router_splits_a_solve_verify_group_per_policy():
     assert [s.role for s in parts["solver"].sequences] == ["solver"] * 4 + ["solver_retry"] * 2
     assert [s.role for s in parts["verifier"].sequences] == ["verifier"] * 4
     assert parts["verifier"].rewards == [s.reward for s in parts["verifier"].sequences]
-    from astraflow.dataflow.base import InvalidRecord
+    from astraflow.wire.validate import InvalidRecord
 
     with pytest.raises(InvalidRecord, match="samples.verifier"):
         list(PolicyRouter("r", ["trajectories"], ["samples.solver"]).process(incoming(g)))
@@ -562,8 +564,9 @@ def test_router_splits_a_solve_verify_group_per_policy():
 
 
 def test_launcher_plans_one_trainer_and_evaluator_per_policy():
+    from astraflow.cli.components import configuration
     from astraflow.config.topology import load_topology
-    from astraflow.launch.up import plan_processes
+    from astraflow.launch.plan import plan_processes
 
     path = "topology/solver-verifier.yaml"
     topo = load_topology(REPO / path)
@@ -571,41 +574,41 @@ def test_launcher_plans_one_trainer_and_evaluator_per_policy():
     procs = plan_processes(topo, path)
     assert {n for n in procs if n.startswith(("trainer-", "eval-"))} == {
         "trainer-solver", "trainer-verifier", "eval-solver", "eval-verifier"}
-    assert procs["trainer-verifier"][procs["trainer-verifier"].index("--policy") + 1] == "verifier"
-    assert "--role" not in procs["eval-solver"]
-    ev = procs["eval-verifier"]
-    assert ev[ev.index("--role") + 1] == "verifier"
-    raas = procs["raas-local-0"]
-    models = [raas[i + 1] for i, a in enumerate(raas) if a == "--policy-model"]
-    assert models == ["solver=runs/solver-verifier/solver",
-                      "verifier=runs/solver-verifier/verifier"]
+    # what each process runs with, as its command builds it from the file
+    run = {name: configuration(cmd[3:], topo) for name, cmd in procs.items()
+           if name.startswith(("trainer-", "eval-", "raas-", "feeder"))}
+    assert run["trainer-verifier"].policy == "verifier"
+    assert run["eval-solver"].role == "solver" and run["eval-verifier"].role == "verifier"
+    raas = run["raas-local-0"].settings
+    assert {p: str(m) for p, m in raas.models.items()} == {
+        "solver": "runs/solver-verifier/solver", "verifier": "runs/solver-verifier/verifier"}
     assert {"processor-batcher-solver", "processor-batcher-verifier"} <= set(procs)
-    feeder = procs["feeder"]
-    assert feeder[feeder.index("--workflow") + 1] == "solve_verify"
+    assert run["feeder"].workflow == "solve_verify"
 
 
 def test_policy_eval_settings_and_niceness_reach_its_processes():
     import pydantic
 
+    from astraflow.cli.components import configuration
     from astraflow.config.topology import load_topology
-    from astraflow.launch.up import plan_processes, process_niceness
+    from astraflow.launch.plan import plan_processes, process_niceness
 
     topo = load_topology(REPO / "topology/solver-verifier.yaml")
     spec = topo.policies["verifier"]
     spec.eval, spec.nice = type(spec.eval)(blind=True, every_versions=20), 10
     procs = plan_processes(topo, "t.yaml")
-    ev = procs["eval-verifier"]
+    verifier, solver = (configuration(procs[f"eval-{p}"][3:], topo)
+                        for p in ("verifier", "solver"))
     # the policy's own every_versions wins over the topology's
-    assert ev[ev.index("--every") + 1] == "20" and ev[-1] == "--blind"
-    assert "--blind" not in procs["eval-solver"]
-    assert procs["eval-solver"][procs["eval-solver"].index("--every") + 1] == "5"
+    assert verifier.every_versions == 20 and verifier.blind
+    assert not solver.blind and solver.every_versions == 5
     assert process_niceness(topo) == {"trainer-verifier": 10, "eval-verifier": 10}
     with pytest.raises(pydantic.ValidationError, match="nice"):
         type(spec)(model="m", nice=20)
 
 
 def test_progress_shows_each_policy():
-    from astraflow.launch.up import Progress
+    from astraflow.launch.progress import Progress
 
     pr = Progress()
     for policy, v, r in (("solver", 7, 0.6), ("verifier", 5, 0.8)):
