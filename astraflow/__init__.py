@@ -1,8 +1,10 @@
 """AstraFlow: asynchronous, dataflow-oriented RL for (multi-)agentic LLMs over Apache Kafka.
 
-The public API: typed records and their codec, topology loading, the Kafka client
-config, and the processor runtime. Components with heavy dependencies (torch) live in
+The public API: typed records and their codec (``astraflow.wire``), topology loading
+(``astraflow.config``), the Kafka client config (``astraflow.kafka``), and the processor
+interface (``astraflow.dataflow``). Components with heavy dependencies (torch) live in
 their own packages: ``astraflow.weights``, ``astraflow.trainer``, ``astraflow.raas``.
+docs/architecture.md ("Code layout") gives every package and the layer order.
 """
 
 from astraflow.config.topology import Topology, TopologyError, load_topology

@@ -1,0 +1,1 @@
+"""Held-out evaluation of published weight versions (``astraflow eval run``)."""

@@ -1,4 +1,5 @@
-"""Thin typed wrappers over confluent-kafka and the processor runtime."""
+"""Thin typed wrappers over confluent-kafka, the client configuration, and the one
+transactional loop every component runs (the processor runtime is ``astraflow.dataflow``)."""
 
 from astraflow.kafka.table import Entry, TopicReader, TopicTable
 
