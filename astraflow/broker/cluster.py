@@ -39,7 +39,7 @@ from astraflow.broker.embedded import (
 from astraflow.broker.properties import cluster_id as _cluster_id
 from astraflow.broker.properties import listeners as _listeners
 from astraflow.broker.properties import node_properties
-from astraflow.kafka.embedded import cluster_state_dir, node_pid
+from astraflow.kafka.embedded import cluster_state_dir, node_pid, running_cluster_bootstrap
 
 NODE_HEAP_MB = 512  # per node: three JVMs on a small machine
 DEFAULT_CLUSTER_PORT = 19192  # node i listens on DEFAULT_CLUSTER_PORT + i - 1 when free
@@ -227,9 +227,8 @@ class EmbeddedCluster:
 
     def running_bootstrap(self) -> str | None:
         """``bootstrap`` while any node runs, else None (no client call: cheap)."""
-        if not self._ports() or all(self.pid(i) is None for i in self.node_ids):
-            return None
-        return self.bootstrap
+        self._reap()
+        return running_cluster_bootstrap(self.state)
 
     def _reap(self) -> None:
         for proc in self._procs.values():

@@ -32,7 +32,7 @@ from astraflow.broker.secure import (
     secure_properties,
 )
 from astraflow.kafka.embedded import pid_alive as _pid_alive
-from astraflow.kafka.embedded import read_json, recorded_secure, state_dir
+from astraflow.kafka.embedded import read_json, recorded_secure, running_broker, state_dir
 from astraflow.security.tls import write_private
 
 DEFAULT_KAFKA_VERSION = "4.1.1"
@@ -349,17 +349,17 @@ class EmbeddedBroker:
         return port, free_port()
 
     def status(self) -> BrokerStatus:
-        info = self._info()
-        running = bool(info) and _pid_alive(int(info["pid"]))
-        remote = info.get("remote") if info and running else None
+        running = running_broker(self.state)  # what a client finds, read the same way
+        info = running.info if running else self._info()
+        remote = info.get("remote") if running else None
         return BrokerStatus(
-            running=running,
-            pid=info["pid"] if running else None,
-            bootstrap=f"127.0.0.1:{info['port']}" if running else None,
+            running=running is not None,
+            pid=running.pid if running else None,
+            bootstrap=running.bootstrap if running else None,
             version=info.get("version") if info else None,
             state_dir=str(self.state),
             remote=(int(remote[0]), str(remote[1])) if remote else None,
-            secure=self.secure_files() if info and running and info.get("secure") else None,
+            secure=running.secure if running else None,
         )
 
     def secure_files(self) -> SecureFiles | None:

@@ -10,7 +10,7 @@ import os
 import signal
 from collections.abc import Callable
 
-from astraflow.config.topology import (  # with_overrides: also for cli.replay
+from astraflow.config.topology import (
     Topology,
     load_topology,
     with_overrides,
@@ -41,7 +41,6 @@ def stop_on_signals(stop: Callable[[], None], log: logging.Logger, doing: str) -
     signal.signal(signal.SIGINT, on_signal)
 
 
-# --- topics and groups -------------------------------------------------------------------
 def run_name(args: argparse.Namespace) -> str | None:
     """The run a command works on: the loaded topology's (``--run`` applied), else ``--run``
     or ``$ASTRAFLOW_RUN`` alone (commands whose topology is optional), else ``None``."""
@@ -64,3 +63,10 @@ def load_run_topology(args: argparse.Namespace) -> Topology | None:
     if run is None and hasattr(args, "run"):  # a command with --run: the environment's
         run = os.environ.get("ASTRAFLOW_RUN") or None
     return with_overrides(load_topology(path), run, getattr(args, "bootstrap", None))
+
+
+def component_topology(args: argparse.Namespace, topo: Topology | None = None) -> Topology:
+    """The topology a component command works on: ``topo`` when given, else the one
+    ``main`` loaded (``--run`` and ``--bootstrap`` applied), else the file of
+    ``--topology`` as it is (a handler called without ``main``, e.g. by a bench)."""
+    return topo or getattr(args, "loaded_topology", None) or load_topology(args.topology)

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from astraflow.cli.args import add_command, add_group, add_run_options
+from astraflow.cli.context import component_topology
 from astraflow.cli.flags import add_flags, given
 from astraflow.config.overrides import EVAL_FLAGS
 
@@ -52,9 +53,8 @@ def settings(args: argparse.Namespace, topo: Any = None) -> Any:
     """The ``EvalSettings`` of ``eval run``: the topology's (``topo``, else the file of
     ``--topology``) with the flags given applied (``ValueError`` names a refused flag)."""
     from astraflow.config.components import eval_settings
-    from astraflow.config.topology import load_topology
 
-    topo = topo or getattr(args, "loaded_topology", None) or load_topology(args.topology)
+    topo = component_topology(args, topo)
     return eval_settings(topo, args.policy, given(args, EVAL_FLAGS))
 
 

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from astraflow.cli.args import add_command, add_group, add_run_options
+from astraflow.cli.context import component_topology
 from astraflow.cli.flags import add_flags, given
 from astraflow.config.overrides import FEEDER_FLAGS
 
@@ -52,20 +53,18 @@ def settings(args: argparse.Namespace, topo: Any = None) -> Any:
     """The feeder's ``FeederSpec``: the topology's (``topo``, else the file of
     ``--topology``) with the flags given applied (``ValueError`` names a refused flag)."""
     from astraflow.config.components import feeder_spec
-    from astraflow.config.topology import load_topology
 
-    topo = topo or getattr(args, "loaded_topology", None) or load_topology(args.topology)
+    topo = component_topology(args, topo)
     return feeder_spec(topo, given(args, FEEDER_FLAGS))
 
 
 def cmd_feeder_run(args: argparse.Namespace) -> int:
-    from astraflow.config.topology import load_topology
     from astraflow.dataflow.feeder import feed
 
     stop = threading.Event()
     previous = {}
     try:
-        topo = getattr(args, "loaded_topology", None) or load_topology(args.topology)
+        topo = component_topology(args)
         spec = settings(args, topo)
         config = topo.component_kafka("feeder").effective()
         if threading.current_thread() is threading.main_thread():

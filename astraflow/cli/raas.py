@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from astraflow.cli.args import Option, add_command, add_group, add_run_options, add_table
+from astraflow.cli.context import component_topology
 from astraflow.cli.flags import add_flags, given
 from astraflow.config.overrides import NODE_FLAGS
 
@@ -79,9 +80,8 @@ def settings(args: argparse.Namespace, topo: Any = None) -> Any:
     (``topo``, else the file of ``--topology``) and its policies, with the flags given
     applied (``ValueError`` names a refused flag)."""
     from astraflow.config.components import node_settings
-    from astraflow.config.topology import load_topology
 
-    topo = topo or getattr(args, "loaded_topology", None) or load_topology(args.topology)
+    topo = component_topology(args, topo)
     return node_settings(topo, args.pool, given(args, NODE_FLAGS))
 
 
@@ -113,7 +113,6 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         print(f"astraflow raas run: {e}", file=sys.stderr)
         return 2
     from astraflow.cli.context import kafka_config, stop_on_signals
-    from astraflow.config.topology import load_topology
     from astraflow.models.chat import ChatFormat
     from astraflow.models.errors import ModelError
     from astraflow.models.share import ensure_model
@@ -121,9 +120,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     from astraflow.raas.vllm_engine import VLLMNotInstalled
 
     log = logging.getLogger("astraflow.raas")
-    topo = args.loaded_topology = (
-        getattr(args, "loaded_topology", None) or load_topology(args.topology)
-    )
+    topo = args.loaded_topology = component_topology(args)
     try:
         node = settings(args, topo)
     except ValueError as e:

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from astraflow.cli.args import Option, add_command, add_group, add_run_options, add_table
+from astraflow.cli.context import component_topology
 from astraflow.cli.flags import add_flags, given
 from astraflow.config.overrides import TRAINER_FLAGS
 
@@ -60,7 +61,6 @@ def handler(args: argparse.Namespace) -> int:
     import torch
 
     from astraflow.cli.context import kafka_config, stop_on_signals
-    from astraflow.config.topology import load_topology
     from astraflow.trainer.service import TrainerService
 
     if not logging.getLogger().handlers:
@@ -73,9 +73,8 @@ def handler(args: argparse.Namespace) -> int:
     from astraflow.trainer.backend import preflight
     from astraflow.trainer.megatron_shims import MegatronUnavailable
 
-    topo = getattr(args, "loaded_topology", None)  # `astraflow` loaded it already
     try:
-        topo = topo or load_topology(args.topology)
+        topo = component_topology(args)
         spec = _spec(args, topo)
         opts = _options(args, topo, spec)
         _write_missing_model(topo, args.policy, opts.model_path)
@@ -132,10 +131,9 @@ def _options(args: argparse.Namespace, topo: Any = None, spec: Any = None) -> An
     """The ``ServiceOptions`` of ``trainer run``: the policy's typed section of the
     topology (``topo``, else the file of ``--topology``) with the flags given applied,
     validated (``ValueError`` names the flag or the key)."""
-    from astraflow.config.topology import load_topology
     from astraflow.trainer.service import ServiceOptions
 
-    topo = topo or getattr(args, "loaded_topology", None) or load_topology(args.topology)
+    topo = component_topology(args, topo)
     spec = spec or _spec(args, topo)
     opts = ServiceOptions.from_spec(args.policy, spec, instance=args.instance)
     opts.validate()
