@@ -11,6 +11,12 @@ chain (fewest bytes, then fewest steps): deltas from h, or the best full checkpo
 below t followed by deltas. It fetches and verifies every blob of that plan before
 applying any; a blob that is missing or fails its sha256 removes its manifest from
 consideration and the plan is recomputed (``WeightFollower.update``).
+
+A trainer of N processes (FSDP2: each holds rows of dim 0 of every parameter) runs one
+``WeightPublisher`` per process with ``rows``; each writes its own blob per version and
+``merge_parts`` makes of the N processes' manifests one manifest per kind naming all N
+blobs. A follower applies them as one version and refuses a manifest whose parts leave a
+gap or overlap.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -33,11 +40,17 @@ from astraflow.weights.delta import (
     DEFAULT_LEVEL,
     DEFAULT_SEGMENT_ELEMS,
     EncodeStats,
+    Rows,
     StateDict,
     apply_blob,
+    apply_parts,
     default_threads,
     dtype_name,
+    empty_state,
+    extract_delta,
+    host_copy,
     iter_encode_delta,
+    iter_encode_extracted,
     iter_encode_full,
 )
 from astraflow.weights.errors import (
@@ -155,13 +168,124 @@ def plan_bytes(plan: Sequence[WeightManifest]) -> int:
 # --------------------------------------------------------------------------- publishing
 
 
-def _tensor_infos(state: StateDict) -> list[TensorInfo]:
-    return [TensorInfo(name, list(t.shape), dtype_name(t.dtype)) for name, t in state.items()]
+def _tensor_infos(state: StateDict, rows: Mapping[str, Rows] | None = None) -> list[TensorInfo]:
+    """The manifest's tensors: full shapes, also for the parts named in ``rows``."""
+    out = []
+    for name, t in state.items():
+        r = rows.get(name) if rows else None
+        if r is not None and tuple(t.shape) != r.part_shape:
+            raise ValueError(f"{name}: rows {r.start}..{r.stop} of {list(r.shape)} have shape "
+                             f"{list(r.part_shape)}, the tensor given is {list(t.shape)}")
+        shape = list(r.shape) if r is not None else list(t.shape)
+        out.append(TensorInfo(name, shape, dtype_name(t.dtype)))
+    return out
 
 
-def _common_dtype(state: StateDict) -> str:
-    names = {dtype_name(t.dtype) for t in state.values()}
+def _common_dtype(dtypes: Iterable[str]) -> str:
+    names = set(dtypes)
     return names.pop() if len(names) == 1 else "mixed"
+
+
+def _on_cuda(state: StateDict) -> bool:
+    return any(t.device.type == "cuda" for t in state.values())
+
+
+def _same_layout(a: Mapping[str, torch.Tensor] | None, b: StateDict, on_device: bool) -> bool:
+    """Whether ``a`` can take copies of ``b``'s tensors as they are (names, shapes, dtypes,
+    and devices: ``b``'s on its device, else the CPU)."""
+    if a is None or a.keys() != b.keys():
+        return False
+    for k, t in b.items():
+        u = a[k]
+        want = t.device if on_device else torch.device("cpu")
+        if u.shape != t.shape or u.dtype != t.dtype or u.device != want:
+            return False
+    return True
+
+
+def _copy_state(into: dict[str, torch.Tensor] | None, state: StateDict,
+                on_device: bool) -> dict[str, torch.Tensor]:
+    """``state`` copied into ``into``'s tensors when they fit, else into new contiguous
+    ones (on each tensor's device with ``on_device``, else on the CPU)."""
+    with torch.no_grad():
+        if _same_layout(into, state, on_device):
+            assert into is not None
+            for k, t in state.items():
+                into[k].copy_(t.detach())
+            return into
+        if on_device:
+            return {k: t.detach().clone(memory_format=torch.contiguous_format)
+                    for k, t in state.items()}
+        return {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()}
+
+
+# kind, base version, the blob's pieces given the stats to fill in
+_Job = tuple[str, "int | None", Callable[[EncodeStats], Any]]
+
+
+class PreparedVersion:
+    """A version whose device-side work is done (``WeightPublisher.prepare``): ``write``
+    encodes its blobs on the CPU, stores them and returns the manifests.
+
+    ``write`` may run on another thread. It runs once: a second call returns the same
+    manifests (or raises the same error), and ``prepare`` of the next version writes this
+    one itself if no one has started it yet, or waits for it to finish.
+    """
+
+    def __init__(self, publisher: WeightPublisher, version: int, common: dict[str, Any],
+                 jobs: list[_Job], extract_s: float, committed: bool,
+                 prior_version: int | None, after: Callable[[], None] | None = None):
+        self.version = version
+        self.extract_s = extract_s
+        self._publisher = publisher
+        self._common = common
+        self._jobs: list[_Job] | None = jobs
+        self._committed = committed  # the publisher moved on at prepare (else at write)
+        self._prior = prior_version
+        self._after = after
+        self._lock = threading.Lock()
+        self._result: list[WeightManifest] | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether ``write`` has finished (successfully or not)."""
+        return self._result is not None or self._error is not None
+
+    def write(self) -> list[WeightManifest]:
+        """Encode and store this version's blobs; its manifests (delta first, then full)."""
+        with self._lock:
+            if not self.done:
+                try:
+                    self._result = self._run()
+                except BaseException as e:
+                    self._error = e
+                    self._publisher._write_failed(self)
+                finally:
+                    self._jobs = None  # the host copies go now
+            if self._error is not None:
+                raise self._error
+            assert self._result is not None
+            return list(self._result)
+
+    def _run(self) -> list[WeightManifest]:
+        assert self._jobs is not None
+        pub = self._publisher
+        out: list[WeightManifest] = []
+        changed: int | None = None
+        for kind, base, pieces in self._jobs:
+            stats = EncodeStats(kind)
+            m = pub._write(kind, pieces(stats), stats, base, self._common, self.extract_s)
+            if kind == "delta":
+                changed = stats.num_changed
+            else:
+                # changed elements against the previous version when known, else all of them
+                m.num_changed = m.num_params if changed is None else changed
+                m.sparsity = 1.0 - m.num_changed / m.num_params if m.num_params else 1.0
+            out.append(m)
+        if self._after is not None:
+            self._after()
+        return out
 
 
 class WeightPublisher:
@@ -170,10 +294,29 @@ class WeightPublisher:
     ``publish`` writes the blob(s) of the next version to ``store`` and returns the
     manifests, in order; it does not send them anywhere (the trainer produces them on
     ``weights.<policy>`` in the same transaction as its offset commit). The publisher keeps
-    a CPU copy of the last published state to compute the next delta (one model copy).
+    a copy of the last published state to compute the next delta.
+
+    ``prepare`` + ``PreparedVersion.write`` split ``publish`` so that the slow half (CPU
+    encoding, ``store.put``) overlaps the next training step: ``prepare`` does what needs
+    the state and returns, after which the caller may change the state.
+
+    ``device_delta`` (None: when the state has a tensor on a CUDA device): the previous
+    state is kept on the state's device and each delta is found there (``extract_delta``);
+    only the changed positions and XORs (for a full checkpoint, the whole state) are
+    copied to the host, through pinned memory that PyTorch keeps for reuse, and the delta
+    blob carries sum64 checksums. Otherwise the previous
+    state is kept on the CPU and ``iter_encode_delta`` compares there (CRC-32 blobs); a
+    ``prepare`` then copies the state to a second CPU buffer (two model copies).
+
+    ``rows``: the states given are this process's part of each tensor named there (rows
+    of dim 0, ``Rows``; other names are whole tensors, and a name absent from the state is
+    simply not this process's). Each manifest then names this process's one blob and the
+    full shapes of its tensors; ``merge_parts`` joins the processes' manifests.
 
     To resume after a restart pass ``version`` (the last published version) and ``state``
-    (its weights); without them the first publish is a full checkpoint.
+    (its weights); without them the first publish is a full checkpoint. If a write fails,
+    the publisher goes back to the last version it wrote and the next version is a full
+    checkpoint (the failed version's number may be used again).
     """
 
     def __init__(
@@ -189,6 +332,8 @@ class WeightPublisher:
         segment_elems: int = DEFAULT_SEGMENT_ELEMS,
         version: int | None = None,
         state: StateDict | None = None,
+        rows: Mapping[str, Rows] | None = None,
+        device_delta: bool | None = None,
     ):
         if (version is None) != (state is None):
             raise ValueError("pass both version and state to resume, or neither")
@@ -200,28 +345,27 @@ class WeightPublisher:
         self.level = level
         self.compress_full = compress_full
         self.segment_elems = segment_elems
+        self.rows: dict[str, Rows] = dict(rows or {})
+        self.device_delta = device_delta
         self.version = version
         self._prev: dict[str, torch.Tensor] | None = None
+        self._spare: dict[str, torch.Tensor] | None = None  # CPU buffer for prepare()
+        self._pending: PreparedVersion | None = None
+        self._need_full = False  # a write failed: the next version has no usable base
         if state is not None:
             self._remember(state)
 
     def is_anchor(self, version: int) -> bool:
         """True when ``version`` gets a full checkpoint."""
-        if self._prev is None or version == 0:
+        if self._prev is None or version == 0 or self._need_full:
             return True
         return self.anchor_interval > 0 and version % self.anchor_interval == 0
 
-    def _remember(self, state: StateDict) -> None:
-        prev = self._prev
-        if (
-            prev is not None
-            and prev.keys() == state.keys()
-            and all(prev[k].shape == t.shape and prev[k].dtype == t.dtype for k, t in state.items())
-        ):
-            for k, t in state.items():
-                prev[k].copy_(t.detach())
-        else:
-            self._prev = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()}
+    def _remember(self, state: StateDict, on_device: bool = False) -> None:
+        self._prev = _copy_state(self._prev, state, on_device)
+
+    def _uses_device(self, state: StateDict) -> bool:
+        return self.device_delta if self.device_delta is not None else _on_cuda(state)
 
     def publish(
         self,
@@ -232,52 +376,140 @@ class WeightPublisher:
         consumed_offsets: Sequence[PartitionOffset] = (),
         meta: Mapping[str, str] | None = None,
     ) -> list[WeightManifest]:
-        """Write the next version's blobs; return its manifests (delta first, then full)."""
+        """Write the next version's blobs; return its manifests (delta first, then full).
+        The same as ``prepare(...).write()``."""
+        return self._prepare(state, version, trainer_step, consumed_offsets, meta,
+                             keep_copy=False).write()
+
+    def prepare(
+        self,
+        state: StateDict,
+        *,
+        version: int | None = None,
+        trainer_step: int = 0,
+        consumed_offsets: Sequence[PartitionOffset] = (),
+        meta: Mapping[str, str] | None = None,
+    ) -> PreparedVersion:
+        """The part of ``publish`` that needs ``state``, on the calling thread: the delta
+        found on the device and copied to the host (``device_delta``; for a full
+        checkpoint the whole state is copied to the host), or the state copied to the CPU,
+        and the kept previous state updated. Once it returns the caller may change
+        ``state``; ``write()`` on the result (from any thread) finishes the version. The
+        previous version's write is finished first (run here if it has not started)."""
+        return self._prepare(state, version, trainer_step, consumed_offsets, meta,
+                             keep_copy=True)
+
+    def _finish_pending(self) -> None:
+        pv, self._pending = self._pending, None
+        if pv is not None:
+            try:
+                pv.write()
+            except Exception as e:  # its writer hears of it; this version starts afresh
+                log.warning("weights: writing v%s failed (%s); the next version is a full "
+                            "checkpoint", pv.version, e)
+
+    def _prepare(self, state: StateDict, version: int | None, trainer_step: int,
+                 consumed_offsets: Sequence[PartitionOffset], meta: Mapping[str, str] | None,
+                 keep_copy: bool) -> PreparedVersion:
+        self._finish_pending()
+        t0 = time.perf_counter()
         v = (0 if self.version is None else self.version + 1) if version is None else version
         if self.version is not None and v <= self.version:
             raise ValueError(f"version {v} is not after the last published {self.version}")
+        tensors = _tensor_infos(state, self.rows)
         common = dict(
             policy=self.policy,
             version=v,
-            dtype=_common_dtype(state),
-            tensors=_tensor_infos(state),
+            dtype=_common_dtype(t.dtype for t in tensors),
+            tensors=tensors,
             trainer_step=trainer_step,
             consumed_offsets=list(consumed_offsets),
             codec=CODEC_NAME,
             meta={**{str(k): str(x) for k, x in (meta or {}).items()},
                   "anchor_interval": str(self.anchor_interval)},
         )
-        opts = dict(threads=self.threads, level=self.level, segment_elems=self.segment_elems)
-        out: list[WeightManifest] = []
+        opts = dict(threads=self.threads, level=self.level)
+        seg, rows = self.segment_elems, self.rows
         anchor = self.is_anchor(v)
-        changed: int | None = None
-        if self._prev is not None and (not anchor or self.delta_at_anchors):
-            base = self.version
-            ds = EncodeStats("delta")
-            blob_meta = {"policy": self.policy, "version": str(v), "base_version": str(base)}
-            pieces = iter_encode_delta(self._prev, state, meta=blob_meta, stats=ds, **opts)
-            out.append(self._write("delta", pieces, ds, base, common))
-            changed = ds.num_changed
+        base = self.version
+        with_delta = (self._prev is not None and not self._need_full
+                      and (not anchor or self.delta_at_anchors))
+        delta_meta = {"policy": self.policy, "version": str(v), "base_version": str(base)}
+        full_meta = {"policy": self.policy, "version": str(v)}
+        jobs: list[_Job] = []
+        after: Callable[[], None] | None = None
+        host: StateDict | None = None  # what the full checkpoint is encoded from
+        device = self._uses_device(state)
+        if device:
+            if with_delta:
+                assert self._prev is not None
+                for k, t in state.items():  # e.g. resumed from a CPU state: onto the device
+                    p = self._prev.get(k)
+                    if p is not None and p.device != t.device:
+                        self._prev[k] = p.to(t.device)
+                ext = extract_delta(self._prev, state, segment_elems=seg, rows=rows)
+                jobs.append(("delta", base, lambda st: iter_encode_extracted(
+                    ext, meta=delta_meta, stats=st, **opts)))
+            if anchor:
+                host = host_copy(state)
+            self._remember(state, on_device=True)
+            # the copies are queued on the device: done before the caller may change state
+            for d in {t.device for t in state.values() if t.device.type == "cuda"}:
+                torch.cuda.synchronize(d)
+        elif keep_copy:
+            old = self._prev
+            if with_delta:
+                assert old is not None
+                _check_names(old, state)
+            host = self._prev = _copy_state(self._spare, state, on_device=False)
+            self._spare = old  # rewritten by the next prepare, once this write is done
+            if with_delta:
+                jobs.append(("delta", base, lambda st: iter_encode_delta(
+                    old, host, segment_elems=seg, rows=rows, meta=delta_meta, stats=st,
+                    **opts)))
+        else:
+            # publish(): encode from the caller's state while it waits; remember it after
+            host, old = state, self._prev
+            if with_delta:
+                assert old is not None
+                _check_names(old, state)
+                jobs.append(("delta", base, lambda st: iter_encode_delta(
+                    old, state, segment_elems=seg, rows=rows, meta=delta_meta, stats=st,
+                    **opts)))
+
+            def after() -> None:
+                self._remember(state)
+                self.version = v
+                self._need_full = False
+
         if anchor:
-            fs = EncodeStats("full")
-            blob_meta = {"policy": self.policy, "version": str(v)}
-            pieces = iter_encode_full(
-                state, compress=self.compress_full, meta=blob_meta, stats=fs, **opts
-            )
-            m = self._write("full", pieces, fs, None, common)
-            # changed elements against the previous version when known, else all of them
-            m.num_changed = m.num_params if changed is None else changed
-            m.sparsity = 1.0 - m.num_changed / m.num_params if m.num_params else 1.0
-            out.append(m)
-        self._remember(state)
-        self.version = v
-        return out
+            assert host is not None
+            full_state = host
+            jobs.append(("full", None, lambda st: iter_encode_full(
+                full_state, compress=self.compress_full, segment_elems=seg, rows=rows,
+                meta=full_meta, stats=st, **opts)))
+        committed = after is None
+        pv = PreparedVersion(self, v, common, jobs, time.perf_counter() - t0, committed,
+                             self.version, after)
+        if committed:
+            self.version = v
+            self._need_full = False
+            self._pending = pv
+        return pv
+
+    def _write_failed(self, pv: PreparedVersion) -> None:
+        """A version's write failed: a version prepared before it changed the kept state,
+        so go back to the last version written and make the next one a full checkpoint."""
+        if pv._committed and self.version == pv.version:
+            self.version = pv._prior
+            self._need_full = True
 
     def _write(self, kind: str, pieces: Any, stats: EncodeStats, base: int | None,
-               common: dict[str, Any]) -> WeightManifest:
+               common: dict[str, Any], extract_s: float) -> WeightManifest:
         """Store one encoded blob of ``kind``; its manifest (``common`` fields included)."""
         ref = self.store.put(new_blob_id(self.policy, common["version"], kind), pieces)
         n, changed = stats.num_params, stats.num_changed  # filled in while it was stored
+        timings = {"extract_s": f"{extract_s:.3f}", "encode_s": f"{stats.seconds:.3f}"}
         return WeightManifest(
             base_version=base,
             kind=kind,
@@ -286,8 +518,108 @@ class WeightPublisher:
             num_changed=changed,
             sparsity=1.0 - changed / n if n else 1.0,
             encoded_bytes=ref.bytes,
-            **{**common, "meta": {**common["meta"], "encode_s": f"{stats.seconds:.3f}"}},
+            **{**common, "meta": {**common["meta"], **timings}},
         )
+
+
+def _check_names(old: StateDict, new: StateDict) -> None:
+    """What ``iter_encode_delta`` would refuse, refused before anything changes."""
+    if set(old) != set(new):
+        missing = sorted(set(new) - set(old))[:5]
+        extra = sorted(set(old) - set(new))[:5]
+        raise ValueError(f"state dicts differ in names: new-only {missing}, old-only {extra}")
+    for name, t in new.items():
+        o = old[name]
+        if o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
+            raise ValueError(
+                f"{name}: old is {o.dtype} {tuple(o.shape)}, new is {t.dtype} {tuple(t.shape)}"
+            )
+
+
+def merge_parts(per_process: Sequence[Sequence[WeightManifest]]) -> list[WeightManifest]:
+    """One manifest per kind from each process's manifests of one version (process
+    order): every process's blobs in process order, the full ``tensors`` list (each name
+    once), ``num_params``/``num_changed``/``encoded_bytes`` summed, ``sparsity``
+    recomputed, ``meta`` merged (the first process's value of a key, the largest
+    ``encode_s``/``extract_s``) with ``meta["parts"]`` the number of processes.
+    ``trainer_step``, ``created_at_ms`` and each partition's consumed offset are the
+    largest; signatures are dropped (sign the merged manifest). ``ValueError`` when the
+    processes disagree on policy, version, base version, kinds or a tensor."""
+    if not per_process:
+        raise ValueError("merge_parts needs the manifests of at least one process")
+    kinds = [m.kind for m in per_process[0]]
+    if not kinds or len(set(kinds)) != len(kinds):
+        raise ValueError(f"process 0 must give one manifest per kind, got {kinds}")
+    for i, ms in enumerate(per_process):
+        if [m.kind for m in ms] != kinds:
+            raise ValueError(f"process {i} gives {[m.kind for m in ms]}, process 0 {kinds}")
+    out = []
+    for j in range(len(kinds)):
+        group = [ms[j] for ms in per_process]
+        first = group[0]
+        for i, m in enumerate(group):
+            got = (m.policy, m.version, m.base_version, m.codec)
+            want = (first.policy, first.version, first.base_version, first.codec)
+            if got != want:
+                raise ValueError(f"process {i}'s {m.kind} manifest is (policy, version, base, "
+                                 f"codec) {got}, process 0's {want}")
+        tensors = _merge_tensor_infos(group)
+        n = sum(m.num_params for m in group)
+        changed = sum(m.num_changed for m in group)
+        meta: dict[str, str] = {}
+        for m in group:
+            for k, v in m.meta.items():
+                if k in ("encode_s", "extract_s") and k in meta:
+                    meta[k] = max(meta[k], v, key=float)
+                else:
+                    meta.setdefault(k, v)
+        meta["parts"] = str(len(group))
+        offsets: dict[tuple[str, int], PartitionOffset] = {}
+        for m in group:
+            for p in m.consumed_offsets:
+                cur = offsets.get((p.topic, p.partition))
+                if cur is None or p.offset > cur.offset:
+                    offsets[(p.topic, p.partition)] = p
+        out.append(WeightManifest(
+            policy=first.policy,
+            version=first.version,
+            base_version=first.base_version,
+            kind=first.kind,
+            dtype=_common_dtype(t.dtype for t in tensors),
+            tensors=tensors,
+            blobs=[b for m in group for b in m.blobs],
+            num_params=n,
+            num_changed=changed,
+            sparsity=1.0 - changed / n if n else 1.0,
+            encoded_bytes=sum(m.encoded_bytes for m in group),
+            trainer_step=max(m.trainer_step for m in group),
+            consumed_offsets=[offsets[k] for k in sorted(offsets)],
+            created_at_ms=max(m.created_at_ms for m in group),
+            codec=first.codec,
+            meta=meta,
+        ))
+    return out
+
+
+def _merge_tensor_infos(group: Sequence[WeightManifest]) -> list[TensorInfo]:
+    """Each name once, in an order that keeps every process's order (a name a process
+    lacks goes after the names it follows in the process that has it)."""
+    order: list[str] = []
+    infos: dict[str, TensorInfo] = {}
+    for i, m in enumerate(group):
+        at = 0
+        for t in m.tensors:
+            known = infos.get(t.name)
+            if known is None:
+                infos[t.name] = t
+                order.insert(at, t.name)
+                at += 1
+                continue
+            if list(known.shape) != list(t.shape) or known.dtype != t.dtype:
+                raise ValueError(f"{t.name} is {known.dtype} {list(known.shape)} in an earlier "
+                                 f"process, {t.dtype} {list(t.shape)} in process {i}")
+            at = max(at, order.index(t.name) + 1)
+    return [infos[name] for name in order]
 
 
 # --------------------------------------------------------------------------- following
@@ -468,9 +800,7 @@ class WeightFollower:
             try:
                 for m, files in opened:
                     try:
-                        state = self.state
-                        for f in files:
-                            state = apply_blob(state, f, inplace=self.inplace, threads=self.threads)
+                        state = self._apply(m, files)
                     except BlobError as e:
                         self._fail(m, e, result)
                         break
@@ -498,6 +828,20 @@ class WeightFollower:
         result.seconds = time.perf_counter() - t0
         return result
 
+    def _apply(self, m: WeightManifest, files: list[BinaryIO]) -> dict[str, torch.Tensor]:
+        """The held state with manifest ``m``'s verified blobs applied. Several blobs (a
+        merged manifest, ``merge_parts``) are one version's parts, applied together: a
+        full checkpoint's parts go into the held tensors (``inplace``, when they match) or
+        a new state, and must cover every element once."""
+        if len(files) == 1 and "parts" not in m.meta:
+            return apply_blob(self.state, files[0], inplace=self.inplace, threads=self.threads)
+        state = self.state
+        if m.kind == "full" and (state is None or not self.inplace
+                                 or not _matches(state, m.tensors)):
+            state = empty_state(m.tensors)
+            return apply_parts(state, files, inplace=True, threads=self.threads)
+        return apply_parts(state, files, inplace=self.inplace, threads=self.threads)
+
     def _fail(self, m: WeightManifest, e: Exception, result: UpdateResult) -> None:
         log.warning("weights: %s manifest v%s unusable: %s", m.kind, m.version, e)
         self._bad[manifest_key(m)] = str(e)
@@ -505,6 +849,17 @@ class WeightFollower:
 
     def close(self) -> None:
         self.resolver.close()
+
+
+def _matches(state: StateDict, tensors: Sequence[TensorInfo]) -> bool:
+    """Whether ``state`` has exactly the manifest's tensors (names, shapes, dtypes)."""
+    if len(state) != len(tensors):
+        return False
+    for t in tensors:
+        u = state.get(t.name)
+        if u is None or list(u.shape) != list(t.shape) or dtype_name(u.dtype) != t.dtype:
+            return False
+    return True
 
 
 def _close(opened: list[tuple[WeightManifest, list[BinaryIO]]]) -> None:
