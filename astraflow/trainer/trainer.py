@@ -44,6 +44,22 @@ to ``publish_dtype`` and the optimizer steps a separate fp32 copy (one more copy
 weights in memory). The trainer's log-probs are then those of the very policy the engines
 sample from; on the master weights (``"master"``) they drift from it, since the rounding
 drops most single AdamW steps, and PPO clipping zeroes the gradient of many tokens.
+
+Several processes (``group``, ``astraflow.trainer.parallel``): the model is sharded with
+FSDP2 (``fully_shard`` on each decoder layer and on the root): parameters, gradients,
+fp32 masters and the AdamW moments are ``DTensor`` shards along dim 0. Every rank gets the
+whole batch and trains its share of every (mini)batch: whole groups, dealt to the ranks
+balanced by tokens (deterministically); the loss is still divided by the token count of the
+whole (mini)batch and the gradients are summed over the ranks (not averaged), so the update
+is the one of a single process, up to the order of the float sums. FSDP2's collectives pair
+up across ranks: every rank makes the same number of forward (and backward) passes, a rank
+with fewer runs passes on a dummy input whose loss is 0 times its logits. The figures a loss
+takes from the whole batch (``batch_stats``) are computed from every rank's tokens; the
+metrics are reduced over the ranks (every rank returns the same ones) and ``grad_norm`` is
+the global norm. A shared prompt is not run once for its rows under a group (its two
+forward passes would pair FSDP2's collectives differently across ranks); only
+``backend="torch"`` can be sharded. With the same world size and thread counts, runs are
+bit-identical; across world sizes they agree up to float summation order.
 """
 
 from __future__ import annotations
@@ -54,13 +70,14 @@ import inspect
 import io
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
-from astraflow.trainer.backend import BACKENDS, PolicyModel, make_policy_model
+from astraflow.trainer.backend import BACKENDS, PolicyModel, TorchPolicy, make_policy_model
 from astraflow.trainer.loss import (
     BATCH_STATS,
     DEFAULT_LOSS,
@@ -69,11 +86,15 @@ from astraflow.trainer.loss import (
     get_loss,
     group_advantages,
 )
+from astraflow.trainer.parallel import rows as make_rows
+from astraflow.trainer.parallel import shard_rows
 from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
 if TYPE_CHECKING:  # the step imports no configuration: a spec is only read here
     from astraflow.config.sections import PolicySpec
+    from astraflow.trainer.parallel import Group
+    from astraflow.weights.delta import Rows
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -236,22 +257,31 @@ class Trainer:
         config: TrainerConfig | None = None,
         policy: str | None = None,
         model: Any = None,
+        group: Group | None = None,
     ):
         """``model``: a ``PolicyModel`` or a transformers model to train instead of the
-        one in ``model_path`` (loaded by ``config.backend``)."""
+        one in ``model_path`` (loaded by ``config.backend``). ``group``: the processes
+        (``astraflow.trainer.parallel.join``) the model is sharded over with FSDP2; it then
+        trains on ``group.device`` (see the module docstring). Every rank of a group must
+        make the same calls (``train_step``, ``published_state``, ...) in the same order."""
         self.config = config or TrainerConfig()
         self.policy = policy
         c = self.config
         c.validate()
+        self.group = group
+        if group is not None:
+            _check_group(c, group)
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
-        self.device = torch.device(c.device)
+        self.device = torch.device(c.device) if group is None else group.device
         # eval mode: no dropout, deterministic, and log-probs match the rollout's
         self.backend: PolicyModel = make_policy_model(c.backend, model_path, self.dtype,
-                                                      c.device, model)
+                                                      str(self.device), model)
         self.model = self.backend.module
         if c.gradient_checkpointing:
             self.backend.enable_checkpointing()
+        if group is not None:
+            _fully_shard(self.model, group)
         # True when the published weights are a rounding of the trained ones, which then
         # have to be saved apart (master_bytes) for an exact resume
         self.keeps_master = self.publish_dtype is not None and any(
@@ -283,9 +313,40 @@ class Trainer:
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's (master) weights, detached, by their Hugging Face names and in
-        their layouts (whatever the backend)."""
-        return self.backend.to_hf({k: self._master_of.get(id(v), v).detach()
-                                   for k, v in self.backend.named_state(keep_vars=True).items()})
+        their layouts (whatever the backend). Under a group: full tensors gathered from
+        every rank (a collective, expensive: ``published_part`` is the sharded way)."""
+        trained = {k: self._master_of.get(id(v), v)
+                   for k, v in self.backend.named_state(keep_vars=True).items()}
+        if self.group is None:
+            return self.backend.to_hf({k: v.detach() for k, v in trained.items()})
+        full: dict[int, torch.Tensor] = {}  # tied weights are gathered once
+        for v in trained.values():
+            if id(v) not in full:
+                full[id(v)] = (v.detach().full_tensor() if _is_dtensor(v) else v.detach())
+        return self.backend.to_hf({k: full[id(v)] for k, v in trained.items()})
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The tensors training updates, by Hugging Face name: each parameter's master (or
+        the parameter itself when it has none) and the persistent buffers; the tensors
+        themselves, not detached: the optimizer's own (this rank's ``DTensor`` shards under
+        a group), each once (tied weights under their first name). Write into them under
+        ``torch.no_grad()``, then ``refresh_published()``. ``backend="torch"`` only
+        (megatron's names are not Hugging Face's)."""
+        if not isinstance(self.backend, TorchPolicy):
+            raise ValueError(f"trained_state needs backend 'torch', this trainer runs "
+                             f"{self.config.backend!r}")
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for k, v in self.backend.named_state(keep_vars=True).items():
+            if id(v) not in seen:
+                seen.add(id(v))
+                out[k] = self._master_of.get(id(v), v)
+        return out
+
+    def refresh_published(self) -> None:
+        """After the masters were written in place (``trained_state``): each parameter :=
+        its master rounded to ``publish_dtype`` again."""
+        self._round_params()
 
     def _round_params(self) -> None:
         """Each parameter := its master rounded to ``publish_dtype`` (the published value)."""
@@ -294,29 +355,102 @@ class Trainer:
                 p.copy_(m.to(self.publish_dtype))
 
     def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.backend.load_hf(state)
+        if self.group is not None:
+            self._load_rows(state)
+        else:
+            self.backend.load_hf(state)
         with torch.no_grad():
             for p, m in self._masters:
                 m.copy_(p)
         self._round_params()
 
+    def _load_rows(self, state: dict[str, torch.Tensor]) -> None:
+        """Under a group: each weight's rows of this rank from the full tensors of
+        ``state`` (every weight, by Hugging Face name), into the parameters."""
+        mine = self.backend.named_state(keep_vars=True)
+        missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        if missing or unexpected:
+            raise ValueError(f"loading weights: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]} (of {len(missing)}, {len(unexpected)})")
+        with torch.no_grad():
+            for k, v in mine.items():
+                full = state[k]
+                if tuple(full.shape) != tuple(v.shape):
+                    raise ValueError(f"loading weights: {k} has shape {tuple(full.shape)}, "
+                                     f"the model's is {tuple(v.shape)}")
+                if _is_dtensor(v):
+                    start, stop = self._rows_of(v)
+                    v.to_local().copy_(full[start:stop])
+                else:
+                    v.copy_(full)
+
+    def _rows_of(self, v: torch.Tensor) -> tuple[int, int]:
+        """The rows of dim 0 of the sharded ``v`` this rank holds."""
+        assert self.group is not None
+        start, stop = shard_rows(v.shape[0], self.group.rank, self.group.world)
+        if v.to_local().shape[0] != stop - start:  # FSDP2 split other than torch.chunk's
+            raise RuntimeError(f"a shard of {tuple(v.shape)} has {v.to_local().shape[0]} "
+                               f"rows, expected {stop - start}")
+        return start, stop
+
     def published_state(self) -> dict[str, torch.Tensor]:
         """What is published: the weights with floating tensors cast to ``publish_dtype``
-        (the tensors themselves, not copies, where nothing is cast)."""
+        (the tensors themselves, not copies, where nothing is cast). Under a group: full
+        tensors on every rank (gathered, a collective, expensive)."""
         dt = self.publish_dtype
         return {
             k: v.to(dt) if dt is not None and v.is_floating_point() else v
             for k, v in self.state_dict().items()
         }
 
+    def published_part(self) -> tuple[dict[str, torch.Tensor], dict[str, Rows]]:
+        """This rank's part of the published weights, by Hugging Face name (cast to
+        ``publish_dtype``, contiguous, on the device; the tensors themselves where nothing
+        is cast), and the rows (``astraflow.weights.delta.Rows``) of those that are parts
+        of a sharded tensor; a name without rows is a whole tensor (``WeightPublisher``'s
+        convention). Under a group every parameter is sharded along dim 0: a rank holding no
+        row of one leaves it out; tensors that are not sharded (buffers, if any) are whole
+        in rank 0's part only. Across the ranks the parts cover each tensor of
+        ``published_state()`` exactly once. Without a group: ``published_state()``, no
+        rows."""
+        if self.group is None:
+            return {k: v.contiguous() for k, v in self.published_state().items()}, {}
+        dt = self.publish_dtype
+        tensors: dict[str, torch.Tensor] = {}
+        rows: dict[str, Rows] = {}
+        for k, v in self.backend.named_state(keep_vars=True).items():
+            v = self._master_of.get(id(v), v).detach()
+            if _is_dtensor(v):
+                start, stop = self._rows_of(v)
+                if stop == start:
+                    continue
+                local = v.to_local()
+                rows[k] = make_rows(start, stop, tuple(v.shape))
+            elif self.group.rank == 0:
+                local = v
+            else:
+                continue
+            if dt is not None and local.is_floating_point():
+                local = local.to(dt)
+            tensors[k] = local.contiguous()
+        return tensors, rows
+
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Every weight from ``state`` (full tensors by Hugging Face name, any device):
+        parameters and masters; under a group each rank takes its own rows."""
         self._load_model_state(state)
 
     def snapshot(self, version: int) -> StateSnapshot:
         """CPU copies of the optimizer state and (when ``keeps_master``) the master weights,
         to be serialized while training goes on."""
+        self._no_group("snapshot")
         master = self.state_dict() if self.keeps_master else None
         return StateSnapshot.of(version, self.optimizer.state_dict(), master)
+
+    def _no_group(self, what: str) -> None:
+        if self.group is not None:
+            raise ValueError(f"{what} holds one process's whole state: with a process group "
+                             "the trainer state goes through astraflow.trainer.checkpoint")
 
     def master_bytes(self) -> bytes:
         """The trained weights, serialized bit-exactly (``torch.save``)."""
@@ -336,11 +470,13 @@ class Trainer:
         self._load_model_state(state)
 
     def optimizer_bytes(self) -> bytes:
+        self._no_group("optimizer_bytes")
         buf = io.BytesIO()
         torch.save(self.optimizer.state_dict(), buf)
         return buf.getvalue()
 
     def load_optimizer_bytes(self, data: bytes) -> None:
+        self._no_group("load_optimizer_bytes")
         state = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state)
 
@@ -389,8 +525,13 @@ class Trainer:
         With ``share_prompt``, rows are first grouped by their prompt (the tokens before
         the first loss-mask token), each group cut into micro-batches, and ``prompt_len``
         is that prompt's length: the pass runs it once for all of them. Otherwise
-        ``prompt_len`` is 0 and the micro-batches are ``micro_batches(rows)``."""
+        ``prompt_len`` is 0 and the micro-batches are ``micro_batches(rows)``.
+
+        Under a group: the passes of this rank's share of ``rows`` (``share``), never a
+        shared prompt."""
         c = self.config
+        if self.group is not None:
+            return [(0, part) for part in self.micro_batches(self.share(rows))]
         if not c.share_prompt or c.gradient_checkpointing or not self.backend.shares_prompt:
             return [(0, part) for part in self.micro_batches(rows)]
         by_prompt: dict[tuple[int, ...], list[_Row]] = {}
@@ -400,6 +541,15 @@ class Trainer:
             by_prompt.setdefault(tuple(r.seq.token_ids[:first]), []).append(r)
         return [(len(prompt), part) for prompt, group in by_prompt.items()
                 for part in self.micro_batches(group)]
+
+    def share(self, rows: list[_Row]) -> list[_Row]:
+        """The rows this rank trains (all of them without a group): whole groups, each
+        given, the groups with most tokens first, to the rank with the fewest tokens so far
+        (the lowest rank on a tie); in their order in ``rows``."""
+        if self.group is None or self.group.world == 1:
+            return rows
+        owner = deal_groups(rows, self.group.world)
+        return [r for r in rows if owner[r.group] == self.group.rank]
 
     def shared_prompt_logprobs(self, ids: torch.Tensor, attn: torch.Tensor,
                                prompt_len: int) -> torch.Tensor:
@@ -477,6 +627,32 @@ class Trainer:
         dev = self.device
         return new, behaviour.to(dev), mask.to(dev), adv.to(dev)
 
+    def _each_pass(self, passes: list[tuple[int, list[_Row]]], backward: bool = False,
+                   ) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+        """``(index, _pass_logprobs(...))`` of each of ``passes`` that has a loss token.
+        Under a group, every rank makes as many forward passes as the rank with most
+        (FSDP2's collectives pair up across ranks): where this rank has none left, or a
+        pass without a loss token, it runs ``_dummy_pass`` (with its backward pass when
+        ``backward``: the caller runs the backward pass of what it is given)."""
+        n = len(passes)
+        if self.group is not None:
+            n = int(self.group.max_floats({"passes": float(n)})["passes"])
+        for i in range(n):
+            got = self._pass_logprobs(*passes[i]) if i < len(passes) else None
+            if got is not None:
+                yield i, got
+            elif self.group is not None:
+                self._dummy_pass(backward)
+
+    def _dummy_pass(self, backward: bool) -> None:
+        """A forward (and backward) pass that changes nothing: two pad tokens, loss 0 times
+        their logits (a zero gradient), for the collectives of the other ranks' pass."""
+        ids = torch.full((1, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
+        with self._autocast():
+            logits = self.backend.logits(ids, torch.ones_like(ids), 0)
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
     def _loss_options(self, live: list[_Row]) -> dict[str, float]:
         """The keyword arguments of every loss call: the hyperparameters, and what the
         loss's ``batch_stats`` computes from the whole batch (``m2po``'s cut). That takes a
@@ -490,12 +666,11 @@ class Trainer:
             return options
         ratios = []
         with torch.no_grad():
-            for prompt_len, part in self.passes(live):
-                got = self._pass_logprobs(prompt_len, part)
-                if got is not None:
-                    new, behaviour, mask, _ = got
-                    ratios.append((new - behaviour)[mask > 0])
+            for _, (new, behaviour, mask, _) in self._each_pass(self.passes(live)):
+                ratios.append((new - behaviour)[mask > 0])
         log_ratio = torch.cat(ratios) if ratios else torch.zeros(0, device=self.device)
+        if self.group is not None:  # the statistics of the whole batch: every rank's tokens
+            log_ratio = self.group.all_gather_rows(log_ratio)
         return {**options, **stats(log_ratio, **options)}
 
     def _accumulate(self, live: list[_Row], total_tokens: int,
@@ -506,11 +681,7 @@ class Trainer:
         loss_fn = get_loss(self.config.loss)
         options = self._loss_options(live)
         acc = _new_acc()
-        for i, (prompt_len, part) in enumerate(self.passes(live)):
-            got = self._pass_logprobs(prompt_len, part)
-            if got is None:
-                continue
-            new, behaviour, mask, adv = got
+        for i, (new, behaviour, mask, adv) in self._each_pass(self.passes(live), backward=True):
             extra = {} if proximal is None else {"logprobs_proximal": proximal[i]}
             out = loss_fn(new, behaviour, adv, mask, num_tokens=total_tokens, **options,
                           **extra)
@@ -524,6 +695,16 @@ class Trainer:
             acc["ratio_max"] = max(acc["ratio_max"], out.sums.get("ratio_max", 0.0))
             outside = (new.detach() <= LOGPROB_FLOOR) & (mask > 0)
             acc["sums"]["outside_nucleus_frac"] += float(outside.sum())
+        if self.group is not None:  # every rank reports the figures of the whole batch
+            total = self.group.sum_floats({
+                "loss": acc["loss"], "micro_batches": acc["micro_batches"],
+                "padded_tokens": acc["padded_tokens"],
+                **{f"sums/{k}": v for k, v in acc["sums"].items()}})
+            acc["loss"] = total["loss"]
+            acc["micro_batches"] = int(total["micro_batches"])
+            acc["padded_tokens"] = int(total["padded_tokens"])
+            acc["sums"] = {k: total[f"sums/{k}"] for k in acc["sums"]}
+            acc["ratio_max"] = self.group.max_floats({"r": acc["ratio_max"]})["r"]
         return acc
 
     def minibatches(self, rows: list[_Row]) -> list[list[_Row]]:
@@ -549,9 +730,11 @@ class Trainer:
         out: list[list[torch.Tensor | None] | None] = [None]
         with torch.no_grad():
             for part in parts[1:]:
-                live = [r for r in part if r.advantage != 0.0]
-                out.append([None if (got := self._pass_logprobs(n, p)) is None
-                            else got[0].detach() for n, p in self.passes(live)])
+                passes = self.passes([r for r in part if r.advantage != 0.0])
+                logprobs: list[torch.Tensor | None] = [None] * len(passes)
+                for i, got in self._each_pass(passes):
+                    logprobs[i] = got[0].detach()
+                out.append(logprobs)
         return out
 
     def _optimizer_step(self, total_tokens: int) -> float:
@@ -566,7 +749,9 @@ class Trainer:
                 for p, m in self._masters:
                     m.grad, p.grad = p.grad, None
                 params = [m for _, m in self._masters]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+            # DTensor gradients (a group): the norm of the whole gradient, on every rank
+            grad_norm = float(norm.full_tensor() if _is_dtensor(norm) else norm)
             self.optimizer.step()
             self._round_params()
         self.optimizer.zero_grad(set_to_none=True)
@@ -657,6 +842,67 @@ class Trainer:
         return total
 
 
+def deal_groups(rows: list[_Row], world: int) -> dict[int, int]:
+    """Group index -> the rank that trains it: the groups with most tokens first, each to
+    the rank with the fewest tokens so far (the lowest rank on a tie)."""
+    tokens: dict[int, int] = {}
+    for r in rows:
+        tokens[r.group] = tokens.get(r.group, 0) + len(r.seq.token_ids)
+    load = [0] * world
+    owner: dict[int, int] = {}
+    for g, n in sorted(tokens.items(), key=lambda kv: (-kv[1], kv[0])):
+        rank = min(range(world), key=lambda i: (load[i], i))
+        owner[g] = rank
+        load[rank] += n
+    return owner
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _check_group(c: TrainerConfig, group: Group) -> None:
+    """``ValueError`` (one line) for a configuration that cannot be sharded over ``group``."""
+    from astraflow.trainer.parallel import Group
+
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be an astraflow.trainer.parallel.Group (join()), got "
+                        f"{type(group).__name__}")
+    if c.backend != "torch":
+        raise ValueError(f"backend (--backend) must be 'torch' with a process group (FSDP2 "
+                         f"shards transformers models), got {c.backend!r}")
+    if torch.device(c.device).type != group.device.type:
+        raise ValueError(f"device (--device) {c.device!r} does not match the process group's "
+                         f"device {group.device} (join(device=...))")
+
+
+def _fully_shard(model: torch.nn.Module, group: Group) -> None:
+    """FSDP2 on each decoder layer (the classes transformers names in
+    ``_no_split_modules``) and on the root; gradients summed over the ranks, not averaged:
+    each rank's loss is already divided by the token count of the whole batch."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layer to shard (none of the "
+                         f"classes in _no_split_modules {sorted(names)})")
+    for layer in layers:
+        fully_shard(layer, mesh=group.mesh)
+    # the root too frees its gathered weights after each forward pass (FSDP2 keeps them by
+    # default until the backward pass): a no-grad pass (batch statistics, the proximal
+    # policy) not followed by a backward pass before the optimizer step would otherwise
+    # leave stale weights for the next forward pass
+    fully_shard(model, mesh=group.mesh, reshard_after_forward=True)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                m.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no PREMUL_SUM
+
+
 def _new_acc() -> dict[str, Any]:
     """The figures ``_accumulate`` sums over passes."""
     sums = dict.fromkeys(SUM_KEYS, 0.0)
@@ -683,4 +929,4 @@ def _group_staleness(group, policy: str, current_version: int) -> int:
     return current_version - min(versions) if versions else 0
 
 
-__all__ = ["DTYPES", "Trainer", "TrainerConfig"]
+__all__ = ["DTYPES", "Trainer", "TrainerConfig", "deal_groups"]
