@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -83,6 +84,12 @@ def handler(args: argparse.Namespace) -> int:
     except (ValueError, ModelError, MegatronUnavailable) as e:  # TopologyError: ValueError
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
+    from astraflow.trainer.processes import in_group, run_local_group
+
+    parallel = spec.trainer.parallel
+    if parallel.processes > 1 and not in_group():
+        # this process only supervises: N copies of this command line train as one group
+        return run_local_group(sys.argv[1:], parallel.processes, parallel.port)
     if spec.trainer.threads:
         torch.set_num_threads(spec.trainer.threads)
     torch.manual_seed(spec.trainer.seed)
@@ -90,16 +97,35 @@ def handler(args: argparse.Namespace) -> int:
         torch.use_deterministic_algorithms(True)
     args.loaded_topology = topo
     config = kafka_config(args, topo.component_kafka(f"trainer.{opts.policy}"))
-    service = TrainerService(topo, opts, config=config)
+    group = _join_group(opts.trainer.device) if in_group() else None
+    if group is not None and group.rank > 0:
+        # rank 0 alone stops the group (the supervisor hands it the signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    service = TrainerService(topo, opts, config=config, group=group)
 
-    stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),
-                    "finishing the current step and its transaction")
-    c = service.run()
+    if service.rank == 0:
+        stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),
+                        "finishing the current step and its transaction")
+    try:
+        c = service.run()
+    finally:
+        if group is not None:
+            group.close()
+    if service.rank > 0:
+        return 0
     print(
         f"{service.component_id}: {c.steps} steps, version {service.version}, "
         f"consumed {c.consumed}, waited {c.waiting_s:.1f}s, busy {c.busy_s:.1f}s"
     )
     return 0
+
+
+def _join_group(device: str) -> Any:
+    """This process's place in its trainer group (torchrun's environment)."""
+    from astraflow.trainer.parallel import join
+
+    return join(device)
 
 
 def _write_missing_model(topo, policy: str, path: str) -> None:

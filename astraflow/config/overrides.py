@@ -33,6 +33,7 @@ from astraflow.config.sections import (
     DatasetSpec,
     EvalSpec,
     FeederSpec,
+    ParallelSpec,
     PolicyEvalSpec,
     PolicySpec,
     PoolSpec,
@@ -161,6 +162,8 @@ def _field_flags(model: type[BaseModel], prefix: str,
     bool field that is on by default is turned off by ``--no-<field>``."""
     out = []
     for field, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            continue  # a nested section declares its own flags
         name = (names or {}).get(field, "--" + field.replace("_", "-"))
         kind = "value"
         if info.annotation is bool:
@@ -185,7 +188,9 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         "loss": "NAME", "m2_threshold": "TAU", "minibatches": "N", "micro_batch_size": "N",
         "micro_batch_tokens": "N", "blob_store": "URI", "keep_versions": "N",
         "state_dir": "DIR", "state_interval": "N", "state_max_lag": "K",
-        "keep_optimizer": "K", "max_steps": "N"}),
+        "keep_optimizer": "K", "max_steps": "N", "checkpoint_dir": "DIR"}),
+    *_field_flags(ParallelSpec, "trainer.parallel.", names={"port": "--parallel-port"},
+                  metavars={"processes": "N", "port": "PORT"}),
 )
 
 # `raas run`: the pool's section (applied to its PoolSpec), the policies it serves

@@ -110,6 +110,20 @@ LOSS_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
 DEFAULT_LOSS = "clipped_tis"
 
 
+class ParallelSpec(_Section):
+    """How many processes train one policy (torch.distributed: gloo on CPUs, NCCL on GPUs;
+    FSDP2 shards parameters, gradients and optimizer state over them). Processes on other
+    hosts join through torchrun's rendezvous (docs/trainer.md, "Across processes")."""
+
+    processes: int = Field(
+        default=1, ge=1, description="trainer processes started on this host (1: one "
+        "process, no torch.distributed); under torchrun its WORLD_SIZE decides instead",
+        json_schema_extra=_in("compute"))
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="the rendezvous port of the processes "
+        "started on this host (default: a free one)", json_schema_extra=_in("compute"))
+
+
 class TrainerSpec(_Section):
     """The trainer of one policy (``trainer run``): each hyperparameter with its one
     default. ``trainer run -t FILE --policy P`` reads them from the file; its flag of the
@@ -208,6 +222,11 @@ class TrainerSpec(_Section):
     anchor_interval: int = Field(
         default=10, ge=1, description="full checkpoint every N versions (deltas in between)",
         json_schema_extra=_in("publishing weights"))
+    publish_overlap: Literal["auto", "on", "off"] = Field(
+        default="auto", description="encode and write each version's weight blobs while "
+        "the next batch trains, committing the version with the next step (its batch is "
+        "consumed again after a crash); auto: on when the trainer runs on a GPU",
+        json_schema_extra=_in("publishing weights"))
     keep_versions: int = Field(
         default=20, ge=0, description="remove the weight blobs of versions older than the "
         "newest full checkpoint at or below the newest version - N (a Kafka store deletes "
@@ -228,13 +247,29 @@ class TrainerSpec(_Section):
     keep_optimizer: int = Field(
         default=3, ge=1, description="keep the newest K written trainer states (optimizer "
         "and master weights)", json_schema_extra=_in("trainer state (exact resume)"))
+    checkpoint_dir: str | None = Field(
+        default=None, description="write trainer states through "
+        "torch.distributed.checkpoint into this directory, sharded (every process its own "
+        "shards; a shared filesystem when processes span hosts); such a state resumes on "
+        "any number of processes. Default: the blob format in the blob store with one "
+        "process, <state dir>/checkpoints with several",
+        json_schema_extra=_in("trainer state (exact resume)"))
     max_steps: int | None = Field(default=None, ge=1, description="stop cleanly after N "
                                   "steps")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
 
     @model_validator(mode="after")
     def _micro_batch(self) -> TrainerSpec:
         if "micro_batch_size" in self.model_fields_set and self.micro_batch_tokens is not None:
             raise ValueError("give micro_batch_size or micro_batch_tokens, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_backend(self) -> TrainerSpec:
+        if self.parallel.processes > 1 and self.backend == "megatron":
+            raise ValueError(".parallel.processes: several processes train with backend "
+                             "torch (FSDP2) only; megatron-core's own data parallelism "
+                             "needs CUDA and is not wired in yet (docs/trainer.md)")
         return self
 
     @field_validator("loss")

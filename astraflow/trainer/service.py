@@ -46,8 +46,10 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Consumer, Message, TopicPartition
 
@@ -59,8 +61,10 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
+from astraflow.trainer.checkpoint_writer import CheckpointWriter
+from astraflow.trainer.parallel import Group
 from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
-from astraflow.trainer.state import StateWriter, WrittenState
+from astraflow.trainer.state import STATE_DIR_KEY, StateWriter, WrittenState
 from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
@@ -106,6 +110,8 @@ class ServiceOptions:
     state_dir: str | None = _SPEC.state_dir
     instance: str | None = None
     anchor_interval: int = _SPEC.anchor_interval
+    # "on": a version's blobs are encoded and written while the next batch trains
+    publish_overlap: str = _SPEC.publish_overlap
     # trainer state (optimizer, master weights) written every N versions, in the background
     state_interval: int = _SPEC.state_interval
     # a state write is recorded at the latest in the manifest of version k + lag (the step
@@ -116,6 +122,9 @@ class ServiceOptions:
     # newest version - keep_versions are removed (Kafka: DeleteRecords); 0 keeps all
     keep_versions: int = _SPEC.keep_versions
     max_steps: int | None = _SPEC.max_steps  # stop (cleanly) after this many steps
+    # trainer states through torch.distributed.checkpoint in this directory (None: the
+    # blob format in the blob store; a group of processes then uses <state dir>/checkpoints)
+    checkpoint_dir: str | None = _SPEC.checkpoint_dir
     poll_timeout_s: float = 0.5
     session_timeout_ms: int = 10_000
     max_poll_interval_ms: int = 3_600_000  # a step may take long on a big model
@@ -130,10 +139,11 @@ class ServiceOptions:
         t = spec.trainer
         return cls(policy=policy, model_path=spec.model, blob_store=t.blob_store,
                    state_dir=t.state_dir, instance=instance,
-                   anchor_interval=t.anchor_interval, state_interval=t.state_interval,
+                   anchor_interval=t.anchor_interval, publish_overlap=t.publish_overlap,
+                   state_interval=t.state_interval,
                    state_max_lag=t.state_max_lag, keep_optimizer=t.keep_optimizer,
                    keep_versions=t.keep_versions, max_steps=t.max_steps,
-                   trainer=TrainerConfig.from_spec(spec))
+                   checkpoint_dir=t.checkpoint_dir, trainer=TrainerConfig.from_spec(spec))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (and its CLI flag) of a bad setting."""
@@ -174,8 +184,13 @@ class TrainerService:
         options: ServiceOptions,
         config: KafkaConfig | None = None,
         trainer: Trainer | None = None,
+        group: Group | None = None,
     ):
+        """``group``: this process is one rank of a trainer group (``trainer.parallel``);
+        rank 0 runs the transactional loop and hands every batch to the others."""
         self.topology = topology
+        self.dist = group  # the trainer's processes (None: this one alone)
+        self.rank = group.rank if group is not None else 0
         self.options = options
         self.policy = options.policy
         self.config = (config or topology.kafka).effective().for_component(
@@ -218,7 +233,16 @@ class TrainerService:
         crash = os.environ.get(CRASH_ENV)
         self._crash_at = int(crash) if crash else None
         self._committing: int | None = None  # the version in the open transaction
-        self.loop = TransactionalLoop(
+        self._stopping = False  # a rank > 0 was told to stop
+        # publish_overlap: the version whose blobs are being written while the next batch
+        # trains; its batch's offset is held back from commits until it is committed
+        self._pending: _Pending | None = None
+        self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
+        dev = options.trainer.device
+        self.overlap = (options.publish_overlap == "on"
+                        or (options.publish_overlap == "auto" and dev.startswith("cuda")))
+        self.checkpoint_dir = self._checkpoint_dir()
+        self.loop = None if self.rank else TransactionalLoop(
             loop_spec(topology, self.component_id, self.group, self.transactional_id,
                       [f"batches.{self.policy}"], [f"weights.{self.policy}"],
                       max_batch=1, poll_timeout_s=options.poll_timeout_s, keeps_position=True,
@@ -228,26 +252,49 @@ class TrainerService:
 
     def stop(self) -> None:
         """Finish the current step (its transaction included), then return from ``run``."""
-        self.loop.stop()
+        if self.loop is not None:
+            self.loop.stop()
+
+    def _checkpoint_dir(self) -> Path | None:
+        """Where trainer states go through ``torch.distributed.checkpoint`` (None: the blob
+        format in the blob store)."""
+        if self.options.checkpoint_dir:
+            return Path(self.options.checkpoint_dir).expanduser()
+        if self.dist is not None:
+            return self.state_dir / "checkpoints"
+        return None
 
     # --- start-up ------------------------------------------------------------------------
     def _open(self):
         from astraflow.weights.stores import open_store
 
         self.store = open_store(self.blob_uri, self.config)
-        self.writer = StateWriter(self.store, self.policy)
         if self.trainer is None:
-            self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy)
+            self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy,
+                                   group=self.dist)
+        self.writer: StateWriter | CheckpointWriter = (
+            StateWriter(self.store, self.policy) if self.checkpoint_dir is None
+            else CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy))
 
-    def _restore(self) -> None:
-        from astraflow.weights.history import WeightFollower, WeightPublisher
+    def _read_manifests(self) -> list[WeightManifest]:
+        """Rank 0: the trusted manifests of the policy on ``weights.<policy>``, handed to
+        every other rank (they restore from the same list)."""
         from astraflow.weights.stores.kafka import read_manifests
 
-        manifests = self._trusted([
-            m for m in read_manifests(self.config, self.weights_topic) if m.policy == self.policy
-        ])
+        manifests = None
+        if self.rank == 0:
+            manifests = self._trusted([
+                m for m in read_manifests(self.config, self.weights_topic)
+                if m.policy == self.policy])
+        if self.dist is not None:
+            manifests = self.dist.broadcast(manifests)
+        return manifests
+
+    def _restore(self) -> None:
+        from astraflow.weights.history import WeightFollower
+
+        manifests = self._read_manifests()
         self._history = list(manifests)
-        o = self.options
         if not manifests:
             self._publish_initial()
             return
@@ -267,16 +314,11 @@ class TrainerService:
         finally:
             reader.close()
         assert follower.state is not None
-        self.publisher = WeightPublisher(
-            self.store,
-            self.policy,
-            anchor_interval=o.anchor_interval,
-            version=latest,
-            state=follower.state,
-        )
+        self.publisher = self._publisher(version=latest, state=follower.state)
         last = [m for m in manifests if m.version == latest][0]
         self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
-        self.loop.positions.update(self._resume_positions(latest))
+        if self.loop is not None:
+            self.loop.positions.update(self._resume_positions(latest))
         self.version = self.resumed_from = latest
         self.state_version = start if meta else None
         self._state_refs = recorded_states(manifests)
@@ -335,20 +377,67 @@ class TrainerService:
                 self.signer.sign(m)
         return manifests
 
-    def _publish_initial(self) -> None:
-        """Version 0: the model as it is, a full checkpoint with the model's files."""
+    def _publisher(self, version: int | None = None, state: dict | None = None):
+        """This process's ``WeightPublisher``: of the whole state, or in a group of this
+        rank's rows of it (``state``, the published weights of ``version``, is cut to
+        them)."""
         from astraflow.weights.history import WeightPublisher
 
-        self.publisher = WeightPublisher(self.store, self.policy,
-                                         anchor_interval=self.options.anchor_interval)
-        ms = self.publisher.publish(self.trainer.published_state(), version=0, trainer_step=0)
+        rows = None
+        if self.dist is not None:
+            part, rows = self.trainer.published_part()
+            if state is not None:
+                state = {k: _rows_of(state[k], rows.get(k)) for k in part}
+        return WeightPublisher(self.store, self.policy,
+                               anchor_interval=self.options.anchor_interval, rows=rows,
+                               version=version, state=state)
+
+    def _publish(self, version: int, offsets: list[PartitionOffset] | None = None,
+                 meta: dict[str, str] | None = None) -> list[WeightManifest] | None:
+        """Write this process's blob(s) of ``version``; its manifests (rank 0 of a group:
+        every rank's parts merged; the other ranks: None)."""
+        return self._finish_publish(self._start_publish(version, offsets, meta))
+
+    def _start_publish(self, version: int, offsets: list[PartitionOffset] | None = None,
+                       meta: dict[str, str] | None = None) -> Future:
+        """Find what changed in this process's published weights (on their device) and
+        start encoding and writing it on the publishing thread."""
+        state = (self.trainer.published_state() if self.dist is None
+                 else self.trainer.published_part()[0])
+        prepared = self.publisher.prepare(state, version=version, trainer_step=version,
+                                          consumed_offsets=offsets or [], meta=meta)
+        return self._writer_pool.submit(prepared.write)
+
+    def _finish_publish(self, written: Future) -> list[WeightManifest] | None:
+        """The manifests of a started publish once written (rank 0 of a group: every
+        rank's parts merged; the other ranks: None)."""
+        from astraflow.weights.history import merge_parts
+
+        mine = written.result()
+        if self.dist is None:
+            return mine
+        every = self.dist.gather(mine)
+        if every is None:
+            return None
+        merged = merge_parts(every)
+        for m in merged:  # rank 0's offsets and meta: the other ranks know none
+            m.consumed_offsets = list(mine[0].consumed_offsets)
+            m.meta.update(mine[0].meta)
+        return merged
+
+    def _publish_initial(self) -> None:
+        """Version 0: the model as it is, a full checkpoint with the model's files."""
+        self.publisher = self._publisher()
+        ms = self._publish(0)
+        self.version = 0
+        if ms is None:  # a rank > 0: rank 0 publishes
+            return
         self._add_model_files(ms)
         self._history = list(ms)
         cp = self.loop.checkpoint()
         for m in self._signed(ms):
             cp.add(self.weights_topic, m, key=self.policy)
         self.loop.commit(cp, offsets=False)
-        self.version = 0
         log.info("%s: published initial weights as version 0 (%s, %d bytes) on %s",
                  self.component_id, ms[-1].dtype, ms[-1].encoded_bytes, self.weights_topic)
 
@@ -387,6 +476,14 @@ class TrainerService:
         assert follower.version == version and published is not None
         dtype = [m for m in manifests if m.version == version][0].dtype
         self._check_published_dtypes(published, version, dtype)
+        if STATE_DIR_KEY in meta:
+            return self._load_checkpoint(meta[STATE_DIR_KEY], published, version)
+        if self.dist is not None and "optimizer_uri" in meta:
+            raise RuntimeError(
+                f"{self.weights_topic}: the state of version {version} was written by one "
+                "process in the blob format; a group of processes resumes only states "
+                "written through torch.distributed.checkpoint: resume with --processes 1 "
+                "and --checkpoint-dir DIR (its next states are then in that format)")
         opt = "fresh"
         if "optimizer_uri" in meta:
             data, _ = self._read_state_blob(follower, meta, "optimizer", version)
@@ -416,6 +513,23 @@ class TrainerService:
                 )
         self.trainer.steps = version
         return opt, master
+
+    def _load_checkpoint(self, where: str, published, version: int) -> tuple[str, str]:
+        """Load the state of ``version`` written through ``torch.distributed.checkpoint``
+        (by any number of processes) into this process's share of the trainer."""
+        from astraflow.trainer import checkpoint
+
+        try:
+            checkpoint.load(self.trainer, where)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise RuntimeError(f"{self.weights_topic}: the state of version {version} in "
+                               f"{where} is unusable ({e}); cannot resume exactly") from e
+        if not state_bytes_equal(self.trainer.published_state(), published):
+            raise RuntimeError(
+                f"{self.weights_topic}: the master weights of version {version} (from "
+                f"{where}) do not round to its published weights; cannot resume exactly")
+        self.trainer.steps = version
+        return f"loaded from {where}", "loaded"
 
     def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
         """The newest version must have been published in the dtype this trainer publishes
@@ -464,7 +578,7 @@ class TrainerService:
             kind="trainer",
             host=socket.gethostname(),
             policy=self.policy,
-            state="stopping" if self.loop.stopping else "running",
+            state="stopping" if self.loop is not None and self.loop.stopping else "running",
             produced=c.produced,
             consumed=c.consumed,
             dead_lettered=c.dead_lettered,
@@ -477,8 +591,32 @@ class TrainerService:
 
     # --- the Work the transactional loop runs -------------------------------------------
     def run(self) -> ServiceCounters:
-        self.loop.run()
+        if self.loop is None:
+            self._follow()
+        else:
+            self.loop.run()
+            # a clean stop (not an error: then this process fails and the group's
+            # supervisor takes the others down) ends the other ranks too
+            if self.dist is not None:
+                self.dist.broadcast(("stop",))
         return self.counters
+
+    def _follow(self) -> None:
+        """A rank > 0: restore with rank 0, then train every batch it hands over, until
+        it says stop (or dies: the group's supervisor then takes this process down)."""
+        self._open()
+        try:
+            self._restore()
+            while True:
+                what, *args = self.dist.broadcast(None)
+                if what == "stop":
+                    break
+                if what == "flush":
+                    self.flush(None)
+                else:
+                    self._step(*args, cp=None)
+        finally:
+            self.close()
 
     def start(self, loop: TransactionalLoop) -> None:
         """Restore (or publish version 0) once the producer has fenced a predecessor."""
@@ -492,13 +630,30 @@ class TrainerService:
         for m in msgs:
             batch = self._decode(m, cp)
             if batch is not None:
-                self._step(*batch, cp)
+                # the last step of a stopping trainer records its own state (written
+                # synchronously): a clean stop resumes without recomputing, on any number
+                # of processes
+                final = self.loop.stopping or (self.options.max_steps is not None
+                                               and self._steps + 1 >= self.options.max_steps)
+                if self.dist is not None:
+                    self.dist.broadcast(("step", *batch, final))
+                self._step(*batch, final, cp=cp)
                 self._steps += 1
+        if self._pending is not None and (not msgs or self.loop.stopping):
+            # idle, or stopping: commit the version written meanwhile
+            if self.dist is not None:
+                self.dist.broadcast(("flush",))
+            self.flush(cp)
         if self.options.max_steps is not None and self._steps >= self.options.max_steps:
             self.loop.stop()
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
-        return {}
+        """The batch of a version still being written is not committed before it."""
+        p = self._pending
+        if p is None:
+            return {}
+        topic, part, off = p.where
+        return {(topic, part): off}
 
     def on_revoke(self, partitions: list[tuple[str, int]]) -> None:
         """Never called: the trainer keeps its position (``keeps_position``)."""
@@ -506,6 +661,7 @@ class TrainerService:
     def close(self) -> None:
         log.info("%s: leaving at version %s", self.component_id, self.version)
         self._finish_state_write()
+        self._writer_pool.shutdown(wait=True)
         if getattr(self, "store", None) is not None:
             self.store.close()
 
@@ -539,37 +695,60 @@ class TrainerService:
             raise InvalidRecord(f"Batch: a token of policy {self.policy} generated by version "
                                 f"{newest}, newer than the newest published ({self.version})")
 
-    def _step(self, batch: Batch, topic: str, part: int, off: int, cp: Checkpoint) -> None:
-        """Train on ``batch``; its version's manifests go into ``cp``."""
+    def _step(self, batch: Batch, topic: str, part: int, off: int, final: bool = False, *,
+              cp: Checkpoint | None) -> None:
+        """Train on ``batch``; its version's manifests go into ``cp`` (rank 0; the other
+        ranks of a group train and publish their parts in step, with ``cp`` None), or,
+        with ``publish_overlap``, into the next step's. ``final``: the last step before a
+        clean stop records its own state and is committed at once."""
         assert self.version is not None
         metrics = self.trainer.train_step(batch, current_version=self.version)
-        self.positions = dict(self.loop.positions)
+        self.flush(cp)  # the previous version, written while this batch trained
+        if self.loop is not None:
+            self.positions = dict(self.loop.positions)
         self.stale_dropped += int(metrics["trainer/stale_dropped_groups"])
         if metrics["trainer/loss_tokens"] == 0:
             self._skip(batch, (topic, part, off), metrics)
             return
         version = self.version + 1
-        written = self._state_step(version, metrics)
-        meta = dict(written.meta) if written is not None else {}
-        meta["batch_id"] = batch.batch_id
-        meta["batch_partition"] = str(part)
-        meta["batch_offset"] = str(off)
-        meta["loss"] = f"{metrics['trainer/loss']:.6g}"
-        meta["reward_mean"] = f"{metrics['trainer/reward_mean']:.6g}"
-        offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
-        t_pub = time.perf_counter()
-        manifests = self.publisher.publish(
-            self.trainer.published_state(),
-            version=version,
-            trainer_step=version,
-            consumed_offsets=offsets,
-            meta=meta,
-        )
-        self._add_model_files(manifests)
-        metrics["trainer/publish_seconds"] = time.perf_counter() - t_pub
+        written = self._state_step(version, metrics, final)
+        meta: dict[str, str] = {}
+        offsets: list[PartitionOffset] = []
+        if cp is not None:
+            meta = dict(written.meta) if written is not None else {}
+            meta["batch_id"] = batch.batch_id
+            meta["batch_partition"] = str(part)
+            meta["batch_offset"] = str(off)
+            meta["loss"] = f"{metrics['trainer/loss']:.6g}"
+            meta["reward_mean"] = f"{metrics['trainer/reward_mean']:.6g}"
+            offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
+        t0 = time.perf_counter()
+        future = self._start_publish(version, offsets, meta)
+        metrics["trainer/publish_start_seconds"] = time.perf_counter() - t0
+        self._pending = _Pending(version, batch, (topic, part, off), metrics, written, future)
         self.version = version
         self.counters.steps += 1
+        if final or not self.overlap:
+            self.flush(cp)
+
+    def flush(self, cp: Checkpoint | None) -> None:
+        """Commit the version whose blobs are being written, if any: wait for them and put
+        its manifests into ``cp`` (a rank > 0: hand its part to rank 0)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        t0 = time.perf_counter()
+        manifests = self._finish_publish(p.future)
+        if cp is None:
+            return
+        assert manifests is not None
+        version, metrics, written = p.version, p.metrics, p.written
+        self._add_model_files(manifests)
+        # on the training thread: the device comparison and the wait for the write
+        metrics["trainer/publish_seconds"] = (metrics.pop("trainer/publish_start_seconds")
+                                              + time.perf_counter() - t0)
         delta = next((m for m in manifests if m.kind == "delta"), manifests[0])
+        metrics["trainer/publish_write_seconds"] = float(delta.meta.get("encode_s", 0.0))
         metrics["trainer/version"] = float(version)
         metrics["trainer/wait_fraction"] = self.wait_fraction()
         # of the published version (in its dtype): the delta, or the full checkpoint
@@ -591,7 +770,7 @@ class TrainerService:
                 self.state_version = written.version
                 self._state_refs.append((written.version, written.refs))
                 self._drop_old_states()
-            self._log_version(version, batch, (topic, part, off), metrics, manifests, written)
+            self._log_version(version, p.batch, p.where, metrics, manifests, written)
 
         cp.after_commit.append(committed)
 
@@ -638,19 +817,36 @@ class TrainerService:
             state,
         )
 
-    def _state_step(self, version: int, metrics: dict[str, float]) -> WrittenState | None:
+    def _state_step(self, version: int, metrics: dict[str, float], final: bool = False
+                    ) -> WrittenState | None:
         """Collect a finished state write (to be recorded in ``version``'s manifest),
         waiting for it when the lag bound or the next state is due, and start the write
-        of ``version``'s state when it is due."""
+        of ``version``'s state when it is due. ``final``: write ``version``'s state now and
+        record it (an older write still in flight is superseded, deleted)."""
         o = self.options
         t0 = time.perf_counter()
+        if final:
+            older = self.writer.wait()
+            for ref in older.refs if older is not None else []:
+                self._delete_blob(ref)
+            if older is not None:
+                self._delete_checkpoint(older)
+            self.writer.start(self.trainer.snapshot(version) if self.checkpoint_dir is None
+                              else version)
+            written = self.writer.wait()
+            metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
+            return written
         written = self.writer.poll()
         due = version % o.state_interval == 0
         pending = self.writer.in_flight
         if written is None and pending is not None and (due or version - pending >= o.state_lag):
             written = self.writer.wait()
         metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
-        if due:
+        if due and self.checkpoint_dir is not None:
+            t1 = time.perf_counter()
+            self.writer.start(version)  # the copy starts: written in the background
+            metrics["trainer/state_snapshot_seconds"] = time.perf_counter() - t1
+        elif due:
             snap = self.trainer.snapshot(version)
             metrics["trainer/state_snapshot_seconds"] = snap.seconds
             self.writer.start(snap)
@@ -663,6 +859,8 @@ class TrainerService:
     def _finish_state_write(self) -> None:
         """On the way out: wait for a write in flight; no manifest will record it, so its
         blobs are deleted (a restart resumes from the newest recorded state)."""
+        if getattr(self, "writer", None) is None:  # failed before it was made
+            return
         try:
             written = self.writer.wait()
         except RuntimeError as e:
@@ -672,6 +870,7 @@ class TrainerService:
             return
         for ref in written.refs:
             self._delete_blob(ref)
+        self._delete_checkpoint(written)
         log.info(
             "%s: the state of version %d was written after the last committed version; no "
             "manifest records it, deleted (a restart resumes from the state of version %s "
@@ -722,9 +921,18 @@ class TrainerService:
         ``keep_optimizer`` recorded states."""
         keep = max(1, self.options.keep_optimizer)
         while len(self._state_refs) > keep:
-            _, refs = self._state_refs.pop(0)
+            version, refs = self._state_refs.pop(0)
             for ref in refs:
                 self._delete_blob(ref)
+            if isinstance(self.writer, CheckpointWriter) and self.rank == 0:
+                self.writer.delete(version)
+
+    def _delete_checkpoint(self, written: WrittenState) -> None:
+        """Rank 0 removes an unrecorded state written through DCP (its directory is the
+        whole group's)."""
+        if STATE_DIR_KEY in written.meta and self.rank == 0:
+            assert isinstance(self.writer, CheckpointWriter)
+            self.writer.delete(written.version)
 
     def _delete_blob(self, ref: BlobRef) -> bool:
         try:
@@ -732,6 +940,23 @@ class TrainerService:
         except Exception as e:  # a store that cannot delete keeps it: harmless
             log.debug("could not delete %s: %s", ref.uri, e)
             return False
+
+
+@dataclass
+class _Pending:
+    """A trained version whose blobs are being written (``future``: its manifests)."""
+
+    version: int
+    batch: Batch
+    where: tuple[str, int, int]  # the batch's topic, partition, offset
+    metrics: dict[str, float]
+    written: WrittenState | None  # the trainer state its manifest records
+    future: Future
+
+
+def _rows_of(t, rows) -> Any:
+    """Rows ``rows.start..rows.stop`` of dim 0 of ``t`` (all of it when ``rows`` is None)."""
+    return t if rows is None else t[rows.start:rows.stop]
 
 
 def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:

@@ -181,10 +181,15 @@ def state_meta(version: int, optimizer: BlobRef, master: BlobRef | None) -> dict
     return meta
 
 
+# the manifest meta key of a state written through torch.distributed.checkpoint: its
+# directory (astraflow.trainer.checkpoint_writer)
+STATE_DIR_KEY = "state_dcp"
+
+
 def recorded_state_version(manifest_version: int, meta: dict[str, str]) -> int | None:
     """The version whose state a manifest's ``meta`` records (None: none). Manifests
     written before states were asynchronous name their own version implicitly."""
-    if "optimizer_uri" not in meta:
+    if "optimizer_uri" not in meta and STATE_DIR_KEY not in meta:
         return None
     return int(meta.get("state_version", manifest_version))
 
@@ -270,6 +275,7 @@ class StateWriter:
 
 
 __all__ = [
+    "STATE_DIR_KEY",
     "StateSnapshot",
     "StateWriter",
     "WrittenState",

@@ -53,7 +53,8 @@ def broker(tmp_path) -> EmbeddedBroker:
 class Run:
     """One ``astraflow up`` of the default topology against ``broker``."""
 
-    def __init__(self, broker: EmbeddedBroker, model: Path, tmp_path: Path):
+    def __init__(self, broker: EmbeddedBroker, model: Path, tmp_path: Path,
+                 trainer_processes: int = 1):
         self.broker = broker
         self.bootstrap = broker.bootstrap()
         self.config = KafkaConfig(bootstrap_servers=self.bootstrap, client_id="chaos")
@@ -62,6 +63,9 @@ class Run:
         topo["kafka"] = {"bootstrap_servers": self.bootstrap}
         topo["policies"]["actor"].update(model=str(model),
                                          warm_start={"steps": 100, "slip": 0.7})
+        if trainer_processes > 1:
+            trainer = topo["policies"]["actor"].setdefault("trainer", {})
+            trainer["parallel"] = {"processes": trainer_processes}
         topo["feeder"] = {"epochs": 0, "rate": 20, "levels": "1"}
         topo["eval"] = {"every_versions": 5, "size": 20, "levels": "1"}
         self.path = tmp_path / "chaos.yaml"
@@ -117,6 +121,22 @@ def chaos_run(broker, chaos_model, tmp_path):
     run.kill()
 
 
+@pytest.fixture
+def chaos_run_two_trainer_processes(broker, chaos_model, tmp_path):
+    run = Run(broker, chaos_model, tmp_path, trainer_processes=2)
+    yield run
+    run.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux), in the order they were started."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return sorted(int(x) for x in text.split())
+
+
 def _account(run: Run, killed: str | None = None) -> dict:
     """Every record of the run accounted for (``astraflow.launch.audit``); the counts per stage.
     ``killed``: the processor that was SIGKILLed (its drop counter restarted with it)."""
@@ -153,6 +173,31 @@ def test_a_sigkilled_component_is_restarted_with_nothing_lost_or_done_twice(chao
     assert summary["restarts"] == {component: 1}, (summary["restarts"], run.logs())
     books = _account(run, killed="batcher" if component == "processor-batcher" else None)
     print(component, books)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sigkilled_trainer_process_takes_its_group_down_and_it_resumes_exactly(
+        chaos_run_two_trainer_processes, rank):
+    """A trainer of 2 processes (FSDP2, gloo): SIGKILL one of them mid-run. The group's
+    supervisor takes the other down and exits; ``up`` restarts the trainer, which resumes
+    from the committed offsets and the newest manifest: versions contiguous, no batch
+    trained twice, none lost."""
+    run = chaos_run_two_trainer_processes
+    log = run.runs / run.run / "logs" / "trainer-actor.log"
+
+    def kill() -> None:
+        wait_for(lambda: len(_children(run.pid("trainer-actor"))) == 2, 120,
+                 "the trainer's 2 processes")
+        joined = log.read_text().count("consuming ")
+        os.kill(_children(run.pid("trainer-actor"))[rank], signal.SIGKILL)
+        wait_for(lambda: log.read_text().count("consuming ") > joined, 300,
+                 "the trainer group to be restarted and consuming again")
+
+    _recovers(run, kill)
+    summary = run.stop()
+    assert summary["restarts"] == {"trainer-actor": 1}, (summary["restarts"], run.logs())
+    assert "trainer group of 2 processes" in log.read_text()
+    print("trainer rank", rank, _account(run))
 
 
 # 90 s outlives the transactions' 60 s timeout (kafka.transaction_timeout_ms) and the

@@ -153,6 +153,7 @@ def test_the_flags_are_the_typed_settings():
     the typed model: nothing about a setting is written twice."""
     from astraflow.cli.main import build_parser
     from astraflow.config.overrides import TRAINER_FLAGS
+    from astraflow.config.sections import ParallelSpec
     from astraflow.config.topology import TrainerSpec
 
     parser = build_parser()
@@ -160,7 +161,9 @@ def test_the_flags_are_the_typed_settings():
     run = trainer._subparsers._group_actions[0].choices["run"]
     actions = {a.dest: a for a in run._actions}
     assert {f.field for f in TRAINER_FLAGS if f.model is TrainerSpec} == set(
-        TrainerSpec.model_fields)
+        TrainerSpec.model_fields) - {"parallel"}  # a section: its fields are flags
+    assert {f.field for f in TRAINER_FLAGS if f.model is ParallelSpec} == set(
+        ParallelSpec.model_fields)
     for flag in TRAINER_FLAGS:
         action = actions[flag.dest]
         assert action.default is None, flag.name  # not given: the file's
@@ -169,3 +172,5 @@ def test_the_flags_are_the_typed_settings():
     assert "else 1e-05" in actions["lr"].help
     args = parser.parse_args(["trainer", "run", "-t", "f", "--policy", "p", "--lr", "2e-5"])
     assert args.lr == 2e-5 and args.max_staleness is None
+    args = parser.parse_args(["trainer", "run", "-t", "f", "--policy", "p", "--processes", "2"])
+    assert args.processes == 2
