@@ -863,12 +863,15 @@ def _check_state_blobs(store, manifest, ref, version: int, master: bool) -> None
 
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.parametrize("publish", [None, "same"], ids=["publish-bf16-default", "publish-same"])
+@pytest.mark.parametrize("publish,overlap", [(None, "off"), ("same", "off"), (None, "on")],
+                         ids=["publish-bf16-default", "publish-same", "publish-overlap"])
 def test_trainer_resumes_exactly_after_sigkill(
-    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, publish
+    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, publish, overlap
 ):
     """State written every version. Default: fp32 master weights, bf16 published; ``same``:
-    fp32 published."""
+    fp32 published. ``publish-overlap``: each version is written while the next batch
+    trains and committed with the next step (its batch's offset held back until then):
+    the SIGKILL then comes with batch 4 trained and version 3's transaction open."""
     from astraflow.trainer.trainer import TrainerConfig
     from astraflow.weights.stores import FileBlobStore
 
@@ -880,6 +883,7 @@ def test_trainer_resumes_exactly_after_sigkill(
     sent, before, manifests, text = _crash_then_resume(
         kafka_config, kafka_bootstrap, topo, path, tiny_model, tmp_path, n=n, crash_at=3,
         args=["--lr", lr, "--micro-batch-size", "3", "--state-interval", "1",
+              "--publish-overlap", overlap,
               *(["--publish-dtype", publish] if publish else [])])
     # every version's state is recorded by the next version's manifest (lag <= interval):
     # version 1's by version 2's; version 2's was to go with the crashed version 3
