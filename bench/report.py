@@ -97,6 +97,15 @@ BENCHES: dict[str, tuple[str, str]] = {
     "trainer": (
         "Trainer step time",
         "the trainer's step-time breakdown per setting and backend"),
+    "trainer_parallel": (
+        "Trainer across processes",
+        "per process: peak memory, step time, tokens/s, publishing on and off the training "
+        "thread and a trainer state save, for the one-process trainer (the old publish) and "
+        "FSDP2 groups of N, on this CPU and at the SmolLM2-1.7B shape on one H100"),
+    "weights_device": (
+        "Weight deltas found on the device",
+        "one version's delta published the old way (CPU scan, CRC-32, zstd) against found "
+        "on the device (prepare) and encoded off the training thread (write)"),
     "engines": (
         "Rollout engines",
         "the torch and vLLM engines side by side"),

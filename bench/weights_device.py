@@ -42,6 +42,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
+
 from astraflow.weights.delta import default_threads
 from astraflow.weights.history import WeightPublisher
 from astraflow.weights.stores.base import pieces
@@ -172,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['encode_s']:.3f} s, {r['bytes']:,} bytes")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"meta": {"bench": "weights_device", "params": res["params"],
-                                "changed": a.changed, "device": a.device, "device_name": dev,
-                                "threads": a.threads, "versions": a.versions},
+            json.dump({"meta": run_meta("weights_device", ["python", *sys.argv]),
+                       "settings": {"params": res["params"], "changed": a.changed,
+                                    "device": a.device, "device_name": dev,
+                                    "threads": a.threads, "versions": a.versions},
                        "rows": res["rows"], "full": res["full"], "median": {"cpu path": cpu_s,
                                                        "device path": dev_s}}, f, indent=1)
     return 0

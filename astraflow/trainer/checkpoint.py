@@ -10,11 +10,13 @@ its own shards; DCP records which rows every file holds, so a state saved by N p
 loads into M (and into a ``Trainer`` without a group, which saves the same format from one
 process without any process group).
 
-``save(..., async_=True)`` copies the state to CPU memory in the calling thread (so that
-training may change the tensors as soon as it returns) and writes the files in a thread of
-DCP's; its collectives run on a gloo group of their own (``Group.checkpoint_group()``),
-apart from training's. The files are complete when the handle's ``result()`` returns (DCP
-writes the directory's ``.metadata`` last).
+``save(..., async_=True)`` returns at once: the state is copied to CPU memory by a stager
+thread (pinned memory and a stream of its own on a GPU), and the trainer's next optimizer
+step waits until that copy is done (``Trainer.hold_updates``), so the copy overlaps the
+next forward/backward; DCP then writes the files in a thread of its own. Its collectives
+run on a gloo group of their own (``Group.checkpoint_group()``), apart from training's.
+The files are complete when the handle's ``result()`` returns (DCP writes the directory's
+``.metadata`` last).
 """
 
 from __future__ import annotations
@@ -88,6 +90,22 @@ def _dcp_args(trainer: Trainer) -> dict[str, Any]:
     return {"process_group": trainer.group.checkpoint_group()}
 
 
+def _stager(trainer: Trainer) -> Any:
+    """The trainer's DCP stager: copies the state to CPU memory in a thread of its own
+    (pinned memory and a CUDA stream of its own on a GPU, so the copy overlaps the next
+    forward/backward), reused from save to save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = getattr(trainer, "_dcp_stager", None)
+    if stager is None:
+        cuda = trainer.device.type == "cuda"
+        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                              use_async_staging=True,
+                                              use_non_blocking_copy=cuda))
+        trainer._dcp_stager = stager
+    return stager
+
+
 def _quiet_no_dist() -> None:
     """Silence DCP's notice that it runs without a process group: that is what a trainer
     without a group means. An asynchronous save gives it from DCP's thread, so the filter
@@ -110,9 +128,12 @@ def save(trainer: Trainer, directory: str | Path, *, async_: bool,
     args = _dcp_args(trainer)
     with torch.no_grad():
         if async_:
-            future = dcp.async_save(state, checkpoint_id=str(directory), **args)
-            if not isinstance(future, Future):  # a response with staging of its own
-                future = future.upload_completion
+            response = dcp.async_save(state, checkpoint_id=str(directory),
+                                      async_stager=_stager(trainer), **args)
+            future = response.upload_completion
+            # the copy to CPU memory runs in the stager's thread: the trained tensors must
+            # not change before it is done (the next optimizer step waits for it)
+            trainer.hold_updates(response.staging_completion.result)
             return SaveHandle(directory, future)
         dcp.save(state, checkpoint_id=str(directory), **args)
     return SaveHandle(directory)
@@ -168,6 +189,7 @@ def load(trainer: Trainer, directory: str | Path) -> dict[str, Any]:
                              f"is {tuple(v.shape)}")
     state = {"weights": weights, "optim": moments}
     with torch.no_grad():  # into the trained tensors in place
+        trainer._before_update()  # a save still copying: it must see the old tensors
         dcp.load(state, checkpoint_id=str(directory), **_dcp_args(trainer))
     name_of = {id(t): k for k, t in weights.items()}
     opt = trainer.optimizer

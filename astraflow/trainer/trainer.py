@@ -70,7 +70,7 @@ import inspect
 import io
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -305,6 +305,8 @@ class Trainer:
             weight_decay=c.weight_decay,
         )
         self.steps = 0
+        # blocks until a checkpoint's copy of the trained tensors is done (hold_updates)
+        self._update_guard: Callable[[], Any] | None = None
         # the loss reads a proximal policy apart from this step's (decoupled_ppo): with
         # several minibatches, its log-probs are taken before the first step
         self._reads_proximal = "logprobs_proximal" in inspect.signature(
@@ -355,6 +357,7 @@ class Trainer:
                 p.copy_(m.to(self.publish_dtype))
 
     def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._before_update()
         if self.group is not None:
             self._load_rows(state)
         else:
@@ -752,11 +755,22 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
             # DTensor gradients (a group): the norm of the whole gradient, on every rank
             grad_norm = float(norm.full_tensor() if _is_dtensor(norm) else norm)
+            self._before_update()
             self.optimizer.step()
             self._round_params()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         return grad_norm
+
+    def hold_updates(self, until: Callable[[], Any]) -> None:
+        """Call ``until`` (it blocks) before the trained tensors next change: a checkpoint
+        (``astraflow.trainer.checkpoint``) is copying them meanwhile."""
+        self._update_guard = until
+
+    def _before_update(self) -> None:
+        guard, self._update_guard = self._update_guard, None
+        if guard is not None:
+            guard()
 
     def _sync(self) -> float:
         """``perf_counter`` after the device finished its queued work (for timings)."""

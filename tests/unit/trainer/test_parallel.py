@@ -202,7 +202,12 @@ def test_a_trainer_without_group_saves_and_resumes_exactly(model, request, tmp_p
         a.train_step(b)
     handle = checkpoint.save(a, tmp_path / "ckpt", async_=True, version=41)
     saved = workers.full_state(a)
+    # the copy to CPU memory runs in the stager's thread: the next update must wait for it
+    staging = a._update_guard.__self__
+    step, seen = a.optimizer.step, []
+    a.optimizer.step = lambda *args, **kw: (seen.append(staging.done()), step(*args, **kw))[1]
     a.train_step(batches[2])  # while the files are written
+    assert seen == [True]
     assert handle.result() == tmp_path / "ckpt" and handle.done()
     assert checkpoint.read_meta(tmp_path / "ckpt")["version"] == 41
     b = Trainer(path, TrainerConfig(**CONFIG), policy="actor")
