@@ -42,6 +42,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.weights.delta import default_threads

@@ -102,7 +102,11 @@ def handler(args: argparse.Namespace) -> int:
         # rank 0 alone stops the group (the supervisor hands it the signal)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    service = TrainerService(topo, opts, config=config, group=group)
+    try:
+        service = TrainerService(topo, opts, config=config, group=group)
+    except ValueError as e:
+        print(f"astraflow: {e}", file=sys.stderr)
+        return 2
 
     if service.rank == 0:
         stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),

@@ -12,6 +12,7 @@ could not be continued exactly.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -20,7 +21,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from astraflow.kafka.config import TRAINER_REPLAY_GROUP_PREFIX, KafkaConfig
-from astraflow.trainer.state import recorded_state_version
+from astraflow.trainer.state import STATE_FILES_KEY, recorded_state_version
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.wire.records import Batch, BlobRef, WeightManifest
 
@@ -51,6 +52,9 @@ def recorded_states(manifests: list[WeightManifest]) -> list[tuple[int, list[Blo
             for k in ("optimizer", "master")
             if f"{k}_uri" in m.meta
         ]
+        if STATE_FILES_KEY in m.meta:  # a sharded state's files in the blob store
+            out[v] += [BlobRef(uri=f["uri"], bytes=int(f["bytes"]), sha256=f["sha256"])
+                       for f in json.loads(m.meta[STATE_FILES_KEY])]
     return sorted(out.items())
 
 

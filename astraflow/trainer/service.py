@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -61,10 +62,10 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
-from astraflow.trainer.checkpoint_writer import CheckpointWriter
+from astraflow.trainer.checkpoint_writer import CheckpointWriter, fetch_state_files
 from astraflow.trainer.parallel import Group
 from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
-from astraflow.trainer.state import STATE_DIR_KEY, StateWriter, WrittenState
+from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY, StateWriter, WrittenState
 from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
@@ -257,12 +258,18 @@ class TrainerService:
 
     def _checkpoint_dir(self) -> Path | None:
         """Where trainer states go through ``torch.distributed.checkpoint`` (None: the blob
-        format in the blob store)."""
+        format in the blob store). A group without ``checkpoint_dir`` writes them there
+        first, then puts them into the blob store: only when its processes share a host
+        (the directory)."""
         if self.options.checkpoint_dir:
             return Path(self.options.checkpoint_dir).expanduser()
-        if self.dist is not None:
-            return self.state_dir / "checkpoints"
-        return None
+        if self.dist is None:
+            return None
+        if os.environ.get("LOCAL_WORLD_SIZE", str(self.dist.world)) != str(self.dist.world):
+            raise ValueError("trainer processes on several hosts write their states to a "
+                             "directory every host mounts: set trainer.checkpoint_dir "
+                             "(--checkpoint-dir)")
+        return self.state_dir / "checkpoints" / f"{self.policy}.staging"
 
     # --- start-up ------------------------------------------------------------------------
     def _open(self):
@@ -272,9 +279,14 @@ class TrainerService:
         if self.trainer is None:
             self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy,
                                    group=self.dist)
-        self.writer: StateWriter | CheckpointWriter = (
-            StateWriter(self.store, self.policy) if self.checkpoint_dir is None
-            else CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy))
+        self.writer: StateWriter | CheckpointWriter
+        if self.checkpoint_dir is None:
+            self.writer = StateWriter(self.store, self.policy)
+        else:  # DCP; in the blob store after all when no checkpoint_dir was given
+            into_store = self.store if (self.rank == 0 and not self.options.checkpoint_dir
+                                        ) else None
+            self.writer = CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy,
+                                           store=into_store, rank=self.rank)
 
     def _read_manifests(self) -> list[WeightManifest]:
         """Rank 0: the trusted manifests of the policy on ``weights.<policy>``, handed to
@@ -478,6 +490,17 @@ class TrainerService:
         self._check_published_dtypes(published, version, dtype)
         if STATE_DIR_KEY in meta:
             return self._load_checkpoint(meta[STATE_DIR_KEY], published, version)
+        if STATE_FILES_KEY in meta:
+            into = self.state_dir / "checkpoints" / f"{self.policy}.restore-{self.rank}"
+            shutil.rmtree(into, ignore_errors=True)
+            try:
+                fetch_state_files(meta, into, follower.resolver.open)
+                return self._load_checkpoint(str(into), published, version)
+            except BlobError as e:
+                raise RuntimeError(f"{self.weights_topic}: the state of version {version} "
+                                   f"is unusable ({e}); cannot resume exactly") from e
+            finally:
+                shutil.rmtree(into, ignore_errors=True)
         if self.dist is not None and "optimizer_uri" in meta:
             raise RuntimeError(
                 f"{self.weights_topic}: the state of version {version} was written by one "
@@ -630,11 +653,12 @@ class TrainerService:
         for m in msgs:
             batch = self._decode(m, cp)
             if batch is not None:
-                # the last step of a stopping trainer records its own state (written
-                # synchronously): a clean stop resumes without recomputing, on any number
-                # of processes
-                final = self.loop.stopping or (self.options.max_steps is not None
-                                               and self._steps + 1 >= self.options.max_steps)
+                # the last step of a stopping trainer whose states are DCP's records its
+                # own state (written synchronously): a clean stop resumes without
+                # recomputing, on any number of processes
+                final = self.checkpoint_dir is not None and (
+                    self.loop.stopping or (self.options.max_steps is not None
+                                           and self._steps + 1 >= self.options.max_steps))
                 if self.dist is not None:
                     self.dist.broadcast(("step", *batch, final))
                 self._step(*batch, final, cp=cp)

@@ -184,12 +184,14 @@ def state_meta(version: int, optimizer: BlobRef, master: BlobRef | None) -> dict
 # the manifest meta key of a state written through torch.distributed.checkpoint: its
 # directory (astraflow.trainer.checkpoint_writer)
 STATE_DIR_KEY = "state_dcp"
+# ... and of such a state whose files went to the blob store: a JSON list of them
+STATE_FILES_KEY = "state_dcp_files"
 
 
 def recorded_state_version(manifest_version: int, meta: dict[str, str]) -> int | None:
     """The version whose state a manifest's ``meta`` records (None: none). Manifests
     written before states were asynchronous name their own version implicitly."""
-    if "optimizer_uri" not in meta and STATE_DIR_KEY not in meta:
+    if "optimizer_uri" not in meta and STATE_DIR_KEY not in meta and STATE_FILES_KEY not in meta:
         return None
     return int(meta.get("state_version", manifest_version))
 
@@ -276,6 +278,7 @@ class StateWriter:
 
 __all__ = [
     "STATE_DIR_KEY",
+    "STATE_FILES_KEY",
     "StateSnapshot",
     "StateWriter",
     "WrittenState",

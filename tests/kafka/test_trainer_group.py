@@ -15,33 +15,27 @@ import torch
 from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.wire.records import Batch
 from tests.conftest import REPO
-from tests.unit.trainer.test_trainer import VOCAB, make_batch
+from tests.unit.trainer import test_parallel
+from tests.unit.trainer.test_trainer import make_batch
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def tied_llama(tmp_path_factory) -> str:
-    """A tiny random Llama with tied embeddings, as SmolLM2 has them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                      max_position_embeddings=128, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tied-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+# a tiny random Llama with tied embeddings, as SmolLM2 has them (the fixture of
+# tests/unit/trainer/test_parallel.py)
+tied_llama = test_parallel.tied_llama
 
 
 def _train(path: Path, model: str, tmp_path: Path, bootstrap: str, processes: int,
-           steps: int) -> str:
+           steps: int, checkpoint_dir: bool = True) -> str:
     """``astraflow trainer run`` on ``processes`` processes for ``steps`` batches (a clean
-    stop); its log."""
+    stop); its log. Trainer states in a directory, or (``checkpoint_dir`` False) as the
+    trainer's default: blobs in the blob store."""
     log = tmp_path / f"trainer-{processes}.log"
+    ckpt = ["--checkpoint-dir", str(tmp_path / "checkpoints")] if checkpoint_dir else []
     cmd = [sys.executable, "-m", "astraflow.cli.main", "trainer", "run", "--topology",
            str(path), "--policy", "actor", "--model", model, "--state-dir",
-           str(tmp_path / "state"), "--checkpoint-dir", str(tmp_path / "checkpoints"),
+           str(tmp_path / "state"), *ckpt,
            "--anchor-interval", "4", "--state-interval", "2", "--threads", "1",
            "--lr", "1e-4", "--micro-batch-size", "3", "--processes", str(processes),
            "--max-steps", str(steps)]
@@ -122,3 +116,44 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     resumed = Trainer(tied_llama, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
     checkpoint.load(resumed, last.meta[STATE_DIR_KEY])
     assert state_bytes_equal(resumed.published_state(), follower.state)
+
+
+def test_a_group_without_a_checkpoint_dir_keeps_its_states_in_the_blob_store(
+    kafka_config, kafka_bootstrap, make_topology, tied_llama, tmp_path
+):
+    """No checkpoint_dir: the group's sharded states are written by DCP, then their files
+    go to the blob store (the staging directory is removed) and the manifest names them;
+    a one-process trainer resumes from them with nothing to recompute."""
+    import json
+
+    from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY
+    from astraflow.weights.stores import FileBlobStore
+    from astraflow.weights.stores.kafka import read_manifests
+
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
+    producer = RecordProducer(kafka_config)
+    for i in range(5):
+        producer.produce(topo.full_name("batches.actor"), make_batch(i), key="actor")
+    producer.flush()
+
+    _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=2, steps=3,
+           checkpoint_dir=False)
+    manifests = read_manifests(kafka_config, topo.full_name("weights.actor"))
+    (last,) = [m for m in manifests if m.version == 3]
+    assert STATE_DIR_KEY not in last.meta and last.meta["state_version"] == "3"
+    files = json.loads(last.meta[STATE_FILES_KEY])
+    assert {f["name"] for f in files} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    store = FileBlobStore(tmp_path / "state" / "blobs", create=False)
+    stored = {b.uri: b.bytes for b in store.list()}
+    assert all(stored.get(f["uri"]) == f["bytes"] for f in files), (files, stored)
+    staging = tmp_path / "state" / "checkpoints" / "actor.staging"
+    assert not staging.exists() or not any(staging.iterdir())
+
+    text = _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=1, steps=2,
+                  checkpoint_dir=False)
+    assert "resumed at version 3 from the state of version 3" in text, text[-3000:]
+    assert "recomputed versions none" in text, text[-3000:]
+    versions = sorted(m.version for m in read_manifests(
+        kafka_config, topo.full_name("weights.actor")) if m.kind == "delta")
+    assert versions == [1, 2, 3, 4, 5]
