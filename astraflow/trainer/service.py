@@ -652,6 +652,11 @@ class TrainerService:
     def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
         for m in msgs:
             batch = self._decode(m, cp)
+            if batch is None and self._pending is not None:
+                # dead-lettered: its letter commits with the offsets past it, so the
+                # version held back before it commits in this transaction too (else a
+                # crash would read the batch, and dead-letter it, again)
+                self._flush_all(cp)
             if batch is not None:
                 # the last step of a stopping trainer whose states are DCP's records its
                 # own state (written synchronously): a clean stop resumes without
@@ -663,13 +668,16 @@ class TrainerService:
                     self.dist.broadcast(("step", *batch, final))
                 self._step(*batch, final, cp=cp)
                 self._steps += 1
-        if self._pending is not None and (not msgs or self.loop.stopping):
-            # idle, or stopping: commit the version written meanwhile
-            if self.dist is not None:
-                self.dist.broadcast(("flush",))
-            self.flush(cp)
         if self.options.max_steps is not None and self._steps >= self.options.max_steps:
             self.loop.stop()
+        if self._pending is not None and (not msgs or self.loop.stopping):
+            self._flush_all(cp)  # idle, or stopping: commit the version written meanwhile
+
+    def _flush_all(self, cp: Checkpoint) -> None:
+        """Rank 0: ``flush`` on every rank of the group (their parts are gathered)."""
+        if self.dist is not None:
+            self.dist.broadcast(("flush",))
+        self.flush(cp)
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
         """The batch of a version still being written is not committed before it."""

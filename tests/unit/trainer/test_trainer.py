@@ -1120,6 +1120,47 @@ def test_shared_prompt_pass_gives_the_logprobs_and_gradients_of_separate_passes(
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
+def test_a_dead_letter_behind_a_held_version_is_not_written_twice_after_a_crash(
+    kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path
+):
+    """publish_overlap on: version 1 (batch 0) is still being written when batch 1 turns out
+    bad. Its dead letter commits together with version 1 and the offsets past batch 1, so
+    a SIGKILL before that commit loses both and the restart writes the letter once."""
+    from astraflow.weights.stores.kafka import read_manifests
+    from astraflow.wire.records import DeadLetter
+
+    topo, path = make_topology(topics={"batches.actor": {"partitions": 1},
+                                       "weights.actor": {"partitions": 1}, "dlq": {}})
+    bad = make_batch(1)
+    seq = bad.groups[0].sequences[0]
+    bad.groups[0].sequences[0] = dataclasses.replace(seq, logprobs=seq.logprobs[:-1])
+    producer = RecordProducer(kafka_config)
+    for b in (make_batch(0), bad, make_batch(2)):
+        producer.produce(topo.full_name("batches.actor"), b, key="actor")
+    producer.flush()
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "trainer", "run", "--topology", str(path),
+           "--policy", "actor", "--model", tiny_model, "--state-dir", str(tmp_path / "state"),
+           "--threads", "1", "--lr", "1e-4", "--micro-batch-size", "3",
+           "--publish-overlap", "on"]
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "trainer.log"
+    with open(log, "ab") as out:
+        code = subprocess.run(cmd, env={**env, "ASTRAFLOW_TRAINER_CRASH_AT": "1"}, stdout=out,
+                              stderr=subprocess.STDOUT, cwd=REPO, timeout=180).returncode
+    assert code == -signal.SIGKILL, log.read_text()[-3000:]
+    with open(log, "ab") as out:
+        code = subprocess.run([*cmd, "--max-steps", "2"], env=env, stdout=out,
+                              stderr=subprocess.STDOUT, cwd=REPO, timeout=180).returncode
+    assert code == 0, log.read_text()[-3000:]
+    manifests = read_manifests(kafka_config, topo.full_name("weights.actor"))
+    assert sorted(m.version for m in manifests if m.kind == "delta") == [1, 2]
+    assert {m.meta["batch_id"] for m in manifests if m.version} == {"batch-0", "batch-2"}
+    letters = read_all(kafka_config, topo.full_name("dlq"), idle_s=1.0, expect=DeadLetter)
+    assert len(letters) == 1, [r.record.error for r in letters]
+
+
+@pytest.mark.kafka
 def test_trainer_dead_letters_a_batch_that_decodes_but_makes_no_sense(
     kafka_config, make_topology, tiny_model, tmp_path
 ):
