@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
+from astraflow.models.archive import extract_model_files
 from astraflow.models.staging import staged_dir
 from astraflow.weights.errors import WeightsError
 from astraflow.wire.records import BlobRef, WeightManifest
@@ -99,8 +100,7 @@ def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str 
     else:
         raise ModelNotPublished(f"the model files on {weights_topic} are all unusable")
     with staged_dir(dest, label="fetching") as tmp:
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(tmp, filter="data")
+        extract_model_files(data, tmp)  # checked: the archive comes off the stream
         save_file({k: v.contiguous() for k, v in follower.state.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
     log.info("built %s from %s: model files of version %d, weights of version %d",
