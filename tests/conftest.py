@@ -83,8 +83,14 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if env:
         yield env
         return
-    if _docker_answers():
-        container = _testcontainers_kafka()("apache/kafka:4.1.1")
+    # the embedded broker is the default: a Docker engine that happens to run (one with
+    # no registry to pull from, say) changes nothing unless a run asks for a container
+    if os.environ.get("ASTRAFLOW_TEST_KAFKA") == "testcontainers":
+        if not _docker_answers():
+            pytest.exit("ASTRAFLOW_TEST_KAFKA=testcontainers, but no Docker engine answers",
+                        returncode=2)
+        image = os.environ.get("ASTRAFLOW_TEST_KAFKA_IMAGE", "apache/kafka:4.1.1")
+        container = _testcontainers_kafka()(image)
         container.start()
         try:
             yield container.get_bootstrap_server()
