@@ -286,8 +286,9 @@ TRAINER_FIELDS = {
     "std_normalize": ("trainer", "normalize_std"),
     **{f: ("options", f) for f in ("anchor_interval", "state_interval", "state_max_lag",
                                    "keep_optimizer", "keep_versions", "max_steps",
-                                   "blob_store", "state_dir")},
-    **{f: ("spec", f) for f in ("seed", "threads", "deterministic")},
+                                   "blob_store", "state_dir", "publish_overlap",
+                                   "checkpoint_dir")},
+    **{f: ("spec", f) for f in ("seed", "threads", "deterministic", "parallel")},
 }
 
 
@@ -302,6 +303,7 @@ def test_every_typed_trainer_field_reaches_the_trainer():
     """Each TrainerSpec field set in the file is what the trainer `up` starts runs with;
     the fields the file leaves unset keep their one default."""
     from astraflow.config.components import trainer_spec
+    from astraflow.config.sections import ParallelSpec
     from astraflow.config.topology import TrainerSpec
 
     assert set(TRAINER_FIELDS) == set(TrainerSpec.model_fields)
@@ -313,7 +315,8 @@ def test_every_typed_trainer_field_reaches_the_trainer():
                   dtype="bf16", publish_dtype="same", device="cuda", threads=2,
                   deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s",
                   loss="decoupled_ppo", tis_mask=True, backend="megatron", minibatches=4,
-                  std_normalize=False, share_prompt=False)
+                  std_normalize=False, share_prompt=False, publish_overlap="on",
+                  checkpoint_dir="/c", parallel=ParallelSpec(port=29600))
     assert set(values) | {"micro_batch_size", "m2_threshold"} == set(TrainerSpec.model_fields)
     data = _solver_verifier_data()
     data["policies"]["solver"]["trainer"] = dict(values)
