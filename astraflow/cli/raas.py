@@ -173,7 +173,8 @@ _NODE: list[Option] = [
                        "pools.<name> (a flag below overrides one); the nodes join group "
                        "<run>.raas, or <run>.raas.<pool> for a pool with share_tasks: false")),
     (("--instance",), dict(help="instance id, unique per running node (default: "
-                           "$ASTRAFLOW_INSTANCE or host name)")),
+                           "$ASTRAFLOW_INSTANCE, else the container id in a container, "
+                           "else the host name)")),
     (("--rack",), dict(help="the node's rack or region: every consumer of the node sets "
                        "client.rack to it and fetches from the replica in that rack, on "
                        "brokers with RackAwareReplicaSelector (default: $ASTRAFLOW_RACK, "

@@ -11,7 +11,6 @@ id fences its dead predecessor and aborts its open transaction at once.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 
 from confluent_kafka import Message
@@ -22,6 +21,7 @@ from astraflow.dataflow.base import ProcessorContext
 from astraflow.dataflow.event_time import StreamClock
 from astraflow.kafka.clients import dead_letter, make_codec_for
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.instance import default_instance
 from astraflow.kafka.loop import (
     Checkpoint,
     LoopSpec,
@@ -93,7 +93,7 @@ class ProcessorRuntime:
         self.processor = processor or cls(
             name, self.spec.inputs, self.spec.outputs, cls.Options(**self.spec.options)
         )
-        self.instance = instance or os.environ.get("ASTRAFLOW_INSTANCE") or socket.gethostname()
+        self.instance = instance or default_instance()
         self.component_id = f"{name}/{self.instance}"
         self.group = topology.group_of(name)
         self.transactional_id = f"{self.group}.{self.instance}"

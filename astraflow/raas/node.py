@@ -18,7 +18,6 @@ SIGTERM (``stop()``): finish the current task(s), commit, leave the group.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import statistics
 import time
@@ -33,6 +32,7 @@ from astraflow.config.topology import PoolSpec, Topology
 from astraflow.dataflow.runtime import loop_spec
 from astraflow.kafka.clients import dead_letter, make_admin, make_codec_for
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.instance import default_instance
 from astraflow.kafka.loop import Checkpoint, RecordTooLarge, RuntimeCounters, TransactionalLoop
 from astraflow.kafka.topics import missing_topics
 from astraflow.raas.engine import Engine
@@ -55,7 +55,7 @@ class NodeOptions:
     the topology, whose defaults these are."""
 
     pool: str = "default"
-    instance: str | None = None  # default: $ASTRAFLOW_INSTANCE or the host name
+    instance: str | None = None  # default: astraflow.kafka.instance.default_instance()
     n_samples: int = _POOL.n_samples
     tasks_per_transaction: int = _POOL.tasks_per_transaction
     poll_timeout_s: float = 0.5
@@ -107,9 +107,7 @@ class RaaSNode:
         self.config = (config or topology.pool_kafka(self.options.pool)).effective(
         ).for_component(f"pool.{self.options.pool}", topology.run)
         self.engines: dict[str, Engine] = dict(engines)
-        self.instance = (
-            self.options.instance or os.environ.get("ASTRAFLOW_INSTANCE") or socket.gethostname()
-        )
+        self.instance = self.options.instance or default_instance()
         self.pool = self.options.pool
         self.component_id = f"raas.{self.pool}/{self.instance}"
         self.group = topology.raas_group(self.pool)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +18,22 @@ COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 
 
+def _default(value: str) -> str:
+    """A compose value with each ``${VAR:-default}`` as its default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
 def test_kafka_service_is_apache_kafka_with_healthcheck():
     kafka = SERVICES["kafka"]
-    assert kafka["image"].startswith("apache/kafka:")
+    assert _default(kafka["image"]).startswith("apache/kafka:")
+    # ... or the image scripts/offline-images builds, where no registry is reachable
+    assert kafka["image"].startswith("${ASTRAFLOW_KAFKA_IMAGE:-")
     assert "healthcheck" in kafka
     assert kafka["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
 
 
-KAFKA_SERVICES = {n for n, s in SERVICES.items() if s.get("image", "").startswith("apache/kafka")}
+KAFKA_SERVICES = {n for n, s in SERVICES.items()
+                  if _default(s.get("image", "")).startswith("apache/kafka")}
 SECURE = "secure"  # the profile of the default run on a secured Kafka
 CLUSTER = "cluster"  # the profile of the default run on three Kafka nodes
 
@@ -580,3 +591,28 @@ def test_the_cluster_check_fails_when_the_profile_disagrees():
     assert _cluster_problems(changed("kafka-2", KAFKA_BROKER_RACK="r1"))
     assert _cluster_problems(changed("kafka-3", KAFKA_REPLICA_SELECTOR_CLASS=""))
     assert _cluster_problems(changed("cluster-raas-local-0", ASTRAFLOW_RACK="elsewhere"))
+
+
+HOST = yaml.safe_load((REPO / "docker-compose.host.yml").read_text())
+
+
+def test_the_host_network_file_is_generated_from_docker_compose_yml():
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "compose-host"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_host_network_file_dials_localhost_only():
+    """Every service of docker-compose.yml but the cluster profile's, on the host's
+    network: nothing published, no host names, no service name dialled."""
+    kept = {n for n, s in SERVICES.items() if not _cluster(s)}
+    assert set(HOST["services"]) == kept
+    for name, svc in HOST["services"].items():
+        assert svc["network_mode"] == "host", name
+        assert not {"ports", "hostname", "networks"} & set(svc), name
+        text = yaml.safe_dump(svc)
+        assert not re.search(r"(?<![\w./-])(?<!\w/)kafka(-secure)?(:\d|\s)", text), name
+    env = HOST["services"]["kafka"]["environment"]
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://localhost:9092,HOST://localhost:19092"
+    assert HOST["services"]["trainer-actor"]["environment"]["ASTRAFLOW_BOOTSTRAP"] == (
+        "localhost:9092")
