@@ -41,15 +41,14 @@ def state_path(root: Path, policy: str, version: int) -> Path:
 
 class CheckpointWriter:
     """One background state write at a time, of ``trainer``'s shards, under ``root``;
-    with ``store`` (rank 0 of processes on one host) its files then go to the blob store."""
+    with ``store`` (given to rank 0 of processes on one host alone) its files then go to
+    the blob store."""
 
-    def __init__(self, trainer: Any, root: Path, policy: str, store: Any = None,
-                 rank: int = 0):
+    def __init__(self, trainer: Any, root: Path, policy: str, store: Any = None):
         self.trainer = trainer
         self.root = root
         self.policy = policy
         self.store = store
-        self.rank = rank
         self._version: int | None = None
         self._handle: Any = None
         self._upload: Future | None = None
@@ -76,11 +75,9 @@ class CheckpointWriter:
             self._upload = self._pool.submit(self._put_files, self._handle, where, version)
 
     def _put_files(self, handle: Any, where: Path, version: int) -> list[dict[str, Any]]:
-        """Once DCP's write is complete: every file of ``where`` into the blob store
-        (rank 0 alone puts; the others' writers only wait), then the directory goes."""
+        """Once DCP's write is complete (rank 0's handle: every rank's files): every file
+        of ``where`` into the blob store, then the directory goes."""
         handle.result()
-        if self.rank != 0:
-            return []
         tag = uuid.uuid4().hex[:12]
         files = []
         for f in sorted(p for p in where.iterdir() if p.is_file()):

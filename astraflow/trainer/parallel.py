@@ -23,7 +23,6 @@ import datetime
 import io
 import multiprocessing.connection
 import os
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from astraflow.trainer.processes import RANK_ENV, free_port, rank_env
+
 if TYPE_CHECKING:
     from astraflow.weights.delta import Rows
 
 # the environment torchrun gives each process
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -167,13 +167,13 @@ def _env_int(name: str) -> int:
 
 
 def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
-    """Join the trainer's process group from torchrun's environment (``ENV_VARS``).
+    """Join the trainer's process group from torchrun's environment (``processes.RANK_ENV``).
 
     ``device``: ``cpu`` (gloo) or ``cuda`` (NCCL; this process drives GPU ``LOCAL_RANK``,
     or the index given as ``cuda:N``). ``timeout_s``: how long a collective may wait for the
     other ranks before it fails. ``ValueError`` (one line) when the environment is
     incomplete or the device is not usable."""
-    missing = [v for v in ENV_VARS if not os.environ.get(v)]
+    missing = [v for v in RANK_ENV if not os.environ.get(v)]
     if missing:
         raise ValueError(
             f"joining the trainer's process group needs {', '.join(missing)} in the "
@@ -209,19 +209,11 @@ def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
     return Group(rank, world, local, backend, dev)
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (for ``MASTER_PORT``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _child(rank: int, n: int, port: int, target: Callable[..., Any], args: tuple,
            conn: multiprocessing.connection.Connection) -> None:
     """A spawned worker: torchrun's environment, then ``target(*args)``; its result (or
     its traceback) goes back through ``conn`` serialized with ``torch.save``."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_env(rank, n, port, base={}))
     try:
         result: Any = ("ok", target(*args))
     except BaseException:
@@ -289,5 +281,5 @@ def spawn_local(n: int, target: Callable[..., Any], args: tuple = (), *,
     return [results[r] for r in range(n)]
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ENV_VARS", "Group", "free_port", "join", "rows",
+__all__ = ["DEFAULT_TIMEOUT_S", "Group", "join", "rows",
            "shard_rows", "spawn_local"]

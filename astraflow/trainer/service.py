@@ -286,7 +286,7 @@ class TrainerService:
             into_store = self.store if (self.rank == 0 and not self.options.checkpoint_dir
                                         ) else None
             self.writer = CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy,
-                                           store=into_store, rank=self.rank)
+                                           store=into_store)
 
     def _read_manifests(self) -> list[WeightManifest]:
         """Rank 0: the trusted manifests of the policy on ``weights.<policy>``, handed to
