@@ -495,7 +495,8 @@ class TrainerService:
             shutil.rmtree(into, ignore_errors=True)
             try:
                 fetch_state_files(meta, into, follower.resolver.open)
-                return self._load_checkpoint(str(into), published, version)
+                return self._load_checkpoint(str(into), published, version,
+                                             source=f"the blob store ({self.store.uri})")
             except BlobError as e:
                 raise RuntimeError(f"{self.weights_topic}: the state of version {version} "
                                    f"is unusable ({e}); cannot resume exactly") from e
@@ -537,7 +538,8 @@ class TrainerService:
         self.trainer.steps = version
         return opt, master
 
-    def _load_checkpoint(self, where: str, published, version: int) -> tuple[str, str]:
+    def _load_checkpoint(self, where: str, published, version: int,
+                         source: str | None = None) -> tuple[str, str]:
         """Load the state of ``version`` written through ``torch.distributed.checkpoint``
         (by any number of processes) into this process's share of the trainer."""
         from astraflow.trainer import checkpoint
@@ -552,7 +554,7 @@ class TrainerService:
                 f"{self.weights_topic}: the master weights of version {version} (from "
                 f"{where}) do not round to its published weights; cannot resume exactly")
         self.trainer.steps = version
-        return f"loaded from {where}", "loaded"
+        return f"loaded from {source or where}", "loaded"
 
     def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
         """The newest version must have been published in the dtype this trainer publishes
