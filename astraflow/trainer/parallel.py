@@ -20,6 +20,7 @@ parameter along dim 0): ``shard_rows`` says which, ``rows`` makes the blob forma
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import multiprocessing.connection
 import os
@@ -214,6 +215,7 @@ def _child(rank: int, n: int, port: int, target: Callable[..., Any], args: tuple
     """A spawned worker: torchrun's environment, then ``target(*args)``; its result (or
     its traceback) goes back through ``conn`` serialized with ``torch.save``."""
     os.environ.update(rank_env(rank, n, port, base={}))
+    faulthandler.enable()  # a crash in native code leaves its Python stack on stderr
     try:
         result: Any = ("ok", target(*args))
     except BaseException:
@@ -264,7 +266,9 @@ def spawn_local(n: int, target: Callable[..., Any], args: tuple = (), *,
                 try:
                     status, value = torch.load(io.BytesIO(c.recv_bytes()), weights_only=False)
                 except EOFError:
-                    status, value = "error", f"rank {rank} exited without a result"
+                    procs[rank].join(5)
+                    status, value = "error", (f"rank {rank} exited without a result "
+                                              f"(exit code {procs[rank].exitcode})")
                 if status != "ok":
                     failure = f"rank {rank} failed:\n{value}"
                     break
