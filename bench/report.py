@@ -106,6 +106,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "Weight deltas found on the device",
         "one version's delta published the old way (CPU scan, CRC-32, zstd) against found "
         "on the device (prepare) and encoded off the training thread (write)"),
+    "image_build": (
+        "App image build",
+        "the astraflow:dev image built from the package index against from the wheelhouse "
+        "(scripts/offline-images wheels): build time and size"),
     "engines": (
         "Rollout engines",
         "the torch and vLLM engines side by side"),
