@@ -57,8 +57,10 @@ class SamplingOptions(_Options):
     temperature: float | None = Field(
         default=None, ge=0, description="default: the policies' temperature, else 1.0")
     top_p: float | None = Field(default=None, gt=0, le=1, description="default 1.0")
-    seed: int | None = Field(default=None, description="seeds every generate call alike: "
-                             "for tests, not training")
+    seed: int | None = Field(default=None, description="seeds sampling: single_turn draws "
+                             "each sample from (seed, task id, sample index, weight version), "
+                             "so a run repeats; other workflows seed each generate call alike; "
+                             "unset: fresh entropy")
     stop_token_ids: list[int] | None = None
 
 

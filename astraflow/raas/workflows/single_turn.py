@@ -19,7 +19,8 @@ class SingleTurn:
     """One prompt (``payload["prompt"]`` or ``payload["messages"]``, formatted by the
     engine's chat format), ``n`` samples, reward = the ``reward`` spec or the checker.
 
-    Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``reward`` (a name
+    Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed`` (each sample drawn
+    from its own stream of (seed, task id, sample index, weight version)), ``reward`` (a name
     or mapping from ``astraflow.tasks.rewards``), ``checker`` (a callable ``(completion,
     answer)``; default ``astraflow.tasks.check_answer``), ``env_latency`` (seconds or a
     ``Latency`` mapping: extra delay per rollout, to mimic a slow environment; with
@@ -46,7 +47,10 @@ class SingleTurn:
             by_engine.setdefault(id(engine), []).append((i, payload, engine, prompt_ids))
         for live in by_engine.values():
             engine = live[0][2]
-            gens = engine.generate([p for *_, p in live], sampling_params(self.sampling, engine, n))
+            # keyed by task: with a seed, a task's samples do not depend on its batch
+            keys = tuple(tasks[i].task_id for i, *_ in live)
+            gens = engine.generate([p for *_, p in live],
+                                   sampling_params(self.sampling, engine, n, keys=keys))
             for (i, payload, _, prompt_ids), samples in zip(live, gens):
                 out = []
                 for j, g in enumerate(samples):

