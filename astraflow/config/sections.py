@@ -173,9 +173,11 @@ class TrainerSpec(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32", description="dtype the model trains in (the master weights)",
         json_schema_extra=_in("compute"))
-    autocast: Literal["none", "bf16"] = Field(
+    autocast: Literal["none", "bf16", "best"] = Field(
         default="none", description="bf16: forward/backward under torch.autocast(bfloat16) "
-        "with fp32 master weights, optimizer and loss (recommended for real models)",
+        "with fp32 master weights, optimizer and loss (recommended for real models); best: "
+        "bf16 where the device computes bf16 natively (GPUs from Ampere on, CPUs with "
+        "AMX-BF16 or AVX512-BF16), else none, logged with the reason",
         json_schema_extra=_in("compute"))
     forward_on: Literal["published", "master"] = Field(
         default="published", description="weights forward/backward run on when the "
@@ -348,7 +350,8 @@ class PolicySpec(_Strict):
     import_from: str | None = None
     chat: ChatSpec = Field(default_factory=ChatSpec)
     dtype: str | None = Field(default=None, description="model dtype of the RaaS engines "
-                              "and the evaluator (default: as saved)")
+                              "and the evaluator (default: as saved); best: bf16 where the "
+                              "hardware computes bf16 natively, else float32")
     # sampling temperature and top-p of the rollouts (workflows that set none) and of the
     # trainer's log-probabilities, so behaviour and trained log-probs are of the same
     # distribution (astraflow.models.sampling)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.models.errors import ModelError, one_line
+from astraflow.models.precision import BEST, best_precision
 
 # any one of these makes a directory's tokenizer loadable (fast, sentencepiece, BPE, WordPiece)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -30,7 +31,8 @@ def resolve_dtype(dtype: Any):
     if dtype == "auto":
         return "auto"
     if dtype not in names:
-        raise ModelError(f"unknown dtype {dtype!r} (known: {sorted(names)} or 'auto')")
+        raise ModelError(f"unknown dtype {dtype!r} (known: {sorted(names)}, 'auto' or "
+                         f"'{BEST}' when loading a policy)")
     return names[dtype]
 
 
@@ -58,7 +60,9 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
     Works for the tiny model and for real checkpoints (Qwen3, Llama, ...). Offline and
     local-files-only; a missing directory or config raises ``ModelError``. The tokenizer
     gets a pad token (the end-of-sequence token) if it has none, and left padding.
-    ``dtype``: None (as stored, float32 on CPU), a ``torch.dtype``, ``"bf16"``, ``"auto"``...
+    ``dtype``: None (as stored, float32 on CPU), a ``torch.dtype``, ``"bf16"``, ``"auto"``
+    (transformers': as the config says), or ``"best"``: bf16 where ``device`` computes bf16
+    natively, else float32 (``astraflow.models.precision``; the choice is logged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +75,8 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "left"
     kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype == BEST:
+        dtype = "bf16" if best_precision(device).bf16 else "float32"
     resolved = resolve_dtype(dtype)
     if resolved is not None:
         kwargs["dtype"] = resolved

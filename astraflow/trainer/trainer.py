@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from astraflow.models.precision import best_precision
 from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
 from astraflow.trainer.backend import BACKENDS, PolicyModel, TorchPolicy, make_policy_model
 from astraflow.trainer.loss import (
@@ -144,7 +145,8 @@ class TrainerConfig:
     # the published weights: the master weights rounded to this ("same": as trained)
     publish_dtype: str = "bf16"
     # "bf16": forward/backward under torch.autocast(bfloat16), master weights, gradients,
-    # optimizer and the log-softmax/loss in fp32 (recommended for real models)
+    # optimizer and the log-softmax/loss in fp32 (recommended for real models); "best":
+    # bf16 where the device computes bf16 natively (astraflow.models.precision), else none
     autocast: str = "none"
     gradient_checkpointing: bool = False
     # sequences that share a prompt (a group's samples) run it through the model once: its
@@ -222,7 +224,7 @@ class TrainerConfig:
             ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
             # megatron's linear layers keep only CUDA's autocast state for their backward
             ("autocast", "--autocast",
-             not (self.autocast != "none" and self.backend == "megatron"
+             not (self.autocast == "bf16" and self.backend == "megatron"
                   and self.device.startswith("cpu")),
              "bf16 with backend megatron needs a GPU (on a CPU: --autocast none, or "
              "--dtype bf16 to train bf16 weights)"),
@@ -231,13 +233,23 @@ class TrainerConfig:
             if not ok:
                 raise ValueError(f"{name} ({flag}) {what}, got {getattr(self, name)!r}")
 
+    def chosen_autocast(self) -> tuple[str, str]:
+        """``(autocast, why)``: ``autocast`` as set, or for ``best`` what this machine's
+        device computes fastest (megatron's CPU path takes no autocast: none there)."""
+        if self.autocast != "best":
+            return self.autocast, "as configured"
+        if self.backend == "megatron" and self.device.startswith("cpu"):
+            return "none", "megatron on a CPU takes no autocast"
+        p = best_precision(self.device)
+        return ("bf16" if p.bf16 else "none"), p.reason
+
     @property
     def logit_temperature(self) -> float:
         """What the logits are divided by: ``temperature``, 1 for greedy (0)."""
         return self.temperature if self.temperature > 0 else 1.0
 
 
-AUTOCAST = ("none", "bf16")
+AUTOCAST = ("none", "bf16", "best")
 FORWARD_ON = ("published", "master")
 
 
@@ -273,6 +285,9 @@ class Trainer:
             _check_group(c, group)
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
+        self.autocast, why = c.chosen_autocast()
+        if c.autocast == "best":
+            log.info("%s: autocast %s (%s)", policy or "trainer", self.autocast, why)
         self.device = torch.device(c.device) if group is None else group.device
         # eval mode: no dropout, deterministic, and log-probs match the rollout's
         self.backend: PolicyModel = make_policy_model(c.backend, model_path, self.dtype,
@@ -591,7 +606,7 @@ class Trainer:
         return ids, attn, behaviour, mask, adv
 
     def _autocast(self):
-        if self.config.autocast == "bf16":
+        if self.autocast == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
