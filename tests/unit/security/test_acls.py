@@ -74,7 +74,8 @@ def _acls_of_run(path: Path) -> dict[str, list[tuple]]:
             for c in component_acls(topo)}
 
 
-@pytest.mark.parametrize("source", ["smollm2.yaml", "smollm2-vllm.yaml"])
+@pytest.mark.parametrize(
+    "source", ["smollm2.yaml", "smollm2-vllm.yaml", "smollm2-gsm8k.yaml"])
 def test_the_real_model_topologies_need_exactly_the_defaults_acls(source):
     """The SmolLM2 topologies wire the default's components and topics, so the secured
     run of the default (tests/kafka/test_secure.py, ``up --secure``, every component as its own
