@@ -3,6 +3,7 @@ idempotent creation, and topic inspection."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,31 @@ def _create(admin: AdminClient, topics: list[ResolvedTopic], timeout: float,
             if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
             changes.append(TopicChange(name, "unchanged", "created concurrently"))
+    _await_usable(admin, {t.full_name: t.partitions for t in topics}, timeout)
     return changes
+
+
+def _await_usable(admin: AdminClient, partitions: dict[str, int], timeout: float) -> None:
+    """Wait until every topic of ``partitions`` (name -> partition count) is in the
+    metadata with a leader for each partition. The controller accepts a topic before the
+    brokers' metadata caches have it: a client that opens it at once (``up``'s status
+    table) would otherwise be told it does not exist. ``KafkaException`` after
+    ``timeout`` seconds, naming what is still missing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        md = admin.list_topics(timeout=max(0.1, deadline - time.monotonic())).topics
+        waiting = [n for n, count in partitions.items()
+                   if n not in md or md[n].error is not None
+                   or len(md[n].partitions) < count
+                   or any(p.leader < 0 for p in md[n].partitions.values())]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            raise KafkaException(KafkaError(
+                KafkaError.UNKNOWN_TOPIC_OR_PART,
+                f"topics created but without leaders after {timeout:.0f} s: "
+                f"{', '.join(sorted(waiting))}"))
+        time.sleep(0.1)  # the brokers' metadata catches up within moments
 
 
 def _align(admin: AdminClient, wanted: ResolvedTopic, md: TopicMetadata) -> TopicChange:
