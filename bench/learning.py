@@ -1,38 +1,70 @@
-"""Learning at equal wall-clock time: AstraFlow against TRL's GRPOTrainer.
+"""Learning at equal wall-clock time: AstraFlow against TRL's GRPOTrainer, each at its best.
 
-Runs, one after the other on the same machine, the same model, data, reward, sampling and
-batch shape:
+Both systems learn the same task from the same model, one run after the other on the same
+machine, for ``--duration`` seconds from the launch of each run:
 
 * ``astraflow``: ``astraflow up`` on the topology (default ``topology/smollm2.yaml``) with
   its online evaluator removed (evaluation is done afterwards, so it takes no CPU from
-  training), for ``--duration`` seconds from the launch of the command;
-* ``trl``: TRL's ``GRPOTrainer`` in one process (what a user picks for one machine), with
-  the topology's learning rate, samples per prompt, batch of groups, temperature,
-  completion length, reward and prompts (built with the same chat template), no KL term
-  (as ours), a constant learning rate, all cores, for the same wall time from its launch.
-  With a ``downsample`` processor in the topology (AstraFlow rolls out ``n_samples`` per
-  prompt and trains on the ``keep`` that vary most), TRL samples and trains ``keep``.
+  training) and every version's weights kept. It keeps the topology's settings except the
+  learning rate (chosen by the sweep) and the reward (below);
+* ``trl``: TRL's ``GRPOTrainer`` in one process (what a user picks for one machine), all
+  cores, a constant learning rate (chosen by the sweep) and TRL's own options: by default
+  ``num_generations`` 8, ``max_completion_length`` 8, ``beta`` 0 (no KL term), and a step
+  on the topology's batch of prompts (its batcher's ``batch_size``), each sampled
+  ``num_generations`` times; ``--trl-option KEY=VALUE`` sets or adds any ``GRPOConfig``
+  option (``loss_type``, ``scale_rewards``, ``per_device_train_batch_size``, ...).
 
-At every checkpoint time ``t`` (``--checkpoints``) it takes the newest weights each system
-had published by ``t`` (AstraFlow: the newest manifest on ``weights.<policy>``, rebuilt
-from the weights topic; TRL: the state after its last optimizer step finished before
-``t``), and scores them afterwards the same way the evaluator does (greedy, the
-topology's held-out dataset, size and reward). It prints both curves side by side, where
-AstraFlow's time went (versions, trainer busy/waiting, rollout tokens/s, stale drops),
-and writes ``bench/results/learning.json``.
+What they share: the prompts (the policy's chat template), the training reward
+(``--reward``, default ``first_integer``), the training set and the held-out test set (the
+topology's ``eval`` dataset and size), scored the same way: every checkpoint greedy, with
+two metrics on the same completions, ``strict`` (``exact_match``: the number alone) and
+``lenient`` (``first_integer``: the first number of the completion).
+
+**Sweep** (``--sweep``, on by default; ``--no-sweep`` skips it). Each system's learning
+rate (and, for TRL, any ``--trl-option`` given a YAML list of values) is chosen by short
+runs of ``--sweep-duration`` seconds (one seed, ``--seed0``) scored on a validation split,
+not copied from the other system. The validation split is made with the hash-split
+machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (salt
+``bench-learning-validation``) into the ``eval`` side at ``VALIDATION_FRACTION`` is a
+validation row, unless its prompt is in the test set; every run, sweep or not, trains on
+the rest, so validation prompts are never trained on and never in the test set. The
+first ``--val-size`` validation rows are scored. The chosen setting per system is the best
+score on ``--sweep-metric`` (ties: the smaller learning rate). Default learning rates:
+AstraFlow a third, one and ten thirds of the topology's (``1e-5,3e-5,1e-4`` on
+``smollm2.yaml``), TRL ``2e-6,5e-6,1e-5``; ``--sweep-lrs SYSTEM=LR,LR,...`` sets them.
+Without a sweep a system runs its usual learning rate (the topology's; TRL 5e-6), or the
+one ``--sweep-lrs`` gives it.
+
+**Seeds.** Each system then runs ``--seeds`` times (seeds ``--seed0`` on), the systems
+taking turns. AstraFlow's run k sets the pool's workflow ``seed`` (sampling is drawn from
+(seed, task, sample index, weight version)), the trainer's and the feeder's ``seed`` to
+k; TRL's run k sets ``GRPOConfig.seed`` and torch's seed to k.
+
+At every checkpoint time ``t`` (``--checkpoints``) each run's newest weights published by
+``t`` are scored (AstraFlow: the newest manifest on ``weights.<policy>``, rebuilt from the
+weights topic, version 0 when there is none; TRL: the state after its last optimizer step
+finished before ``t``). The report gives, per system and metric, the mean and 95 %
+interval over seeds (Student's t; one seed: the value and "n=1") at every checkpoint side
+by side, each seed's time to ``--target`` lenient accuracy and the AstraFlow/TRL ratio of
+their means, the sweep's table, and where AstraFlow's time went. The JSON, with its
+``meta`` block, goes to ``--out`` (``bench/report.py`` renders it into docs/results/).
 
 A topology with several policies (``topology/smollm2-solver-verifier.yaml``,
-``-solver-selector.yaml``, ``-code.yaml``) runs AstraFlow alone (TRL has no multi-policy
-counterpart): every policy's checkpoints are scored with its own evaluator's metric
-(``astraflow eval run`` as ``astraflow up`` would start it: answers for a solver, verdict
-accuracy on balanced candidates for a verifier, pick accuracy for a selector, held-out
-specs passed for a coder, the mutation reward for a tester), against its version 0.
+``-solver-selector.yaml``, ``-code.yaml``) runs AstraFlow alone, once, without a sweep
+(TRL has no multi-policy counterpart): every policy's checkpoints are scored with its own
+evaluator's metric (``astraflow eval run`` as ``astraflow up`` would start it: answers for
+a solver, verdict accuracy on balanced candidates for a verifier, pick accuracy for a
+selector, held-out specs passed for a coder, the mutation reward for a tester), against
+its version 0.
 
-Usage:
+Usage (the defaults take about 3.7 hours on 2 cores: a 6 x 180 s sweep, then 3 seeds x 2
+systems x 30 min, and the scoring):
 
-    python bench/learning.py [--duration 600] [--checkpoints 60,120,240,360,480,600]
-        [--systems astraflow,trl] [--topology topology/smollm2.yaml] [--eval-size N]
-        [--out FILE.json]
+    python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
+        [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]
+        [--sweep-lrs astraflow=1e-5,3e-5,1e-4] [--sweep-lrs trl=2e-6,5e-6,1e-5]
+        [--sweep-duration 180] [--reward first_integer] [--trl-option loss_type=dr_grpo]
+        [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json]
 
 Needs TRL (``python3 -m pip install trl``) for the ``trl`` system, and the model the
 topology imports (``astraflow model import smollm2 DIR``; done here when missing).
@@ -42,8 +74,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -53,7 +88,38 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import T95, run_meta  # noqa: E402  (bench/report.py)
+
 RUN = "bench-learning"
+SYSTEMS = ("astraflow", "trl")
+# every checkpoint is scored with both, on the same greedy completions
+METRICS = {"strict": "exact_match", "lenient": "first_integer"}
+TRL_LR = 5e-6  # TRL's usual learning rate here (issue 44), the middle of its sweep
+TRL_LRS = (2e-6, 5e-6, 1e-5)
+TRL_BASE = {"num_generations": 8, "max_completion_length": 8, "beta": 0.0}
+VALIDATION_SALT = b"bench-learning-validation"
+VALIDATION_FRACTION = 0.05  # about 360 of the 7,284 addition training prompts
+
+
+def key(t: float) -> str:
+    """A checkpoint time as the results' keys write it (``300``, ``1.5``)."""
+    return f"{t:g}"
+
+
+# --- topologies ----------------------------------------------------------------------------
+def _resolved(path: str) -> str:
+    """A dataset path absolute (the runs start elsewhere); a packaged ``NAME:SPLIT`` as is."""
+    p = REPO / path
+    return str(p.resolve()) if p.exists() or ":" not in path else path
+
+
+def _shown(path: Path) -> str:
+    """A path as the results name it: relative to the repository when inside it."""
+    p = path.resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
 
 
 def bench_topology(src: Path, runs_dir: Path) -> tuple[Path, dict[str, Any]]:
@@ -61,8 +127,6 @@ def bench_topology(src: Path, runs_dir: Path) -> tuple[Path, dict[str, Any]]:
     absolute paths, no online evaluator (its settings are kept for scoring), and every
     version's weights kept (the checkpoints are scored after the run, from version 0 on)."""
     doc = yaml.safe_load(src.read_text())
-    run_dir = runs_dir / RUN
-    run_dir.mkdir(parents=True, exist_ok=True)
     out = copy.deepcopy(doc)
     out["run"] = RUN
     for spec in out.get("policies", {}).values():
@@ -71,15 +135,61 @@ def bench_topology(src: Path, runs_dir: Path) -> tuple[Path, dict[str, Any]]:
     for part in ("feeder", "eval"):
         ds = (out.get(part) or {}).get("dataset")
         if ds:
-            ds["path"] = str((REPO / ds["path"]).resolve())
-    evaluation = out.pop("eval", None) or {}
+            ds["path"] = _resolved(ds["path"])
+    path = write_topology(out, runs_dir, f"{src} without its evaluator")
+    return path, out
+
+
+def write_topology(doc: dict[str, Any], runs_dir: Path, note: str) -> Path:
+    """``doc`` without its ``eval`` section, written where ``astraflow up`` runs it."""
+    run_dir = runs_dir / RUN
+    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "topology.yaml"
-    path.write_text(f"# bench/learning.py: {src} without its evaluator\n"
-                    + yaml.safe_dump(out, sort_keys=False))
-    return path, {**out, "eval": evaluation}
+    body = {k: v for k, v in doc.items() if k != "eval"}
+    path.write_text(f"# bench/learning.py: {note}\n" + yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def _workflow(doc: dict[str, Any]) -> str:
+    return (doc.get("feeder") or {}).get("workflow") or "single_turn"
+
+
+def with_reward(doc: dict[str, Any], reward: Any) -> dict[str, Any]:
+    """``doc`` with ``reward`` as the reward of every pool's workflow of the tasks."""
+    out = copy.deepcopy(doc)
+    for pool in out.get("pools", {}).values():
+        pool.setdefault("workflows", {}).setdefault(_workflow(out), {})["reward"] = reward
+    return out
+
+
+def with_lr(doc: dict[str, Any], lr: float) -> dict[str, Any]:
+    """``doc`` with every policy's trainer at learning rate ``lr``."""
+    out = copy.deepcopy(doc)
+    for spec in out.get("policies", {}).values():
+        spec.setdefault("trainer", {})["lr"] = lr
+    return out
+
+
+def seeded_topology(doc: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``doc`` as AstraFlow's run ``seed`` runs it: every pool's workflows sample with
+    ``seed`` (the tasks' workflow included), every trainer and the feeder take ``seed``.
+    The same ``seed`` on the same machine repeats the rollouts and the task order."""
+    out = copy.deepcopy(doc)
+    for pool in out.get("pools", {}).values():
+        workflows = pool.setdefault("workflows", {})
+        workflows.setdefault(_workflow(out), {})
+        for options in workflows.values():
+            options["seed"] = seed
+    for spec in out.get("policies", {}).values():
+        spec.setdefault("trainer", {})["seed"] = seed
+    if out.get("feeder") is None:
+        out["feeder"] = {}
+    out["feeder"]["seed"] = seed
+    return out
 
 
 def ensure_model(doc: dict[str, Any]) -> Path:
+    """The first policy's model directory, imported first when it holds no model."""
     policy = next(iter(doc["policies"].values()))
     model = Path(policy["model"])
     if not (model / "config.json").exists():
@@ -90,16 +200,273 @@ def ensure_model(doc: dict[str, Any]) -> Path:
     return model
 
 
+# --- the data: training, validation and test sets ----------------------------------------------
+def split_validation(rows: list[dict[str, Any]], test_prompts: set[str],
+                     fraction: float = VALIDATION_FRACTION,
+                     salt: bytes = VALIDATION_SALT) -> tuple[list[dict[str, Any]],
+                                                             list[dict[str, Any]]]:
+    """``rows`` (task payloads) as (training, validation): a row is a validation row when
+    its prompt hashes into the ``eval`` side of ``hash_split`` with ``salt`` at
+    ``fraction`` and is not one of ``test_prompts``; the rest train. A function of the
+    prompts alone, in the rows' order."""
+    from astraflow.tasks.split import hash_split
+
+    train, validation = [], []
+    for row in rows:
+        prompt = str(row["prompt"])
+        held = hash_split(prompt, salt, fraction) == "eval" and prompt not in test_prompts
+        (validation if held else train).append(row)
+    return train, validation
+
+
+def _dataset_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from astraflow.tasks.datasets import load_dataset_file
+
+    return load_dataset_file(spec["path"], **{k: v for k, v in spec.items() if k != "path"})
+
+
+def prepare_data(doc: dict[str, Any], runs_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split the feeder's dataset into training and validation files (``split_validation``)
+    under ``runs_dir``; ``doc`` with its feeder on the training file, and the split's
+    facts (paths and sizes)."""
+    from astraflow.tasks.generate import write_jsonl
+
+    feeder_ds = (doc.get("feeder") or {}).get("dataset")
+    eval_ds = (doc.get("eval") or {}).get("dataset")
+    if not feeder_ds or not eval_ds:
+        raise SystemExit("learning: the topology needs feeder.dataset and eval.dataset (a "
+                         "training and a held-out file), e.g. topology/smollm2.yaml")
+    test_prompts = {str(r["prompt"]) for r in _dataset_rows(eval_ds)}
+    rows = _dataset_rows(feeder_ds)
+    train, validation = split_validation(rows, test_prompts)
+    if not validation or not train:
+        raise SystemExit(f"learning: {feeder_ds['path']} has too few rows to split off a "
+                         f"validation set ({len(rows)} rows)")
+    stem = Path(str(feeder_ds["path"]).replace(":", "-")).stem  # the rows' source label
+    split_dir = runs_dir / RUN / "split"
+    train_path = write_jsonl(train, split_dir / "train" / f"{stem}.jsonl")
+    val_path = write_jsonl(validation, split_dir / "validation" / f"{stem}.jsonl")
+    out = copy.deepcopy(doc)
+    out["feeder"]["dataset"] = {"path": str(train_path)}
+    info = {"train": str(train_path), "train_rows": len(train), "validation": str(val_path),
+            "validation_rows": len(validation), "test": str(eval_ds["path"]),
+            "how": f"training rows whose prompt hash_split(salt {VALIDATION_SALT.decode()}, "
+                   f"{VALIDATION_FRACTION}) puts on the eval side and that are not test "
+                   "prompts; every run trains on the other training rows"}
+    return out, info
+
+
+# --- settings and the sweep ----------------------------------------------------------------
+def astraflow_lrs(lr: float) -> list[float]:
+    """AstraFlow's default sweep around the topology's learning rate ``lr``: a third, one
+    and ten thirds of it, to two significant digits (``3e-5``: 1e-5, 3e-5, 1e-4)."""
+    return [float(f"{x:.2g}") for x in (lr / 3, lr, lr * 10 / 3)]
+
+
+def parse_sweep_lrs(items: list[str]) -> dict[str, list[float]]:
+    """``--sweep-lrs`` values (``trl=2e-6,5e-6``) by system; ``ValueError`` names a bad one."""
+    out: dict[str, list[float]] = {}
+    for item in items:
+        system, sep, values = item.partition("=")
+        if not sep or system not in SYSTEMS:
+            raise ValueError(f"--sweep-lrs {item!r}: expected SYSTEM=LR[,LR...] with SYSTEM "
+                             f"one of {', '.join(SYSTEMS)}")
+        try:
+            lrs = [float(x) for x in values.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--sweep-lrs {item!r}: learning rates must be numbers") from None
+        if not lrs or any(not lr > 0 for lr in lrs):
+            raise ValueError(f"--sweep-lrs {item!r}: give positive learning rates")
+        out[system] = lrs
+    return out
+
+
+def parse_trl_options(items: list[str]) -> dict[str, list[Any]]:
+    """``--trl-option KEY=VALUE`` values over ``TRL_BASE``: each option's values to try (a
+    YAML list is swept, anything else is one value). ``ValueError`` names a bad one."""
+    out: dict[str, list[Any]] = {k: [v] for k, v in TRL_BASE.items()}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--trl-option {item!r}: expected KEY=VALUE (a GRPOConfig option)")
+        if name.strip() in ("learning_rate", "seed", "output_dir"):
+            raise ValueError(f"--trl-option {name.strip()}: set by the bench (the learning "
+                             "rate: --sweep-lrs trl=...; the seed: --seeds/--seed0)")
+        value = yaml.safe_load(text)
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValueError(f"--trl-option {item!r}: an empty list")
+        out[name.strip()] = values
+    return out
+
+
+def sweep_grid(lrs: list[float], options: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every setting the sweep tries: each learning rate with each combination of the
+    options' values, learning rates in the given order, options varying fastest."""
+    names = list(options)
+    return [{"lr": lr, **dict(zip(names, combo))}
+            for lr in lrs for combo in itertools.product(*(options[n] for n in names))]
+
+
+def unswept_setting(given: list[float] | None, usual: float,
+                    options: dict[str, list[Any]]) -> dict[str, Any]:
+    """A system's setting without a sweep: the one learning rate ``--sweep-lrs`` gave it,
+    else its ``usual`` one, with each option's one value (``ValueError`` when an option
+    lists several: only a sweep chooses among them)."""
+    several = [k for k, v in options.items() if len(v) != 1]
+    if several:
+        raise ValueError(f"--no-sweep: options {', '.join(several)} list several values "
+                         "(only the sweep chooses among them)")
+    lr = given[0] if given is not None and len(given) == 1 else usual
+    return {"lr": lr, **{k: v[0] for k, v in options.items()}}
+
+
+def choose_setting(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """The sweep's choice among ``rows`` (``{"setting": {...}, "scores": {metric: x}}``, one
+    system's): the best validation score on ``metric``; ties go to the smaller learning
+    rate, then to the earlier row."""
+    if not rows:
+        raise ValueError("the sweep has no runs to choose from")
+    best = min(enumerate(rows), key=lambda ir: (-ir[1]["scores"][metric],
+                                                ir[1]["setting"]["lr"], ir[0]))
+    return best[1]["setting"]
+
+
+# --- statistics and the report -------------------------------------------------------------------
+def mean_interval(values: list[float]) -> tuple[float, float | None]:
+    """The mean of ``values`` and the half-width of its 95 % interval (Student's t with
+    n - 1 degrees of freedom); None for one value."""
+    if not values:
+        raise ValueError("mean_interval needs at least one value")
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return mean, None
+    t = T95.get(len(values) - 1, 1.96)
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def interval_text(mean: float, half: float | None) -> str:
+    """A fraction's mean and interval in percent: ``31.5 % ±4.2``, or ``31.5 % (n=1)``."""
+    return f"{100 * mean:.1f} % " + ("(n=1)" if half is None else f"±{100 * half:.1f}")
+
+
+def time_to(scores: dict[str, dict[str, float]], metric: str, level: float) -> float | None:
+    """The first checkpoint time whose ``metric`` score is at least ``level`` (``scores``:
+    checkpoint key -> metric -> score), None when none is."""
+    for t in sorted(scores, key=float):
+        if scores[t][metric] >= level:
+            return float(t)
+    return None
+
+
+def curves(runs: list[dict[str, Any]], systems: list[str],
+           checkpoints: list[float]) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """Per system, metric and checkpoint: the mean, 95 % half-width and number of seeds
+    over ``runs`` (each ``{"system", "scores": {key(t): {metric: x}}}``)."""
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for system in systems:
+        mine = [r for r in runs if r["system"] == system]
+        for metric in METRICS:
+            cells = out.setdefault(system, {}).setdefault(metric, {})
+            for t in map(key, checkpoints):
+                values = [r["scores"][t][metric] for r in mine if t in r["scores"]]
+                if values:
+                    mean, half = mean_interval(values)
+                    cells[t] = {"mean": mean, "half": half, "n": len(values)}
+    return out
+
+
+def curves_table(curve: dict[str, Any], start: dict[str, float],
+                 checkpoints: list[float]) -> str:
+    """The curves side by side: one row a checkpoint (version 0 first), one column a
+    system's metric."""
+    cols = [(s, m) for s in curve for m in METRICS]
+    lines = ["| t (s) | " + " | ".join(f"{s} {m}" for s, m in cols) + " |",
+             "|" + "---|" * (len(cols) + 1),
+             "| 0 | " + " | ".join(f"{100 * start[m]:.1f} %" for _, m in cols) + " |"]
+    for t in map(key, checkpoints):
+        cells = [curve[s][m].get(t) for s, m in cols]
+        lines.append(f"| {t} | " + " | ".join(
+            interval_text(c["mean"], c["half"]) if c else "-" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def times_to_target(runs: list[dict[str, Any]], systems: list[str], level: float,
+                    metric: str = "lenient") -> dict[str, Any]:
+    """Each seed's time to ``level`` on ``metric`` by system, the mean over the seeds that
+    reached it, and the AstraFlow/TRL ratio of those means when both reached it."""
+    out: dict[str, Any] = {"level": level, "metric": metric, "systems": {}}
+    for system in systems:
+        mine = sorted((r for r in runs if r["system"] == system), key=lambda r: r["seed"])
+        seconds = {r["seed"]: time_to(r["scores"], metric, level) for r in mine}
+        reached = [s for s in seconds.values() if s is not None]
+        out["systems"][system] = {"seconds": seconds, "reached": len(reached), "n": len(mine),
+                                  "mean": statistics.fmean(reached) if reached else None}
+    means = [out["systems"].get(s, {}).get("mean") for s in SYSTEMS]
+    out["ratio"] = means[0] / means[1] if None not in means and means[1] else None
+    return out
+
+
+def times_table(times: dict[str, Any]) -> str:
+    """``times_to_target`` as a table (one row a system, one column a seed) and the
+    ratio line."""
+    seeds = sorted({int(s) for v in times["systems"].values() for s in v["seconds"]})
+    lines = ["| system | " + " | ".join(f"seed {s}" for s in seeds)
+             + " | mean (seeds that reached it) |", "|" + "---|" * (len(seeds) + 2)]
+    for system, v in times["systems"].items():
+        by = {int(s): x for s, x in v["seconds"].items()}
+        cells = ["-" if s not in by else "not reached" if by[s] is None else f"{by[s]:g} s"
+                 for s in seeds]
+        mean = "-" if v["mean"] is None else f"{v['mean']:.0f} s ({v['reached']} of {v['n']})"
+        lines.append(f"| {system} | " + " | ".join(cells) + f" | {mean} |")
+    ratio = times["ratio"]
+    lines.append("\nAstraFlow / TRL, ratio of the means: "
+                 + ("- (not reached by both)" if ratio is None else f"{ratio:.2f}"))
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict[str, Any]], chosen: dict[str, dict[str, Any]]) -> str:
+    """One row a sweep run: its system, learning rate, the options that vary among its
+    system's runs, both validation scores, and which setting was chosen."""
+    lines = ["| system | lr | options | validation strict | validation lenient | chosen |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        mine = [x["setting"] for x in rows if x["system"] == r["system"]]
+        varying = [k for k in r["setting"] if k != "lr" and len({json.dumps(s.get(k))
+                                                                for s in mine}) > 1]
+        opts = ", ".join(f"{k} {r['setting'][k]}" for k in varying) or "-"
+        mark = "yes" if chosen.get(r["system"]) == r["setting"] else ""
+        lines.append(f"| {r['system']} | {r['setting']['lr']:g} | {opts} | "
+                     f"{100 * r['scores']['strict']:.1f} % | "
+                     f"{100 * r['scores']['lenient']:.1f} % | {mark} |")
+    return "\n".join(lines)
+
+
+def where_time_went(result: dict[str, Any]) -> str:
+    """One line of an AstraFlow run's summary: versions, stale drops, the trainer's waiting
+    and step time, rollout throughput and reward."""
+    s = result.get("summary", {})
+    trainer = next(iter(s.get("trainer", {}).values()), {})
+    keys = ("trainer/wait_fraction", "trainer/step_seconds", "trainer/zero_advantage_frac",
+            "trainer/stale_dropped_groups")
+    parts = [f"{k} {trainer[k]:.3g}" for k in keys if k in trainer]
+    wm = s.get("workflow_metrics", {})
+    parts += [f"{k} {v:.3g}" for k, v in wm.items() if "tokens_per_s" in k or "reward" in k]
+    return (f"astraflow: {result['versions']} versions; stale drops "
+            f"{s.get('staleness_dropped')}; " + "; ".join(parts))
+
+
 # --- AstraFlow --------------------------------------------------------------------------
-def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """``astraflow up`` for ``--duration`` s; the newest version at each checkpoint."""
+def run_astraflow(path: Path, duration: float, checkpoints: list[float],
+                  runs_dir: Path) -> dict[str, Any]:
+    """``astraflow up`` for ``duration`` s; the newest version at each checkpoint."""
     from astraflow.config.topology import load_topology
     from astraflow.launch.runs import start_over
 
     topo = load_topology(path)
     start_over(topo.run)
     cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--keep-broker",
-           "--duration", str(args.duration), "--runs-dir", str(args.runs_dir)]
+           "--duration", str(duration), "--runs-dir", str(runs_dir)]
     t0 = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1) as proc:
@@ -107,13 +474,13 @@ def run_astraflow(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         for line in proc.stdout:
             if not line.startswith((" ", "{", "}")) or "s |" in line:
                 print(f"[astraflow] {line.rstrip()}", flush=True)
-    summary_file = args.runs_dir / RUN / "summary.json"
+    summary_file = runs_dir / RUN / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     out: dict[str, Any] = {"summary": summary, "_topology": topo, "policies": {}}
     for i, policy in enumerate(topo.policies):
         records, first_at = manifest_times(topo, t0, policy)
         at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
-              for t in args.checkpoints}
+              for t in checkpoints}
         mine = {"at": at, "versions": max(first_at, default=0),
                 "_manifests": [r.record for r in records]}
         out["policies"][policy] = mine
@@ -139,75 +506,115 @@ def manifest_times(topo: Any, t0: float,
     return records, first_at
 
 
-def score_astraflow(result: dict[str, Any], ev: dict[str, Any], doc: dict[str, Any]) -> None:
+def score_astraflow(result: dict[str, Any], scorer: dict[str, Any]) -> dict[str, Any]:
+    """Both metrics of the version each checkpoint had (version 0 where none was
+    published yet), by checkpoint key."""
     from astraflow.weights import WeightFollower
 
     topo = result.pop("_topology")
     manifests = result.pop("_manifests")
-    policy = next(iter(topo.policies))
-    follower = WeightFollower(policy=policy, kafka_config=topo.kafka.effective())
+    result.pop("policies", None)
+    follower = WeightFollower(policy=next(iter(topo.policies)),
+                              kafka_config=topo.kafka.effective())
     follower.observe(manifests)
-    scores: dict[int, float] = {}
-    for t, v in result["at"].items():
-        if v is None:
-            continue
-        if v not in scores:
-            follower.update(v)
-            scores[v] = ev["score"](follower.state)
-        result.setdefault("accuracy", {})[t] = scores[v]
+    by_version: dict[int | None, dict[str, float]] = {}
+    scores = {}
+    try:
+        for t, v in result["at"].items():
+            if v not in by_version:
+                if v is not None:
+                    follower.update(v)
+                by_version[v] = scorer["scores"](None if v is None else follower.state)
+            scores[key(t)] = by_version[v]
+    finally:
+        follower.close()
+    return scores
 
 
 # --- TRL ----------------------------------------------------------------------------------
-def run_trl(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """TRL's GRPOTrainer in a child process (``--trl-worker``) for ``--duration`` s."""
-    out_dir = args.runs_dir / RUN / "trl"
+def trl_config_kwargs(setup: dict[str, Any], setting: dict[str, Any], seed: int,
+                      out_dir: Path) -> dict[str, Any]:
+    """The ``GRPOConfig`` of a TRL run: the bench's fixed frame (CPU, fp32, a constant
+    learning rate, no saving, stopped by the clock), the setting's learning rate and
+    options, and ``seed``. A step trains the topology's batch of prompts, each sampled
+    ``num_generations`` times, unless the setting names ``per_device_train_batch_size``."""
+    options = {k: v for k, v in setting.items() if k != "lr"}
+    n = int(options.get("num_generations", TRL_BASE["num_generations"]))
+    return {
+        "output_dir": str(out_dir / "out"), "learning_rate": float(setting["lr"]),
+        "lr_scheduler_type": "constant", "per_device_train_batch_size": n * setup["prompts"],
+        "gradient_accumulation_steps": 1, "temperature": setup["temperature"], "top_p": 1.0,
+        "use_cpu": True, "bf16": False, "gradient_checkpointing": False, "max_steps": 10**6,
+        "save_strategy": "no", "report_to": [], "logging_steps": 1, "disable_dropout": True,
+        "dataloader_num_workers": 0, "disable_tqdm": True, **options, "seed": seed,
+    }
+
+
+def check_trl(options: dict[str, list[Any]]) -> str | None:
+    """Why the ``trl`` system cannot run (TRL missing, an option ``GRPOConfig`` lacks), or
+    None."""
+    import dataclasses
+
+    try:
+        from trl import GRPOConfig
+    except ImportError:
+        return "the trl system needs TRL: python3 -m pip install trl (or --systems astraflow)"
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(set(options) - known)
+    return f"--trl-option: GRPOConfig has no {', '.join(unknown)}" if unknown else None
+
+
+def run_trl(doc: dict[str, Any], setting: dict[str, Any], seed: int, duration: float,
+            checkpoints: list[float], runs_dir: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer in a child process (``--trl-worker``) for ``duration`` s; its
+    checkpoint files and step count. Its whole output goes to ``trl/log.txt``."""
+    out_dir = runs_dir / RUN / "trl"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "doc.json").write_text(json.dumps(doc))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out_dir),
-           "--duration", str(args.duration),
-           "--checkpoints", ",".join(str(t) for t in args.checkpoints)]
+    (out_dir / "result.json").unlink(missing_ok=True)
+    (out_dir / "job.json").write_text(json.dumps(
+        {"doc": doc, "setting": setting, "seed": seed, "duration": duration,
+         "checkpoints": checkpoints}))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out_dir)]
     env = {**os.environ, "BENCH_T0": str(time.time())}
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1, env=env) as proc:
+    with open(out_dir / "log.txt", "w") as log, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env=env) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
+            log.write(line)
             if line.startswith("[trl]"):
                 print(line.rstrip(), flush=True)
+    if proc.returncode != 0 or not (out_dir / "result.json").exists():
+        raise SystemExit(f"learning: the TRL run (seed {seed}) failed with exit code "
+                         f"{proc.returncode}; its output: {out_dir / 'log.txt'}")
     return json.loads((out_dir / "result.json").read_text())
 
 
-def score_trl(result: dict[str, Any], ev: dict[str, Any]) -> None:
+def score_trl(result: dict[str, Any], scorer: dict[str, Any]) -> dict[str, Any]:
+    """Both metrics of each checkpoint's weights, by checkpoint key."""
     from safetensors.torch import load_file
 
-    for t, ckpt in result["at"].items():
-        if ckpt is not None:
-            result.setdefault("accuracy", {})[t] = ev["score"](load_file(ckpt["path"]))
+    return {key(float(t)): scorer["scores"](load_file(ckpt["path"]))
+            for t, ckpt in result["at"].items()}
 
 
-def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
+def trl_worker(out_dir: Path) -> int:
     """The TRL run (child process): writes a checkpoint per checkpoint time, in fp32, the
     weights TRL trains (not a bf16 rounding of them)."""
     import torch
     from datasets import Dataset
+    from transformers import set_seed
     from trl import GRPOConfig, GRPOTrainer
 
     t0 = float(os.environ.get("BENCH_T0", time.time()))
+    job = json.loads((out_dir / "job.json").read_text())
     torch.set_num_threads(os.cpu_count() or 1)
-    doc = json.loads((out_dir / "doc.json").read_text())
-    setup = trl_setup(doc)
-    rows = setup["rows"]
-    config = GRPOConfig(
-        output_dir=str(out_dir / "out"), learning_rate=setup["lr"],
-        lr_scheduler_type="constant", per_device_train_batch_size=setup["batch"],
-        gradient_accumulation_steps=1, num_generations=setup["n"],
-        max_completion_length=setup["max_new_tokens"], temperature=setup["temperature"],
-        top_p=1.0, beta=0.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
-        max_steps=10**6, save_strategy="no", report_to=[], logging_steps=1,
-        disable_dropout=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-    )
-    clock = _TrlClock(t0, duration, checkpoints, out_dir)
+    set_seed(job["seed"])  # torch, numpy and random, before the model and the data
+    setup = trl_setup(job["doc"])
+    config = GRPOConfig(**trl_config_kwargs(setup, job["setting"], job["seed"], out_dir))
+    clock = _TrlClock(t0, job["duration"], job["checkpoints"], out_dir)
     trainer = GRPOTrainer(model=setup["model"], reward_funcs=[setup["reward_fn"]],
-                          args=config, train_dataset=Dataset.from_list(rows),
+                          args=config, train_dataset=Dataset.from_list(setup["rows"]),
                           processing_class=setup["tokenizer"], callbacks=[clock])
     trainer.train()
     clock.finish(trainer.model)
@@ -218,7 +625,8 @@ def trl_worker(out_dir: Path, duration: float, checkpoints: list[float]) -> int:
 
 
 def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
-    """Model, tokenizer, prompts and reward of the topology, in TRL's terms."""
+    """Model, tokenizer, prompts, reward, temperature and prompts a step of the topology,
+    in TRL's terms."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -229,7 +637,7 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
 
     name, policy = next(iter(doc["policies"].items()))
     pool = next(iter(doc["pools"].values()))
-    wf = pool.get("workflows", {}).get("single_turn", {})
+    wf = pool.get("workflows", {}).get(_workflow(doc), {})
     _, tokenizer = load_policy(policy["model"])
     model = AutoModelForCausalLM.from_pretrained(policy["model"], dtype=torch.float32)
     chat = ChatFormat.from_options(policy.get("chat"))
@@ -240,23 +648,11 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
     def reward_fn(completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [reward(c, {"answer": a}) for c, a in zip(completions, answer)]
 
-    batch_groups = next(p["options"]["batch_size"] for p in doc["processors"].values()
-                        if p["kind"] == "batcher")
-    n = trained_group_size(doc)
+    prompts = next(p["options"]["batch_size"] for p in doc["processors"].values()
+                   if p["kind"] == "batcher")
+    temperature = wf.get("temperature", policy.get("temperature", 1.0))
     return {"model": model, "tokenizer": tokenizer, "rows": rows, "reward_fn": reward_fn,
-            "lr": float(policy["trainer"]["lr"]), "n": n, "batch": n * int(batch_groups),
-            "max_new_tokens": int(wf.get("max_new_tokens", 64)),
-            "temperature": float(wf.get("temperature", 1.0)), "policy": name}
-
-
-def trained_group_size(doc: dict[str, Any]) -> int:
-    """Samples per prompt the trainer trains on: a ``downsample`` processor's ``keep``,
-    else the pool's ``n_samples``. TRL samples and trains this many (the same batch
-    shape); it has no down-sampling step of its own."""
-    n = int(next(iter(doc["pools"].values())).get("n_samples", 8))
-    keeps = [int(p["options"]["keep"]) for p in doc["processors"].values()
-             if p["kind"] == "downsample"]
-    return min([n, *keeps])
+            "prompts": int(prompts), "temperature": float(temperature), "policy": name}
 
 
 def _trl_callback_base():
@@ -331,15 +727,21 @@ class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
         self._save_due(self.elapsed() + 1e9 if self.elapsed() >= self.duration else 0)
 
 
-# --- scoring and report -------------------------------------------------------------------
-def make_scorer(doc: dict[str, Any]) -> dict[str, Any]:
-    """``score(state) -> accuracy`` with the topology's evaluator settings."""
+
+# --- scoring ------------------------------------------------------------------------------
+def make_scorer(doc: dict[str, Any], dataset: str | None = None,
+                size: int | None = None) -> dict[str, Any]:
+    """The topology's evaluator settings (greedy, its completion length and chat format) on
+    its held-out dataset, or on ``dataset``, first ``size`` rows (default: its size):
+    ``score(state) -> accuracy`` with its reward, and ``scores(state) -> {metric: x}`` with
+    every metric of ``METRICS`` on the same completions. ``state`` None: the model as
+    loaded (version 0)."""
     import torch
 
     from astraflow.models.chat import ChatFormat
-    from astraflow.models.evaluation import evaluate
+    from astraflow.models.evaluation import generate_answers
+    from astraflow.models.examples import task_payload
     from astraflow.models.loading import load_policy
-    from astraflow.tasks.datasets import load_dataset_file
     from astraflow.tasks.rewards import make_reward
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -347,16 +749,25 @@ def make_scorer(doc: dict[str, Any]) -> dict[str, Any]:
     policy = next(iter(doc["policies"].values()))
     model, tokenizer = load_policy(policy["model"], dtype=policy.get("dtype"))
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    tasks = load_dataset_file(ev["dataset"]["path"], limit=int(ev.get("size", 200)))
+    spec = {"path": dataset} if dataset else ev["dataset"]
+    limit = int(size if size is not None else ev.get("size", 200))
+    tasks = [task_payload(t) for t in _dataset_rows(spec)[:limit]]
     chat = ChatFormat.from_options(policy.get("chat"))
-    reward = make_reward(ev.get("reward"))
+    prompts = [chat.prompt_text(tokenizer, t) for t in tasks]
+    rewards = {"score": make_reward(ev.get("reward")),
+               **{m: make_reward(name) for m, name in METRICS.items()}}
 
-    def score(state: dict[str, Any] | None) -> float:
+    def all_scores(state: dict[str, Any] | None) -> dict[str, float]:
         model.load_state_dict(base if state is None else state, strict=False)
-        return evaluate(model, tokenizer, tasks, max_new_tokens=int(ev.get("max_new_tokens", 16)),
-                        chat=chat, reward=reward)
+        completions = generate_answers(model, tokenizer, prompts,
+                                       int(ev.get("max_new_tokens", 16)))
+        return {m: statistics.fmean(r(c, t) for c, t in zip(completions, tasks))
+                for m, r in rewards.items()}
 
-    return {"score": score}
+    return {"score": lambda state: all_scores(state)["score"],
+            "scores": lambda state: {m: x for m, x in all_scores(state).items()
+                                     if m in METRICS},
+            "size": len(tasks)}
 
 
 def exploration(doc: dict[str, Any], prompts: int) -> str:
@@ -400,36 +811,6 @@ def exploration(doc: dict[str, Any], prompts: int) -> str:
         lines.append(f"  {name}: {100 * sum(hits) / len(hits):.1f} % of samples, "
                      f"{groups}/{len(tasks)} groups")
     return "\n".join(lines)
-
-
-def report(results: dict[str, Any], checkpoints: list[float], start: float) -> str:
-    systems = list(results)
-    head = "| t (s) | " + " | ".join(systems) + " |"
-    lines = [head, "|" + "---|" * (len(systems) + 1), "| 0 | " + " | ".join(
-        f"{100 * start:.1f} %" for _ in systems) + " |"]
-    for t in checkpoints:
-        cells = []
-        for s in systems:
-            acc = results[s].get("accuracy", {}).get(t, results[s].get("accuracy", {}).get(
-                str(t)))
-            where = results[s]["at"].get(t, results[s]["at"].get(str(t)))
-            tag = (f"v{where}" if s == "astraflow" else f"step {where['step']}") \
-                if where is not None else "-"
-            cells.append(f"{100 * acc:.1f} % ({tag})" if acc is not None else "-")
-        lines.append(f"| {t:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def where_time_went(result: dict[str, Any]) -> str:
-    s = result.get("summary", {})
-    trainer = next(iter(s.get("trainer", {}).values()), {})
-    keys = ("trainer/wait_fraction", "trainer/step_seconds", "trainer/zero_advantage_frac",
-            "trainer/stale_dropped_groups")
-    parts = [f"{k} {trainer[k]:.3g}" for k in keys if k in trainer]
-    wm = s.get("workflow_metrics", {})
-    parts += [f"{k} {v:.3g}" for k, v in wm.items() if "tokens_per_s" in k or "reward" in k]
-    return (f"astraflow: {result['versions']} versions; stale drops "
-            f"{s.get('staleness_dropped')}; " + "; ".join(parts))
 
 
 # --- several policies ---------------------------------------------------------------------
@@ -537,11 +918,12 @@ def rollout_rewards(topo_run: str, doc: dict[str, Any]) -> dict[str, dict[str, f
     return out
 
 
-def run_policies(path: Path, doc: dict[str, Any], args: argparse.Namespace) -> int:
+def run_policies(path: Path, doc: dict[str, Any], args: argparse.Namespace,
+                 meta: dict[str, str]) -> int:
     """The multi-policy bench: AstraFlow alone, every policy scored (module doc)."""
     print(f"[bench] astraflow ({', '.join(doc['policies'])}): {args.duration:g} s",
           flush=True)
-    result = run_astraflow(path, args)
+    result = run_astraflow(path, args.duration, args.checkpoints, args.runs_dir)
     run = result["_topology"].run
     rewards = rollout_rewards(run, doc)
     score_policies(result, path, doc, args.eval_size)
@@ -553,19 +935,213 @@ def run_policies(path: Path, doc: dict[str, Any], args: argparse.Namespace) -> i
               f"std {r['std']:.3f}, non-zero {100 * r['nonzero']:.0f} %")
     print(where_time_went(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "learning", "duration_s": args.duration,
+    args.out.write_text(json.dumps({"meta": meta, "bench": "learning",
+                                    "duration_s": args.duration,
                                     "topology": str(args.topology), "results": result,
                                     "rollout_rewards": rewards, "table": table}, indent=2,
                                    default=str) + "\n")
     return 0
 
 
+# --- one system, both systems ---------------------------------------------------------------
+def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int,
+            duration: float, checkpoints: list[float], runs_dir: Path,
+            scorer: dict[str, Any]) -> dict[str, Any]:
+    """One run of ``system`` with ``setting`` and ``seed``, its checkpoints scored with
+    ``scorer`` right after it (before the next run deletes its topics or checkpoints)."""
+    print(f"[bench] {system} seed {seed}, {json.dumps(setting)}: {duration:g} s", flush=True)
+    record: dict[str, Any] = {"system": system, "seed": seed, "setting": setting,
+                              "duration_s": duration}
+    if system == "astraflow":
+        run_doc = seeded_topology(with_lr(doc, setting["lr"]), seed)
+        path = write_topology(run_doc, runs_dir, f"seed {seed}, lr {setting['lr']:g}")
+        result = run_astraflow(path, duration, checkpoints, runs_dir)
+        record["at"] = {key(t): None if v is None else f"v{v}"
+                        for t, v in result["at"].items()}
+        print("[bench] scoring", flush=True)
+        record["scores"] = score_astraflow(result, scorer)
+        record.update(versions=result["versions"], where=where_time_went(result),
+                      summary=result["summary"])
+    else:
+        result = run_trl(doc, setting, seed, duration, checkpoints, runs_dir)
+        record["at"] = {key(float(t)): f"step {c['step']}" for t, c in result["at"].items()}
+        print("[bench] scoring", flush=True)
+        record["scores"] = score_trl(result, scorer)
+        for ckpt in result["at"].values():  # 540 MB each in fp32: scored, not kept
+            Path(ckpt["path"]).unlink(missing_ok=True)
+        record.update(steps=result["steps"], paused_s=result["paused_s"],
+                      logged=result["logged"])
+    print(f"[bench] {system} seed {seed}: " + ", ".join(
+        f"{t} s " + " ".join(f"{m} {100 * x:.1f} %" for m, x in s.items())
+        for t, s in record["scores"].items()), flush=True)
+    return record
+
+
+def settings_of(args: argparse.Namespace, doc: dict[str, Any],
+                systems: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """The settings each system may run: its sweep grid, or with ``--no-sweep`` its one
+    setting (``unswept_setting``)."""
+    given = parse_sweep_lrs(args.sweep_lrs)
+    trl_options = parse_trl_options(args.trl_option)
+    topo_lr = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
+    usual = {"astraflow": topo_lr, "trl": TRL_LR}
+    lrs = {"astraflow": astraflow_lrs(topo_lr), "trl": list(TRL_LRS), **given}
+    options = {"astraflow": {}, "trl": trl_options}
+    if not args.sweep:
+        return {s: [unswept_setting(given.get(s), usual[s], options[s])] for s in systems}
+    return {s: sweep_grid(lrs[s], options[s]) for s in systems}
+
+
+def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
+              grids: dict[str, list[dict[str, Any]]],
+              data: dict[str, Any]) -> dict[str, Any]:
+    """The short runs of every system with more than one setting, each scored on the
+    validation split at its end; the chosen setting per system (``choose_setting``)."""
+    chosen = {s: grids[s][0] for s in systems if len(grids[s]) == 1}
+    swept = [s for s in systems if len(grids[s]) > 1]
+    out: dict[str, Any] = {"duration_s": args.sweep_duration, "seed": args.seed0,
+                           "metric": args.sweep_metric, "rows": [], "chosen": chosen}
+    if not swept:
+        return out
+    scorer = make_scorer(doc, dataset=data["validation"], size=args.val_size)
+    out["validation_size"] = scorer["size"]
+    out["start"] = scorer["scores"](None)
+    for system in swept:
+        for setting in grids[system]:
+            run = one_run(system, doc, setting, args.seed0, args.sweep_duration,
+                          [args.sweep_duration], args.runs_dir, scorer)
+            out["rows"].append({"system": system, "setting": setting,
+                                "scores": run["scores"][key(args.sweep_duration)],
+                                "at": run["at"][key(args.sweep_duration)]})
+        mine = [r for r in out["rows"] if r["system"] == system]
+        chosen[system] = choose_setting(mine, args.sweep_metric)
+        best = max(r["scores"][args.sweep_metric] for r in mine)
+        if sum(r["scores"][args.sweep_metric] == best for r in mine) > 1:
+            # a tie (all 0 % when the sweep is too short to learn) picks no setting on
+            # merit: say so, and keep it in the results
+            out.setdefault("tied", []).append(system)
+            print(f"[bench] sweep: {system}: {100 * best:.1f} % {args.sweep_metric} for "
+                  "several settings, the tie goes to the smaller lr (a longer "
+                  "--sweep-duration may tell them apart)", flush=True)
+        print(f"[bench] sweep: {system} runs {json.dumps(chosen[system])}", flush=True)
+    out["table"] = sweep_table(out["rows"], chosen)
+    return out
+
+
+def results_of(args: argparse.Namespace, systems: list[str], runs: list[dict[str, Any]],
+               start: dict[str, float]) -> dict[str, Any]:
+    """The figures of the seeded runs: curves, their table, times to the target, the
+    where-the-time-went lines."""
+    curve = curves(runs, systems, args.checkpoints)
+    times = times_to_target(runs, systems, args.target)
+    where = [f"seed {r['seed']}: {r['where']}" for r in runs if r["system"] == "astraflow"]
+    where += [f"seed {r['seed']}: trl: {r['steps']} optimizer steps" for r in runs
+              if r["system"] == "trl"]
+    return {"curves": curve, "table": curves_table(curve, start, args.checkpoints),
+            "time_to_target": times, "time_table": times_table(times), "where": where}
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The systems to run; ``ap.error`` (one line) on a bad option."""
+    from astraflow.tasks.rewards import RewardError, make_reward
+
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or any(s not in SYSTEMS for s in systems):
+        ap.error(f"--systems {args.systems!r}: a comma-separated subset of {','.join(SYSTEMS)}")
+    if not args.checkpoints or any(not 0 < t <= args.duration for t in args.checkpoints):
+        ap.error(f"--checkpoints must lie in (0, --duration {args.duration:g}]")
+    if args.seeds < 1 or args.sweep_duration <= 0 or not 0 < args.target <= 1:
+        ap.error("--seeds must be at least 1, --sweep-duration positive, --target in (0, 1]")
+    if any(n is not None and n < 1 for n in (args.eval_size, args.val_size)):
+        ap.error("--eval-size and --val-size must be at least 1")
+    if args.sweep_metric not in METRICS:
+        ap.error(f"--sweep-metric must be one of {', '.join(METRICS)}")
+    try:
+        make_reward(args.reward)
+        parse_sweep_lrs(args.sweep_lrs)
+        trl_options = parse_trl_options(args.trl_option)
+    except (RewardError, ValueError) as e:
+        ap.error(str(e))
+    if "trl" in systems:
+        problem = check_trl(trl_options)
+        if problem:
+            ap.error(problem)
+    return systems
+
+
+def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
+                   meta: dict[str, str]) -> int:
+    """The sweep, the seeded runs of every system and the report (module doc)."""
+    doc, data = prepare_data(with_reward(doc, args.reward), args.runs_dir)
+    print(f"[bench] training rows {data['train_rows']}, validation rows "
+          f"{data['validation_rows']} ({data['validation']})", flush=True)
+    try:
+        grids = settings_of(args, doc, systems)
+    except ValueError as e:
+        raise SystemExit(f"learning: {e}") from None
+    sweep = run_sweep(args, doc, systems, grids, data)
+    chosen = sweep["chosen"]
+    scorer = make_scorer(doc, size=args.eval_size)
+    start = scorer["scores"](None)
+    out: dict[str, Any] = {
+        "meta": meta, "bench": "learning", "topology": _shown(args.topology),
+        "duration_s": args.duration, "checkpoints": args.checkpoints,
+        "seeds": list(range(args.seed0, args.seed0 + args.seeds)), "reward": args.reward,
+        "metrics": METRICS, "eval_size": scorer["size"], "target": args.target,
+        "data": data, "chosen": chosen, "start": start, "sweep": sweep, "runs": []}
+    progress = args.runs_dir / RUN / "progress.json"
+    for seed in out["seeds"]:
+        for system in systems:  # the systems take turns: a drift of the machine hits both
+            out["runs"].append(one_run(system, doc, chosen[system], seed, args.duration,
+                                       args.checkpoints, args.runs_dir, scorer))
+            progress.write_text(json.dumps(out, indent=1, default=str))
+    out.update(results_of(args, systems, out["runs"], start))
+    if sweep.get("table"):
+        print(f"\nsweep ({args.sweep_duration:g} s, seed {args.seed0}; validation: "
+              f"{sweep['validation_size']} prompts, chosen on {args.sweep_metric}):\n"
+              + sweep["table"])
+    print(f"\nheld-out test set ({scorer['size']} prompts, greedy): mean and 95 % interval "
+          f"over {args.seeds} seed(s), strict = the number alone, lenient = its first "
+          f"number:\n" + out["table"])
+    print(f"\nseconds to {100 * args.target:g} % lenient accuracy (first checkpoint at or "
+          "above it):\n" + out["time_table"])
+    print("\n".join(out["where"]))
+    out["exploration"] = exploration(doc, args.explore) if args.explore > 0 else ""
+    print(out["exploration"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", type=Path, default=REPO / "topology" / "smollm2.yaml")
-    ap.add_argument("--duration", type=float, default=600.0)
-    ap.add_argument("--checkpoints", default="60,120,240,360,480,600")
+    ap.add_argument("--duration", type=float, default=1800.0,
+                    help="seconds of each seeded run, from its launch")
+    ap.add_argument("--checkpoints", default="300,600,900,1200,1800",
+                    help="seconds at which each run's newest weights are scored")
     ap.add_argument("--systems", default="astraflow,trl")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per system")
+    ap.add_argument("--seed0", type=int, default=0, help="the first seed (and the sweep's)")
+    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="choose each system's learning rate by short runs scored on a "
+                    "validation split")
+    ap.add_argument("--sweep-lrs", action="append", default=[], metavar="SYSTEM=LR,...",
+                    help="learning rates a system's sweep tries (default astraflow: a third, "
+                    "one and ten thirds of the topology's; trl: 2e-6,5e-6,1e-5)")
+    ap.add_argument("--sweep-duration", type=float, default=180.0,
+                    help="seconds of a sweep run")
+    ap.add_argument("--sweep-metric", default="lenient", help="the metric the sweep maximizes")
+    ap.add_argument("--val-size", type=int, default=None, metavar="N",
+                    help="validation prompts a sweep run is scored on (default: --eval-size)")
+    ap.add_argument("--reward", type=yaml.safe_load, default="first_integer",
+                    help="the training reward of both systems: a registered name, or a YAML "
+                    "mapping (astraflow.tasks.rewards)")
+    ap.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a GRPOConfig option for TRL (over num_generations=8, "
+                    "max_completion_length=8, beta=0.0); a YAML list is swept")
+    ap.add_argument("--target", type=float, default=0.5,
+                    help="the lenient accuracy whose time to reach is reported")
     ap.add_argument("--runs-dir", type=Path, default=REPO / "runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learning.json")
     ap.add_argument("--explore", type=int, default=32, metavar="PROMPTS",
@@ -575,42 +1151,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="held-out prompts per score (default: the topology's eval size)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.checkpoints = [float(x) for x in args.checkpoints.split(",") if x]
     if args.trl_worker:
-        return trl_worker(args.trl_worker, args.duration, args.checkpoints)
+        return trl_worker(args.trl_worker)
+    try:
+        args.checkpoints = [float(x) for x in args.checkpoints.split(",") if x]
+    except ValueError:
+        ap.error(f"--checkpoints {args.checkpoints!r}: comma-separated seconds")
+    meta = run_meta("learning", ["python", *sys.argv] if argv is None  # before the run: its
+                    else ["python", "bench/learning.py", *argv])  # commit
     args.runs_dir = args.runs_dir.resolve()
     path, doc = bench_topology(args.topology, args.runs_dir)
     if len(doc["policies"]) > 1:
         for policy in doc["policies"]:
             ensure_model({"policies": {policy: doc["policies"][policy]}})
-        return run_policies(path, doc, args)
+        return run_policies(path, doc, args, meta)
+    systems = check_args(ap, args)
+    if args.val_size is None:
+        args.val_size = args.eval_size
     ensure_model(doc)
-    systems = [s for s in args.systems.split(",") if s]
-    results: dict[str, Any] = {}
-    for system in systems:
-        print(f"[bench] {system}: {args.duration:g} s", flush=True)
-        results[system] = run_astraflow(path, args) if system == "astraflow" \
-            else run_trl(doc, args)
-    print("[bench] scoring the checkpoints", flush=True)
-    ev = make_scorer(doc)
-    start = ev["score"](None)
-    for system, result in results.items():
-        (score_astraflow(result, ev, doc) if system == "astraflow" else score_trl(result, ev))
-    table = report(results, args.checkpoints, start)
-    print("\nheld-out accuracy (greedy, " f"{doc['eval'].get('size', 200)} prompts):\n" + table)
-    if "astraflow" in results:
-        print(where_time_went(results["astraflow"]))
-    if "trl" in results:
-        print(f"trl: {results['trl']['steps']} optimizer steps")
-    explored = exploration(doc, args.explore) if args.explore > 0 else ""
-    print(explored)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "learning", "duration_s": args.duration,
-                                    "topology": str(args.topology), "start_accuracy": start,
-                                    "results": results, "table": table,
-                                    "exploration": explored}, indent=2,
-                                   default=str) + "\n")
-    return 0
+    return run_one_policy(args, doc, systems, meta)
 
 
 if __name__ == "__main__":

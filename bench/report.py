@@ -295,11 +295,33 @@ def render_generic(data: Any) -> list[str]:
 
 def render_learning(data: dict[str, Any]) -> list[str]:
     """``bench/learning.py`` and ``bench/offpolicy.py``: the table the bench made, the
-    rollout rewards and the exploration report."""
+    rollout rewards and the exploration report; from the seeded learning bench also the
+    time to its target, the sweep and where AstraFlow's time went."""
     blocks = [kv_table({k: v for k, v in data.items()
                         if k in ("bench", "topology", "duration_s", "start_accuracy",
-                                 "checkpoints", "objectives", "staleness", "seed", "wall_s")})]
+                                 "checkpoints", "objectives", "staleness", "seed", "wall_s",
+                                 "seeds", "reward", "metrics", "eval_size", "chosen")})]
+    if "curves" in data:
+        blocks.append(f"Held-out accuracy ({fmt(data.get('eval_size'))} prompts, greedy), "
+                      f"mean and 95 % interval over {len(data.get('seeds', []))} seed(s) "
+                      "(Student's t); strict: the number alone, lenient: its first number:")
     blocks.append(data["table"].strip())
+    if data.get("time_table"):
+        times = data.get("time_to_target", {})
+        blocks += [f"Seconds to {pct(times.get('level'), 0)} {times.get('metric', '')} "
+                   "accuracy (the first checkpoint at or above it):",
+                   data["time_table"].strip()]
+    sweep = data.get("sweep") or {}
+    if sweep.get("table"):
+        blocks += [f"Sweep: {fmt(sweep.get('duration_s'))} s a run, seed {sweep.get('seed')}, "
+                   f"scored on {fmt(sweep.get('validation_size'))} validation prompts "
+                   f"({(data.get('data') or {}).get('how', 'a split of the training set')}); "
+                   f"chosen on {sweep.get('metric')} (ties: the smaller learning rate):",
+                   sweep["table"].strip()]
+        if sweep.get("tied"):
+            blocks.append(f"Tied at the top, chosen by the tie rule: {', '.join(sweep['tied'])}.")
+    if data.get("where"):
+        blocks += ["Where the time went:", "\n".join(f"- {w}" for w in data["where"])]
     res = data.get("results", {})
     versions = res.get("versions") or res.get("astraflow", {}).get("versions")
     if isinstance(versions, dict):
@@ -411,7 +433,10 @@ def render_multipolicy(data: dict[str, Any]) -> list[str]:
 
 # two-sided 95 % quantiles of Student's t by degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262, 10: 2.228}
+       9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131,
+       16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074,
+       23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045,
+       30: 2.042}  # beyond 30 degrees of freedom the normal's 1.96 (at most 4 % short)
 
 
 def _ci(values: list[float]) -> str:

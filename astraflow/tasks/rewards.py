@@ -8,6 +8,10 @@ options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
   stripped, equals ``payload["answer"]`` (``case_sensitive``, default true).
 * ``numeric``: 1 when the completion's final number (last ``\\boxed{}``, else after
   ``####``, else the last number) equals the answer by value.
+* ``first_integer``: 1 when the first number of the completion (cut at the first
+  end-of-sequence marker) equals the answer by value: ``82``, ``82.`` and ``82 is the sum``
+  earn it for 82; ``37+45=82`` does not (its first number is 37), nor ``8.2``. Thousands
+  separators (``1,234``) are read. The lenient check of a task whose answer is a number.
 * ``closeness``: partial credit for a near miss, ``max(0, 1 - |got - want| / max(|want|,
   1))`` on the completion's final number (as ``numeric`` extracts it); with ``alone``
   (default false) only when the completion is that number alone. A dense signal where the
@@ -107,6 +111,25 @@ def exact_match(case_sensitive: bool = True) -> Reward:
 @register_reward("numeric")
 def numeric() -> Reward:
     return lambda completion, payload: check_answer(completion, _answer(payload))
+
+
+# a number that does not continue a word, a number or a decimal point: "10-5" starts with
+# 10, "-5" alone is minus five; commas only between groups of three digits ("12,13" is 12)
+_FIRST_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+@register_reward("first_integer")
+def first_integer() -> Reward:
+    def reward(completion: str, payload: Mapping[str, Any]) -> float:
+        want = to_decimal(normalize_answer(_answer(payload)))
+        if want is None:
+            raise RewardError(f"reward first_integer: the answer {_answer(payload)!r} is not "
+                              "a number")
+        m = _FIRST_NUMBER.search(cut_at_stop(completion))
+        got = to_decimal(m.group()) if m else None
+        return 1.0 if got is not None and got == want else 0.0
+
+    return reward
 
 
 def nearness(distance: float, size: float) -> float:

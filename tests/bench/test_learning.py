@@ -1,8 +1,15 @@
-"""bench/learning.py on a multi-policy topology: every policy's evaluator settings (its
-role's metric) and the table of held-out scores against version 0 (no Kafka, no model)."""
+"""bench/learning.py without Kafka or a model: on a multi-policy topology every policy's
+evaluator settings (its role's metric) and the table of held-out scores against version 0;
+on one policy the seeded topologies, the validation split, the sweep's choice, the
+intervals over seeds, the times to the target and the results page."""
 
 from __future__ import annotations
 
+import argparse
+import copy
+import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -41,3 +48,225 @@ def test_the_policies_table_sets_each_checkpoint_against_version_0():
     assert table[2] == "| v0 | 10.0 % | 50.0 % |"
     assert table[3] == "| 60 | 25.0 % (v3) | 50.0 % (v2) |"
     assert table[4] == "| 120 | - | 62.5 % (v4) |"
+
+
+# --- the one-policy bench: seeds, data split, sweep choice, statistics, report ----------------
+def smollm2_doc(tmp_path):
+    return bench.bench_topology(REPO / "topology" / "smollm2.yaml", tmp_path)[1]
+
+
+def test_seeded_topology_seeds_sampling_trainer_and_feeder_and_nothing_else(tmp_path):
+    doc = smollm2_doc(tmp_path)
+    before = copy.deepcopy(doc)
+    seeded = bench.seeded_topology(doc, 2)
+    assert doc == before  # a pure function of its arguments
+    topo = load_topology(bench.write_topology(seeded, tmp_path, "seed 2"))
+    assert topo.pools["local"].workflows["single_turn"].seed == 2
+    assert topo.policies["actor"].trainer.seed == 2 and topo.feeder.seed == 2
+    changed = copy.deepcopy(seeded)
+    changed["pools"]["local"]["workflows"]["single_turn"].pop("seed")
+    changed["policies"]["actor"]["trainer"].pop("seed")
+    changed["feeder"].pop("seed")
+    assert changed == before
+    assert bench.seeded_topology(doc, 2) == seeded  # the same seed, the same topology
+    assert bench.seeded_topology(doc, 3) != seeded
+
+
+def test_seeded_topology_seeds_a_pool_without_workflow_options():
+    doc = {"pools": {"p": {"nodes": 1}}, "policies": {"a": {}}, "feeder": None}
+    seeded = bench.seeded_topology(doc, 5)
+    assert seeded["pools"]["p"]["workflows"] == {"single_turn": {"seed": 5}}
+    assert seeded["policies"]["a"]["trainer"]["seed"] == 5 and seeded["feeder"]["seed"] == 5
+
+
+def test_the_shared_reward_and_the_swept_lr_reach_the_topology(tmp_path):
+    doc = smollm2_doc(tmp_path)
+    run_doc = bench.with_lr(bench.with_reward(doc, "first_integer"), 1e-4)
+    topo = load_topology(bench.write_topology(run_doc, tmp_path, "test"))
+    assert topo.pools["local"].workflows["single_turn"].reward == "first_integer"
+    assert topo.policies["actor"].trainer.lr == 1e-4
+    assert doc["policies"]["actor"]["trainer"]["lr"] == 3e-5  # the input is left alone
+
+
+def test_the_validation_split_is_disjoint_from_test_and_training_and_repeats():
+    rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)}
+            for a in range(10, 60) for b in range(10, 60)]
+    train, val = bench.split_validation(rows, set())
+    assert 0 < len(val) < len(rows) and len(train) + len(val) == len(rows)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    assert bench.split_validation(rows, set()) == (train, val)  # a function of the prompts
+    test = {val[0]["prompt"], val[1]["prompt"]}
+    train2, val2 = bench.split_validation(rows, test)
+    assert not test & {r["prompt"] for r in val2}  # a test prompt never validates ...
+    assert val2 == val[2:] and len(train2) == len(train) + 2  # ... it stays in training
+    # the same rows in another order: the same split, in that order
+    assert bench.split_validation(rows[::-1], set())[1] == val[::-1]
+
+
+def test_the_default_sweeps_sit_around_each_systems_usual_lr():
+    assert bench.astraflow_lrs(3e-5) == [1e-5, 3e-5, 1e-4]
+    assert bench.TRL_LRS == (2e-6, 5e-6, 1e-5) and bench.TRL_LR in bench.TRL_LRS
+
+
+def test_sweep_lrs_and_trl_options_parse_and_reject_bad_input():
+    assert bench.parse_sweep_lrs(["trl=2e-6,5e-6", "astraflow=1e-4"]) == {
+        "trl": [2e-6, 5e-6], "astraflow": [1e-4]}
+    for bad, msg in (("trl", "SYSTEM=LR"), ("verl=1e-5", "SYSTEM=LR"),
+                     ("trl=fast", "must be numbers"), ("trl=-1e-5", "positive")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_sweep_lrs([bad])
+    options = bench.parse_trl_options(["beta=[0.0, 0.04]", "loss_type=dr_grpo",
+                                       "num_generations=16"])
+    assert options == {"num_generations": [16], "max_completion_length": [8],
+                       "beta": [0.0, 0.04], "loss_type": ["dr_grpo"]}
+    for bad, msg in (("beta", "KEY=VALUE"), ("learning_rate=1e-5", "--sweep-lrs"),
+                     ("seed=3", "--seeds"), ("beta=[]", "empty list")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_trl_options([bad])
+
+
+def test_the_sweep_grid_and_the_setting_without_a_sweep():
+    grid = bench.sweep_grid([1e-6, 2e-6], {"beta": [0.0, 0.1], "num_generations": [8]})
+    assert grid == [{"lr": 1e-6, "beta": 0.0, "num_generations": 8},
+                    {"lr": 1e-6, "beta": 0.1, "num_generations": 8},
+                    {"lr": 2e-6, "beta": 0.0, "num_generations": 8},
+                    {"lr": 2e-6, "beta": 0.1, "num_generations": 8}]
+    assert bench.sweep_grid([3e-5], {}) == [{"lr": 3e-5}]
+    base = bench.parse_trl_options([])
+    assert bench.unswept_setting(None, 5e-6, base) == {"lr": 5e-6, **bench.TRL_BASE}
+    assert bench.unswept_setting([1e-5, 2e-5], 5e-6, base)["lr"] == 5e-6  # the usual one
+    assert bench.unswept_setting([7e-6], 5e-6, base)["lr"] == 7e-6  # the one given
+    with pytest.raises(ValueError, match="beta list several values"):
+        bench.unswept_setting(None, 5e-6, {"beta": [0.0, 0.1]})
+
+
+def row(lr, strict, lenient, **options):
+    return {"system": "trl", "setting": {"lr": lr, **options},
+            "scores": {"strict": strict, "lenient": lenient}}
+
+
+def test_the_sweep_chooses_the_best_validation_score_and_on_a_tie_the_smaller_lr():
+    rows = [row(1e-5, 0.30, 0.40), row(2e-6, 0.10, 0.45), row(5e-6, 0.20, 0.45)]
+    assert bench.choose_setting(rows, "lenient") == {"lr": 2e-6}  # tie at 0.45: smaller
+    assert bench.choose_setting(rows[::-1], "lenient") == {"lr": 2e-6}  # whatever the order
+    assert bench.choose_setting(rows, "strict") == {"lr": 1e-5}  # the metric asked for
+    same_lr = [row(5e-6, 0.0, 0.2, beta=0.0), row(5e-6, 0.0, 0.2, beta=0.1)]
+    assert bench.choose_setting(same_lr, "lenient") == {"lr": 5e-6, "beta": 0.0}  # earlier
+    with pytest.raises(ValueError, match="no runs"):
+        bench.choose_setting([], "lenient")
+    table = bench.sweep_table([*rows, *[{**r, "system": "astraflow"} for r in same_lr]],
+                              {"trl": {"lr": 2e-6}, "astraflow": {"lr": 5e-6, "beta": 0.1}})
+    lines = table.splitlines()
+    assert lines[3] == "| trl | 2e-06 | - | 10.0 % | 45.0 % | yes |"
+    assert lines[2].endswith("| 40.0 % |  |")
+    assert lines[6] == "| astraflow | 5e-06 | beta 0.1 | 0.0 % | 20.0 % | yes |"
+
+
+def test_mean_interval_is_students_t_over_the_seeds():
+    mean, half = bench.mean_interval([0.2, 0.4, 0.6])
+    assert mean == pytest.approx(0.4)
+    assert half == pytest.approx(4.303 * 0.2 / math.sqrt(3))  # t(0.975, 2 df), sd 0.2
+    assert bench.mean_interval([0.1, 0.3])[1] == pytest.approx(12.706 * math.sqrt(0.02)
+                                                              / math.sqrt(2))
+    assert bench.mean_interval([0.35]) == (0.35, None)
+    assert bench.mean_interval([0.5] * 4) == (0.5, 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        bench.mean_interval([])
+    assert bench.interval_text(0.315, 0.042) == "31.5 % ±4.2"
+    assert bench.interval_text(0.315, None) == "31.5 % (n=1)"
+
+
+def run(system, seed, lenient, strict=0.0):
+    return {"system": system, "seed": seed,
+            "scores": {t: {"strict": strict, "lenient": x} for t, x in lenient.items()}}
+
+
+RUNS = [run("astraflow", 0, {"300": 0.1, "600": 0.5}),
+        run("astraflow", 1, {"300": 0.3, "600": 0.4}),
+        run("trl", 0, {"300": 0.6, "600": 0.7}),
+        run("trl", 1, {"300": 0.2, "600": 0.55})]
+
+
+def test_the_curves_table_puts_both_systems_and_metrics_side_by_side():
+    curve = bench.curves(RUNS, ["astraflow", "trl"], [300.0, 600.0])
+    assert curve["astraflow"]["lenient"]["300"]["mean"] == pytest.approx(0.2)
+    assert curve["trl"]["lenient"]["600"]["n"] == 2
+    table = bench.curves_table(curve, {"strict": 0.0, "lenient": 0.01}, [300.0, 600.0])
+    lines = table.splitlines()
+    assert lines[0] == ("| t (s) | astraflow strict | astraflow lenient | trl strict "
+                        "| trl lenient |")
+    assert lines[2] == "| 0 | 0.0 % | 1.0 % | 0.0 % | 1.0 % |"
+    half = 12.706 * statistics.stdev([0.1, 0.3]) / math.sqrt(2)
+    assert lines[3].split(" | ")[2] == f"20.0 % ±{100 * half:.1f}"
+    one = bench.curves(RUNS[:1], ["astraflow"], [300.0])
+    assert bench.curves_table(one, {"strict": 0, "lenient": 0}, [300.0]).splitlines()[3] \
+        == "| 300 | 0.0 % (n=1) | 10.0 % (n=1) |"
+
+
+def test_time_to_target_per_seed_and_the_ratio_of_the_means():
+    assert bench.time_to(RUNS[0]["scores"], "lenient", 0.5) == 600.0
+    assert bench.time_to(RUNS[1]["scores"], "lenient", 0.5) is None
+    times = bench.times_to_target(RUNS, ["astraflow", "trl"], 0.5)
+    assert times["systems"]["astraflow"] == {"seconds": {0: 600.0, 1: None}, "reached": 1,
+                                             "n": 2, "mean": 600.0}
+    assert times["systems"]["trl"]["mean"] == 450.0 and times["ratio"] == pytest.approx(4 / 3)
+    lines = bench.times_table(times).splitlines()
+    assert lines[2] == "| astraflow | 600 s | not reached | 600 s (1 of 2) |"
+    assert lines[3] == "| trl | 300 s | 600 s | 450 s (2 of 2) |"
+    assert lines[-1] == "AstraFlow / TRL, ratio of the means: 1.33"
+    alone = bench.times_to_target(RUNS[:2], ["astraflow"], 0.9)
+    assert alone["ratio"] is None and alone["systems"]["astraflow"]["mean"] is None
+    assert bench.times_table(alone).splitlines()[-1].endswith("- (not reached by both)")
+
+
+def test_trl_runs_its_own_options_its_lr_and_the_seed():
+    setup = {"prompts": 4, "temperature": 1.0}
+    kw = bench.trl_config_kwargs(setup, {"lr": 5e-6, **bench.TRL_BASE}, 2, Path("/x"))
+    assert kw["learning_rate"] == 5e-6 and kw["seed"] == 2
+    assert (kw["num_generations"], kw["max_completion_length"], kw["beta"]) == (8, 8, 0.0)
+    assert kw["per_device_train_batch_size"] == 32  # 4 prompts x 8 generations
+    kw = bench.trl_config_kwargs(setup, {"lr": 1e-5, "num_generations": 4,
+                                         "loss_type": "dr_grpo",
+                                         "scale_rewards": "none"}, 0, Path("/x"))
+    assert kw["per_device_train_batch_size"] == 16 and kw["loss_type"] == "dr_grpo"
+    assert kw["scale_rewards"] == "none"
+    kw = bench.trl_config_kwargs(setup, {"lr": 1e-5, "per_device_train_batch_size": 8}, 0,
+                                 Path("/x"))
+    assert kw["per_device_train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--systems", "astraflow,verl"], "--systems"),
+    (["--duration", "60", "--checkpoints", "30,120"], "--checkpoints must lie"),
+    (["--seeds", "0"], "--seeds must be at least 1"),
+    (["--reward", "nope"], "unknown reward 'nope'"),
+    (["--sweep-lrs", "trl=x"], "must be numbers"),
+    (["--sweep-metric", "mean"], "--sweep-metric"),
+    (["--val-size", "0"], "--val-size must be at least 1"),
+])
+def test_bad_options_get_a_one_line_error(argv, msg, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--runs-dir", str(tmp_path), "--systems", "astraflow", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert msg in err[-1]
+
+
+def test_the_results_page_shows_curves_times_sweep_and_where_the_time_went():
+    report = load_bench("report")
+    args = argparse.Namespace(checkpoints=[300.0, 600.0], target=0.5)
+    runs = [{**r, "where": "astraflow: 40 versions", "steps": 12} for r in RUNS]
+    data = {"bench": "learning", "seeds": [0, 1], "eval_size": 200, "metrics": bench.METRICS,
+            "chosen": {"astraflow": {"lr": 3e-5}},
+            **bench.results_of(args, ["astraflow", "trl"], runs, {"strict": 0, "lenient": 0}),
+            "sweep": {"duration_s": 180, "seed": 0, "metric": "lenient", "validation_size": 200,
+                      "table": bench.sweep_table([row(2e-6, 0.1, 0.4)], {"trl": {"lr": 2e-6}}),
+                      "tied": ["astraflow"]}}
+    page = "\n\n".join(report.render("learning", json.loads(json.dumps(data))))
+    assert data["table"] in page and data["time_table"] in page
+    assert data["sweep"]["table"] in page
+    assert "- seed 0: astraflow: 40 versions" in page and "- seed 1: trl: 12 optimizer steps" \
+        in page
+    assert "| chosen.astraflow.lr | 3e-05 |" in page
+    assert "mean and 95 % interval over 2 seed(s)" in page
+    assert "Tied at the top, chosen by the tie rule: astraflow." in page
