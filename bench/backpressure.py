@@ -1,16 +1,21 @@
 """Backpressure: the default topology with its admission processor against a pass-through.
 
-Runs ``astraflow up topology/default.yaml`` twice for the same wall time on the embedded
-broker: ``passthrough`` (``tasks.source -> tasks`` unchanged, what the default topology
-did before admission) and ``admission`` (the shipped default). While each runs it counts
+Runs ``astraflow up topology/default.yaml`` (or ``--topology``) once per variant for the
+same wall time on the embedded broker: ``passthrough`` (``tasks.source -> tasks``
+unchanged, what the default topology did before admission), ``queue`` (admission bounding
+the trainer's queued batches alone, ``staleness_budget: queue``, the rule before the
+pipeline budget) and ``admission`` (the shipped default: queued batches and tasks in
+flight within the staleness bound together). While each runs it counts
 every 2 s the data records on ``tasks`` past the RaaS group's committed offsets (tasks in
 flight: queued or being rolled out). Afterwards it reads the run's ``status`` and summary
 and prints, side by side: versions reached, the most and the last tasks in flight, the
 admission's target, tasks still waiting before admission, the trainer's waiting fraction,
-batches the trainer skipped as stale and groups dropped as stale per stage, and the
-held-out accuracy of the last evaluated version.
+batches the trainer skipped as stale and groups dropped as stale per stage (and per
+1,000 groups the RaaS nodes rolled out), and the held-out accuracy of the last evaluated
+version.
 
-    python bench/backpressure.py [--duration 300] [--out bench/results/backpressure.json]
+    python bench/backpressure.py [--duration 300] [--topology topology/default.yaml]
+        [--variants passthrough,queue,admission] [--out bench/results/backpressure.json]
 """
 
 from __future__ import annotations
@@ -30,19 +35,29 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "bench"))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
+
 from astraflow.config.topology import load_topology  # noqa: E402
 from astraflow.dataflow.admission import RecordCounter  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
 from astraflow.kafka.lag import LagReader, total_lag  # noqa: E402
 from astraflow.wire.records import ComponentStatus  # noqa: E402
 
-VARIANTS = ("passthrough", "admission")
+VARIANTS = ("passthrough", "queue", "admission")
 
 
-def variant_topology(variant: str, runs_dir: Path) -> Path:
-    """The default topology as ``variant``, written under ``runs_dir``."""
-    doc = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
+def variant_topology(variant: str, runs_dir: Path,
+                     source: Path = REPO / "topology" / "default.yaml") -> Path:
+    """``source`` (its processor named ``admission``) as ``variant``, written under
+    ``runs_dir``."""
+    doc = yaml.safe_load(source.read_text())
     doc["run"] = f"bench-bp-{variant}"
+    for spec in doc.get("policies", {}).values():  # paths relative to the repository
+        if not Path(spec["model"]).is_absolute():
+            spec["model"] = str(REPO / spec["model"])
+    if variant == "queue":
+        doc["processors"]["admission"].setdefault("options", {})["staleness_budget"] = "queue"
     if variant == "passthrough":
         doc["processors"] = {("forward-tasks" if n == "admission" else n):
                              ({"kind": "passthrough", "inputs": ["tasks.source"],
@@ -91,7 +106,7 @@ class InFlight:
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     from astraflow.launch.runs import start_over
 
-    path = variant_topology(variant, args.runs_dir)
+    path = variant_topology(variant, args.runs_dir, args.topology)
     topo = load_topology(path)
     start_over(topo.run)
     cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--keep-broker",
@@ -130,6 +145,8 @@ def figures(topo, runs_dir: Path) -> dict[str, Any]:
                       idle_s=2.0, timeout_s=120):
         last[r.record.component_id] = r.record
     trainer = next(s for s in last.values() if s.kind == "trainer")
+    rolled_out = sum(s.produced for s in last.values() if s.kind == "raas")
+    dropped = sum((summary.get("staleness_dropped_by_stage") or {}).values())
     target = [s.metrics["admission/bound_pool"] for s in last.values()
               if "admission/bound_pool" in s.metrics]
     busy = trainer.busy_s + trainer.waiting_s
@@ -138,6 +155,8 @@ def figures(topo, runs_dir: Path) -> dict[str, Any]:
             "trainer_waiting": trainer.waiting_s / busy if busy else None,
             "stale_skipped_batches": trainer.metrics.get("trainer/stale_skipped_batches", 0.0),
             "dropped_by_stage": summary.get("staleness_dropped_by_stage", {}),
+            "groups_rolled_out": rolled_out,
+            "dropped_per_1000": 1000 * dropped / rolled_out if rolled_out else None,
             "target_last": target[0] if target else None,
             "tasks_in_flight": summary.get("tasks_in_flight", {})}
 
@@ -160,6 +179,10 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             ("batches the trainer skipped as stale", lambda r: fmt(r["stale_skipped_batches"])),
             ("groups dropped as stale (filter / batcher / trainer)", lambda r: " / ".join(
                 fmt(r["dropped_by_stage"].get(k, 0)) for k in ("filter", "batcher", "trainer"))),
+            ("groups rolled out", lambda r: fmt(r.get("groups_rolled_out"))),
+            ("stale drops per 1,000 groups rolled out",
+             lambda r: "-" if r.get("dropped_per_1000") is None
+             else f"{r['dropped_per_1000']:.1f}"),
             ("held-out accuracy (last eval)", lambda r: (
                 f"{100 * r['eval_accuracy']:.1f} % at v{r['eval_version']}"
                 if r["eval_accuracy"] is not None else "-"))]
@@ -174,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=int, default=300, help="seconds per variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--topology", type=Path, default=REPO / "topology" / "default.yaml")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = p.parse_args(argv)
@@ -186,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
+        meta = run_meta("backpressure", ["python", *sys.argv])
+        args.out.write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
     return 0
 
 

@@ -14,10 +14,18 @@ only while two consumer-group lags stay within their bounds:
   staleness bound; ``queue_factor x capacity`` (capacity = nodes x tasks per transaction)
   until throughput is measured;
 - **trainer** -- batches queued for a trainer: records on ``batches.<policy>`` past the
-  committed offset of ``<run>.trainer.<policy>``. Every queued batch becomes one weight
-  version before anything rolled out now is trained, so a task admitted while ``L``
-  batches wait is at least ``L`` versions stale when trained; beyond ``max_staleness``
-  its group would be dropped. Bound: ``max_staleness`` batches.
+  committed offset of ``<run>.trainer.<policy>`` (the batch being trained among them).
+  Every queued batch becomes one weight version before anything rolled out now is
+  trained, so a task admitted while ``L`` batches wait is at least ``L`` versions stale
+  when trained; beyond ``max_staleness`` its group would be dropped. Bound:
+  ``max_staleness`` batches. With the trainer's batch size ``B`` known (its batcher's
+  ``batch_size``; ``staleness_budget: pipeline``, the default) the tasks in flight count
+  too: the ``P`` tasks in flight and at most ``B - 1`` groups waiting in the batcher
+  fill batches ahead of (or with) a new task's, so it is admitted only while
+  ``P + 1 <= (max_staleness - L) x B``: nothing admitted can grow
+  staler than the bound before it is trained (short of a RaaS node still sampling from
+  a version the trainer has passed). ``queue`` bounds ``L`` alone: more tasks in flight,
+  and the stale drops that come with them.
 
 Lags are counted in records, not offsets: every committed Kafka transaction leaves a
 control marker in each partition it wrote, which offset lag counts as one more record. A
@@ -83,16 +91,20 @@ class AdmissionPolicy:
     """Given lags and bounds, decide how many waiting tasks to admit.
 
     ``pool_bounds``: pool -> most tasks in flight; ``trainer_bounds``: policy -> most
-    batches queued at which tasks are still admitted. A task is admitted only if afterwards
-    every pool stays within its bound and no trainer is beyond its bound.
+    batches queued at which tasks are still admitted (its ``max_staleness``);
+    ``trainer_batches``: policy -> groups per batch, for the policies whose staleness
+    budget also counts the tasks in flight (the module doc). A task is admitted only if
+    afterwards every pool stays within its bound and no trainer is beyond its bound.
     """
 
     def __init__(self, pool_bounds: dict[str, int], trainer_bounds: dict[str, int] | None = None,
-                 route: str = "least_lag"):
+                 route: str = "least_lag", trainer_batches: dict[str, int] | None = None):
         if not pool_bounds:
             raise ValueError("admission needs at least one pool bound")
         self.pool_bounds = dict(pool_bounds)
         self.trainer_bounds = dict(trainer_bounds or {})
+        self.trainer_batches = {p: b for p, b in (trainer_batches or {}).items()
+                                if p in self.trainer_bounds}
         self.route = route
 
     def decide(self, pool_in_flight: dict[str, dict[int, int]], trainer_lag: dict[str, int],
@@ -115,12 +127,31 @@ class AdmissionPolicy:
             return AdmissionDecision(0, [], "holding",
                                      f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
                                      headroom)
-        n = min(waiting, headroom)
+        budget, why = self._staleness_room(pool_in_flight, trainer_lag)
+        if budget <= 0:
+            return AdmissionDecision(0, [], "holding", why, headroom)
+        n = min(waiting, headroom, budget)
         partitions = self._route(pool_in_flight, n, rates, caps)
         if n and not partitions:
             return AdmissionDecision(0, [], "holding",
                                      f"pool {tightest}: every partition at its cap", headroom)
         return AdmissionDecision(len(partitions), partitions, "admitting", "", headroom)
+
+    def _staleness_room(self, pool_in_flight: dict[str, dict[int, int]],
+                        trainer_lag: dict[str, int]) -> tuple[int, str]:
+        """Tasks that may still be admitted before one of them could be trained staler than
+        its trainer's bound: ``(max_staleness - L) x B - P`` for the tightest trainer (P:
+        tasks in flight in every pool), and why it holds when that is 0 or less."""
+        in_flight = sum(sum(parts.values()) for parts in pool_in_flight.values())
+        room, why = math.inf, ""
+        for policy, batch in sorted(self.trainer_batches.items()):
+            bound, lag = self.trainer_bounds[policy], trainer_lag.get(policy, 0)
+            r = (bound - lag) * batch - in_flight
+            if r < room:
+                room = r
+                why = (f"trainer {policy}: {lag} batches queued and {in_flight} tasks in "
+                       f"flight fill its {bound} versions of {batch} groups")
+        return (room if room != math.inf else 1 << 30), why
 
     def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
         room = {p: b - sum(pool_in_flight.get(p, {}).values())
@@ -207,6 +238,20 @@ def max_staleness_of(topology: Any, policy: str) -> int | None:
     return found
 
 
+def trainer_batches(topology: Any, options: AdmissionOptions) -> dict[str, int]:
+    """Policy -> groups per batch (its batcher's ``batch_size``) for the staleness budget
+    that counts tasks in flight; empty with ``staleness_budget: queue``. A policy whose
+    batcher is not in the topology keeps the queue bound alone."""
+    if options.staleness_budget != "pipeline":
+        return {}
+    out = {}
+    for spec in topology.processors.values():
+        opts = spec.options
+        if spec.kind == "batcher" and opts.get("batch_size"):
+            out[opts.get("policy", "actor")] = int(opts["batch_size"])
+    return out
+
+
 def trainer_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
     """Policy -> most queued batches at which tasks are admitted (see the module doc)."""
     policies = options.policies if options.policies is not None else list(topology.policies)
@@ -223,6 +268,11 @@ def trainer_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
             found = max_staleness_of(topology, policy)
             out[policy] = DEFAULT_MAX_STALENESS if found is None else found
     return out
+
+
+def _policy(topology: Any, options: AdmissionOptions) -> AdmissionPolicy:
+    return AdmissionPolicy(pool_bounds(topology, options), trainer_bounds(topology, options),
+                           options.route, trainer_batches(topology, options))
 
 
 # --- reading lags from Kafka ------------------------------------------------------------
@@ -463,9 +513,7 @@ class Admission(Processor):
     def side_access(self, topology: Any) -> SideAccess:
         """It counts the records of its output (``tasks``) and of the watched trainers'
         ``batches.<policy>``, and reads the lag of the pools' and those trainers' groups."""
-        policy = self.policy or AdmissionPolicy(pool_bounds(topology, self.options),
-                                                trainer_bounds(topology, self.options),
-                                                self.options.route)
+        policy = self.policy or _policy(topology, self.options)
         groups = {g.label: g.group for g in task_groups(topology, self.options)}
         trainers = list(policy.trainer_bounds)
         return SideAccess(
@@ -480,9 +528,7 @@ class Admission(Processor):
         self.control = context.control
         groups = task_groups(topo, self.options)
         if self.policy is None:
-            self.policy = AdmissionPolicy(pool_bounds(topo, self.options),
-                                          trainer_bounds(topo, self.options),
-                                          self.options.route)
+            self.policy = _policy(topo, self.options)
         if self.lags is None:
             by_label = {g.label: g.group for g in groups}
             self.lags = LagObserver(
@@ -497,9 +543,10 @@ class Admission(Processor):
             {label: capacity.get(label, 1) for label in self.policy.pool_bounds},
             self.policy.trainer_bounds, o.queue_factor, o.poll_interval_s, o.max_queue_s,
             fixed=dict(self.policy.pool_bounds) if o.max_pool_lag is not None else None)
-        log.info("%s: groups %s, initial pool bounds %s, trainer bounds %s",
+        log.info("%s: groups %s, initial pool bounds %s, trainer bounds %s, batch sizes %s",
                  context.component_id, {g.label: g.group for g in groups},
-                 self.policy.pool_bounds, self.policy.trainer_bounds)
+                 self.policy.pool_bounds, self.policy.trainer_bounds,
+                 self.policy.trainer_batches)
 
     def close(self) -> None:
         if self.lags is not None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from astraflow.config.topology import TopologyError, parse_topology
+from astraflow.config.topology import TopologyError, load_topology, parse_topology
 from astraflow.dataflow import PROCESSOR_KINDS, Incoming
 from astraflow.dataflow.admission import (
     Admission,
@@ -15,12 +16,15 @@ from astraflow.dataflow.admission import (
     Observation,
     pool_bounds,
     task_groups,
+    trainer_batches,
     trainer_bounds,
 )
 from astraflow.dataflow.batcher import Batcher, BatcherOptions, ReplayBuffer
 from astraflow.dataflow.versions import StaticVersions
 from astraflow.wire.records import Batch, Task
 from tests.kafka.test_processors import group, seq
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def fresh(i: int, version: int = 0, rewards: tuple[float, ...] = (1.0, 0.0)):
@@ -165,6 +169,34 @@ def test_admission_holds_while_a_trainer_is_behind():
     assert d.admit == 3  # at the bound: still admitted
     d = policy.decide({"local": {0: 0}}, {"solver": 1, "verifier": 3}, waiting=3)
     assert d.admit == 0 and d.state == "holding" and d.reason.startswith("trainer verifier")
+
+
+def test_the_staleness_budget_counts_tasks_in_flight_with_the_queued_batches():
+    # max_staleness 4, 8 groups a batch: (4 - L) x 8 tasks may be in flight in all
+    policy = AdmissionPolicy({"local": 100}, {"actor": 4}, trainer_batches={"actor": 8})
+    d = policy.decide({"local": {0: 10, 1: 10}}, {"actor": 1}, waiting=50)
+    assert d.admit == 4 and d.state == "admitting"  # 20 + 4 = (4 - 1) x 8
+    d = policy.decide({"local": {0: 12, 1: 12}}, {"actor": 1}, waiting=50)
+    assert d.admit == 0 and d.state == "holding"
+    assert d.reason == ("trainer actor: 1 batches queued and 24 tasks in flight fill its "
+                        "4 versions of 8 groups")
+    d = policy.decide({"local": {0: 0}}, {"actor": 4}, waiting=5)
+    assert d.admit == 0  # the queue alone fills the bound
+    # the tightest trainer decides; one without a batch size keeps the queue bound alone
+    policy = AdmissionPolicy({"local": 100}, {"solver": 4, "verifier": 2, "other": 1},
+                             trainer_batches={"solver": 8, "verifier": 4, "ghost": 1})
+    assert policy.trainer_batches == {"solver": 8, "verifier": 4}
+    d = policy.decide({"local": {0: 3}}, {"solver": 0, "verifier": 1, "other": 1}, waiting=9)
+    assert d.admit == 1 and d.state == "admitting"  # verifier: (2 - 1) x 4 - 3
+
+
+def test_the_pipeline_budget_takes_each_policys_batch_size_from_its_batcher():
+    topo = load_topology(REPO / "topology" / "smollm2-solver-verifier.yaml")
+    batchers = {s.options["policy"]: s.options["batch_size"]
+                for s in topo.processors.values() if s.kind == "batcher"}
+    assert len(batchers) == 2
+    assert trainer_batches(topo, AdmissionOptions()) == batchers
+    assert trainer_batches(topo, AdmissionOptions(staleness_budget="queue")) == {}
 
 
 def test_admission_every_pool_must_have_room():
