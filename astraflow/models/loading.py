@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.models.errors import ModelError, one_line
-from astraflow.models.precision import BEST, best_precision
+from astraflow.models.precision import BEST, resolve_best
 
 # any one of these makes a directory's tokenizer loadable (fast, sentencepiece, BPE, WordPiece)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -75,8 +75,7 @@ def load_policy(path: str | Path, device: str = "cpu", dtype: Any = None):
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "left"
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if dtype == BEST:
-        dtype = "bf16" if best_precision(device).bf16 else "float32"
+    dtype = resolve_best(dtype, device)
     resolved = resolve_dtype(dtype)
     if resolved is not None:
         kwargs["dtype"] = resolved

@@ -72,4 +72,13 @@ def best_precision(device: str = "cpu") -> Precision:
     return p
 
 
-__all__ = ["BEST", "BF16_CPU_FLAGS", "Precision", "best_precision", "choose", "cpu_flags"]
+def resolve_best(dtype: str | None, device: str = "cpu") -> str | None:
+    """``dtype`` as given, or for ``best`` ``"bfloat16"`` / ``"float32"`` by
+    ``best_precision(device)`` (logged)."""
+    if dtype != BEST:
+        return dtype
+    return "bfloat16" if best_precision(device).bf16 else "float32"
+
+
+__all__ = ["BEST", "BF16_CPU_FLAGS", "Precision", "best_precision", "choose", "cpu_flags",
+           "resolve_best"]

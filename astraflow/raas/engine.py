@@ -28,7 +28,7 @@ import torch
 
 from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
-from astraflow.models.precision import BEST, best_precision
+from astraflow.models.precision import resolve_best
 from astraflow.models.sampling import check_top_p, sampling_logprobs
 from astraflow.raas.hf_text import HFText
 from astraflow.raas.prefix_cache import PrefixCache
@@ -396,8 +396,7 @@ def load_torch_engine(
 
     check_model_dir(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if dtype == BEST:  # bf16 where the device computes it natively (the choice is logged)
-        dtype = "bfloat16" if best_precision(device or "cpu").bf16 else "float32"
+    dtype = resolve_best(dtype, device or "cpu")  # best: bf16 where the device has it
     if dtype:
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

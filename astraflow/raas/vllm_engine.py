@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from astraflow.models.precision import BEST, best_precision
+from astraflow.models.precision import resolve_best
 from astraflow.raas.engine import Generation, SamplingParams
 from astraflow.raas.hf_text import HFText, load_tokenizer
 
@@ -282,15 +282,6 @@ def _tied(path: str | Path) -> bool:
     return bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
 
 
-def _vllm_dtype(dtype: str) -> str:
-    """``best``: bfloat16 where this machine computes it natively, else float32 (vLLM's
-    device is the GPU when there is one: its build decides)."""
-    if dtype != BEST:
-        return dtype
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "bfloat16" if best_precision(device).bf16 else "float32"
-
-
 def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngine:
     """A ``VLLMEngine`` for a local model directory (no downloads); ``options``: the
     fields of ``VLLMOptions`` (an unknown one raises ``ValueError`` naming it)."""
@@ -304,7 +295,8 @@ def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngin
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
-        model=str(path), tokenizer=str(path), dtype=_vllm_dtype(opts.dtype), seed=opts.seed,
+        model=str(path), tokenizer=str(path), dtype=resolve_best(
+            opts.dtype, "cuda" if torch.cuda.is_available() else "cpu"), seed=opts.seed,
         enforce_eager=opts.enforce_eager, enable_prefix_caching=opts.enable_prefix_caching,
         enable_chunked_prefill=opts.enable_chunked_prefill,
         distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
