@@ -9,7 +9,8 @@ machine, for ``--duration`` seconds from the launch of each run:
   learning rate (chosen by the sweep) and the reward (below);
 * ``trl``: TRL's ``GRPOTrainer`` in one process (what a user picks for one machine), all
   cores, a constant learning rate (chosen by the sweep) and TRL's own options: by default
-  ``num_generations`` 8, ``max_completion_length`` 8, ``beta`` 0 (no KL term), and a step
+  ``num_generations`` 8, ``max_completion_length`` 8, ``beta`` 0 (no KL term), ``bf16``
+  where the CPU computes bf16 natively (as AstraFlow's ``best`` precision), and a step
   on the topology's batch of prompts (its batcher's ``batch_size``), each sampled
   ``num_generations`` times; ``--trl-option KEY=VALUE`` sets or adds any ``GRPOConfig``
   option (``loss_type``, ``scale_rewards``, ``per_device_train_batch_size``, ...).
@@ -57,14 +58,16 @@ a solver, verdict accuracy on balanced candidates for a verifier, pick accuracy 
 selector, held-out specs passed for a coder, the mutation reward for a tester), against
 its version 0.
 
-Usage (the defaults take about 3.7 hours on 2 cores: a 6 x 180 s sweep, then 3 seeds x 2
-systems x 30 min, and the scoring):
+Usage (the defaults take about 4 hours on 2 cores: a 6 x 300 s sweep, then 3 seeds x 2
+systems x 30 min, and the scoring; after 120 s TRL at 5e-6 still earned no reward in any
+step, so a shorter sweep ties at 0 % and chooses nothing on merit). ``--resume`` goes on from the runs an interrupted bench
+finished (``Progress``):
 
     python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
         [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]
         [--sweep-lrs astraflow=1e-5,3e-5,1e-4] [--sweep-lrs trl=2e-6,5e-6,1e-5]
-        [--sweep-duration 180] [--reward first_integer] [--trl-option loss_type=dr_grpo]
-        [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json]
+        [--sweep-duration 300] [--reward first_integer] [--trl-option loss_type=dr_grpo]
+        [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json] [--resume]
 
 Needs TRL (``python3 -m pip install trl``) for the ``trl`` system, and the model the
 topology imports (``astraflow model import smollm2 DIR``; done here when missing).
@@ -281,10 +284,20 @@ def parse_sweep_lrs(items: list[str]) -> dict[str, list[float]]:
     return out
 
 
+def trl_base() -> dict[str, Any]:
+    """TRL's own options before ``--trl-option``: ``TRL_BASE``, and ``bf16`` (autocast) where
+    the CPU computes bf16 natively, the rule AstraFlow's ``dtype: best`` and ``autocast:
+    best`` follow (``astraflow.models.precision``): on a 2-core AMX Xeon a TRL step of 32
+    completions took 7.8 s in bf16 against 11.8 s in fp32."""
+    from astraflow.models.precision import choose, cpu_flags
+
+    return {**TRL_BASE, "bf16": choose("cpu", cpu_flags(), None).bf16}
+
+
 def parse_trl_options(items: list[str]) -> dict[str, list[Any]]:
     """``--trl-option KEY=VALUE`` values over ``TRL_BASE``: each option's values to try (a
     YAML list is swept, anything else is one value). ``ValueError`` names a bad one."""
-    out: dict[str, list[Any]] = {k: [v] for k, v in TRL_BASE.items()}
+    out: dict[str, list[Any]] = {k: [v] for k, v in trl_base().items()}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name.strip():
@@ -330,6 +343,47 @@ def choose_setting(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     best = min(enumerate(rows), key=lambda ir: (-ir[1]["scores"][metric],
                                                 ir[1]["setting"]["lr"], ir[0]))
     return best[1]["setting"]
+
+
+# --- resuming an interrupted bench -------------------------------------------------------------
+class Progress:
+    """The runs a bench has finished, kept in ``runs/bench-learning/progress.json`` after
+    each one, so that ``--resume`` goes on from where an interrupted bench stopped (a
+    finished run is reused, each with the commit it ran at; the run cut short starts again).
+    The file records the settings that decide what each run is (``config``); a resume
+    with other settings is refused, naming them, so no results of different runs mix."""
+
+    def __init__(self, path: Path, config: dict[str, Any], resume: bool):
+        self.path, self.config = path, json.loads(json.dumps(config, default=str))
+        self.sweep_rows: list[dict[str, Any]] = []
+        self.runs: list[dict[str, Any]] = []
+        if resume and path.exists():
+            old = json.loads(path.read_text())
+            differ = sorted(k for k in set(old.get("config", {})) | set(self.config)
+                            if old.get("config", {}).get(k) != self.config.get(k))
+            if differ:
+                raise SystemExit(f"learning: --resume: {path} was made with other "
+                                 f"settings ({', '.join(differ)}); run without --resume "
+                                 "to start over")
+            self.sweep_rows, self.runs = old.get("sweep_rows", []), old.get("runs", [])
+
+    def find(self, kind: str, system: str, setting: dict[str, Any],
+             seed: int) -> dict[str, Any] | None:
+        """The finished ``kind`` run ("sweep" or "run") of ``system`` with ``setting`` and
+        ``seed``, or None."""
+        rows = self.sweep_rows if kind == "sweep" else self.runs
+        want = json.loads(json.dumps(setting))
+        return next((r for r in rows if r["system"] == system and r["seed"] == seed
+                     and r["setting"] == want), None)
+
+    def add(self, kind: str, record: dict[str, Any]) -> None:
+        """Keeps a finished run, on disk at once."""
+        (self.sweep_rows if kind == "sweep" else self.runs).append(record)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"config": self.config, "sweep_rows": self.sweep_rows,
+                                   "runs": self.runs}, indent=1, default=str))
+        tmp.replace(self.path)
 
 
 # --- statistics and the report -------------------------------------------------------------------
@@ -534,7 +588,7 @@ def score_astraflow(result: dict[str, Any], scorer: dict[str, Any]) -> dict[str,
 # --- TRL ----------------------------------------------------------------------------------
 def trl_config_kwargs(setup: dict[str, Any], setting: dict[str, Any], seed: int,
                       out_dir: Path) -> dict[str, Any]:
-    """The ``GRPOConfig`` of a TRL run: the bench's fixed frame (CPU, fp32, a constant
+    """The ``GRPOConfig`` of a TRL run: the bench's fixed frame (CPU, a constant
     learning rate, no saving, stopped by the clock), the setting's learning rate and
     options, and ``seed``. A step trains the topology's batch of prompts, each sampled
     ``num_generations`` times, unless the setting names ``per_device_train_batch_size``."""
@@ -951,7 +1005,8 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
     ``scorer`` right after it (before the next run deletes its topics or checkpoints)."""
     print(f"[bench] {system} seed {seed}, {json.dumps(setting)}: {duration:g} s", flush=True)
     record: dict[str, Any] = {"system": system, "seed": seed, "setting": setting,
-                              "duration_s": duration}
+                              "duration_s": duration, "commit": run_meta("", [])["commit"],
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if system == "astraflow":
         run_doc = seeded_topology(with_lr(doc, setting["lr"]), seed)
         path = write_topology(run_doc, runs_dir, f"seed {seed}, lr {setting['lr']:g}")
@@ -993,10 +1048,11 @@ def settings_of(args: argparse.Namespace, doc: dict[str, Any],
 
 
 def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
-              grids: dict[str, list[dict[str, Any]]],
-              data: dict[str, Any]) -> dict[str, Any]:
+              grids: dict[str, list[dict[str, Any]]], data: dict[str, Any],
+              progress: Progress) -> dict[str, Any]:
     """The short runs of every system with more than one setting, each scored on the
-    validation split at its end; the chosen setting per system (``choose_setting``)."""
+    validation split at its end (those ``progress`` has are not run again); the chosen
+    setting per system (``choose_setting``)."""
     chosen = {s: grids[s][0] for s in systems if len(grids[s]) == 1}
     swept = [s for s in systems if len(grids[s]) > 1]
     out: dict[str, Any] = {"duration_s": args.sweep_duration, "seed": args.seed0,
@@ -1008,11 +1064,18 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
     out["start"] = scorer["scores"](None)
     for system in swept:
         for setting in grids[system]:
-            run = one_run(system, doc, setting, args.seed0, args.sweep_duration,
-                          [args.sweep_duration], args.runs_dir, scorer)
-            out["rows"].append({"system": system, "setting": setting,
-                                "scores": run["scores"][key(args.sweep_duration)],
-                                "at": run["at"][key(args.sweep_duration)]})
+            row = progress.find("sweep", system, setting, args.seed0)
+            if row is None:
+                run = one_run(system, doc, setting, args.seed0, args.sweep_duration,
+                              [args.sweep_duration], args.runs_dir, scorer)
+                row = {"system": system, "setting": setting, "seed": args.seed0,
+                       "scores": run["scores"][key(args.sweep_duration)],
+                       "at": run["at"][key(args.sweep_duration)], "commit": run["commit"]}
+                progress.add("sweep", row)
+            else:
+                print(f"[bench] sweep: {system} {json.dumps(setting)}: kept from "
+                      f"{progress.path} (commit {row.get('commit')})", flush=True)
+            out["rows"].append(row)
         mine = [r for r in out["rows"] if r["system"] == system]
         chosen[system] = choose_setting(mine, args.sweep_metric)
         best = max(r["scores"][args.sweep_metric] for r in mine)
@@ -1079,7 +1142,13 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         grids = settings_of(args, doc, systems)
     except ValueError as e:
         raise SystemExit(f"learning: {e}") from None
-    sweep = run_sweep(args, doc, systems, grids, data)
+    progress = Progress(args.runs_dir / RUN / "progress.json", {
+        "topology": _shown(args.topology), "systems": systems, "reward": args.reward,
+        "data": data, "grids": grids, "sweep": args.sweep, "seed0": args.seed0,
+        "sweep_duration": args.sweep_duration, "sweep_metric": args.sweep_metric,
+        "val_size": args.val_size, "eval_size": args.eval_size,
+        "duration": args.duration, "checkpoints": args.checkpoints}, args.resume)
+    sweep = run_sweep(args, doc, systems, grids, data, progress)
     chosen = sweep["chosen"]
     scorer = make_scorer(doc, size=args.eval_size)
     start = scorer["scores"](None)
@@ -1089,12 +1158,19 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         "seeds": list(range(args.seed0, args.seed0 + args.seeds)), "reward": args.reward,
         "metrics": METRICS, "eval_size": scorer["size"], "target": args.target,
         "data": data, "chosen": chosen, "start": start, "sweep": sweep, "runs": []}
-    progress = args.runs_dir / RUN / "progress.json"
     for seed in out["seeds"]:
         for system in systems:  # the systems take turns: a drift of the machine hits both
-            out["runs"].append(one_run(system, doc, chosen[system], seed, args.duration,
-                                       args.checkpoints, args.runs_dir, scorer))
-            progress.write_text(json.dumps(out, indent=1, default=str))
+            run = progress.find("run", system, chosen[system], seed)
+            if run is None:
+                run = one_run(system, doc, chosen[system], seed, args.duration,
+                              args.checkpoints, args.runs_dir, scorer)
+                progress.add("run", run)
+            else:
+                print(f"[bench] {system} seed {seed}: kept from {progress.path} "
+                      f"(commit {run.get('commit')})", flush=True)
+            out["runs"].append(run)
+    # a resumed bench ran its runs at the commits each records
+    out["meta"]["run_commits"] = sorted({str(r.get("commit")) for r in out["runs"]})
     out.update(results_of(args, systems, out["runs"], start))
     if sweep.get("table"):
         print(f"\nsweep ({args.sweep_duration:g} s, seed {args.seed0}; validation: "
@@ -1129,7 +1205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-lrs", action="append", default=[], metavar="SYSTEM=LR,...",
                     help="learning rates a system's sweep tries (default astraflow: a third, "
                     "one and ten thirds of the topology's; trl: 2e-6,5e-6,1e-5)")
-    ap.add_argument("--sweep-duration", type=float, default=180.0,
+    ap.add_argument("--sweep-duration", type=float, default=300.0,
                     help="seconds of a sweep run")
     ap.add_argument("--sweep-metric", default="lenient", help="the metric the sweep maximizes")
     ap.add_argument("--val-size", type=int, default=None, metavar="N",
@@ -1149,6 +1225,9 @@ def main(argv: list[str] | None = None) -> int:
                     "report how often each reward term pays (0: skip)")
     ap.add_argument("--eval-size", type=int, default=None, metavar="N",
                     help="held-out prompts per score (default: the topology's eval size)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on from runs/bench-learning/progress.json: the sweep and "
+                    "seeded runs it finished with the same settings are kept, not run again")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.trl_worker:

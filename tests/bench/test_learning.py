@@ -118,7 +118,8 @@ def test_sweep_lrs_and_trl_options_parse_and_reject_bad_input():
     options = bench.parse_trl_options(["beta=[0.0, 0.04]", "loss_type=dr_grpo",
                                        "num_generations=16"])
     assert options == {"num_generations": [16], "max_completion_length": [8],
-                       "beta": [0.0, 0.04], "loss_type": ["dr_grpo"]}
+                       "beta": [0.0, 0.04], "loss_type": ["dr_grpo"],
+                       "bf16": [bench.trl_base()["bf16"]]}
     for bad, msg in (("beta", "KEY=VALUE"), ("learning_rate=1e-5", "--sweep-lrs"),
                      ("seed=3", "--seeds"), ("beta=[]", "empty list")):
         with pytest.raises(ValueError, match=msg):
@@ -133,7 +134,7 @@ def test_the_sweep_grid_and_the_setting_without_a_sweep():
                     {"lr": 2e-6, "beta": 0.1, "num_generations": 8}]
     assert bench.sweep_grid([3e-5], {}) == [{"lr": 3e-5}]
     base = bench.parse_trl_options([])
-    assert bench.unswept_setting(None, 5e-6, base) == {"lr": 5e-6, **bench.TRL_BASE}
+    assert bench.unswept_setting(None, 5e-6, base) == {"lr": 5e-6, **bench.trl_base()}
     assert bench.unswept_setting([1e-5, 2e-5], 5e-6, base)["lr"] == 5e-6  # the usual one
     assert bench.unswept_setting([7e-6], 5e-6, base)["lr"] == 7e-6  # the one given
     with pytest.raises(ValueError, match="beta list several values"):
@@ -160,6 +161,26 @@ def test_the_sweep_chooses_the_best_validation_score_and_on_a_tie_the_smaller_lr
     assert lines[3] == "| trl | 2e-06 | - | 10.0 % | 45.0 % | yes |"
     assert lines[2].endswith("| 40.0 % |  |")
     assert lines[6] == "| astraflow | 5e-06 | beta 0.1 | 0.0 % | 20.0 % | yes |"
+
+
+def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path):
+    path = tmp_path / "bench-learning" / "progress.json"
+    config = {"duration": 1800.0, "checkpoints": [300.0, 1800.0], "grids": {"trl": [{"lr": 5e-6}]}}
+    first = bench.Progress(path, config, resume=True)  # nothing yet: starts empty
+    assert first.find("run", "trl", {"lr": 5e-6}, 0) is None
+    first.add("sweep", {"system": "trl", "seed": 0, "setting": {"lr": 5e-6}, "scores": {}})
+    first.add("run", {"system": "trl", "seed": 0, "setting": {"lr": 5e-6}, "scores": {"x": 1}})
+
+    again = bench.Progress(path, copy.deepcopy(config), resume=True)
+    assert again.find("run", "trl", {"lr": 5e-6}, 0)["scores"] == {"x": 1}
+    assert again.find("sweep", "trl", {"lr": 5e-6}, 0) is not None
+    assert again.find("run", "trl", {"lr": 5e-6}, 1) is None  # another seed
+    assert again.find("run", "trl", {"lr": 1e-5}, 0) is None  # another setting
+    assert again.find("run", "astraflow", {"lr": 5e-6}, 0) is None  # another system
+
+    assert bench.Progress(path, config, resume=False).runs == []  # without --resume: anew
+    with pytest.raises(SystemExit, match=r"other settings \(checkpoints, duration\)"):
+        bench.Progress(path, {**config, "duration": 600.0, "checkpoints": [600.0]}, True)
 
 
 def test_mean_interval_is_students_t_over_the_seeds():
@@ -217,6 +238,15 @@ def test_time_to_target_per_seed_and_the_ratio_of_the_means():
     alone = bench.times_to_target(RUNS[:2], ["astraflow"], 0.9)
     assert alone["ratio"] is None and alone["systems"]["astraflow"]["mean"] is None
     assert bench.times_table(alone).splitlines()[-1].endswith("- (not reached by both)")
+
+
+@pytest.mark.parametrize("flags,bf16", [({"amx_bf16", "avx512_bf16"}, True), (set(), False)])
+def test_trl_computes_in_bf16_where_astraflows_best_precision_would(flags, bf16, monkeypatch):
+    import astraflow.models.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    assert bench.trl_base() == {**bench.TRL_BASE, "bf16": bf16}
+    assert bench.parse_trl_options(["bf16=false"])["bf16"] == [False]  # still the user's
 
 
 def test_trl_runs_its_own_options_its_lr_and_the_seed():
