@@ -60,8 +60,8 @@ its version 0.
 
 Usage (the defaults take about 4 hours on 2 cores: a 6 x 300 s sweep, then 3 seeds x 2
 systems x 30 min, and the scoring; after 120 s TRL at 5e-6 still earned no reward in any
-step, so a shorter sweep ties at 0 % and chooses nothing on merit). ``--resume`` goes on from the runs an interrupted bench
-finished (``Progress``):
+step, so a shorter sweep ties at 0 % and chooses nothing on merit). ``--resume`` goes on
+from the runs an interrupted bench finished (``Progress``):
 
     python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
         [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]

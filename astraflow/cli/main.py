@@ -62,6 +62,7 @@ _EXTENSIONS = (
     "astraflow.cli.trainer",
     "astraflow.cli.model",
     "astraflow.cli.model_role",  # model init-role: adds to the `model` group, so after models.cli
+    "astraflow.cli.model_export",  # model export: adds to the `model` group too
     "astraflow.cli.feeder",
     "astraflow.cli.raas",
     "astraflow.cli.eval",

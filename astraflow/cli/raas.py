@@ -57,22 +57,28 @@ def load_engine(node: Any, policy: str, path: str) -> Any:
     ``engine`` with its ``engine_options``, over which the pool's ``device``,
     ``prefix_cache_mib`` and the policies' ``dtype`` are defaults."""
     opts = dict(node.engine_options)
+    spec = node.loras.get(policy)
+    lora = spec.model_dump() if spec is not None else None  # a LoRA policy's adapter
     if node.engine == "vllm":
         from astraflow.raas.vllm_engine import load_vllm_engine
 
         if node.dtype and "dtype" not in opts:
             opts["dtype"] = node.dtype
-        return load_vllm_engine(path, policy, **opts)
+        return load_vllm_engine(path, policy, lora=lora, **opts)
     if node.engine == "openai":
         from astraflow.raas.openai_engine import load_openai_engine
 
+        if lora is not None:
+            raise ValueError(f"policy {policy} trains a LoRA adapter: the openai engine "
+                             "serves remote weights it cannot apply it to (engine torch or "
+                             "vllm)")
         return load_openai_engine(path, policy, **opts)
     from astraflow.raas.engine import load_torch_engine
 
     mib = float(opts.get("prefix_cache_mib", node.spec.prefix_cache_mib))
     return load_torch_engine(path, policy, device=opts.get("device", node.spec.device),
                              dtype=opts.get("dtype", node.dtype),
-                             prefix_cache_bytes=int(mib * 2**20))
+                             prefix_cache_bytes=int(mib * 2**20), lora=lora)
 
 
 def settings(args: argparse.Namespace, topo: Any = None) -> Any:

@@ -31,6 +31,7 @@ from astraflow.config.sections import (
     DatasetSpec,
     EvalSpec,
     FeederSpec,
+    LoraSpec,
     PolicyEvalSpec,
     PolicySpec,
     PoolSpec,
@@ -70,6 +71,8 @@ class NodeSettings(_Strict):
     models: dict[str, str]  # policy -> its model directory, for each policy served
     chats: dict[str, ChatSpec]  # the policies whose prompt format is set
     dtype: str | None = None  # every engine's dtype (None: as saved)
+    # the LoRA policies served: their engines apply adapters on the model (models.lora)
+    loras: dict[str, LoraSpec] = Field(default_factory=dict)
     engine: str
     engine_options: dict[str, Any] = Field(default_factory=dict)
     # workflow -> its keyword options: the policies' shared sampling under the file's
@@ -112,8 +115,11 @@ def node_settings(topo: Topology, pool: str,
     workflows = {name: {**sampling, **typed.given()} for name, typed in spec.workflows.items()}
     for name, opts in given.get("workflow_options") or []:
         workflows[name] = {**workflows.get(name, {}), **opts}
+    loras = {p: topo.policies[p].lora for p in models
+             if p in topo.policies and topo.policies[p].lora is not None}
     return NodeSettings(pool=pool, spec=spec, models=models, chats=chats, dtype=dtype,
-                        engine=engine, engine_options=options, workflow_options=workflows)
+                        loras=loras, engine=engine, engine_options=options,
+                        workflow_options=workflows)
 
 
 # --- the evaluator -------------------------------------------------------------------
@@ -126,6 +132,7 @@ class EvalSettings(_Strict):
     role: str = PolicySpec.model_fields["role"].default
     chat: ChatSpec | None = None  # None: the model's own (ChatFormat's default)
     dtype: str | None = None
+    lora: LoraSpec | None = None  # a LoRA policy: its versions are adapters on the model
     every_versions: int = Field(default=EvalSpec.model_fields["every_versions"].default, ge=1)
     size: int = Field(default=EvalSpec.model_fields["size"].default, ge=1)
     max_new_tokens: int = Field(default=EvalSpec.model_fields["max_new_tokens"].default,
@@ -166,7 +173,7 @@ def eval_settings(topo: Topology, policy: str,
     own = spec.eval if spec is not None else PolicyEvalSpec()
     data: dict[str, Any] = {"policy": policy}
     if spec is not None:
-        data.update(model=spec.model, role=spec.role, dtype=spec.dtype,
+        data.update(model=spec.model, role=spec.role, dtype=spec.dtype, lora=spec.lora,
                     chat=spec.chat if spec.chat != ChatSpec() else None)
     elif "model" not in given:
         raise OverrideError(f"policy {policy!r} is not declared in {topo.source}: give its "

@@ -228,6 +228,9 @@ class VLLMEngineOptions(_Options):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int | None = Field(default=None, ge=1)
     enable_chunked_prefill: bool | None = None
+    lora_mode: Literal["native", "merge"] | None = Field(
+        default=None, description="a LoRA policy's adapters: native (vLLM's LoRA, a request "
+        "per version) or merge (added into the weights, reloaded); default native")
 
 
 class OpenAIEngineOptions(_Options):

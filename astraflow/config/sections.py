@@ -339,6 +339,26 @@ SOLVER_ONLY = ("until", "retry_share", "retry_slip")
 ROLE_ONLY = ("label_noise",)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(_Strict):
+    """A LoRA policy (``astraflow.models.lora``): the trainer trains only these adapters,
+    with peft, on the frozen base model; ``weights.<policy>`` carries the adapter, whole or
+    as a sparse delta, whichever is smaller; engines apply each version in place."""
+
+    rank: int = Field(default=16, ge=1, description="the adapters' rank r")
+    alpha: float = Field(default=32.0, gt=0, description="the update is scaled by alpha / "
+                         "rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' "
+                           "input in the trainer's passes (seeded by the step: a replay "
+                           "repeats it); 0: none, the log-probs are the engines' own")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="the adapted linear modules, by the end of their names (peft's "
+        "matching); default: the attention and MLP projections of Llama-family models")
+
+
 class PolicySpec(_Strict):
     """One trained policy: its model, its trainer, its warm start and its evaluator."""
 
@@ -369,6 +389,8 @@ class PolicySpec(_Strict):
         default=DEFAULT_MAX_STALENESS, ge=0, description="drop groups whose oldest token is "
         "more than K versions behind the trained version", json_schema_extra=_in("loss"))
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    # train LoRA adapters on the frozen model instead of the model (None: the whole model)
+    lora: LoraSpec | None = None
     warm_start: WarmStartSpec = Field(default_factory=WarmStartSpec)
     eval: PolicyEvalSpec = Field(default_factory=PolicyEvalSpec)
     # CPU niceness of this policy's trainer and evaluator under `astraflow up` (0-19): on
@@ -385,6 +407,18 @@ class PolicySpec(_Strict):
         "picks on held-out candidate answers (astraflow.roles; a chat model is asked in "
         "words), held-out code specs passed (coder) or the test generator's mutation reward "
         "(tester) on the code tasks' held-out split")
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> PolicySpec:
+        if self.lora is None:
+            return self
+        if self.trainer.backend != "torch":
+            raise ValueError("lora: trains with peft on the torch backend (trainer.backend: "
+                             "torch); megatron-core would need its own adapter layers")
+        if self.trainer.parallel.processes > 1:
+            raise ValueError("lora: an adapter trains in one process (trainer.parallel."
+                             "processes: 1); it is a few MB to shard")
+        return self
 
     @model_validator(mode="after")
     def _role_fields(self) -> PolicySpec:

@@ -29,6 +29,7 @@ from astraflow.config.processors import PROCESSOR_OPTIONS
 from astraflow.config.sections import (
     DEFAULT_LOSS,
     DEFAULT_MAX_STALENESS,
+    LORA_TARGETS,
     LOSS_HYPERPARAMETERS,
     ROLE_ONLY,
     SOLVER_ONLY,
@@ -37,6 +38,7 @@ from astraflow.config.sections import (
     EvalSpec,
     FeederSpec,
     Levels,
+    LoraSpec,
     PolicyEvalSpec,
     PolicySpec,
     PoolSpec,
@@ -460,9 +462,10 @@ def with_overrides(topo: Topology, run: str | None = None,
 
 # the component sections (astraflow.config.sections), importable from here too
 __all__ = [
-    "DEFAULT_LOSS", "DEFAULT_MAX_STALENESS", "IMPLICIT_TOPICS", "LOSS_HYPERPARAMETERS",
+    "DEFAULT_LOSS", "DEFAULT_MAX_STALENESS", "IMPLICIT_TOPICS", "LORA_TARGETS",
+    "LOSS_HYPERPARAMETERS",
     "ROLE_ONLY", "SCHEMA_BY_NAME", "SOLVER_ONLY", "TOPIC_SCHEMAS", "ChatSpec", "DatasetSpec",
-    "EvalSpec", "FeederSpec", "Levels", "PolicyEvalSpec", "PolicySpec", "PoolSpec",
+    "EvalSpec", "FeederSpec", "Levels", "LoraSpec", "PolicyEvalSpec", "PolicySpec", "PoolSpec",
     "ProcessorSpec", "ResolvedTopic", "TopicDefaults", "TopicSpec", "Topology",
     "TopologyError", "TrainerSpec", "WarmStartSpec", "WeightSigningSpec", "load_topology",
     "parse_topology", "schema_for_topic", "with_overrides",

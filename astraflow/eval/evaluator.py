@@ -23,6 +23,7 @@ from confluent_kafka import KafkaException
 from astraflow.config.components import EvalSettings
 from astraflow.kafka.loop import kafka_error, transient
 from astraflow.metrics import StatusSink
+from astraflow.models.lora import LoraSettings, load_published, wrap
 from astraflow.weights.signing import split_trusted, verifier_for
 
 log = logging.getLogger("astraflow.eval.evaluator")
@@ -122,6 +123,8 @@ def run_evaluator(s: EvalSettings, topo: Any, config: Any, *, once: bool = False
     verifier = verifier_for(topo.weight_signing, public_key)
     path = ensure_model(s.model, config, topo, s.policy, verifier=verifier)
     model, tokenizer = load_policy(path, dtype=s.dtype)
+    if s.lora is not None:  # versions are adapters on the model
+        model = wrap(model, LoraSettings.from_mapping(s.lora.model_dump()))
 
     def score() -> float:
         return scorer(model, tokenizer)
@@ -164,7 +167,7 @@ def _history(s: EvalSettings, out: str, topo, config, model, score,
             result = _reach(follower, v, policy)
             if result is None or result.version != v:
                 continue
-            model.load_state_dict(follower.state)
+            load_published(model, follower.state)
             curve[v] = score()
             write_curve(out, topo.run, policy, every, sorted(curve.items()), png=False)
             print(f"eval {policy} v{v} accuracy {curve[v]:.4f} ({i + 1}/"
@@ -302,7 +305,7 @@ def _report(policy: str, topo, component, producer, result, follower, model, sco
             n_prompts: int) -> None:
     """Evaluate the follower's version and publish the accuracy on ``status``."""
     v = result.version
-    model.load_state_dict(follower.state)
+    load_published(model, follower.state)
     t0 = time.time()
     acc = score()
     log.info("%s v%d: eval/accuracy %.3f on %d held-out prompts (%.1fs, plan %s)",

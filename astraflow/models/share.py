@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
 from astraflow.models.archive import extract_model_files
+from astraflow.models.lora import META_KEY as LORA_META
 from astraflow.models.staging import staged_dir
 from astraflow.weights.errors import WeightsError
 from astraflow.wire.records import BlobRef, WeightManifest
@@ -83,6 +84,9 @@ def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str 
                               verifier=verifier)
     follower.observe(published)
     manifests = follower.manifests  # the trusted ones
+    if any(LORA_META in m.meta for m in manifests):
+        raise ModelNotPublished(f"{weights_topic} carries {policy}'s LoRA adapter, not a "
+                                f"model: its nodes need the base model directory {dest}")
     if not manifests and follower.refused:
         raise ModelNotPublished(f"every manifest on {weights_topic} was refused: "
                                 f"{next(iter(follower.refused.values()))}")

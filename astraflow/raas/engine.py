@@ -28,6 +28,7 @@ import torch
 
 from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
+from astraflow.models.lora import LoraSettings, is_wrapped, load_published, wrap
 from astraflow.models.precision import resolve_best
 from astraflow.models.sampling import check_top_p, sampling_logprobs
 from astraflow.raas.hf_text import HFText
@@ -166,24 +167,24 @@ class TorchEngine(HFText):
                              if prefix_cache_bytes else None)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_id or 0)
-        self._keep_logits = takes_logits_to_keep(self.model)
+        # peft's forward takes **kwargs and passes logits_to_keep on to the model's
+        self._keep_logits = takes_logits_to_keep(
+            self.model.get_base_model() if is_wrapped(self.model) else self.model)
 
     # --- weights ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``state`` into the model (waits for a running generation to end)."""
+        """Copy ``state`` into the model (waits for a running generation to end): the
+        weights, or for a model with LoRA adapters (``astraflow.models.lora``) the adapter,
+        in place."""
         with self._lock:
-            with torch.no_grad():
-                result = self.model.load_state_dict(dict(state), strict=False)
-            tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
-            missing = [k for k in result.missing_keys if k not in tied]
-            if missing or result.unexpected_keys:
-                raise ValueError(
-                    f"{self.policy}: state of version {version} does not fit the model "
-                    f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})"
-                )
+            try:
+                with torch.no_grad():
+                    load_published(self.model, state)
+            except ValueError as e:
+                raise ValueError(f"{self.policy}: version {version}: {e}") from None
             self.version = version
             if self.prefix_cache is not None:
                 self.prefix_cache.clear(version)
@@ -387,9 +388,12 @@ def _pick(
 def load_torch_engine(
     path: str, policy: str, device: str | None = None, dtype: str | None = None,
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    lora: Mapping[str, Any] | None = None,
 ) -> TorchEngine:
     """A ``TorchEngine`` for a local model directory (no downloads); ``prefix_cache_bytes``
-    0 turns the prefix cache off."""
+    0 turns the prefix cache off. ``lora``: the policy's adapter settings (its ``lora:``);
+    the model then carries a peft adapter (version 0: B = 0, the model's own outputs) and
+    each version's adapter is copied into it in place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from astraflow.models.loading import check_model_dir
@@ -400,6 +404,8 @@ def load_torch_engine(
     if dtype:
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if lora is not None:
+        model = wrap(model.eval(), LoraSettings.from_mapping(lora))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return TorchEngine(model, tokenizer, policy=policy, version=0, device=device or "cpu",
                        prefix_cache_bytes=prefix_cache_bytes)

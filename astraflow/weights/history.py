@@ -21,6 +21,7 @@ gap or overlap.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import logging
@@ -234,8 +235,10 @@ class PreparedVersion:
 
     def __init__(self, publisher: WeightPublisher, version: int, common: dict[str, Any],
                  jobs: list[_Job], extract_s: float, committed: bool,
-                 prior_version: int | None, after: Callable[[], None] | None = None):
+                 prior_version: int | None, after: Callable[[], None] | None = None,
+                 smaller_only: bool = False):
         self.version = version
+        self._smaller_only = smaller_only  # jobs: a delta and a full, the smaller stored
         self.extract_s = extract_s
         self._publisher = publisher
         self._common = common
@@ -273,7 +276,10 @@ class PreparedVersion:
         pub = self._publisher
         out: list[WeightManifest] = []
         changed: int | None = None
-        for kind, base, pieces in self._jobs:
+        jobs = self._jobs
+        if self._smaller_only:
+            jobs, changed = self._smaller_of(jobs)
+        for kind, base, pieces in jobs:
             stats = EncodeStats(kind)
             m = pub._write(kind, pieces(stats), stats, base, self._common, self.extract_s)
             if kind == "delta":
@@ -286,6 +292,34 @@ class PreparedVersion:
         if self._after is not None:
             self._after()
         return out
+
+    def _smaller_of(self, jobs: list[_Job]) -> tuple[list[_Job], int | None]:
+        """Of a delta job and a full job, the one whose blob is smaller (the delta on a
+        tie), both encoded in memory first, and the delta's changed-element count; a full
+        one chosen records in its ``meta["delta_bytes"]`` the size the delta had."""
+        encoded: dict[str, tuple[int | None, list[bytes], EncodeStats]] = {}
+        for kind, base, pieces in jobs:
+            stats = EncodeStats(kind)
+            encoded[kind] = (base, [bytes(b) for b in pieces(stats)], stats)
+        size = {k: sum(len(b) for b in v[1]) for k, v in encoded.items()}
+        kind = "delta" if size["delta"] <= size["full"] else "full"
+        if kind == "full":
+            meta = {**self._common["meta"], "delta_bytes": str(size["delta"])}
+            self._common = {**self._common, "meta": meta}
+        base, blobs, stats = encoded[kind]
+        return [(kind, base, _replayed(stats, blobs))], encoded["delta"][2].num_changed
+
+
+def _replayed(stats: EncodeStats, blobs: list[bytes]) -> Callable[[EncodeStats], Any]:
+    """A job's ``pieces`` for a blob encoded already: its bytes, its encoder's figures."""
+
+    def pieces(st: EncodeStats) -> list[bytes]:
+        for f in dataclasses.fields(EncodeStats):
+            if f.name != "kind":
+                setattr(st, f.name, getattr(stats, f.name))
+        return blobs
+
+    return pieces
 
 
 class WeightPublisher:
@@ -313,6 +347,11 @@ class WeightPublisher:
     simply not this process's). Each manifest then names this process's one blob and the
     full shapes of its tensors; ``merge_parts`` joins the processes' manifests.
 
+    ``whole_when_smaller`` (a small state such as a LoRA adapter, where a step may change
+    most elements): a version between anchors is encoded both ways and only the smaller
+    blob is stored, a ``full`` manifest recording the delta's size in ``meta["delta_bytes"]``.
+    ``meta``: entries of every manifest's ``meta`` (a LoRA policy's adapter settings).
+
     To resume after a restart pass ``version`` (the last published version) and ``state``
     (its weights); without them the first publish is a full checkpoint. If a write fails,
     the publisher goes back to the last version it wrote and the next version is a full
@@ -334,6 +373,8 @@ class WeightPublisher:
         state: StateDict | None = None,
         rows: Mapping[str, Rows] | None = None,
         device_delta: bool | None = None,
+        whole_when_smaller: bool = False,
+        meta: Mapping[str, str] | None = None,
     ):
         if (version is None) != (state is None):
             raise ValueError("pass both version and state to resume, or neither")
@@ -347,6 +388,8 @@ class WeightPublisher:
         self.segment_elems = segment_elems
         self.rows: dict[str, Rows] = dict(rows or {})
         self.device_delta = device_delta
+        self.whole_when_smaller = whole_when_smaller
+        self.meta = {str(k): str(v) for k, v in (meta or {}).items()}
         self.version = version
         self._prev: dict[str, torch.Tensor] | None = None
         self._spare: dict[str, torch.Tensor] | None = None  # CPU buffer for prepare()
@@ -425,7 +468,7 @@ class WeightPublisher:
             trainer_step=trainer_step,
             consumed_offsets=list(consumed_offsets),
             codec=CODEC_NAME,
-            meta={**{str(k): str(x) for k, x in (meta or {}).items()},
+            meta={**self.meta, **{str(k): str(x) for k, x in (meta or {}).items()},
                   "anchor_interval": str(self.anchor_interval)},
         )
         opts = dict(threads=self.threads, level=self.level)
@@ -434,6 +477,8 @@ class WeightPublisher:
         base = self.version
         with_delta = (self._prev is not None and not self._need_full
                       and (not anchor or self.delta_at_anchors))
+        # between anchors: the delta or the whole state, whichever blob is smaller
+        smaller = self.whole_when_smaller and with_delta and not anchor
         delta_meta = {"policy": self.policy, "version": str(v), "base_version": str(base)}
         full_meta = {"policy": self.policy, "version": str(v)}
         jobs: list[_Job] = []
@@ -450,7 +495,7 @@ class WeightPublisher:
                 ext = extract_delta(self._prev, state, segment_elems=seg, rows=rows)
                 jobs.append(("delta", base, lambda st: iter_encode_extracted(
                     ext, meta=delta_meta, stats=st, **opts)))
-            if anchor:
+            if anchor or smaller:
                 host = host_copy(state)
             self._remember(state, on_device=True)
             # the copies are queued on the device: done before the caller may change state
@@ -482,7 +527,7 @@ class WeightPublisher:
                 self.version = v
                 self._need_full = False
 
-        if anchor:
+        if anchor or smaller:
             assert host is not None
             full_state = host
             jobs.append(("full", None, lambda st: iter_encode_full(
@@ -490,7 +535,7 @@ class WeightPublisher:
                 meta=full_meta, stats=st, **opts)))
         committed = after is None
         pv = PreparedVersion(self, v, common, jobs, time.perf_counter() - t0, committed,
-                             self.version, after)
+                             self.version, after, smaller_only=smaller)
         if committed:
             self.version = v
             self._need_full = False
