@@ -792,17 +792,27 @@ def make_scorer(doc: dict[str, Any], dataset: str | None = None,
     loaded (version 0)."""
     import torch
 
+    from astraflow.config.topology import PolicySpec
     from astraflow.models.chat import ChatFormat
     from astraflow.models.evaluation import generate_answers
     from astraflow.models.examples import task_payload
     from astraflow.models.loading import load_policy
+    from astraflow.models.lora import adapter_state, is_wrapped, load_published
     from astraflow.tasks.rewards import make_reward
+
+    def adapter_or_model_state(m: Any) -> dict[str, Any]:
+        return adapter_state(m) if is_wrapped(m) else m.state_dict()
 
     torch.set_num_threads(os.cpu_count() or 1)
     ev = doc["eval"]
     policy = next(iter(doc["policies"].values()))
     model, tokenizer = load_policy(policy["model"], dtype=policy.get("dtype"))
-    base = {k: v.clone() for k, v in model.state_dict().items()}
+    if policy.get("lora"):  # a LoRA policy's versions are adapters on the model
+        from astraflow.models.lora import LoraSettings, wrap
+
+        model = wrap(model, LoraSettings.from_mapping(
+            PolicySpec.model_validate(policy).lora.model_dump()))
+    base = {k: v.clone() for k, v in adapter_or_model_state(model).items()}
     spec = {"path": dataset} if dataset else ev["dataset"]
     limit = int(size if size is not None else ev.get("size", 200))
     tasks = [task_payload(t) for t in _dataset_rows(spec)[:limit]]
@@ -812,7 +822,7 @@ def make_scorer(doc: dict[str, Any], dataset: str | None = None,
                **{m: make_reward(name) for m, name in METRICS.items()}}
 
     def all_scores(state: dict[str, Any] | None) -> dict[str, float]:
-        model.load_state_dict(base if state is None else state, strict=False)
+        load_published(model, base if state is None else state)
         completions = generate_answers(model, tokenizer, prompts,
                                        int(ev.get("max_new_tokens", 16)))
         return {m: statistics.fmean(r(c, t) for c, t in zip(completions, tasks))

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -627,6 +628,10 @@ class TrainerService:
         metrics["trainer/version"] = float(self.version if self.version is not None else -1)
         metrics["trainer/stale_dropped_total"] = float(self.stale_dropped)
         metrics["trainer/stale_skipped_batches"] = float(self.stale_skipped_batches)
+        # the process's peak resident memory (Linux: ru_maxrss in KiB): model, masters,
+        # optimizer state and activations, what LoRA saves against full fine-tuning
+        metrics["trainer/peak_rss_bytes"] = float(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         return ComponentStatus(
             component_id=self.component_id,
             kind="trainer",

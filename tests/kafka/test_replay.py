@@ -133,28 +133,6 @@ def test_replay_train_reproduces_the_weights_bit_for_bit(
     assert [r["_offset"] for r in rows] == [1, 2]
 
 
-def test_replay_train_reproduces_a_lora_adapter_bit_for_bit(
-        kafka_config, kafka_bootstrap, make_topology, tiny_model, tmp_path, capsys):  # noqa: F811
-    from astraflow.models.lora import settings_of
-
-    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
-    topo, path = make_topology(
-        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1},
-                "weights.blobs": {"partitions": 1}},
-        policies={"actor": {"model": tiny_model, "lora": lora,
-                            "trainer": {"lr": 1e-2, "anchor_interval": 2}}})
-    _train_source(kafka_config, kafka_bootstrap, path, topo, tiny_model, tmp_path, n=3)
-    common = ["-t", str(path), "--bootstrap", kafka_bootstrap, "--runs-dir", str(tmp_path)]
-    assert main(["replay", "train", *common, "--into", f"{topo.run}-lora"]) == 0
-    out = capsys.readouterr().out
-    assert "version 3: sha256" in out and "the same weights, bit for bit" in out, out
-    want = digest_at(kafka_config, topo.full_name("weights.actor"), "actor", 3)
-    assert digest_at(kafka_config, f"{topo.run}-lora.weights.actor", "actor", 3) == want
-    replayed = read_manifests(kafka_config, f"{topo.run}-lora.weights.actor")
-    assert {settings_of(m.meta).rank for m in replayed} == {4}
-    assert all("lora_" in t.name for m in replayed for t in m.tensors)
-
-
 def _forge(kafka_config, weights: str, forger) -> tuple:
     """Produce to ``weights`` a copy of version 2 with version 1's blobs and a version 3,
     both signed by ``forger``; both."""

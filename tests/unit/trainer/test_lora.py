@@ -167,7 +167,9 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
     """``trainer run`` of a LoRA policy, SIGKILLed with version 3's transaction open and
     restarted: every published version (adapters, whole or delta) equals the uninterrupted
     run's bit for bit; a torch engine that follows the topic, and one started after the
-    last version, both hold the newest adapter and sample what a peft model with it does."""
+    last version, both hold the newest adapter and sample what a peft model with it does;
+    ``model export`` writes it as a peft adapter and merged, both generating the engine's
+    tokens; ``replay train`` rebuilds the same adapters from the retained batches."""
     from astraflow.raas.engine import SamplingParams
     from astraflow.raas.weights_follow import WeightWatcher
     from astraflow.trainer.trainer import TrainerConfig
@@ -178,7 +180,8 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
 
     topo, path = make_topology(
         topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}},
-        policies={"actor": {"model": tiny_model, "lora": SETTINGS}})
+        policies={"actor": {"model": tiny_model, "lora": SETTINGS,
+                            "trainer": {"lr": 1e-2}}})  # replay train reads it here
     watched = _engine(tiny_model)
     weights = topo.full_name("weights.actor")
     watcher = WeightWatcher(kafka_config, weights, watched, SingleObjectCodec())
@@ -237,3 +240,11 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
                for p in PROMPTS]
     assert got == ids
     assert exported_tokens(tmp_path / "merged") == ids
+
+    # replay train from the retained batches: the same adapters, bit for bit
+    from astraflow.replay.ranges import digest_at
+
+    assert main(["replay", "train", "-t", str(path), "--bootstrap", kafka_bootstrap,
+                 "--runs-dir", str(tmp_path), "--into", f"{topo.run}-replay"]) == 0
+    want = digest_at(kafka_config, weights, "actor", n)
+    assert digest_at(kafka_config, f"{topo.run}-replay.weights.actor", "actor", n) == want
