@@ -134,6 +134,19 @@ BENCHES: dict[str, tuple[str, str]] = {
     "replay": (
         "Replay",
         "replay train, eval and process on a recorded run, beside baselines from the same run"),
+    "agent_endpoint": (
+        "Agent endpoint",
+        "the openai client through the RaaS node's OpenAI-compatible endpoint against calling "
+        "the engine directly: latency per call and tokens per second"),
+    "vllm_lora": (
+        "vLLM applying LoRA versions",
+        "vLLM's own LoRA (a LoRARequest per version) against the adapter merged into the "
+        "weights and reloaded: seconds to apply a version and to generate after it"),
+    "lora": (
+        "LoRA against full fine-tuning",
+        "SmolLM2-135M on addition, the whole model against LoRA adapters of two ranks for the "
+        "same wall time: versions per minute, bytes per version, weight sync, trainer memory, "
+        "held-out accuracy"),
 }
 
 
@@ -537,10 +550,16 @@ def render_fanout(data: dict[str, Any]) -> list[str]:
     return blocks
 
 
+def render_lora(data: dict[str, Any]) -> list[str]:
+    """``bench/lora.py``: its settings and the variants side by side."""
+    settings = {k: data.get(k) for k in ("duration_s", "checkpoints", "ranks", "lora_lr")}
+    return [kv_table(settings), data["table"].strip()]
+
+
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {
     "async_vs_sync": render_async_vs_sync, "multipolicy": render_multipolicy,
     "outage": render_outage, "security": render_security, "forward_on": render_forward_on,
-    "fanout": render_fanout,
+    "fanout": render_fanout, "lora": render_lora,
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Options(BaseModel):
@@ -197,6 +197,40 @@ class CodeTestsOptions(SamplingOptions):
         "asserted values near the reference's")
 
 
+class AgentLimitsOptions(_Options):
+    """An agent command's resource limits (``prlimit``); unset: none."""
+
+    cpu_s: float | None = Field(default=None, gt=0)
+    mem_mb: int | None = Field(default=None, ge=1)
+    max_procs: int | None = Field(default=None, ge=1)
+
+
+class AgentOptions(SamplingOptions):
+    """``agent``: a user's agent program against the node's OpenAI-compatible endpoint
+    (``astraflow.raas.workflows.agent``); the sampling options are a request's defaults."""
+
+    command: str | list[str] | None = Field(
+        default=None, description="the program as a command (python: the node's own)")
+    function: str | None = Field(default=None, description="or as package.module:function")
+    timeout_s: float | None = Field(default=None, gt=0, description="default 120")
+    attempts: int | None = Field(default=None, ge=1, description="default 2")
+    reward: str | dict[str, Any] | None = Field(
+        default=None, description="scores the program's answer when it gives no reward")
+    limits: AgentLimitsOptions | None = None
+    env: dict[str, str] | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: Any) -> Any:
+        return check_reward(v)
+
+    @model_validator(mode="after")
+    def _one_program(self) -> AgentOptions:
+        if (self.command is None) == (self.function is None):
+            raise ValueError("agent: give the program as command or as function, one of them")
+        return self
+
+
 # workflow name -> the model of its options
 WORKFLOW_OPTIONS: dict[str, type[SamplingOptions]] = {
     "single_turn": SingleTurnOptions,
@@ -204,6 +238,7 @@ WORKFLOW_OPTIONS: dict[str, type[SamplingOptions]] = {
     "solve_verify": SolveVerifyOptions,
     "solve_select": SolveSelectOptions,
     "code_tests": CodeTestsOptions,
+    "agent": AgentOptions,
 }
 
 

@@ -116,15 +116,23 @@ def export_version(config: KafkaConfig, topic: str, policy: str, model_dir: str 
     if not (base / "config.json").exists():
         raise ExportError(f"{policy} is a LoRA policy: exporting it needs its base model "
                           f"directory {base} (the weight stream carries the adapter only)")
-    kind = "model" if settings is None else ("merged" if merge else "adapter")
     with staged_dir(dest, label="exporting") as tmp:
-        _copy_model_files(base, tmp)
-        if kind == "adapter":
-            lora_mod.write_adapter(state, settings, base, tmp)
-        else:
-            _write_model(tmp, base, state, settings)
+        kind = write_version(tmp, base, state, settings, merge)
         _record(tmp, policy, v, kind, topic)
     return Exported(Path(dest), v, kind, _weight_bytes(Path(dest)))
+
+
+def write_version(dest: Path, base: Path, state: dict, settings: lora_mod.LoraSettings | None,
+                  merge: bool = False) -> str:
+    """Write a version's weights ``state`` into the directory ``dest`` beside the model
+    files of ``base``: the model (``settings`` None), the adapter in peft's format, or
+    (``merge``) the base with the adapter merged in. Its kind: model, adapter, merged."""
+    _copy_model_files(base, dest)
+    if settings is not None and not merge:
+        lora_mod.write_adapter(state, settings, base, dest)
+        return "adapter"
+    _write_model(dest, base, state, settings)
+    return "model" if settings is None else "merged"
 
 
 def _copy_model_files(base: Path, dest: Path) -> None:
@@ -179,4 +187,5 @@ def _weight_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-__all__ = ["ExportError", "Exported", "export_version", "published", "rebuild"]
+__all__ = ["ExportError", "Exported", "export_version", "published", "rebuild",
+           "write_version"]

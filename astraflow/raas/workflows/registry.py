@@ -10,7 +10,8 @@ from typing import Any
 from astraflow.raas.workflows.base import TaskError, Workflow
 
 # the shipped workflows' modules (astraflow.raas.workflows.<module>), loaded on first use
-BUILTIN_MODULES = ("single_turn", "tool_calc", "code_tests", "solve_verify", "solve_select")
+BUILTIN_MODULES = ("single_turn", "tool_calc", "code_tests", "solve_verify", "solve_select",
+                   "agent")
 
 WORKFLOWS: dict[str, type] = {}
 

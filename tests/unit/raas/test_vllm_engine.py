@@ -498,3 +498,38 @@ def test_a_bad_lora_mode_fails_at_start(tmp_path):
 
     with pytest.raises(ValueError, match="lora_mode must be one of native, merge"):
         VLLMOptions.from_dict({"lora_mode": "fuse"})
+
+
+@needs_vllm
+def test_vllm_loads_an_export_and_generates_what_the_engine_did(model_dir, tmp_path):
+    """``model export``'s two forms of a LoRA version (``write_version``, what the command
+    writes): vLLM serves the merged directory as a model, and the adapter directory as a
+    LoRARequest over the base; both generate, greedy, the peft model's tokens."""
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    from astraflow.models.export import write_version
+    from astraflow.models.lora import LoraSettings
+    from astraflow.raas.vllm_engine import load_vllm_engine
+
+    adapter = adapter_version(model_dir, seed=4)
+    s = LoraSettings.from_mapping(LORA)
+    assert write_version(tmp_path / "merged", model_dir, adapter, s, merge=True) == "merged"
+    assert write_version(tmp_path / "adapter", model_dir, adapter, s) == "adapter"
+    opts = dict(dtype="float32", enforce_eager=True, max_model_len=256, cpus=1, kv_cache_gib=1)
+    merged = load_vllm_engine(tmp_path / "merged", "actor", **opts)
+    try:
+        prompts = [merged.encode(p) for p in PROMPTS]
+        want = [peft_greedy(model_dir, adapter, p, 10) for p in prompts]
+        greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+        assert [o[0].token_ids for o in merged.generate(prompts, greedy)] == want
+    finally:
+        merged.close()
+    base = load_vllm_engine(model_dir, "actor", lora=LORA, **opts)
+    try:
+        out = base.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                base.sampling_params(greedy), use_tqdm=False,
+                                lora_request=LoRARequest("export", 99, str(tmp_path / "adapter")))
+        assert [list(o.outputs[0].token_ids) for o in out] == want
+    finally:
+        base.close()

@@ -5,6 +5,7 @@ the step, and the publisher stores a version whole when that is smaller than its
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -248,3 +249,32 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
                  "--runs-dir", str(tmp_path), "--into", f"{topo.run}-replay"]) == 0
     want = digest_at(kafka_config, weights, "actor", n)
     assert digest_at(kafka_config, f"{topo.run}-replay.weights.actor", "actor", n) == want
+
+
+def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
+    from types import SimpleNamespace
+
+    from astraflow.trainer.service import TrainerService
+    from astraflow.wire.records import WeightManifest
+
+    def manifest(version: int, meta: dict) -> WeightManifest:
+        return WeightManifest(policy="actor", version=version, base_version=None, kind="full",
+                              dtype="bfloat16", tensors=[], blobs=[], num_params=0,
+                              num_changed=0, sparsity=1.0, encoded_bytes=0, trainer_step=0,
+                              meta=meta)
+
+    def service(lora):
+        return SimpleNamespace(options=SimpleNamespace(trainer=SimpleNamespace(lora=lora)),
+                               weights_topic="r.weights.actor",
+                               _lora=lambda: TrainerService._lora(svc))
+
+    adapter = lora.LoraSettings.from_mapping(SETTINGS)
+    for mine, published, says in (
+            (SETTINGS, {}, "holds the whole model (version 1), this trainer trains a LoRA"),
+            (None, {"lora": adapter.to_json()}, "holds a LoRA adapter"),
+            ({**SETTINGS, "rank": 8}, {"lora": adapter.to_json()}, '"rank": 8')):
+        svc = service(mine)
+        with pytest.raises(RuntimeError, match=re.escape(says)):
+            TrainerService._check_lora(svc, [manifest(0, published), manifest(1, published)])
+    svc = service(SETTINGS)
+    TrainerService._check_lora(svc, [manifest(3, {"lora": adapter.to_json()})])  # the same

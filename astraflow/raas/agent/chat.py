@@ -1,0 +1,130 @@
+"""Chat messages and tools to prompt token ids, and tool calls back out of generated text.
+
+``render`` applies the policy's chat template (``astraflow.models.chat.ChatFormat``) to
+OpenAI-format messages with ``add_generation_prompt``: the tokens the policy continues.
+Tool definitions go to the template (``tools=``), which puts them where the model was
+trained to read them; an assistant message's ``tool_calls`` are handed over with their
+``arguments`` decoded from JSON, as Hugging Face templates expect, and ``tool`` messages
+as they are. A tokenizer without a chat template (the tiny model) gets plain text, as
+``ChatFormat.prompt_text`` makes it: the messages' contents, one per line.
+
+``parse_tool_calls`` finds the calls a model wrote in the Hermes format that Qwen, SmolLM2
+and most open chat models are trained on: ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>``, and returns them in the OpenAI format with the text around them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from astraflow.models.chat import ChatFormat
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class MessageError(ValueError):
+    """Messages, tools or a parameter the endpoint cannot use: a malformed call."""
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages of a request, checked: a non-empty list of objects with a ``role``
+    (``system``, ``user``, ``assistant`` or ``tool``) and a string ``content`` (an
+    assistant message may have ``tool_calls`` instead)."""
+    if not isinstance(messages, list) or not messages:
+        raise MessageError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ("system", "user", "assistant",
+                                                                "tool"):
+            raise MessageError(f"messages[{i}] needs a role: system, user, assistant or tool")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: their text, joined
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        if content is None and m["role"] != "assistant":  # an assistant's may be empty
+            raise MessageError(f"messages[{i}] ({m['role']}) has no content")
+        msg: dict[str, Any] = {"role": m["role"], "content": "" if content is None
+                               else str(content)}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                msg[key] = str(m[key])
+        out.append(msg)
+    return out
+
+
+def _template_call(call: Any, i: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not fn.get("name"):
+        raise MessageError(f"messages[{i}].tool_calls: each needs function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise MessageError(f"messages[{i}].tool_calls: arguments are not JSON ({e})") \
+                from None
+    return {"type": "function", "id": call.get("id"),
+            "function": {"name": str(fn["name"]), "arguments": args}}
+
+
+def render(tokenizer: Any, chat: ChatFormat, messages: list[dict[str, Any]],
+           tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """The prompt token ids of ``messages`` (checked by ``check_messages``) for a policy
+    whose tokenizer and chat format are these."""
+    if not chat.uses_template(tokenizer):  # as ChatFormat.prompt_text: the contents
+        text = "\n".join(m["content"] for m in messages)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if chat.system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": chat.system_prompt}, *messages]
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, tools=list(tools) if tools else None, add_generation_prompt=True,
+            tokenize=True, **dict(chat.options))
+    except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
+        raise MessageError(f"the chat template cannot render these messages: {e}") from None
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI ``tools`` (function definitions), checked; None when absent."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
+            and t["function"].get("name") for t in tools):
+        raise MessageError("tools must be a list of {type: function, function: {name, ...}}")
+    return [dict(t) for t in tools]
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``(content, tool_calls)``: the text without its ``<tool_call>`` blocks, and each
+    block that holds a JSON object with a ``name`` as an OpenAI tool call (``arguments`` a
+    JSON string). A block that is not such an object stays in the content."""
+    calls: list[dict[str, Any]] = []
+
+    def take(m: re.Match[str]) -> str:
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return m.group(0)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return m.group(0)
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str)
+                                   else json.dumps(args)}})
+        return ""
+
+    content = _CALL.sub(take, text)
+    return (content.strip() if calls else content), calls
+
+
+__all__ = ["MessageError", "check_messages", "check_tools", "parse_tool_calls", "render"]

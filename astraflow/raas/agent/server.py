@@ -1,0 +1,366 @@
+"""The OpenAI-compatible endpoint a RaaS node serves its agent programs, on localhost.
+
+Each episode has its own root, ``http://127.0.0.1:PORT/ep/<episode id>/v1``, handed to its
+program as the OpenAI base URL, so every request is attributed to its episode without the
+program knowing about AstraFlow:
+
+- ``POST /v1/chat/completions``: ``model`` (a policy the node serves: one program can drive
+  several policies), ``messages``, ``tools``, ``n``, ``temperature``, ``top_p``,
+  ``max_tokens`` (or ``max_completion_tokens``), ``stop``; tool calls the model writes come
+  back as ``message.tool_calls`` (``astraflow.raas.agent.chat``);
+- ``POST /v1/completions``: ``prompt`` as text or token ids, the same sampling keys, and
+  ``logprobs`` to get each token's log-probability back;
+- ``GET /v1/models``: the policies;
+- ``POST /ep/<id>/reward`` (or ``/v1/reward``): ``{"reward": x}`` or ``{"rewards":
+  {policy: x}}`` ends the episode with that reward.
+
+Answers come from the node's engines (torch, vLLM): concurrent requests to one engine
+share its ``generate`` calls (``astraflow.raas.agent.batching``); every request is recorded
+token for token in the episode's ``EpisodeTrajectory``. A malformed call (unknown model, bad
+messages, a bad parameter) gets an OpenAI-style error and ends the episode with the
+reason; a request to an episode that has ended gets 410.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from astraflow.models.chat import engine_chat
+from astraflow.raas.agent.batching import Coalescer
+from astraflow.raas.agent.chat import (
+    MessageError,
+    check_messages,
+    check_tools,
+    parse_tool_calls,
+    render,
+)
+from astraflow.raas.agent.trajectory import EpisodeTrajectory
+from astraflow.raas.engine import Engine, Generation, SamplingParams
+from astraflow.raas.workflows.inputs import engine_tokenizer
+
+log = logging.getLogger("astraflow.raas.agent")
+
+
+class EpisodeEnded(Exception):
+    """A request to an episode that has ended."""
+
+
+@dataclass
+class Episode:
+    """One run of an agent program: its engines, its trajectory, how it ended."""
+
+    id: str
+    engines: dict[str, Engine]
+    trajectory: EpisodeTrajectory
+    # the workflow's sampling defaults: max_new_tokens, temperature, top_p, seed
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    reward: float | dict[str, float] | None = None
+    failure: str | None = None  # why the episode ended early (a malformed call ...)
+    ended: bool = False
+    last_answer: str = ""  # the newest assistant text: what a reward function scores
+    # with a workflow seed, request k samples from (seed, f"{key}:{k}", choice, version):
+    # an episode repeats, and the episodes of a task differ (key: task, sample, attempt)
+    key: str = ""
+    requests: int = 0
+    # how a request reaches an engine (the server's Coalescer of it); None: directly
+    coalescers: Mapping[str, Coalescer] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def generate(self, policy: str, prompt: list[int],
+                 params: SamplingParams) -> list[Generation]:
+        c = self.coalescers.get(policy)
+        if c is not None:
+            return c.generate(prompt, params)
+        (gens,) = self.engines[policy].generate([prompt], params)
+        return gens
+
+    def fail(self, reason: str) -> None:
+        """End the episode with ``reason`` (the first reason stays)."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = reason
+            self.ended = True
+
+
+class CallError(Exception):
+    """A request the endpoint refuses: its HTTP status and message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _sampling(ep: Episode, body: Mapping[str, Any], engine: Engine) -> SamplingParams:
+    """The request's sampling parameters over the workflow's defaults."""
+    d = ep.defaults
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    eos = getattr(engine, "eos_token_id", None)
+    with ep.lock:
+        ep.requests += 1
+        key = f"{ep.key or ep.id}:{ep.requests}"
+    try:
+        return SamplingParams(
+            n=int(body.get("n") or 1),
+            max_new_tokens=int(max_tokens if max_tokens is not None
+                               else d.get("max_new_tokens", 256)),
+            temperature=float(body["temperature"] if body.get("temperature") is not None
+                              else d.get("temperature", 1.0)),
+            top_p=float(body["top_p"] if body.get("top_p") is not None
+                        else d.get("top_p", 1.0)),
+            stop=tuple(str(s) for s in stop),
+            stop_token_ids=(eos,) if eos is not None else (),
+            seed=d.get("seed"),
+            keys=(key,) if d.get("seed") is not None else None,
+        )
+    except (TypeError, ValueError) as e:
+        raise CallError(400, f"bad sampling parameter: {e}") from None
+
+
+def _engine(ep: Episode, body: Mapping[str, Any]) -> tuple[str, Engine]:
+    model = body.get("model")
+    if model not in ep.engines:
+        raise CallError(404, f"model {model!r}: this node serves {', '.join(sorted(ep.engines))}")
+    return str(model), ep.engines[model]
+
+
+def _text(engine: Engine, token_ids: list[int]) -> str:
+    """The answer's text: its tokens decoded, the end-of-turn token left out."""
+    eos = getattr(engine, "eos_token_id", None)
+    if token_ids and token_ids[-1] == eos:
+        token_ids = token_ids[:-1]
+    return engine.decode(token_ids)
+
+
+def chat_completion(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``/v1/chat/completions`` for episode ``ep``: generated, recorded, in OpenAI's format."""
+    policy, engine = _engine(ep, body)
+    try:
+        messages = check_messages(body.get("messages"))
+        tools = check_tools(body.get("tools"))
+        prompt = render(engine_tokenizer(engine), engine_chat(engine), messages, tools)
+    except MessageError as e:
+        raise CallError(400, str(e)) from None
+    params = _sampling(ep, body, engine)
+    gens = ep.generate(policy, prompt, params)
+    choices = []
+    for i, g in enumerate(gens):
+        text = _text(engine, g.token_ids)
+        content, calls = parse_tool_calls(text) if tools else (text, [])
+        # OpenAI's convention: null content only beside tool calls
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": (content or None) if calls else content}
+        if calls:
+            message["tool_calls"] = calls
+        reason = "tool_calls" if calls else ("stop" if g.finish_reason == "stop" else "length")
+        choices.append({"index": i, "message": message, "finish_reason": reason,
+                        "logprobs": None})
+    _record(ep, policy, prompt, gens, choices[0]["message"]["content"] or "")
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": policy, "choices": choices,
+            "usage": _usage(prompt, gens)}
+
+
+def completion(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``/v1/completions``: ``prompt`` text (encoded as is) or token ids."""
+    policy, engine = _engine(ep, body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        ids = list(engine.encode(prompt))
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise CallError(400, "prompt must be a string or a non-empty list of token ids")
+    if not ids:
+        raise CallError(400, "prompt encodes to no tokens")
+    params = _sampling(ep, body, engine)
+    gens = ep.generate(policy, ids, params)
+    choices = []
+    for i, g in enumerate(gens):
+        choice: dict[str, Any] = {"index": i, "text": engine.decode(g.token_ids),
+                                  "finish_reason": g.finish_reason, "logprobs": None}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"tokens": [engine.decode([t]) for t in g.token_ids],
+                                  "token_ids": list(g.token_ids),
+                                  "token_logprobs": list(g.logprobs)}
+        choices.append(choice)
+    _record(ep, policy, ids, gens, choices[0]["text"])
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": policy, "choices": choices,
+            "usage": _usage(ids, gens)}
+
+
+def _record(ep: Episode, policy: str, prompt: list[int], gens: list, answer: str) -> None:
+    with ep.lock:
+        if ep.ended:  # it ended while this request generated: nothing of it is kept
+            raise EpisodeEnded(ep.id)
+        ep.trajectory.record(policy, prompt, gens)
+        ep.last_answer = answer
+
+
+def _usage(prompt: list[int], gens: list) -> dict[str, int]:
+    done = sum(len(g.token_ids) for g in gens)
+    return {"prompt_tokens": len(prompt), "completion_tokens": done,
+            "total_tokens": len(prompt) + done}
+
+
+def take_reward(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
+    """``/reward``: ends the episode with its reward (one number, or one per policy)."""
+    if isinstance(body.get("rewards"), Mapping):
+        rewards = body["rewards"]
+        bad = [p for p, r in rewards.items() if p not in ep.engines
+               or not isinstance(r, int | float) or isinstance(r, bool)]
+        if bad:
+            raise CallError(400, f"rewards: {bad[0]!r} is not a served policy with a number")
+        reward: float | dict[str, float] = {str(p): float(r) for p, r in rewards.items()}
+    elif isinstance(body.get("reward"), int | float) and not isinstance(body["reward"], bool):
+        reward = float(body["reward"])
+    else:
+        raise CallError(400, 'give {"reward": number} or {"rewards": {policy: number}}')
+    with ep.lock:
+        ep.reward = reward
+        ep.ended = True
+    return {"ok": True}
+
+
+class AgentServer:
+    """The endpoint of one node (module docstring): a threading HTTP server on
+    127.0.0.1 (``port`` 0: a free one), episodes registered by id."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, window_s: float = 0.005):
+        self.episodes: dict[str, Episode] = {}
+        self.window_s = window_s  # how long a request waits for others to share its call
+        self._coalescers: dict[int, Coalescer] = {}  # by engine
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(_Handler):
+            agent = server
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.host, self.port = self.httpd.server_address[:2]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                                        name="agent-endpoint")
+        self._thread.start()
+        log.info("agent endpoint on http://%s:%d", self.host, self.port)
+
+    def open(self, engines: dict[str, Engine], sample_index: int,
+             defaults: Mapping[str, Any] | None = None, key: str = "") -> Episode:
+        """A new episode (sample ``sample_index`` of its task; ``key`` names it in seeded
+        sampling) served by ``engines`` with the sampling ``defaults``."""
+        with self._lock:
+            coalescers = {p: self._coalescers.setdefault(id(e), Coalescer(e, self.window_s))
+                          for p, e in engines.items()}
+            for c in set(coalescers.values()):
+                c.episodes += 1
+        ep = Episode(id=uuid.uuid4().hex, engines=dict(engines),
+                     trajectory=EpisodeTrajectory(sample_index), defaults=dict(defaults or {}),
+                     key=key, coalescers=coalescers)
+        with self._lock:
+            self.episodes[ep.id] = ep
+        return ep
+
+    def base_url(self, ep: Episode) -> str:
+        """The OpenAI base URL of ``ep`` (its ``/v1`` root)."""
+        return f"http://{self.host}:{self.port}/ep/{ep.id}/v1"
+
+    def reward_url(self, ep: Episode) -> str:
+        return f"http://{self.host}:{self.port}/ep/{ep.id}/reward"
+
+    def close(self, ep: Episode) -> None:
+        """End ``ep`` (if it has not) and forget it: later requests get 410."""
+        with ep.lock:
+            ep.ended = True
+        with self._lock:
+            if self.episodes.pop(ep.id, None) is not None:
+                for c in set(ep.coalescers.values()):
+                    c.episodes -= 1
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def handle(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+        """One request: ``(status, JSON body)``. No HTTP here (unit-testable)."""
+        parts = [p for p in path.split("?")[0].split("/") if p]
+        if len(parts) < 3 or parts[0] != "ep":
+            return 404, _error(f"no such path {path}: requests go to /ep/<episode>/v1/...")
+        with self._lock:
+            ep = self.episodes.get(parts[1])
+        if ep is None or ep.ended:
+            return 410, _error(f"episode {parts[1]} has ended")
+        route = "/".join(parts[2:])
+        handlers = {("GET", "v1/models"): lambda e, b: _models(e),
+                    ("POST", "v1/chat/completions"): chat_completion,
+                    ("POST", "v1/completions"): completion,
+                    ("POST", "v1/reward"): take_reward, ("POST", "reward"): take_reward}
+        fn = handlers.get((method, route))
+        if fn is None:
+            return 404, _error(f"{method} {route}: not served (chat/completions, "
+                               "completions, models, reward)")
+        try:
+            if method == "POST" and not isinstance(body, Mapping):
+                raise CallError(400, "the body must be a JSON object")
+            return 200, fn(ep, body)
+        except CallError as e:
+            ep.fail(f"malformed call to {route}: {e}")
+            return e.status, _error(str(e))
+        except EpisodeEnded:
+            return 410, _error(f"episode {ep.id} has ended")
+        except Exception as e:  # noqa: BLE001 - the engine failed: the episode ends, said
+            log.exception("agent endpoint: %s failed", route)
+            ep.fail(f"{route} failed: {type(e).__name__}: {e}")
+            return 500, _error(f"{type(e).__name__}: {e}")
+
+
+def _models(ep: Episode) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": p, "object": "model", "owned_by": "astraflow"}
+                                       for p in sorted(ep.engines)]}
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error"}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    agent: AgentServer
+    protocol_version = "HTTP/1.1"
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._reply(*self.agent.handle("GET", self.path, None))
+
+    def do_POST(self) -> None:  # noqa: N802
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b""
+        try:
+            body = json.loads(raw) if raw else {}
+        except json.JSONDecodeError as e:
+            body = None
+            log.debug("agent endpoint: a body that is not JSON: %s", e)
+        self._reply(*self.agent.handle("POST", self.path, body))
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's
+        log.debug("agent endpoint: " + format, *args)
+
+
+__all__ = ["AgentServer", "CallError", "Episode", "EpisodeEnded", "chat_completion",
+           "completion", "take_reward"]

@@ -1,0 +1,156 @@
+"""``agent``: any agent program as a rollout workflow (``astraflow.raas.agent``).
+
+For each task the node runs ``n`` episodes of the user's program at once, each with the
+task's payload and its own OpenAI base URL on the node's endpoint; every request the
+program makes is answered by the node's engines (``model``: the policy) and recorded token
+for token. An episode's reward is what the program returns or posts (``{"reward": x}``, or
+``{"rewards": {policy: x}}`` for a program that drives several policies), else the
+workflow's ``reward`` function on the program's ``answer`` (or the last assistant text).
+Each sequence of an episode gets its policy's reward; the ``n`` episodes' sequences form
+the task's ``TrajectoryGroup``, trained like any other workflow's.
+
+An episode that times out, crashes, makes a malformed call, makes no call or ends without
+a reward is run again, up to ``attempts`` times in all; a task with an episode that still
+fails goes to the dead-letter topic with the reasons, and the node goes on. The failures
+of attempts that were retried are counted in the group's metrics
+(``agent/failed_attempts``, by kind).
+
+Options: ``command`` (a list, or a string split as a shell would; ``python`` means the
+node's interpreter) or ``function`` (``"package.module:function"``), ``timeout_s`` (120),
+``attempts`` (2), ``reward`` (a reward spec of ``astraflow.tasks.rewards``), ``limits``
+(``{cpu_s, mem_mb, max_procs}`` for a command), ``env`` (more environment for a command),
+and the sampling options every workflow takes, the defaults of a request that sets none
+(``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from astraflow.raas.agent.program import AgentProgram, Outcome
+from astraflow.raas.agent.server import AgentServer, Episode
+from astraflow.raas.engine import Engine
+from astraflow.raas.workflows.base import Checker, TaskError
+from astraflow.raas.workflows.inputs import parse_payload
+from astraflow.raas.workflows.registry import register_workflow
+from astraflow.raas.workflows.scoring import Scorer
+from astraflow.wire.records import Sequence, Task
+
+FAILURE_KINDS = ("timeout", "exit", "malformed", "no_request", "no_reward", "other")
+
+
+@register_workflow("agent")
+class AgentWorkflow:
+    """See the module docstring."""
+
+    name = "agent"
+
+    def __init__(self, command: str | list[str] | None = None, function: str | None = None,
+                 timeout_s: float = 120.0, attempts: int = 2, reward: Any = None,
+                 checker: Checker | None = None, limits: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, **sampling: Any):
+        if timeout_s <= 0 or attempts < 1:
+            raise ValueError("agent: timeout_s must be positive and attempts at least 1")
+        self.program = AgentProgram.from_options(command, function, limits, env)
+        self.program.resolve()  # a function that does not import fails at start
+        self.timeout_s = float(timeout_s)
+        self.attempts = int(attempts)
+        self.score = Scorer(reward, checker) if reward is not None or checker else None
+        self.defaults = {k: v for k, v in sampling.items() if v is not None}
+        self._server: AgentServer | None = None
+
+    @property
+    def server(self) -> AgentServer:
+        """The node's endpoint, started on first use."""
+        if self._server is None:
+            self._server = AgentServer()
+        return self._server
+
+    def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
+        payload = parse_payload(task)
+        with ThreadPoolExecutor(n, thread_name_prefix="agent") as pool:
+            done = list(pool.map(lambda j: self._episode(payload, engines, j, task.task_id),
+                                 range(n)))
+        failed = [reasons for seqs, reasons in done if seqs is None]
+        if failed:
+            raise TaskError(f"agent: {len(failed)} of {n} episodes failed after "
+                            f"{self.attempts} attempt(s): " + " | ".join(failed[0]))
+        return [s for episode, _ in done for s in (episode or [])]
+
+    def group_metrics(self, seqs: list[Sequence]) -> dict[str, float]:
+        """A task's figures, from its sequences' ``meta`` (the node puts them in its
+        group): attempts that failed before their episode succeeded, by kind; sequences
+        per episode; requests stitched into a sequence."""
+        episodes = {s.sample_index: s.meta for s in seqs}
+        reasons = [r for m in episodes.values()
+                   for r in (m.get("agent_failures") or "").split(" | ") if r]
+        turns = [float(s.meta.get("turns", "1")) for s in seqs]
+        return {"agent/failed_attempts": float(sum(int(m.get("episode_attempt", "0"))
+                                                   for m in episodes.values())),
+                **{f"agent/failed/{k}": float(sum(_kind(r) == k for r in reasons))
+                   for k in FAILURE_KINDS},
+                "agent/sequences_per_episode": len(seqs) / max(len(episodes), 1),
+                "agent/turns_per_sequence": statistics.fmean(turns) if turns else 0.0}
+
+    def _episode(self, payload: dict[str, Any], engines: dict[str, Engine], j: int,
+                 task_id: str) -> tuple[list[Sequence] | None, list[str]]:
+        """Sample ``j``: its sequences (None when every attempt failed) and the reasons of
+        the attempts that failed."""
+        reasons: list[str] = []
+        for attempt in range(self.attempts):
+            ep = self.server.open(engines, j, self.defaults, key=f"{task_id}:{j}:{attempt}")
+            try:
+                outcome = self.program.run(payload, self.server.base_url(ep),
+                                           self.server.reward_url(ep), self.timeout_s)
+            finally:
+                self.server.close(ep)
+            reward, reason = self._ended(ep, outcome, payload)
+            if reason is None:
+                meta = {"episode_attempt": str(attempt),
+                        "episode_requests": str(ep.trajectory.stats.requests)}
+                if reasons:  # each reason cut short: a meta value stays small
+                    meta["agent_failures"] = " | ".join(r[:200] for r in reasons)
+                return ep.trajectory.build(reward, meta), reasons
+            reasons.append(f"attempt {attempt + 1}: {reason}")
+        return None, reasons
+
+    def _ended(self, ep: Episode, outcome: Outcome,
+               payload: dict[str, Any]) -> tuple[Any, str | None]:
+        """``(reward, None)``, or ``(None, why the episode failed)``."""
+        if ep.failure is not None:
+            return None, ep.failure
+        if outcome.error is not None:
+            return None, outcome.error
+        if not ep.trajectory.sequences:
+            return None, "no_request: the program made no call to the endpoint"
+        result = outcome.result
+        if isinstance(result, dict) and isinstance(result.get("rewards"), dict):
+            return {str(k): float(v) for k, v in result["rewards"].items()}, None
+        if isinstance(result, dict) and isinstance(result.get("reward"), int | float):
+            return float(result["reward"]), None
+        if isinstance(result, int | float) and not isinstance(result, bool):
+            return float(result), None
+        if ep.reward is not None:
+            return ep.reward, None
+        if self.score is not None:
+            answer = result.get("answer") if isinstance(result, dict) else None
+            return self.score(str(answer if answer is not None else ep.last_answer),
+                              payload), None
+        return None, ("no_reward: the program returned no reward, posted none, and the "
+                      "workflow has no reward function")
+
+
+def _kind(reason: str) -> str:
+    """The kind of a failure reason (``FAILURE_KINDS``)."""
+    text = reason.split(": ", 1)[-1]
+    for prefix, kind in (("timeout", "timeout"), ("exit code", "exit"),
+                         ("malformed", "malformed"), ("no_request", "no_request"),
+                         ("no_reward", "no_reward")):
+        if text.startswith(prefix):
+            return kind
+    return "other"
+
+
+__all__ = ["AgentWorkflow"]
