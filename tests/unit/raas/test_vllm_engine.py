@@ -496,7 +496,7 @@ def test_lora_versions_apply_in_place_and_generate_what_peft_does(model_dir, hf,
 def test_a_bad_lora_mode_fails_at_start(tmp_path):
     from astraflow.raas.vllm_engine import VLLMOptions
 
-    with pytest.raises(ValueError, match="lora_mode must be one of native, merge"):
+    with pytest.raises(ValueError, match="lora_mode must be one of auto, native, merge"):
         VLLMOptions.from_dict({"lora_mode": "fuse"})
 
 
