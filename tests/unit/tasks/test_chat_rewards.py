@@ -212,7 +212,8 @@ def test_smollm2_topology_maps_to_component_settings():
     raas = procs["raas-local-0"]
     wf = raas.options.workflow_options
     assert list(wf) == ["single_turn"] and wf["single_turn"]["reward"]["name"] == "sum"
-    assert raas.settings.dtype == "float32"  # fp32 compute on CPU
+    assert raas.settings.dtype == "best"  # bf16 where the hardware computes it natively
+    assert procs["trainer-actor"].trainer.autocast == "best"
     assert raas.options.tasks_per_transaction == 4
     assert wf["single_turn"]["temperature"] == 1.0  # the policy's
     assert procs["trainer-actor"].trainer.temperature == 1.0
