@@ -4,11 +4,7 @@ ReAct calculator agent; the solver and critic, two policies driven by one progra
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,41 +12,21 @@ import yaml
 
 from astraflow.kafka.clients import read_all
 from astraflow.wire.records import TrajectoryGroup, WeightManifest
-from tests.conftest import random_name, wait_for
+from tests.conftest import random_name
+from tests.e2e.test_default import up_until
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _up_until_versions(path: Path, tmp_path: Path, bootstrap: str, policies: list[str],
                        versions: int) -> str:
-    """``astraflow up`` until every policy's progress line shows ``versions``, then Ctrl-C
-    (it must exit 0); its output."""
-    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"}
-    out = tmp_path / "up.log"
-    with open(out, "wb") as log:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--duration", "400",
-             "--runs-dir", str(tmp_path / "runs")],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    """``astraflow up`` until every policy's progress shows ``versions``; its output."""
 
-    def far_enough() -> bool:
-        if up.poll() is not None:
-            raise AssertionError(out.read_text()[-3000:])
-        lines = [ln for ln in out.read_text().splitlines() if " v" in ln and "s |" in ln]
-        last = lines[-1] if lines else ""
-        got = {p: int(m[1]) for p in policies if (m := re.search(rf"{p} v(\d+) ", last))}
-        return len(got) == len(policies) and min(got.values()) >= versions
+    def done(last: str) -> bool:
+        got = [int(m[1]) for p in policies if (m := re.search(rf"{p} v(\d+) ", last))]
+        return len(got) == len(policies) and min(got) >= versions
 
-    try:
-        wait_for(far_enough, 400, f"versions {versions} of {policies}", step=1)
-        up.send_signal(signal.SIGINT)
-        up.wait(120)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait(30)
-    assert up.returncode == 0, out.read_text()[-3000:]
-    return out.read_text()
+    return up_until(path, tmp_path, bootstrap, done, f"versions {versions} of {policies}", 400)
 
 
 def _topology(name: str, tmp_path: Path, bootstrap: str, warm: dict[str, dict]) -> tuple:

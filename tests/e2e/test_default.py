@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,28 +22,26 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_STALENESS = 4
 
 
-def _up_until_evaluated(path: Path, tmp_path: Path, bootstrap: str) -> None:
-    """``astraflow up`` until its progress line shows version 3 trained and a held-out
-    score of version 2 or later (what the test checks), then Ctrl-C; it must exit 0."""
+def up_until(path: Path, tmp_path: Path, bootstrap: str, done: Callable[[str], bool],
+             what: str, timeout_s: float = 300) -> str:
+    """``astraflow up`` until ``done(its newest progress line)``, then Ctrl-C; it must exit
+    0. Its whole output."""
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "up.log"
     with open(out, "wb") as log:
         up = subprocess.Popen(
-            [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--duration", "300",
-             "--runs-dir", str(tmp_path / "runs")],
+            [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--duration",
+             str(int(timeout_s)), "--runs-dir", str(tmp_path / "runs")],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
     def far_enough() -> bool:
         if up.poll() is not None:
             raise AssertionError(out.read_text()[-3000:])
-        lines = [ln for ln in out.read_text().splitlines() if "actor v" in ln]
-        last = lines[-1] if lines else ""
-        trained = re.search(r"actor v(\d+) ", last)
-        scored = re.search(r"eval [\d.]+@v(\d+)", last)
-        return bool(trained and scored and int(trained[1]) >= 3 and int(scored[1]) >= 2)
+        lines = [ln for ln in out.read_text().splitlines() if "s |" in ln and " v" in ln]
+        return done(lines[-1] if lines else "")
 
     try:
-        wait_for(far_enough, 300, "version 3 and a held-out score of version 2", step=1)
+        wait_for(far_enough, timeout_s, what, step=1)
         up.send_signal(signal.SIGINT)  # seen what the test needs: stop as Ctrl-C does
         up.wait(120)
     finally:
@@ -50,6 +49,19 @@ def _up_until_evaluated(path: Path, tmp_path: Path, bootstrap: str) -> None:
             up.kill()
             up.wait(30)
     assert up.returncode == 0, out.read_text()[-3000:]
+    return out.read_text()
+
+
+def _up_until_evaluated(path: Path, tmp_path: Path, bootstrap: str) -> None:
+    """``up_until`` its progress line shows version 3 trained and a held-out score of
+    version 2 or later (what the test checks)."""
+
+    def done(last: str) -> bool:
+        trained = re.search(r"actor v(\d+) ", last)
+        scored = re.search(r"eval [\d.]+@v(\d+)", last)
+        return bool(trained and scored and int(trained[1]) >= 3 and int(scored[1]) >= 2)
+
+    up_until(path, tmp_path, bootstrap, done, "version 3 and a held-out score of version 2")
 
 
 @pytest.mark.slow
