@@ -11,9 +11,11 @@ machine, for ``--duration`` seconds from the launch of each run:
   cores, a constant learning rate (chosen by the sweep) and TRL's own options: by default
   ``num_generations`` 8, ``max_completion_length`` 8, ``beta`` 0 (no KL term), ``bf16``
   where the CPU computes bf16 natively (as AstraFlow's ``best`` precision), and a step
-  on the topology's batch of prompts (its batcher's ``batch_size``), each sampled
-  ``num_generations`` times; ``--trl-option KEY=VALUE`` sets or adds any ``GRPOConfig``
-  option (``loss_type``, ``scale_rewards``, ``per_device_train_batch_size``, ...).
+  on one prompt sampled ``num_generations`` times (``per_device_train_batch_size`` =
+  ``num_generations``, TRL's own GRPO setting: a step on the topology's 4 prompts, 32
+  completions, took 8 s in bf16 and earned no reward in 300 s at any swept rate);
+  ``--trl-option KEY=VALUE`` sets or adds any ``GRPOConfig`` option (``loss_type``,
+  ``scale_rewards``, ``per_device_train_batch_size``, ...).
 
 What they share: the prompts (the policy's chat template), the training reward
 (``--reward``, default ``first_integer``), the training set and the held-out test set (the
@@ -591,13 +593,13 @@ def trl_config_kwargs(setup: dict[str, Any], setting: dict[str, Any], seed: int,
                       out_dir: Path) -> dict[str, Any]:
     """The ``GRPOConfig`` of a TRL run: the bench's fixed frame (CPU, a constant
     learning rate, no saving, stopped by the clock), the setting's learning rate and
-    options, and ``seed``. A step trains the topology's batch of prompts, each sampled
-    ``num_generations`` times, unless the setting names ``per_device_train_batch_size``."""
+    options, and ``seed``. A step trains one prompt sampled ``num_generations`` times,
+    unless the setting names ``per_device_train_batch_size``."""
     options = {k: v for k, v in setting.items() if k != "lr"}
     n = int(options.get("num_generations", TRL_BASE["num_generations"]))
     return {
         "output_dir": str(out_dir / "out"), "learning_rate": float(setting["lr"]),
-        "lr_scheduler_type": "constant", "per_device_train_batch_size": n * setup["prompts"],
+        "lr_scheduler_type": "constant", "per_device_train_batch_size": n,
         "gradient_accumulation_steps": 1, "temperature": setup["temperature"], "top_p": 1.0,
         "use_cpu": True, "bf16": False, "gradient_checkpointing": False, "max_steps": 10**6,
         "save_strategy": "no", "report_to": [], "logging_steps": 1, "disable_dropout": True,
@@ -1158,7 +1160,9 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         "data": data, "grids": grids, "sweep": args.sweep, "seed0": args.seed0,
         "sweep_duration": args.sweep_duration, "sweep_metric": args.sweep_metric,
         "val_size": args.val_size, "eval_size": args.eval_size,
-        "duration": args.duration, "checkpoints": args.checkpoints}, args.resume)
+        "duration": args.duration, "checkpoints": args.checkpoints,
+        # what a TRL step trains (trl_config_kwargs): runs with another step are not kept
+        "trl_step": "one prompt x num_generations"}, args.resume)
     sweep = run_sweep(args, doc, systems, grids, data, progress)
     chosen = sweep["chosen"]
     scorer = make_scorer(doc, size=args.eval_size)

@@ -254,11 +254,11 @@ def test_trl_runs_its_own_options_its_lr_and_the_seed():
     kw = bench.trl_config_kwargs(setup, {"lr": 5e-6, **bench.TRL_BASE}, 2, Path("/x"))
     assert kw["learning_rate"] == 5e-6 and kw["seed"] == 2
     assert (kw["num_generations"], kw["max_completion_length"], kw["beta"]) == (8, 8, 0.0)
-    assert kw["per_device_train_batch_size"] == 32  # 4 prompts x 8 generations
+    assert kw["per_device_train_batch_size"] == 8  # one prompt, 8 generations
     kw = bench.trl_config_kwargs(setup, {"lr": 1e-5, "num_generations": 4,
                                          "loss_type": "dr_grpo",
                                          "scale_rewards": "none"}, 0, Path("/x"))
-    assert kw["per_device_train_batch_size"] == 16 and kw["loss_type"] == "dr_grpo"
+    assert kw["per_device_train_batch_size"] == 4 and kw["loss_type"] == "dr_grpo"
     assert kw["scale_rewards"] == "none"
     kw = bench.trl_config_kwargs(setup, {"lr": 1e-5, "per_device_train_batch_size": 8}, 0,
                                  Path("/x"))
