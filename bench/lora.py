@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -153,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             for name, v in variants(doc, ranks, args.lora_lr).items()]
     text = report(rows, args.checkpoints)
     print("\n" + text)
-    import json
-
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "bench": "lora", "duration_s": args.duration,
                                     "checkpoints": args.checkpoints, "ranks": ranks,

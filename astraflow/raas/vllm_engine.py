@@ -194,6 +194,7 @@ class VLLMEngine(HFText):
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self._lora_request: Any = None  # native: the newest version's adapter
         self._adapters: list[Path] = []  # native: the adapter directories written, newest last
+        self._root: Path | None = None  # native: where they are written (made on first use)
         self._base: dict[str, torch.Tensor] | None = None
         self.tokenizer = tokenizer
         self.policy = policy
@@ -253,7 +254,8 @@ class VLLMEngine(HFText):
             adapted_weights(state)  # peft's names, A and B for each module
         except ValueError as e:
             raise ValueError(f"{self.policy}: version {version}: {e}") from None
-        path = write_adapter(state, self.lora, self.model_dir, self._adapter_root() / f"v{version}")
+        path = write_adapter(state, self.lora, self.model_dir,
+                             self._adapter_root() / f"v{version}")
         request = LoRARequest(f"{self.policy}-v{version}", version + 1, str(path))
         add = getattr(getattr(self.llm, "llm_engine", None), "add_lora", None)
         with self._lock:
@@ -272,7 +274,7 @@ class VLLMEngine(HFText):
             shutil.rmtree(self._adapters.pop(0), ignore_errors=True)
 
     def _adapter_root(self) -> Path:
-        if not hasattr(self, "_root"):
+        if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix=f"astraflow-{self.policy}-lora-"))
         return self._root
 
@@ -338,7 +340,7 @@ class VLLMEngine(HFText):
 
     def close(self) -> None:
         """Stop vLLM's engine core (the engine cannot be used afterwards)."""
-        if hasattr(self, "_root"):
+        if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(core, "shutdown", None)

@@ -525,7 +525,7 @@ def test_vllm_loads_an_export_and_generates_what_the_engine_did(model_dir, tmp_p
         assert [o[0].token_ids for o in merged.generate(prompts, greedy)] == want
     finally:
         merged.close()
-    base = load_vllm_engine(model_dir, "actor", lora=LORA, **opts)
+    base = load_vllm_engine(model_dir, "actor", lora=LORA, lora_mode="native", **opts)
     try:
         out = base.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                 base.sampling_params(greedy), use_tqdm=False,
