@@ -143,7 +143,7 @@ def load_published(model: Any, state: Mapping[str, torch.Tensor]) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise ValueError(f"the weights do not fit the model (missing {missing[:5]}, "
+        raise ValueError(f"the state does not fit the model (missing {missing[:5]}, "
                          f"unexpected {result.unexpected_keys[:5]})")
 
 
