@@ -32,7 +32,10 @@ machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (
 validation row, unless its prompt is in the test set; every run, sweep or not, trains on
 the rest, so validation prompts are never trained on and never in the test set. The
 first ``--val-size`` validation rows are scored. The chosen setting per system is the best
-score on ``--sweep-metric`` (ties: the smaller learning rate). Default learning rates:
+score on ``--sweep-metric``; ties (all 0 % when a sweep run is too short to learn
+the held-out task) go to the higher training reward over the second half of the run
+(AstraFlow's rolled-out sequences, TRL's logged step rewards), then to the smaller
+learning rate. Default learning rates:
 AstraFlow a third, one and ten thirds of the topology's (``1e-5,3e-5,1e-4`` on
 ``smollm2.yaml``), TRL ``2e-6,5e-6,1e-5``; ``--sweep-lrs SYSTEM=LR,LR,...`` sets them.
 Without a sweep a system runs its usual learning rate (the topology's; TRL 5e-6), or the
@@ -63,13 +66,15 @@ its version 0.
 Usage (the defaults take about 4 hours on 2 cores: a 6 x 300 s sweep, then 3 seeds x 2
 systems x 30 min, and the scoring; after 120 s TRL at 5e-6 still earned no reward in any
 step, so a shorter sweep ties at 0 % and chooses nothing on merit). ``--resume`` goes on
-from the runs an interrupted bench finished (``Progress``):
+from the runs an interrupted bench finished (``Progress``); ``--progress
+bench/progress/learning.json`` keeps them where git can carry them to the next session:
 
     python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
         [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]
         [--sweep-lrs astraflow=1e-5,3e-5,1e-4] [--sweep-lrs trl=2e-6,5e-6,1e-5]
         [--sweep-duration 300] [--reward first_integer] [--trl-option loss_type=dr_grpo]
         [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json] [--resume]
+        [--progress FILE]
 
 Needs TRL (``python3 -m pip install trl``) for the ``trl`` system, and the model the
 topology imports (``astraflow model import smollm2 DIR``; done here when missing).
@@ -337,38 +342,67 @@ def unswept_setting(given: list[float] | None, usual: float,
     return {"lr": lr, **{k: v[0] for k, v in options.items()}}
 
 
+def late_mean(values: list[float]) -> float | None:
+    """The mean of the second half of ``values`` (in the order they were earned), None
+    when there are none: a run's training reward near its end."""
+    late = values[len(values) // 2:]
+    return sum(late) / len(late) if late else None
+
+
 def choose_setting(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
-    """The sweep's choice among ``rows`` (``{"setting": {...}, "scores": {metric: x}}``, one
-    system's): the best validation score on ``metric``; ties go to the smaller learning
-    rate, then to the earlier row."""
+    """The sweep's choice among ``rows`` (``{"setting": {...}, "scores": {metric: x},
+    "train_reward": r}``, one system's): the best validation score on ``metric``; ties go
+    to the higher training reward near the run's end (``late_mean``; a run without one
+    loses), then to the smaller learning rate, then to the earlier row."""
     if not rows:
         raise ValueError("the sweep has no runs to choose from")
-    best = min(enumerate(rows), key=lambda ir: (-ir[1]["scores"][metric],
-                                                ir[1]["setting"]["lr"], ir[0]))
-    return best[1]["setting"]
+
+    def rank(ir: tuple[int, dict[str, Any]]) -> tuple[float, float, float, int]:
+        i, r = ir
+        reward = r.get("train_reward")
+        return (-r["scores"][metric], -(reward if reward is not None else -math.inf),
+                r["setting"]["lr"], i)
+
+    return min(enumerate(rows), key=rank)[1]["setting"]
 
 
 # --- resuming an interrupted bench -------------------------------------------------------------
 class Progress:
-    """The runs a bench has finished, kept in ``runs/bench-learning/progress.json`` after
-    each one, so that ``--resume`` goes on from where an interrupted bench stopped (a
-    finished run is reused, each with the commit it ran at; the run cut short starts again).
-    The file records the settings that decide what each run is (``config``); a resume
-    with other settings is refused, naming them, so no results of different runs mix."""
+    """The runs a bench has finished, kept in a file (``--progress``) after each one, so
+    that ``--resume`` goes on from where an interrupted bench stopped (a finished run is
+    reused, each with the commit it ran at; the run cut short starts again). The file
+    records the settings that decide what each run is: ``common`` ones (the task, the
+    durations, the metrics), and each system's own (``per_system``: its grid, for TRL what
+    a step trains). A resume with other common settings is refused, naming them, so no
+    results of different runs mix; a system whose own settings changed starts over alone,
+    and the other keeps its runs."""
 
-    def __init__(self, path: Path, config: dict[str, Any], resume: bool):
-        self.path, self.config = path, json.loads(json.dumps(config, default=str))
+    def __init__(self, path: Path, common: dict[str, Any],
+                 per_system: dict[str, dict[str, Any]], resume: bool):
+        plain = lambda x: json.loads(json.dumps(x, default=str))  # noqa: E731
+        self.path, self.common, self.per_system = path, plain(common), plain(per_system)
         self.sweep_rows: list[dict[str, Any]] = []
         self.runs: list[dict[str, Any]] = []
-        if resume and path.exists():
-            old = json.loads(path.read_text())
-            differ = sorted(k for k in set(old.get("config", {})) | set(self.config)
-                            if old.get("config", {}).get(k) != self.config.get(k))
-            if differ:
-                raise SystemExit(f"learning: --resume: {path} was made with other "
-                                 f"settings ({', '.join(differ)}); run without --resume "
-                                 "to start over")
-            self.sweep_rows, self.runs = old.get("sweep_rows", []), old.get("runs", [])
+        if not (resume and path.exists()):
+            return
+        old = json.loads(path.read_text())
+        was = old.get("common", {})
+        differ = sorted(k for k in set(was) | set(self.common)
+                        if was.get(k) != self.common.get(k))
+        if differ:
+            raise SystemExit(f"learning: --resume: {path} was made with other settings "
+                             f"({', '.join(differ)}); run without --resume to start over")
+        mine = {s for s, c in self.per_system.items()
+                if old.get("per_system", {}).get(s) == c}
+        for system in sorted(set(old.get("per_system", {})) - mine):
+            print(f"[bench] --resume: {system}'s own settings changed: its runs in {path} "
+                  "are not kept", flush=True)
+        # a system this bench does not run keeps its rows, for a later bench of both
+        kept = mine | (set(old.get("per_system", {})) - set(self.per_system))
+        self.sweep_rows = [r for r in old.get("sweep_rows", []) if r["system"] in kept]
+        self.runs = [r for r in old.get("runs", []) if r["system"] in kept]
+        self.per_system = {**{s: c for s, c in old.get("per_system", {}).items()
+                              if s not in self.per_system}, **self.per_system}
 
     def find(self, kind: str, system: str, setting: dict[str, Any],
              seed: int) -> dict[str, Any] | None:
@@ -384,8 +418,9 @@ class Progress:
         (self.sweep_rows if kind == "sweep" else self.runs).append(record)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"config": self.config, "sweep_rows": self.sweep_rows,
-                                   "runs": self.runs}, indent=1, default=str))
+        tmp.write_text(json.dumps({"common": self.common, "per_system": self.per_system,
+                                   "sweep_rows": self.sweep_rows, "runs": self.runs},
+                                  indent=1, default=str))
         tmp.replace(self.path)
 
 
@@ -962,22 +997,26 @@ def policies_report(result: dict[str, Any], doc: dict[str, Any],
     return "\n".join(lines)
 
 
-def rollout_rewards(topo_run: str, doc: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per policy, the rewards of every sequence the run rolled out: count, mean, std
-    and the share that is not zero (the reward distribution the trainers saw)."""
-    import statistics
-
+def rolled_out_rewards(topo_run: str, doc: dict[str, Any]) -> dict[str, list[float]]:
+    """Per policy, the reward of every sequence the run rolled out, in the order their
+    groups were written (by record time)."""
     from astraflow.config.topology import parse_topology
     from astraflow.kafka.clients import read_all
     from astraflow.wire.records import TrajectoryGroup
 
     topo = parse_topology({**doc, "run": topo_run})
-    groups = [r.record for r in read_all(topo.kafka.effective(),
-                                         topo.full_name("trajectories.raw"), idle_s=3.0,
-                                         timeout_s=300.0, expect=TrajectoryGroup)]
+    records = sorted(read_all(topo.kafka.effective(), topo.full_name("trajectories.raw"),
+                              idle_s=3.0, timeout_s=300.0, expect=TrajectoryGroup),
+                     key=lambda r: r.timestamp_ms)
+    return {policy: [s.reward for r in records for s in r.record.sequences
+                     if s.policy == policy] for policy in doc["policies"]}
+
+
+def rollout_rewards(topo_run: str, doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per policy, the rewards of every sequence the run rolled out: count, mean, std
+    and the share that is not zero (the reward distribution the trainers saw)."""
     out = {}
-    for policy in doc["policies"]:
-        rewards = [s.reward for g in groups for s in g.sequences if s.policy == policy]
+    for policy, rewards in rolled_out_rewards(topo_run, doc).items():
         if rewards:
             out[policy] = {"sequences": len(rewards), "mean": statistics.fmean(rewards),
                            "std": statistics.pstdev(rewards),
@@ -1026,10 +1065,12 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
         result = run_astraflow(path, duration, checkpoints, runs_dir)
         record["at"] = {key(t): None if v is None else f"v{v}"
                         for t, v in result["at"].items()}
+        rewards = rolled_out_rewards(result["_topology"].run, run_doc)
         print("[bench] scoring", flush=True)
         record["scores"] = score_astraflow(result, scorer)
         record.update(versions=result["versions"], where=where_time_went(result),
-                      summary=result["summary"])
+                      summary=result["summary"],
+                      train_reward=late_mean(next(iter(rewards.values()))))
     else:
         result = run_trl(doc, setting, seed, duration, checkpoints, runs_dir)
         record["at"] = {key(float(t)): f"step {c['step']}" for t, c in result["at"].items()}
@@ -1038,7 +1079,9 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
         for ckpt in result["at"].values():  # 540 MB each in fp32: scored, not kept
             Path(ckpt["path"]).unlink(missing_ok=True)
         record.update(steps=result["steps"], paused_s=result["paused_s"],
-                      logged=result["logged"])
+                      logged=result["logged"],
+                      train_reward=late_mean([x["reward"] for x in result["logged"]
+                                              if "reward" in x]))
     print(f"[bench] {system} seed {seed}: " + ", ".join(
         f"{t} s " + " ".join(f"{m} {100 * x:.1f} %" for m, x in s.items())
         for t, s in record["scores"].items()), flush=True)
@@ -1083,7 +1126,8 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
                               [args.sweep_duration], args.runs_dir, scorer)
                 row = {"system": system, "setting": setting, "seed": args.seed0,
                        "scores": run["scores"][key(args.sweep_duration)],
-                       "at": run["at"][key(args.sweep_duration)], "commit": run["commit"]}
+                       "at": run["at"][key(args.sweep_duration)], "commit": run["commit"],
+                       "train_reward": run["train_reward"]}
                 progress.add("sweep", row)
             else:
                 print(f"[bench] sweep: {system} {json.dumps(setting)}: kept from "
@@ -1097,8 +1141,9 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
             # merit: say so, and keep it in the results
             out.setdefault("tied", []).append(system)
             print(f"[bench] sweep: {system}: {100 * best:.1f} % {args.sweep_metric} for "
-                  "several settings, the tie goes to the smaller lr (a longer "
-                  "--sweep-duration may tell them apart)", flush=True)
+                  "several settings, the tie goes to the higher training reward, then "
+                  "the smaller lr (a longer --sweep-duration may tell them apart)",
+                  flush=True)
         print(f"[bench] sweep: {system} runs {json.dumps(chosen[system])}", flush=True)
     out["table"] = sweep_table(out["rows"], chosen)
     return out
@@ -1155,14 +1200,15 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         grids = settings_of(args, doc, systems)
     except ValueError as e:
         raise SystemExit(f"learning: {e}") from None
-    progress = Progress(args.runs_dir / RUN / "progress.json", {
-        "topology": _shown(args.topology), "systems": systems, "reward": args.reward,
-        "data": data, "grids": grids, "sweep": args.sweep, "seed0": args.seed0,
-        "sweep_duration": args.sweep_duration, "sweep_metric": args.sweep_metric,
-        "val_size": args.val_size, "eval_size": args.eval_size,
-        "duration": args.duration, "checkpoints": args.checkpoints,
+    progress = Progress(args.progress or args.runs_dir / RUN / "progress.json", {
+        "topology": _shown(args.topology), "reward": args.reward, "data": data,
+        "sweep": args.sweep, "seed0": args.seed0, "sweep_duration": args.sweep_duration,
+        "sweep_metric": args.sweep_metric, "val_size": args.val_size,
+        "eval_size": args.eval_size, "duration": args.duration,
+        "checkpoints": args.checkpoints}, {
         # what a TRL step trains (trl_config_kwargs): runs with another step are not kept
-        "trl_step": "one prompt x num_generations"}, args.resume)
+        s: {"grid": grids[s], **({"step": "one prompt x num_generations"} if s == "trl"
+                                 else {})} for s in systems}, args.resume)
     sweep = run_sweep(args, doc, systems, grids, data, progress)
     chosen = sweep["chosen"]
     scorer = make_scorer(doc, size=args.eval_size)
@@ -1241,8 +1287,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-size", type=int, default=None, metavar="N",
                     help="held-out prompts per score (default: the topology's eval size)")
     ap.add_argument("--resume", action="store_true",
-                    help="go on from runs/bench-learning/progress.json: the sweep and "
-                    "seeded runs it finished with the same settings are kept, not run again")
+                    help="go on from the --progress file: the sweep and seeded runs it "
+                    "finished with the same settings are kept, not run again")
+    ap.add_argument("--progress", type=Path, default=None, metavar="FILE",
+                    help="where finished runs are kept (default "
+                    "runs/bench-learning/progress.json; bench/progress/learning.json can be "
+                    "committed, so a bench longer than a session goes on in the next)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.trl_worker:

@@ -146,7 +146,7 @@ def row(lr, strict, lenient, **options):
             "scores": {"strict": strict, "lenient": lenient}}
 
 
-def test_the_sweep_chooses_the_best_validation_score_and_on_a_tie_the_smaller_lr():
+def test_the_sweep_chooses_the_best_validation_score_then_training_reward_then_smaller_lr():
     rows = [row(1e-5, 0.30, 0.40), row(2e-6, 0.10, 0.45), row(5e-6, 0.20, 0.45)]
     assert bench.choose_setting(rows, "lenient") == {"lr": 2e-6}  # tie at 0.45: smaller
     assert bench.choose_setting(rows[::-1], "lenient") == {"lr": 2e-6}  # whatever the order
@@ -155,6 +155,15 @@ def test_the_sweep_chooses_the_best_validation_score_and_on_a_tie_the_smaller_lr
     assert bench.choose_setting(same_lr, "lenient") == {"lr": 5e-6, "beta": 0.0}  # earlier
     with pytest.raises(ValueError, match="no runs"):
         bench.choose_setting([], "lenient")
+    # all at 0 % held out (a sweep too short to learn the task): the training reward
+    # near the end decides, and a run without one loses to any that has one
+    zeros = [{**row(1e-5, 0.0, 0.0), "train_reward": 0.05},
+             {**row(3e-5, 0.0, 0.0), "train_reward": 0.20},
+             {**row(1e-4, 0.0, 0.0), "train_reward": None}, row(2e-6, 0.0, 0.0)]
+    assert bench.choose_setting(zeros, "lenient") == {"lr": 3e-5}
+    assert bench.choose_setting(zeros[2:], "lenient") == {"lr": 2e-6}  # neither: smaller lr
+    assert bench.choose_setting([{**zeros[0], "scores": {"lenient": 0.01}}, zeros[1]],
+                                "lenient") == {"lr": 1e-5}  # the held-out score first
     table = bench.sweep_table([*rows, *[{**r, "system": "astraflow"} for r in same_lr]],
                               {"trl": {"lr": 2e-6}, "astraflow": {"lr": 5e-6, "beta": 0.1}})
     lines = table.splitlines()
@@ -163,24 +172,47 @@ def test_the_sweep_chooses_the_best_validation_score_and_on_a_tie_the_smaller_lr
     assert lines[6] == "| astraflow | 5e-06 | beta 0.1 | 0.0 % | 20.0 % | yes |"
 
 
+def test_late_mean_is_the_second_half_of_the_rewards_in_order():
+    assert bench.late_mean([0.0, 0.0, 1.0, 0.5]) == pytest.approx(0.75)
+    assert bench.late_mean([0.0, 0.2, 0.4]) == pytest.approx(0.3)  # the middle one is late
+    assert bench.late_mean([0.4]) == pytest.approx(0.4)
+    assert bench.late_mean([]) is None
+
+
 def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path):
     path = tmp_path / "bench-learning" / "progress.json"
-    config = {"duration": 1800.0, "checkpoints": [300.0, 1800.0], "grids": {"trl": [{"lr": 5e-6}]}}
-    first = bench.Progress(path, config, resume=True)  # nothing yet: starts empty
+    common = {"duration": 1800.0, "checkpoints": [300.0, 1800.0]}
+    own = {"trl": {"grid": [{"lr": 5e-6}]}, "astraflow": {"grid": [{"lr": 3e-5}]}}
+    first = bench.Progress(path, common, own, resume=True)  # nothing yet: starts empty
     assert first.find("run", "trl", {"lr": 5e-6}, 0) is None
     first.add("sweep", {"system": "trl", "seed": 0, "setting": {"lr": 5e-6}, "scores": {}})
     first.add("run", {"system": "trl", "seed": 0, "setting": {"lr": 5e-6}, "scores": {"x": 1}})
+    first.add("run", {"system": "astraflow", "seed": 0, "setting": {"lr": 3e-5},
+                      "scores": {"x": 2}})
 
-    again = bench.Progress(path, copy.deepcopy(config), resume=True)
+    again = bench.Progress(path, copy.deepcopy(common), copy.deepcopy(own), resume=True)
     assert again.find("run", "trl", {"lr": 5e-6}, 0)["scores"] == {"x": 1}
     assert again.find("sweep", "trl", {"lr": 5e-6}, 0) is not None
     assert again.find("run", "trl", {"lr": 5e-6}, 1) is None  # another seed
     assert again.find("run", "trl", {"lr": 1e-5}, 0) is None  # another setting
     assert again.find("run", "astraflow", {"lr": 5e-6}, 0) is None  # another system
 
-    assert bench.Progress(path, config, resume=False).runs == []  # without --resume: anew
+    assert bench.Progress(path, common, own, resume=False).runs == []  # without --resume
     with pytest.raises(SystemExit, match=r"other settings \(checkpoints, duration\)"):
-        bench.Progress(path, {**config, "duration": 600.0, "checkpoints": [600.0]}, True)
+        bench.Progress(path, {**common, "duration": 600.0, "checkpoints": [600.0]}, own, True)
+
+    # TRL's own settings changed: TRL starts over, AstraFlow keeps its run
+    trl_changed = {**own, "trl": {"grid": [{"lr": 5e-6}], "step": "another"}}
+    kept = bench.Progress(path, common, trl_changed, resume=True)
+    assert kept.find("run", "trl", {"lr": 5e-6}, 0) is None
+    assert kept.find("sweep", "trl", {"lr": 5e-6}, 0) is None
+    assert kept.find("run", "astraflow", {"lr": 3e-5}, 0)["scores"] == {"x": 2}
+    # a bench of one system keeps the other's runs in the file for a later bench of both
+    alone = bench.Progress(path, common, {"trl": own["trl"]}, resume=True)
+    alone.add("run", {"system": "trl", "seed": 1, "setting": {"lr": 5e-6}, "scores": {}})
+    both = bench.Progress(path, common, own, resume=True)
+    assert both.find("run", "astraflow", {"lr": 3e-5}, 0) is not None
+    assert both.find("run", "trl", {"lr": 5e-6}, 1) is not None
 
 
 def test_mean_interval_is_students_t_over_the_seeds():
