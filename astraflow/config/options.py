@@ -203,6 +203,9 @@ class AgentLimitsOptions(_Options):
     cpu_s: float | None = Field(default=None, gt=0)
     mem_mb: int | None = Field(default=None, ge=1)
     max_procs: int | None = Field(default=None, ge=1)
+    network: bool | None = Field(
+        default=None, description="false: a network namespace that reaches nothing but the "
+        "endpoint (unshare -r -n); unset: the node's network")
 
 
 class AgentOptions(SamplingOptions):

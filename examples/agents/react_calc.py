@@ -9,7 +9,9 @@ hand against any OpenAI-compatible server, it does the same:
 
 It offers the model a `calculate` tool, runs the calls the model makes and hands back
 their results, until the model answers without a call (or after MAX_TURNS), then prints
-{"answer": ...}: the workflow's reward function scores it.
+{"answer": ...}: the workflow's reward function scores it. With AGENT_DEMO=1 the
+conversation opens with one worked exchange (a question, a call, its result, the answer),
+which a small chat model such as SmolLM2-135M needs before it writes calls at all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from openai import OpenAI
 
 MAX_TURNS = 4
 MODEL = os.environ.get("AGENT_MODEL", "actor")
+DEMO = [  # one worked exchange, in the OpenAI format
+    {"role": "user", "content": "What is 12+30?"},
+    {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_demo", "type": "function",
+        "function": {"name": "calculate", "arguments": '{"expression": "12+30"}'}}]},
+    {"role": "tool", "tool_call_id": "call_demo", "content": "42"},
+    {"role": "assistant", "content": "42"},
+]
 TOOLS = [{
     "type": "function",
     "function": {
@@ -58,7 +68,8 @@ def calculate(expression: str) -> str:
 def main() -> None:
     task = json.loads(os.environ["ASTRAFLOW_TASK"])
     client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment
-    messages = [{"role": "user", "content": str(task["prompt"])}]
+    demo = DEMO if os.environ.get("AGENT_DEMO") == "1" else []
+    messages = [*demo, {"role": "user", "content": str(task["prompt"])}]
     answer = ""
     for _ in range(MAX_TURNS):
         # no max_tokens: the workflow's max_new_tokens applies (any request may set one)

@@ -1,6 +1,8 @@
-"""The agent examples under ``astraflow up`` on tiny models: programs written against the
-`openai` client alone roll out through the node's endpoint, and their policies train (the
-ReAct calculator agent; the solver and critic, two policies driven by one program)."""
+"""The agent examples under ``astraflow up``, on tiny models and on SmolLM2: programs
+written against the `openai` client alone roll out through the node's endpoint, and their
+policies train (the ReAct calculator agent; the solver and critic, two policies driven by
+one program). On SmolLM2 every prompt goes through its chat template, which has no place
+for tools: the endpoint writes them into the system message (``raas/agent/chat.py``)."""
 
 from __future__ import annotations
 
@@ -81,3 +83,52 @@ def test_one_program_trains_a_solver_and_a_critic_under_up(kafka_bootstrap, kafk
     groups = _check_run(kafka_config, tmp_path, topo, ["solver", "critic"])
     assert {s.policy for g in groups for s in g.sequences} == {"solver", "critic"}
     assert all(len(g.sequences) == 8 for g in groups)  # 4 episodes x (solver, critic)
+
+
+def _smollm2(name: str, tmp_path: Path, bootstrap: str, model: Path) -> tuple:
+    """A shipped agent topology at a test's size on SmolLM2 (no warm start, no online
+    evaluator, one task per transaction, batches of one group, 2 episodes a task)."""
+    topo = yaml.safe_load((REPO / "topology" / name).read_text())
+    topo.update(run=random_name("agent-smol"), kafka={"bootstrap_servers": bootstrap},
+                status_interval_s=2)
+    topo.pop("eval", None)
+    for policy, spec in topo["policies"].items():
+        spec.pop("warm_start", None)
+        spec.update(model=str(model), dtype="best", chat={"template": "auto"})
+        spec["trainer"].update(autocast="best", state_dir=str(tmp_path / f"state-{policy}"))
+    pool = topo["pools"]["local"]
+    pool.update(n_samples=2, tasks_per_transaction=1)
+    # the worked exchange (AGENT_DEMO) and room for a call: SmolLM2 writes none without
+    pool["workflows"]["agent"].update(max_new_tokens=40, env={"AGENT_DEMO": "1"})
+    for proc in topo["processors"].values():
+        if proc["kind"] == "batcher":
+            proc["options"]["batch_size"] = 1
+    topo["feeder"]["rate"] = 1
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(topo))
+    return topo, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,policies", [("agent-react.yaml", ["actor"]),
+                                           ("agent-solver-critic.yaml", ["solver", "critic"])])
+def test_the_agent_examples_train_smollm2_under_up(name, policies, smollm2_dir,
+                                                   kafka_bootstrap, kafka_config, tmp_path):
+    from transformers import AutoTokenizer
+
+    topo, path = _smollm2(name, tmp_path, kafka_bootstrap, smollm2_dir)
+    _up_until_versions(path, tmp_path, kafka_bootstrap, policies, 1)
+    run, logs = topo["run"], tmp_path / "runs" / topo["run"] / "logs"
+    for log in ["raas-local-0", *(f"trainer-{p}" for p in policies)]:
+        text = (logs / f"{log}.log").read_text()
+        assert "Traceback" not in text, f"{log} crashed:\n{text[-3000:]}"
+    groups = [r.record for r in read_all(kafka_config, f"{run}.trajectories.raw",
+                                         expect=TrajectoryGroup)]
+    assert groups and {g.workflow for g in groups} == {"agent"}
+    assert {s.policy for g in groups for s in g.sequences} == set(policies)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    seq = groups[0].sequences[0]
+    text = tok.decode(seq.token_ids)
+    assert text.startswith("<|im_start|>")  # SmolLM2's chat template, not plain text
+    if name == "agent-react.yaml":  # the tools reached the model through its template
+        assert "<tools>" in text and '"name": "calculate"' in text, text

@@ -8,6 +8,13 @@ trained to read them; an assistant message's ``tool_calls`` are handed over with
 as they are. A tokenizer without a chat template (the tiny model) gets plain text, as
 ``ChatFormat.prompt_text`` makes it: the messages' contents, one per line.
 
+A template that ignores tools (SmolLM2-135M's reads only ``role`` and ``content``) would
+leave the model blind to them and drop its own earlier calls from the next prompt. For
+such a template, ``render`` writes the tool definitions into the system message in the
+Hermes form (``<tools>...</tools>`` and how to call one), and an assistant message's
+calls into its content as ``<tool_call>`` blocks, so the model sees what it would see
+under a template that has tools.
+
 ``parse_tool_calls`` finds the calls a model wrote in the Hermes format that Qwen, SmolLM2
 and most open chat models are trained on: ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>``, and returns them in the OpenAI format with the text around them.
@@ -81,6 +88,11 @@ def render(tokenizer: Any, chat: ChatFormat, messages: list[dict[str, Any]],
         return list(tokenizer.encode(text, add_special_tokens=False))
     if chat.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": chat.system_prompt}, *messages]
+    source = _template_source(tokenizer, chat)
+    if tools and "tools" not in source:
+        messages = _with_tools_in_system(messages, tools)
+    if "tool_calls" not in source:
+        messages = [_calls_in_content(m) for m in messages]
     try:
         ids = tokenizer.apply_chat_template(
             messages, tools=list(tools) if tools else None, add_generation_prompt=True,
@@ -90,6 +102,44 @@ def render(tokenizer: Any, chat: ChatFormat, messages: list[dict[str, Any]],
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def _template_source(tokenizer: Any, chat: ChatFormat) -> str:
+    """The chat template's text, as ``apply_chat_template`` would pick it."""
+    template = dict(chat.options).get("chat_template") or tokenizer.chat_template or ""
+    if isinstance(template, Mapping):  # named templates: the default one
+        template = template.get("default", "")
+    return str(template)
+
+
+def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tool definitions and how to call one, in the Hermes form: for a system message
+    under a template that has no place for tools."""
+    listed = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    return ("You may call one or more functions to assist with the user query. The "
+            f"functions are:\n<tools>\n{listed}\n</tools>\nTo call a function, write "
+            '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}'
+            "</tool_call>")
+
+
+def _with_tools_in_system(messages: list[dict[str, Any]],
+                          tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{tools_prompt(tools)}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": tools_prompt(tools)}, *messages]
+
+
+def _calls_in_content(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's calls as the ``<tool_call>`` text the model writes them in."""
+    if not m.get("tool_calls"):
+        return m
+    blocks = "".join(
+        "<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                    "arguments": c["function"]["arguments"]}) + "</tool_call>"
+        for c in m["tool_calls"])
+    rest = {k: v for k, v in m.items() if k != "tool_calls"}
+    return {**rest, "content": f"{m['content']}\n{blocks}" if m["content"] else blocks}
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -127,4 +177,5 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return (content.strip() if calls else content), calls
 
 
-__all__ = ["MessageError", "check_messages", "check_tools", "parse_tool_calls", "render"]
+__all__ = ["MessageError", "check_messages", "check_tools", "parse_tool_calls", "render",
+           "tools_prompt"]

@@ -15,11 +15,14 @@ and the episode's OpenAI base URL:
 
 A program that runs past ``timeout_s``, exits non-zero, raises, or prints no JSON object
 where one is needed fails its episode, with the reason. ``limits`` bound a command's CPU
-seconds, memory and processes (``prlimit`` on the started process).
+seconds, memory and processes (``prlimit`` on the started process), and with
+``network: false`` it runs in a network namespace that reaches nothing but its endpoint
+(``netjail``).
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -32,17 +35,22 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+from astraflow.raas.agent import netjail
 
 API_KEY = "astraflow"  # the openai client insists on one; the endpoint ignores it
 
 
 @dataclass(frozen=True)
 class Limits:
-    """A command's resource limits (None: unlimited)."""
+    """A command's resource limits (None: unlimited); ``network`` False: no network but
+    its endpoint."""
 
     cpu_s: float | None = None
     mem_mb: int | None = None
     max_procs: int | None = None
+    network: bool | None = None
 
     def apply(self, pid: int) -> None:
         """On the started process ``pid`` (``prlimit``: no code runs between fork and exec,
@@ -84,6 +92,11 @@ class AgentProgram:
             if not sep or not module or not name.isidentifier():
                 raise ValueError(f"agent function {self.function!r}: expected "
                                  "'package.module:function'")
+            if self.limits.network is False:
+                raise ValueError("agent limits.network: false isolates a command; a function "
+                                 "runs in the node's own process")
+        elif self.limits.network is False and (why := netjail.probe()):
+            raise ValueError(f"agent limits.network: false cannot isolate here: {why}")
 
     @classmethod
     def from_options(cls, command: str | list[str] | None = None, function: str | None = None,
@@ -123,6 +136,10 @@ class AgentProgram:
         argv = list(self.command or ())
         if argv and argv[0] in ("python", "python3"):  # the node's own interpreter
             argv[0] = sys.executable
+        if self.limits.network is False:
+            where = urlsplit(base_url)
+            bridge = _bridge(where.hostname or "127.0.0.1", where.port or 80)
+            argv = netjail.jail_argv(bridge.path, where.port or 80, argv)
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, env=env, text=True,
@@ -170,6 +187,20 @@ class AgentProgram:
         if "error" in box:
             return Outcome(error=box["error"])
         return Outcome(result=box.get("result"))
+
+
+_bridges: dict[tuple[str, int], netjail.UnixBridge] = {}
+_bridges_lock = threading.Lock()
+
+
+def _bridge(host: str, port: int) -> netjail.UnixBridge:
+    """The node's one Unix socket bridge to the endpoint at ``host:port`` (made on first
+    use, kept while the node runs)."""
+    with _bridges_lock:
+        if (host, port) not in _bridges:
+            bridge = _bridges[(host, port)] = netjail.UnixBridge(host, port)
+            atexit.register(bridge.close)  # its socket's directory goes with the node
+        return _bridges[(host, port)]
 
 
 def _last_json(out: str) -> Any:

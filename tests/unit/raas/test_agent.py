@@ -95,6 +95,51 @@ def test_messages_are_checked_and_rendered_with_the_template_or_as_plain_lines()
     assert render(tok, ChatFormat(), msgs) == tok.encode("37+45=", add_special_tokens=False)
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "calculate", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+CALLED = [{"role": "user", "content": "37+45?"},
+          {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {
+              "name": "calculate", "arguments": '{"expression": "37+45"}'}}]},
+          {"role": "tool", "tool_call_id": "c1", "content": "82"}]
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text():
+    """SmolLM2-135M's template reads only role and content: the tools go into the system
+    message in the Hermes form, and the assistant's call into its content, as the model
+    would write it; a template that reads tools gets them as they are."""
+    from astraflow.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = CHATML
+    text = tok.decode(render(tok, ChatFormat(), check_messages(CALLED), TOOLS))
+    system, user, assistant, tool, prompt = text.split("<|im_start|>")[1:]
+    assert system.startswith("system\nYou may call one or more functions")
+    assert '<tools>\n{"name": "calculate", "parameters"' in system
+    assert assistant == ('assistant\n<tool_call>{"name": "calculate", "arguments": '
+                         '{"expression": "37+45"}}</tool_call><|im_end|>\n')
+    assert tool == "tool\n82<|im_end|>\n" and prompt == "assistant\n"
+    # a system message of the program's own keeps its text, the tools after it
+    own = check_messages([{"role": "system", "content": "Be brief."}, *CALLED])
+    text = tok.decode(render(tok, ChatFormat(), own, TOOLS))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou may call one or more")
+    # no tools in the request: nothing is added to the system message
+    assert "<tools>" not in tok.decode(render(tok, ChatFormat(), own[:2]))
+    # the call written as text is parsed back to the same call
+    content, calls = parse_tool_calls(assistant.removeprefix("assistant\n")
+                                      .removesuffix("<|im_end|>\n"))
+    assert content == "" and json.loads(calls[0]["function"]["arguments"]) == {
+        "expression": "37+45"}
+
+    tok.chat_template = ("{% if tools %}TOOLS {{ tools | length }};{% endif %}"
+                         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                         "{% for c in m.get('tool_calls', []) %}[{{ c.function.name }}]"
+                         "{% endfor %};{% endfor %}")
+    text = tok.decode(render(tok, ChatFormat(), check_messages(CALLED), TOOLS))
+    assert text == "TOOLS 1;user: 37+45?;assistant: [calculate];tool: 82;"
+
+
 # --- the endpoint ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine():
@@ -194,6 +239,48 @@ def test_a_function_program_returns_its_result_or_its_error():
     fn = AgentProgram(function=f"{__name__}:agent_function")
     assert fn.run({}, "http://h/v1", "r", 5).result == {"reward": 1.0}
     assert fn.run({"raise": True}, "u", "r", 5).error == "RuntimeError: it broke"
+
+
+def test_a_command_without_network_reaches_its_endpoint_and_nothing_else(engine, server,
+                                                                         tmp_path):
+    """``limits: {network: false}``: the program's own namespace, where the endpoint's URL
+    still answers and a port listening on the node's localhost does not."""
+    import socket
+
+    from astraflow.raas.agent import netjail
+
+    if (why := netjail.probe()) is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+    outside = socket.socket()
+    outside.bind(("127.0.0.1", 0))
+    outside.listen()
+    program = AgentProgram(command=_script(tmp_path, f"""
+        import json, os, socket
+        from openai import OpenAI
+        try:
+            socket.create_connection(("127.0.0.1", {outside.getsockname()[1]}), timeout=2)
+            reached = "yes"
+        except OSError as e:
+            reached = type(e).__name__
+        r = OpenAI().chat.completions.create(
+            model="actor", messages=[{{"role": "user", "content": "1+1="}}], max_tokens=2)
+        print(json.dumps({{"reached": reached, "text": r.choices[0].message.content}}))
+    """), limits=Limits(network=False))
+    try:
+        ep = server.open({"actor": engine}, 0)
+        out = program.run({}, server.base_url(ep), server.reward_url(ep), 60)
+        assert out.error is None, out.stderr
+        assert out.result["reached"] == "ConnectionRefusedError"  # the node's port: not there
+        assert isinstance(out.result["text"], str) and len(ep.trajectory.sequences) == 1
+        # the same program with the node's network reaches the port
+        free = AgentProgram(command=program.command)
+        ep = server.open({"actor": engine}, 0)
+        assert free.run({}, server.base_url(ep), server.reward_url(ep), 60).result[
+            "reached"] == "yes"
+    finally:
+        outside.close()
+    with pytest.raises(ValueError, match="a function runs in the node's own process"):
+        AgentProgram(function=f"{__name__}:agent_function", limits=Limits(network=False))
 
 
 # --- whole tasks -----------------------------------------------------------------------------

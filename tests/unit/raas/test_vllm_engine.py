@@ -533,3 +533,51 @@ def test_vllm_loads_an_export_and_generates_what_the_engine_did(model_dir, tmp_p
         assert [list(o.outputs[0].token_ids) for o in out] == want
     finally:
         base.close()
+
+
+# --- the agent endpoint on vLLM --------------------------------------------------------------
+@needs_vllm
+def test_the_agent_endpoint_answers_from_vllm_and_records_what_it_sampled(fresh, hf):
+    """The OpenAI-compatible endpoint of the ``agent`` workflow with a vLLM engine: two
+    episodes calling at once (their requests share generate calls), ``n`` choices, and
+    every recorded sequence is the prompt and the tokens vLLM sampled, with their
+    log-probs (teacher-forced by transformers) and the engine's version."""
+    import threading
+
+    from openai import OpenAI
+
+    from astraflow.raas.agent.server import AgentServer
+
+    server = AgentServer()
+    try:
+        episodes = [server.open({"actor": fresh}, i, {"max_new_tokens": 6}) for i in range(2)]
+        replies: dict[int, object] = {}
+
+        def call(i: int) -> None:
+            client = OpenAI(base_url=server.base_url(episodes[i]), api_key="x")
+            replies[i] = client.chat.completions.create(
+                model="actor", messages=[{"role": "user", "content": PROMPTS[i]}],
+                n=2, temperature=1.0)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(replies) == [0, 1]
+        for i, ep in enumerate(episodes):
+            assert ep.failure is None
+            assert len(replies[i].choices) == 2
+            prompt = fresh.encode(PROMPTS[i])
+            sequences = ep.trajectory.build(1.0)
+            assert len(sequences) == 2  # the n choices branch
+            for s in sequences:
+                assert s.token_ids[:len(prompt)] == prompt
+                sampled = s.token_ids[len(prompt):]
+                assert 0 < len(sampled) <= 6 and sum(s.loss_mask) == len(sampled)
+                gen = [lp for lp, m in zip(s.logprobs, s.loss_mask) if m]
+                ref = hf_logprobs(hf, prompt, sampled, 1.0)
+                assert max(abs(a - b) for a, b in zip(gen, ref)) < LOGPROB_TOL
+                assert {v for v, m in zip(s.versions, s.loss_mask) if m} == {fresh.version}
+    finally:
+        server.stop()
