@@ -18,7 +18,8 @@ machine, for ``--duration`` seconds from the launch of each run:
   ``scale_rewards``, ``per_device_train_batch_size``, ...).
 
 What they share: the prompts (the policy's chat template), the training reward
-(``--reward``, default ``first_integer``), the training set and the held-out test set (the
+(``--reward``, default the topology's workflow reward), the training set and the
+held-out test set (the
 topology's ``eval`` dataset and size), scored the same way: every checkpoint greedy, with
 two metrics on the same completions, ``strict`` (``exact_match``: the number alone) and
 ``lenient`` (``first_integer``: the first number of the completion).
@@ -186,14 +187,19 @@ def task_metrics(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def task_defaults(doc: dict[str, Any]) -> dict[str, Any]:
-    """What both systems train with unless told: the reward (``first_integer`` on addition,
-    the issue's TRL setting; a math topology's own workflow reward) and TRL's completion
-    length (8 tokens on addition; the workflow's ``max_new_tokens`` on a math task)."""
-    if not is_math(doc):
-        return {"reward": "first_integer", "max_completion_length": 8}
+    """What both systems train with unless told: the topology's workflow reward (else
+    ``first_integer``, or ``math_verify`` on a math topology), and TRL's completion length
+    (8 tokens on addition, the issue's TRL setting; the workflow's ``max_new_tokens`` on a
+    math task).
+
+    Not ``first_integer`` on addition: SmolLM2 writes the sum first in none of 256 samples
+    of version 0 (``--explore 32``), so neither system got a gradient in 300 s (every
+    reward 0: bench/progress/learning-first_integer.json); smollm2.yaml's reward also pays
+    a near miss written alone, which 2.3 % of those samples earn."""
     wf = next(iter(doc["pools"].values())).get("workflows", {}).get(_workflow(doc), {})
-    return {"reward": wf.get("reward", "math_verify"),
-            "max_completion_length": int(wf.get("max_new_tokens", 256))}
+    fallback = "math_verify" if is_math(doc) else "first_integer"
+    tokens = int(wf.get("max_new_tokens", 256)) if is_math(doc) else 8
+    return {"reward": wf.get("reward") or fallback, "max_completion_length": tokens}
 
 
 def with_reward(doc: dict[str, Any], reward: Any) -> dict[str, Any]:
@@ -1307,8 +1313,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="validation prompts a sweep run is scored on (default: --eval-size)")
     ap.add_argument("--reward", type=yaml.safe_load, default=None,
                     help="the training reward of both systems: a registered name, or a YAML "
-                    "mapping (astraflow.tasks.rewards); default first_integer, or on a "
-                    "math topology (eval reward math_verify) its workflow's reward")
+                    "mapping (astraflow.tasks.rewards); default the topology's workflow "
+                    "reward")
     ap.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a GRPOConfig option for TRL (over num_generations=8, "
                     "max_completion_length=8, beta=0.0); a YAML list is swept")

@@ -337,15 +337,17 @@ def test_the_results_page_shows_curves_times_sweep_and_where_the_time_went():
 
 def test_a_math_topology_is_scored_and_trained_with_math_verify():
     """smollm2-gsm8k.yaml: both metrics by math-verify (strict: the marked answer), the
-    workflow's own reward and completion length; the addition topology keeps the issue's
-    first_integer reward and TRL's 8 tokens."""
+    workflow's own reward and completion length; on addition, the workflow's reward (a
+    topology without one: first_integer) and TRL's 8 tokens."""
     gsm8k = yaml.safe_load((REPO / "topology" / "smollm2-gsm8k.yaml").read_text())
     addition = yaml.safe_load((REPO / "topology" / "smollm2.yaml").read_text())
     assert bench.task_metrics(gsm8k) == bench.MATH_METRICS
     assert bench.task_defaults(gsm8k) == {"reward": "math_verify", "max_completion_length": 256}
     assert bench.task_metrics(addition) == bench.METRICS
-    assert bench.task_defaults(addition) == {"reward": "first_integer",
-                                             "max_completion_length": 8}
+    shaped = addition["pools"]["local"]["workflows"]["single_turn"]["reward"]
+    assert bench.task_defaults(addition) == {"reward": shaped, "max_completion_length": 8}
+    del addition["pools"]["local"]["workflows"]["single_turn"]["reward"]
+    assert bench.task_defaults(addition)["reward"] == "first_integer"
     assert bench.parse_trl_options([], 256)["max_completion_length"] == [256]
     assert bench.parse_trl_options(["max_completion_length=64"], 256)[
         "max_completion_length"] == [64]  # an option given wins
