@@ -1167,7 +1167,8 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
                 row = {"system": system, "setting": setting, "seed": args.seed0,
                        "scores": run["scores"][key(args.sweep_duration)],
                        "at": run["at"][key(args.sweep_duration)], "commit": run["commit"],
-                       "train_reward": run["train_reward"]}
+                       "train_reward": run["train_reward"],
+                       **({"where": run["where"]} if "where" in run else {})}
                 progress.add("sweep", row)
             else:
                 print(f"[bench] sweep: {system} {json.dumps(setting)}: kept from "

@@ -314,32 +314,38 @@ def test_every_shipped_topologys_processors_run_with_exactly_their_acls(secure_b
                                                                         tmp_path):
     """Each processor of every shipped topology starts as its own principal with the
     ACLs `topology acls` gives it (nothing else) and is never denied: its loop comes up,
-    reads its side topics, and commits a status transaction."""
+    reads its side topics, and commits a status transaction. A topology's processors run
+    at once, as under `up`."""
     from astraflow.dataflow.runtime import ProcessorRuntime
+
+    def run(rt: ProcessorRuntime, box: dict[str, BaseException]) -> None:
+        try:
+            rt.run()
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
 
     for source in TOPOLOGIES:
         topo = applied(secure_broker, tmp_path / source.stem, source.name)
+        started = []
         for name in topo.processors:
             rt = ProcessorRuntime(topo, name, instance="t")
             rt.loop.spec.status_interval_s = 0.5
             box: dict[str, BaseException] = {}
-
-            def target(rt=rt, box=box) -> None:
-                try:
-                    rt.run()
-                except BaseException as e:  # noqa: BLE001
-                    box["e"] = e
-
-            t = threading.Thread(target=target, daemon=True)
+            t = threading.Thread(target=run, args=(rt, box), daemon=True)
             t.start()
-            try:
+            started.append((name, rt, box, t))
+        try:
+            for name, rt, box, t in started:
                 # a denial ends the wait at once; the deadline only guards against a hang
                 wait_for(lambda rt=rt, box=box, t=t: "e" in box or not t.is_alive()
                          or rt.counters.transactions >= 2, 300,
                          f"{source.name}: {name} committing")
-            finally:
+        finally:
+            for _, rt, _, _ in started:
                 rt.stop()
+            for _, _, _, t in started:
                 t.join(30)
+        for name, _, box, _ in started:
             assert "e" not in box, f"{source.name}: {name}: {box.get('e')!r}"
         assert _denials(secure_broker, topo.run) == [], source.name  # nothing refused
 
