@@ -304,6 +304,18 @@ def prepare_data(doc: dict[str, Any], runs_dir: Path) -> tuple[dict[str, Any], d
     return out, info
 
 
+def portable_data(data: dict[str, Any], runs_dir: Path) -> dict[str, Any]:
+    """The split's facts with its files relative to ``runs_dir`` (the test file to the
+    repository), so that a progress file made in one checkout resumes in another."""
+    def rel(path: str, root: Path) -> str:
+        p = Path(path)
+        return p.relative_to(root).as_posix() if p.is_relative_to(root) else path
+
+    return {**data, "train": rel(data["train"], runs_dir),
+            "validation": rel(data["validation"], runs_dir),
+            "test": rel(data["test"], REPO)}
+
+
 # --- settings and the sweep ----------------------------------------------------------------
 def astraflow_lrs(lr: float) -> list[float]:
     """AstraFlow's default sweep around the topology's learning rate ``lr``: a third, one
@@ -1242,7 +1254,10 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
     except ValueError as e:
         raise SystemExit(f"learning: {e}") from None
     progress = Progress(args.progress or args.runs_dir / RUN / "progress.json", {
-        "topology": _shown(args.topology), "reward": args.reward, "data": data,
+        "topology": _shown(args.topology), "reward": args.reward,
+        "data": portable_data(data, args.runs_dir),
+        # runs on a CPU with native bf16 (dtype best: bf16) and one without do not mix
+        "cpu_bf16": trl_base()["bf16"],
         "sweep": args.sweep, "seed0": args.seed0, "sweep_duration": args.sweep_duration,
         "sweep_metric": args.sweep_metric, "val_size": args.val_size,
         "eval_size": args.eval_size, "duration": args.duration,
