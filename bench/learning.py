@@ -443,17 +443,17 @@ class Progress:
         if differ:
             raise SystemExit(f"learning: --resume: {path} was made with other settings "
                              f"({', '.join(differ)}); run without --resume to start over")
-        mine = {s for s, c in self.per_system.items()
-                if old.get("per_system", {}).get(s) == c}
-        for system in sorted(set(old.get("per_system", {})) - mine):
+        was_own = old.get("per_system", {})
+        changed = sorted(s for s, c in self.per_system.items() if s in was_own
+                         and was_own[s] != c)
+        for system in changed:
             print(f"[bench] --resume: {system}'s own settings changed: its runs in {path} "
                   "are not kept", flush=True)
-        # a system this bench does not run keeps its rows, for a later bench of both
-        kept = mine | (set(old.get("per_system", {})) - set(self.per_system))
-        self.sweep_rows = [r for r in old.get("sweep_rows", []) if r["system"] in kept]
-        self.runs = [r for r in old.get("runs", []) if r["system"] in kept]
-        self.per_system = {**{s: c for s, c in old.get("per_system", {}).items()
-                              if s not in self.per_system}, **self.per_system}
+        # every other system keeps its rows, one this bench does not run too (for a later
+        # bench of both)
+        self.sweep_rows = [r for r in old.get("sweep_rows", []) if r["system"] not in changed]
+        self.runs = [r for r in old.get("runs", []) if r["system"] not in changed]
+        self.per_system = {**was_own, **self.per_system}
 
     def find(self, kind: str, system: str, setting: dict[str, Any],
              seed: int) -> dict[str, Any] | None:
