@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve()
@@ -55,7 +56,7 @@ def _splice(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-def _serve(listener: socket.socket, connect: object) -> None:
+def _serve(listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
     """Accepts on ``listener`` until it closes; each connection spliced to ``connect()``."""
     while True:
         try:
@@ -63,7 +64,7 @@ def _serve(listener: socket.socket, connect: object) -> None:
         except OSError:
             return
         try:
-            other = connect()  # type: ignore[operator]
+            other = connect()
         except OSError:
             conn.close()
             continue
