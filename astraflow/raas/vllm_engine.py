@@ -34,6 +34,7 @@ are the fields of ``VLLMOptions``; an unknown one fails at start naming it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -41,7 +42,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -339,13 +341,40 @@ class VLLMEngine(HFText):
         return result
 
     def close(self) -> None:
-        """Stop vLLM's engine core (the engine cannot be used afterwards)."""
+        """Stop vLLM's engine core (the engine cannot be used afterwards); the other
+        engines of this process go on."""
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(core, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
+            if callable(shutdown):
+                if not _OPEN:
+                    shutdown()
+                else:
+                    _shutdown_keeping_process_groups(shutdown)
+
+
+# Every in-process vLLM engine shares the process's parallel groups (vLLM keeps them in
+# module globals), and an engine core's shutdown destroys them: the engines still open
+# would then fail their next step ("pipeline model parallel group is not initialized").
+# So only the last engine to close tears them down.
+_OPEN: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+_OPEN_LOCK = threading.Lock()
+
+
+def _shutdown_keeping_process_groups(shutdown: Callable[[], None]) -> None:
+    """Run an engine core's ``shutdown`` with vLLM's process-wide teardown reduced to
+    freeing memory, for the engines of this process that remain open."""
+    from vllm.v1.engine import core
+
+    teardown = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *a, **k: gc.collect()  # type: ignore[assignment]
+    try:
+        shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = teardown
 
 
 def _generation(prompt: list[int], out: Any, version: int) -> Generation:
@@ -411,6 +440,8 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
                         shapes=checkpoint_shapes(path), tied=_tied(path), lora=settings,
                         lora_mode=mode, model_dir=path)
     engine.start_seconds = time.perf_counter() - t0
+    with _OPEN_LOCK:
+        _OPEN.add(engine)
     log.info("policy %s: vLLM engine on %s started in %.1fs%s", policy, path,
              engine.start_seconds, f" (LoRA: {mode})" if settings is not None else "")
     return engine

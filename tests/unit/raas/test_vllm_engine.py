@@ -493,6 +493,21 @@ def test_lora_versions_apply_in_place_and_generate_what_peft_does(model_dir, hf,
         eng.close()
 
 
+@needs_vllm
+def test_closing_one_engine_leaves_the_others_of_the_process_working(fresh, model_dir, hf):
+    """vLLM keeps its parallel groups per process and an engine core's shutdown destroys
+    them: an agent node serving two policies, or a test module with engines of its own,
+    must not lose the engines still open when one closes."""
+    from astraflow.raas.vllm_engine import load_vllm_engine
+
+    other = load_vllm_engine(model_dir, "critic", dtype="float32", enforce_eager=True,
+                             max_model_len=256, cpus=1, kv_cache_gib=1)
+    other.close()
+    prompt = fresh.encode(PROMPTS[0])
+    (g,), = fresh.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert g.token_ids == hf_greedy(hf, prompt, 6)
+
+
 def test_a_bad_lora_mode_fails_at_start(tmp_path):
     from astraflow.raas.vllm_engine import VLLMOptions
 
