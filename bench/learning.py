@@ -347,10 +347,14 @@ def trl_base(max_completion_length: int = 8) -> dict[str, Any]:
     best`` follow (``astraflow.models.precision``): on a 2-core AMX Xeon a TRL step of 32
     completions took 7.8 s in bf16 against 11.8 s in fp32 (``--systems trl --no-sweep
     --duration 120``, with ``--trl-option bf16=true`` and ``=false``)."""
+    return {**TRL_BASE, "max_completion_length": max_completion_length, "bf16": cpu_bf16()}
+
+
+def cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (``astraflow.models.precision``'s rule)."""
     from astraflow.models.precision import choose, cpu_flags
 
-    return {**TRL_BASE, "max_completion_length": max_completion_length,
-            "bf16": choose("cpu", cpu_flags(), None).bf16}
+    return choose("cpu", cpu_flags(), None).bf16
 
 
 def parse_trl_options(items: list[str], max_completion_length: int = 8) -> dict[str, list[Any]]:
@@ -1257,7 +1261,7 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         "topology": _shown(args.topology), "reward": args.reward,
         "data": portable_data(data, args.runs_dir),
         # runs on a CPU with native bf16 (dtype best: bf16) and one without do not mix
-        "cpu_bf16": trl_base()["bf16"],
+        "cpu_bf16": cpu_bf16(),
         "sweep": args.sweep, "seed0": args.seed0, "sweep_duration": args.sweep_duration,
         "sweep_metric": args.sweep_metric, "val_size": args.val_size,
         "eval_size": args.eval_size, "duration": args.duration,
