@@ -3,9 +3,11 @@
 Runs ``astraflow up topology/default.yaml`` (or ``--topology``) once per variant for the
 same wall time on the embedded broker: ``passthrough`` (``tasks.source -> tasks``
 unchanged, what the default topology did before admission), ``queue`` (admission bounding
-the trainer's queued batches alone, ``staleness_budget: queue``, the rule before the
-pipeline budget) and ``admission`` (the shipped default: queued batches and tasks in
-flight within the staleness bound together). While each runs it counts
+the trainer's queued batches alone, ``staleness_budget: queue``, the first rule),
+``in_flight`` (queued batches and tasks in flight, ``staleness_budget: in_flight``, the
+rule until 2026-11-28) and ``admission`` (the shipped default, ``pipeline``: queued
+batches, tasks in flight and the groups on their way to the batcher within the
+staleness bound together). While each runs it counts
 every 2 s the data records on ``tasks`` past the RaaS group's committed offsets (tasks in
 flight: queued or being rolled out). Afterwards it reads the run's ``status`` and summary
 and prints, side by side: versions reached, the most and the last tasks in flight, the
@@ -14,8 +16,13 @@ batches the trainer skipped as stale and groups dropped as stale per stage (and 
 1,000 groups the RaaS nodes rolled out), and the held-out accuracy of the last evaluated
 version.
 
+With ``--trace`` it then reads back, from the run's retained topics, why each stale group
+went stale (``stale_trace``); ``--no-eval`` leaves the evaluator out, as
+``bench/learning.py`` runs a topology.
+
     python bench/backpressure.py [--duration 300] [--topology topology/default.yaml]
-        [--variants passthrough,queue,admission] [--out bench/results/backpressure.json]
+        [--variants passthrough,queue,in_flight,admission] [--no-eval] [--trace]
+        [--out bench/results/backpressure.json]
 """
 
 from __future__ import annotations
@@ -42,22 +49,25 @@ from astraflow.config.topology import load_topology  # noqa: E402
 from astraflow.dataflow.admission import RecordCounter  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
 from astraflow.kafka.lag import LagReader, total_lag  # noqa: E402
-from astraflow.wire.records import ComponentStatus  # noqa: E402
+from astraflow.wire.records import Batch, ComponentStatus, Task, WeightManifest  # noqa: E402
 
-VARIANTS = ("passthrough", "queue", "admission")
+VARIANTS = ("passthrough", "queue", "in_flight", "admission")
 
 
 def variant_topology(variant: str, runs_dir: Path,
-                     source: Path = REPO / "topology" / "default.yaml") -> Path:
+                     source: Path = REPO / "topology" / "default.yaml",
+                     evaluate: bool = True) -> Path:
     """``source`` (its processor named ``admission``) as ``variant``, written under
-    ``runs_dir``."""
+    ``runs_dir``; without its ``eval`` section unless ``evaluate``."""
     doc = yaml.safe_load(source.read_text())
     doc["run"] = f"bench-bp-{variant}"
+    if not evaluate:
+        doc.pop("eval", None)
     for spec in doc.get("policies", {}).values():  # paths relative to the repository
         if not Path(spec["model"]).is_absolute():
             spec["model"] = str(REPO / spec["model"])
-    if variant == "queue":
-        doc["processors"]["admission"].setdefault("options", {})["staleness_budget"] = "queue"
+    if variant in ("queue", "in_flight"):
+        doc["processors"]["admission"].setdefault("options", {})["staleness_budget"] = variant
     if variant == "passthrough":
         doc["processors"] = {("forward-tasks" if n == "admission" else n):
                              ({"kind": "passthrough", "inputs": ["tasks.source"],
@@ -106,7 +116,7 @@ class InFlight:
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     from astraflow.launch.runs import start_over
 
-    path = variant_topology(variant, args.runs_dir, args.topology)
+    path = variant_topology(variant, args.runs_dir, args.topology, evaluate=not args.no_eval)
     topo = load_topology(path)
     start_over(topo.run)
     cmd = [sys.executable, "-m", "astraflow.cli.main", "up", str(path), "--keep-broker",
@@ -131,9 +141,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         raise
     finally:
         watch.close()
-    return {**figures(topo, args.runs_dir), "in_flight_max": max(seen, default=0),
-            "in_flight_last": seen[-1] if seen else 0, "waiting_at_source": waiting,
-            "returncode": proc.returncode}
+    out = {**figures(topo, args.runs_dir), "in_flight_max": max(seen, default=0),
+           "in_flight_last": seen[-1] if seen else 0, "waiting_at_source": waiting,
+           "returncode": proc.returncode}
+    if args.trace:
+        out["trace"] = {p: stale_trace(topo, p) for p in topo.policies}
+    return out
 
 
 def figures(topo, runs_dir: Path) -> dict[str, Any]:
@@ -150,8 +163,8 @@ def figures(topo, runs_dir: Path) -> dict[str, Any]:
     target = [s.metrics["admission/bound_pool"] for s in last.values()
               if "admission/bound_pool" in s.metrics]
     busy = trainer.busy_s + trainer.waiting_s
-    return {"versions": actor["version"], "eval_accuracy": actor["eval_accuracy"],
-            "eval_version": actor["eval_version"],
+    return {"versions": actor["version"], "eval_accuracy": actor.get("eval_accuracy"),
+            "eval_version": actor.get("eval_version"),
             "trainer_waiting": trainer.waiting_s / busy if busy else None,
             "stale_skipped_batches": trainer.metrics.get("trainer/stale_skipped_batches", 0.0),
             "dropped_by_stage": summary.get("staleness_dropped_by_stage", {}),
@@ -159,6 +172,56 @@ def figures(topo, runs_dir: Path) -> dict[str, Any]:
             "dropped_per_1000": 1000 * dropped / rolled_out if rolled_out else None,
             "target_last": target[0] if target else None,
             "tasks_in_flight": summary.get("tasks_in_flight", {})}
+
+
+def stale_trace(topo, policy: str = "actor") -> dict[str, Any]:
+    """Why groups went stale, read back from the run's retained topics.
+
+    For every group the trainer received (``batches.<policy>``): the oldest version its
+    tokens were sampled from, the version it was trained from (that of the trainer after
+    the last batch before it that made a version) and the newest version published when
+    its task was admitted (the ``tasks`` record's timestamp against the manifests'). A
+    group staler than ``max_staleness`` was sampled from a version older than that
+    admission version (``engine_behind``: versions the node's engine lagged) or trained
+    more versions after its admission than the bound (``admitted_too_deep``)."""
+    config = topo.kafka.effective()
+    bound = topo.policies[policy].max_staleness
+    admitted = {r.record.task_id: r.timestamp_ms for r in read_all(
+        config, topo.full_name("tasks"), expect=Task, idle_s=2.0, timeout_s=120)}
+    manifests = sorted((r.record for r in read_all(
+        config, topo.full_name(f"weights.{policy}"), expect=WeightManifest, idle_s=2.0,
+        timeout_s=120)), key=lambda m: m.version)
+    made_by = sorted((int(m.meta["batch_offset"]), m.version) for m in manifests
+                     if "batch_offset" in m.meta)
+    published = [(m.created_at_ms, m.version) for m in manifests]
+    rows = []
+    for r in read_all(config, topo.full_name(f"batches.{policy}"), expect=Batch, idle_s=2.0,
+                      timeout_s=300):
+        before = [v for off, v in made_by if off < r.offset]
+        trained_from = max(before, default=min((v for _, v in published), default=0))
+        for g in r.record.groups:
+            versions = [v for s in g.sequences if s.policy == policy for v in s.versions
+                        if v >= 0]
+            if not versions or g.task_id not in admitted:
+                continue
+            at = admitted[g.task_id]
+            latest = max((v for t, v in published if t <= at), default=0)
+            rows.append((trained_from - min(versions), latest - min(versions),
+                         trained_from - latest))
+    stale = [r for r in rows if r[0] > bound]
+    return {"groups": len(rows), "stale": len(stale), "max_staleness": bound,
+            "engine_behind": sum(1 for r in stale if r[1] > 0),
+            "admitted_too_deep": sum(1 for r in stale if r[2] > bound),
+            "staleness_histogram": _histogram(r[0] for r in rows),
+            "engine_lag_histogram": _histogram(r[1] for r in rows),
+            "depth_histogram": _histogram(r[2] for r in rows)}
+
+
+def _histogram(values) -> dict[str, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return {str(k): out[k] for k in sorted(out)}
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -200,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology", type=Path, default=REPO / "topology" / "default.yaml")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    p.add_argument("--no-eval", action="store_true",
+                   help="leave the evaluator out (as bench/learning.py runs a topology): "
+                        "the two cores go to rollouts and training alone")
+    p.add_argument("--trace", action="store_true",
+                   help="afterwards, read back from the retained topics why groups went "
+                        "stale (stale_trace)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {}

@@ -40,10 +40,13 @@ class AdmissionOptions(BaseModel):
                                         "max_staleness for the policy, else 4")
     max_trainer_lag: int | None = Field(
         default=None, ge=0, description="trainer bound in batches, overrides max_staleness")
-    staleness_budget: Literal["pipeline", "queue"] = Field(
-        default="pipeline", description="pipeline: the batches queued for a trainer and the "
-        "tasks in flight (in batches of its batcher's batch_size) together stay within "
-        "its bound, so no admitted task grows stale; queue: the queued batches alone")
+    staleness_budget: Literal["pipeline", "in_flight", "queue"] = Field(
+        default="pipeline", description="pipeline: the batches queued for a trainer, the "
+        "tasks in flight and the groups on their way to its batcher (in batches of its "
+        "batcher's fresh groups) together stay within its bound, so no admitted task grows "
+        "stale; in_flight: the same without the groups on their way (reads no lag of the "
+        "processors between nodes and batcher; the rule before 2026-11-28); queue: the "
+        "queued batches alone")
     poll_interval_s: float = Field(default=0.5, gt=0, le=10, description="lag read period")
     max_held: int = Field(default=1000, ge=1, description="pause the input beyond this")
     route: Literal["least_lag", "key"] = Field(

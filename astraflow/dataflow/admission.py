@@ -19,24 +19,29 @@ only while two consumer-group lags stay within their bounds:
   trained, so a task admitted while ``L`` batches wait is at least ``L`` versions stale
   when trained; beyond ``max_staleness`` its group would be dropped. Bound:
   ``max_staleness`` batches. With the trainer's batch size ``B`` known (its batcher's
-  ``batch_size``; ``staleness_budget: pipeline``, the default) the tasks in flight count
-  too: the ``P`` tasks in flight and at most ``B - 1`` groups waiting in the batcher
-  fill batches ahead of (or with) a new task's, so it is admitted only while
-  ``P + 1 <= (max_staleness - L) x B``: nothing admitted can grow
-  staler than the bound before it is trained (short of a RaaS node still sampling from
-  a version the trainer has passed). ``queue`` bounds ``L`` alone: more tasks in flight,
-  and the stale drops that come with them.
+  ``batch_size``, less the replayed groups a batch may hold; ``staleness_budget:
+  pipeline``, the default) the groups ahead of a new task's count too: the ``P`` tasks in
+  flight, and the ``T`` groups rolled out but not yet in a batch (records past the
+  committed offsets of the processors between ``trajectories.raw`` and
+  ``batches.<policy>``, the batcher's held groups among them). They fill
+  ``floor((P + T) / B)`` batches ahead of the new task's, so it is admitted only while
+  ``P + T + 1 <= (max_staleness - L + 1) x B``: nothing admitted is trained from a
+  version more than ``max_staleness`` past the newest one published when it was
+  admitted, which is the oldest its node samples from (a node brings its engine to the
+  newest version before each rollout). ``queue`` bounds ``L`` alone: more tasks in
+  flight, and the stale drops that come with them.
 
 Lags are counted in records, not offsets: every committed Kafka transaction leaves a
-control marker in each partition it wrote, which offset lag counts as one more record. A
-side reader (``RecordCounter``) follows ``tasks`` and ``batches.*`` without a group and
-remembers where the data records are. The decision itself (``AdmissionPolicy``) is plain
-logic; ``LagObserver`` reads Kafka; ``Admission`` is the processor joining them. Lags are
-read every ``poll_interval_s`` (0.5 s), and tasks are admitted only right after a read,
-so each decision sees everything admitted before it. Each admitted task goes to the
-partition of ``tasks`` whose queue clears first at its node's measured rate, once every
-partition has a task running and one waiting (``lag_target.route_by_wait``), so pools
-sharing the group get tasks in proportion to their throughput and a slow pool holds few.
+control marker in each partition it wrote, which offset lag counts as one more record.
+Side readers (``RecordCounter``) follow ``tasks``, the topics on the way to the batchers
+and ``batches.*`` without a group and remember where the data records are. The decision
+itself (``AdmissionPolicy``) is plain logic; ``LagObserver`` reads Kafka; ``Admission``
+is the processor joining them. Lags are read every ``poll_interval_s`` (0.5 s), and
+tasks are admitted only right after a read, so each decision sees everything admitted
+before it. Each admitted task goes to the partition of ``tasks`` whose queue clears first
+at its node's measured rate, once every partition has a task running and one waiting
+(``lag_target.route_by_wait``), so pools sharing the group get tasks in proportion to
+their throughput and a slow pool holds few.
 
 When more than ``max_held`` tasks wait, the processor asks the runtime to pause its input
 and resumes it below half of that.
@@ -48,6 +53,7 @@ headroom.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import time
@@ -67,7 +73,8 @@ from astraflow.dataflow.base import (
     SideAccess,
 )
 from astraflow.dataflow.lag_target import LagTargets, route_by_wait
-from astraflow.kafka.config import ADMISSION_GROUP
+from astraflow.dataflow.versions import LatestVersions
+from astraflow.kafka.config import ADMISSION_GROUP, TABLE_GROUP
 from astraflow.kafka.lag import LagReader, PartitionLag
 
 log = logging.getLogger("astraflow.admission")
@@ -109,11 +116,13 @@ class AdmissionPolicy:
 
     def decide(self, pool_in_flight: dict[str, dict[int, int]], trainer_lag: dict[str, int],
                waiting: int, rates: dict[int, float] | None = None,
-               caps: dict[int, int] | None = None) -> AdmissionDecision:
+               caps: dict[int, int] | None = None,
+               transit: dict[str, int] | None = None) -> AdmissionDecision:
         """``pool_in_flight``: group -> partition -> tasks in flight; ``trainer_lag``:
         policy -> batches queued; ``waiting``: tasks held here; ``rates``: partition ->
         measured service rate, and ``caps``: partition -> most tasks it may hold, for
-        routing (one group only)."""
+        routing (one group only); ``transit``: policy -> groups rolled out but not yet in
+        one of its batches (None, or a policy missing: not known)."""
         for policy, bound in sorted(self.trainer_bounds.items()):
             lag = trainer_lag.get(policy, 0)
             if lag > bound:
@@ -127,7 +136,7 @@ class AdmissionPolicy:
             return AdmissionDecision(0, [], "holding",
                                      f"pool {pool}: {total}/{self.pool_bounds[pool]} in flight",
                                      headroom)
-        budget, why = self._staleness_room(pool_in_flight, trainer_lag)
+        budget, why = self._staleness_room(pool_in_flight, trainer_lag, transit)
         if budget <= 0:
             return AdmissionDecision(0, [], "holding", why, headroom)
         n = min(waiting, headroom, budget)
@@ -138,19 +147,28 @@ class AdmissionPolicy:
         return AdmissionDecision(len(partitions), partitions, "admitting", "", headroom)
 
     def _staleness_room(self, pool_in_flight: dict[str, dict[int, int]],
-                        trainer_lag: dict[str, int]) -> tuple[int, str]:
+                        trainer_lag: dict[str, int],
+                        transit: dict[str, int] | None) -> tuple[int, str]:
         """Tasks that may still be admitted before one of them could be trained staler than
-        its trainer's bound: ``(max_staleness - L) x B - P`` for the tightest trainer (P:
-        tasks in flight in every pool), and why it holds when that is 0 or less."""
+        its trainer's bound, for the tightest trainer, and why it holds when that is 0 or
+        less (``P``: tasks in flight in every pool; the module doc): with the groups on
+        their way to its batcher known (``transit``), ``(max_staleness - L + 1) x B - P -
+        T``, else ``(max_staleness - L) x B - P``."""
         in_flight = sum(sum(parts.values()) for parts in pool_in_flight.values())
         room, why = math.inf, ""
         for policy, batch in sorted(self.trainer_batches.items()):
             bound, lag = self.trainer_bounds[policy], trainer_lag.get(policy, 0)
-            r = (bound - lag) * batch - in_flight
+            if transit is not None and policy in transit:
+                moving = transit[policy]
+                r = (bound - lag + 1) * batch - in_flight - moving
+                said = f"{in_flight} tasks in flight and {moving} groups on their way"
+            else:
+                r = (bound - lag) * batch - in_flight
+                said = f"{in_flight} tasks in flight"
             if r < room:
                 room = r
-                why = (f"trainer {policy}: {lag} batches queued and {in_flight} tasks in "
-                       f"flight fill its {bound} versions of {batch} groups")
+                why = (f"trainer {policy}: {lag} batches queued and {said} fill its {bound} "
+                       f"versions of {batch} groups")
         return (room if room != math.inf else 1 << 30), why
 
     def _headroom(self, pool_in_flight: dict[str, dict[int, int]]) -> tuple[int, str]:
@@ -239,17 +257,50 @@ def max_staleness_of(topology: Any, policy: str) -> int | None:
 
 
 def trainer_batches(topology: Any, options: AdmissionOptions) -> dict[str, int]:
-    """Policy -> groups per batch (its batcher's ``batch_size``) for the staleness budget
-    that counts tasks in flight; empty with ``staleness_budget: queue``. A policy whose
-    batcher is not in the topology keeps the queue bound alone."""
-    if options.staleness_budget != "pipeline":
+    """Policy -> fresh groups per batch (its batcher's ``batch_size``, less the replayed
+    groups a batch may hold) for the staleness budget that counts tasks in flight; empty
+    with ``staleness_budget: queue``. A policy whose batcher is not in the topology keeps
+    the queue bound alone."""
+    if options.staleness_budget == "queue":
         return {}
     out = {}
     for spec in topology.processors.values():
         opts = spec.options
         if spec.kind == "batcher" and opts.get("batch_size"):
-            out[opts.get("policy", "actor")] = int(opts["batch_size"])
+            size = int(opts["batch_size"])
+            replayed = math.floor(float(opts.get("replay_ratio", 0.0)) * size + 1e-9)
+            out[opts.get("policy", "actor")] = max(1, size - replayed)
     return out
+
+
+def transit_inputs(topology: Any, policy: str) -> list[tuple[str, str]]:
+    """``(input topic, consumer group)`` of every processor between the RaaS nodes'
+    ``trajectories.raw`` and ``batches.<policy>`` (logical topic names): the records
+    past those groups' committed offsets are the groups rolled out for ``policy`` and not
+    yet in one of its batches (a record that is another policy's, or that a filter will
+    drop, counts too: the count errs towards admitting less)."""
+    procs = topology.processors
+    reached, todo = {"trajectories.raw"}, ["trajectories.raw"]
+    while todo:  # the topics the nodes' groups can reach
+        topic = todo.pop()
+        for spec in procs.values():
+            if topic in spec.inputs:
+                for out in spec.outputs:
+                    if out not in reached:
+                        reached.add(out)
+                        todo.append(out)
+    feeds, todo = {f"batches.{policy}"}, [f"batches.{policy}"]
+    while todo:  # the topics that can reach the policy's batches
+        topic = todo.pop()
+        for spec in procs.values():
+            if topic in spec.outputs:
+                for src in spec.inputs:
+                    if src not in feeds:
+                        feeds.add(src)
+                        todo.append(src)
+    return [(t, topology.group_of(name)) for name, spec in procs.items()
+            if any(o in feeds for o in spec.outputs)
+            for t in spec.inputs if t in reached and t in feeds]
 
 
 def trainer_bounds(topology: Any, options: AdmissionOptions) -> dict[str, int]:
@@ -377,6 +428,8 @@ class Observation:
     pool_done: dict[str, dict[int, int]] = field(default_factory=dict)
     # log-end offset of each partition of ``tasks`` (empty: not known)
     tasks_end: dict[int, int] = field(default_factory=dict)
+    # policy -> groups rolled out and not yet in one of its batches (absent: not counted)
+    trainer_transit: dict[str, int] = field(default_factory=dict)
 
 
 class LagSource(Protocol):
@@ -388,20 +441,33 @@ class LagSource(Protocol):
 
 
 class LagObserver:
-    """Reads the pools' lag on ``tasks`` and the trainers' lag on ``batches.<policy>``.
+    """Reads the pools' lag on ``tasks``, the groups on their way to each trainer's batcher
+    and the trainers' lag on ``batches.<policy>``.
 
     ``pool_groups``: pool -> consumer group; ``trainer_topics``: policy -> (topic, group);
-    topic names are full (with the run prefix).
+    ``transit_topics``: policy -> the (topic, group) of each processor between the nodes
+    and its batches (``transit_inputs``); topic names are full (with the run prefix).
+    ``published``: the newest manifest per policy; a trainer's batches are then counted
+    from the offsets its newest published version had consumed where those are behind
+    its committed ones: a trainer that writes a version while it trains the next batch
+    (``publish_overlap``) commits that batch before the version is visible, and the batch
+    still becomes a version after it.
     """
 
     def __init__(self, config: Any, tasks_topic: str, pool_groups: dict[str, str],
-                 trainer_topics: dict[str, tuple[str, str]]):
+                 trainer_topics: dict[str, tuple[str, str]],
+                 transit_topics: dict[str, list[tuple[str, str]]] | None = None,
+                 published: LatestVersions | None = None):
+        self.published = published
         self.tasks_topic = tasks_topic
         self.pool_groups = pool_groups
         self.trainer_topics = trainer_topics
+        self.transit_topics = {p: ts for p, ts in (transit_topics or {}).items() if ts}
         self.reader = LagReader(config)
         self.tasks = RecordCounter(config, "admission-tasks")
         self.batches = RecordCounter(config, "admission-batches") if trainer_topics else None
+        self.transit = (RecordCounter(config, "admission-transit") if self.transit_topics
+                        else None)
         # tasks each pool group, batches each trainer committed so far, per partition; and
         # the committed offsets they were counted up to
         self._pool_done: dict[str, dict[int, int]] = {}
@@ -409,8 +475,14 @@ class LagObserver:
         self._committed: dict[tuple[str, str, int], int] = {}  # (kind, name, partition)
 
     def observe(self) -> Observation:
+        # upstream first: a record that moves on between two reads is counted twice (the
+        # count errs towards admitting less), never missed
         pool_rows = {pool: self.reader.lag(g, [self.tasks_topic])
                      for pool, g in self.pool_groups.items()}
+        transit_rows = {(policy, g, t): self.reader.lag(g, [t])
+                        for policy, ts in self.transit_topics.items() for t, g in ts}
+        if self.published is not None:  # before the commits: its offsets err low
+            self.published.refresh()
         trainer_rows = {policy: self.reader.lag(g, [t])
                         for policy, (t, g) in self.trainer_topics.items()}
         # everything written up to now is read before a floor moves past it: records made
@@ -423,7 +495,12 @@ class LagObserver:
         if self.batches:
             self._count_done(self.batches, "trainer", trainer_rows, self._trainer_done)
         in_flight = self._count(self.tasks, pool_rows)
-        batches = self._count(self.batches, trainer_rows) if self.batches else {}
+        batches = (self._count(self.batches, self._from_published(trainer_rows))
+                   if self.batches else {})
+        transit: dict[str, int] = {}
+        if self.transit:
+            for (policy, _g, _t), n in self._count(self.transit, transit_rows).items():
+                transit[policy] = transit.get(policy, 0) + sum(n.values())
         return Observation(
             pool_in_flight=in_flight,
             trainer_lag={policy: sum(parts.values()) for policy, parts in batches.items()},
@@ -432,7 +509,25 @@ class LagObserver:
             trainer_consumed={p: sum(parts.values()) for p, parts in self._trainer_done.items()},
             pool_done={label: dict(parts) for label, parts in self._pool_done.items()},
             tasks_end={r.partition: r.end_offset for rows in pool_rows.values() for r in rows},
+            trainer_transit=transit,
         )
+
+    def _from_published(self, rows: dict[str, list[PartitionLag]]
+                        ) -> dict[str, list[PartitionLag]]:
+        """``rows`` with each committed offset lowered to where the policy's newest
+        published version had consumed, where that is lower."""
+        if self.published is None:
+            return rows
+        out = {}
+        for policy, rs in rows.items():
+            manifest = self.published.manifest(policy)
+            done = {(o.topic, o.partition): o.offset
+                    for o in (manifest.consumed_offsets if manifest else [])}
+            out[policy] = [
+                dataclasses.replace(r, committed=done[(r.topic, r.partition)])
+                if r.committed is not None and done.get((r.topic, r.partition), r.committed)
+                < r.committed else r for r in rs]
+        return out
 
     def _count_done(self, counter: RecordCounter, kind: str,
                     rows: dict[str, list[PartitionLag]], done: dict[str, dict[int, int]]
@@ -453,8 +548,8 @@ class LagObserver:
                                                           r.committed)
 
     @staticmethod
-    def _count(counter: RecordCounter, rows: dict[str, list[PartitionLag]]
-               ) -> dict[str, dict[int, int]]:
+    def _count(counter: RecordCounter, rows: dict[Any, list[PartitionLag]]
+               ) -> dict[Any, dict[int, int]]:
         def committed(r: PartitionLag) -> int:
             return r.committed if r.committed is not None else r.start_offset
 
@@ -472,8 +567,11 @@ class LagObserver:
     def close(self) -> None:
         self.reader.close()
         self.tasks.close()
-        if self.batches:
-            self.batches.close()
+        if self.published is not None:
+            self.published.close()
+        for counter in (self.batches, self.transit):
+            if counter:
+                counter.close()
 
 
 # --- the processor ----------------------------------------------------------------------
@@ -512,16 +610,25 @@ class Admission(Processor):
 
     def side_access(self, topology: Any) -> SideAccess:
         """It counts the records of its output (``tasks``) and of the watched trainers'
-        ``batches.<policy>``, and reads the lag of the pools' and those trainers' groups."""
+        ``batches.<policy>``, and reads the lag of the pools' and those trainers' groups;
+        with the ``pipeline`` budget also the records and lag on the way from the nodes to
+        the batchers, and the policies' newest manifests (``weights.<policy>``)."""
         policy = self.policy or _policy(topology, self.options)
         groups = {g.label: g.group for g in task_groups(topology, self.options)}
         trainers = list(policy.trainer_bounds)
+        transit = [tg for p in policy.trainer_batches if self._counts_transit()
+                   for tg in transit_inputs(topology, p)]
         return SideAccess(
-            reads=(self.outputs[0], *(f"batches.{p}" for p in trainers)),
-            lag_groups=(*dict.fromkeys(groups.get(label, topology.raas_group(label))
-                                       for label in policy.pool_bounds),
-                        *(topology.trainer_group(p) for p in trainers)),
-            reader_groups=(ADMISSION_GROUP,))
+            reads=tuple(dict.fromkeys((
+                self.outputs[0], *(f"batches.{p}" for p in trainers), *(t for t, _ in transit),
+                *(f"weights.{p}" for p in policy.trainer_batches
+                  if f"weights.{p}" in topology.topics and self._counts_transit())))),
+            lag_groups=tuple(dict.fromkeys((
+                *(groups.get(label, topology.raas_group(label))
+                  for label in policy.pool_bounds),
+                *(g for _, g in transit),
+                *(topology.trainer_group(p) for p in trainers)))),
+            reader_groups=(ADMISSION_GROUP, TABLE_GROUP))
 
     def open(self, context: ProcessorContext) -> None:
         topo = context.topology
@@ -536,17 +643,33 @@ class Admission(Processor):
                 {label: by_label.get(label, topo.raas_group(label))
                  for label in self.policy.pool_bounds},
                 {p: (topo.full_name(f"batches.{p}"), f"{topo.run}.trainer.{p}")
-                 for p in self.policy.trainer_bounds})
+                 for p in self.policy.trainer_bounds},
+                {p: [(topo.full_name(t), g) for t, g in transit_inputs(topo, p)]
+                 for p in self.policy.trainer_batches if self._counts_transit()},
+                self._published(context))
         capacity = {g.label: g.capacity for g in groups}
         o = self.options
         self.targets = LagTargets(
             {label: capacity.get(label, 1) for label in self.policy.pool_bounds},
             self.policy.trainer_bounds, o.queue_factor, o.poll_interval_s, o.max_queue_s,
             fixed=dict(self.policy.pool_bounds) if o.max_pool_lag is not None else None)
-        log.info("%s: groups %s, initial pool bounds %s, trainer bounds %s, batch sizes %s",
-                 context.component_id, {g.label: g.group for g in groups},
-                 self.policy.pool_bounds, self.policy.trainer_bounds,
-                 self.policy.trainer_batches)
+        log.info("%s: groups %s, initial pool bounds %s, trainer bounds %s, batch sizes %s, "
+                 "groups on their way counted on %s", context.component_id,
+                 {g.label: g.group for g in groups}, self.policy.pool_bounds,
+                 self.policy.trainer_bounds, self.policy.trainer_batches,
+                 {p: [t for t, _ in transit_inputs(topo, p)]
+                  for p in self.policy.trainer_batches if self._counts_transit()})
+
+    def _counts_transit(self) -> bool:
+        return self.options.staleness_budget == "pipeline"
+
+    def _published(self, context: ProcessorContext) -> LatestVersions | None:
+        """The newest manifests of the policies whose staleness budget counts the whole
+        pipeline (those whose weights topic the topology has)."""
+        topo = context.topology
+        topics = {p: topo.full_name(f"weights.{p}") for p in self.policy.trainer_batches
+                  if f"weights.{p}" in topo.topics and self._counts_transit()}
+        return LatestVersions(context.config, context.codec, topics) if topics else None
 
     def close(self) -> None:
         if self.lags is not None:
@@ -584,7 +707,7 @@ class Admission(Processor):
         for label, bound in self.policy.pool_bounds.items():
             self.peak_bounds[label] = max(bound, self.peak_bounds.get(label, 0))
         d = self.policy.decide(self._with_unseen(self.last), self.last.trainer_lag,
-                               len(self.held), rates, caps)
+                               len(self.held), rates, caps, self.last.trainer_transit)
         self.decision = d
         if d.state != was:
             if d.state == "holding":
@@ -696,4 +819,6 @@ class Admission(Processor):
             for p in tb:
                 out[f"admission/trainer_lag/{p}"] = float(lag[p])
                 out[f"admission/bound_trainer/{p}"] = float(tb[p])
+            for p, n in sorted(obs.trainer_transit.items()):
+                out[f"admission/transit/{p}"] = float(n)
         return out

@@ -46,9 +46,13 @@ class LatestVersions:
 
     def latest(self, policy: str) -> int | None:
         """The highest version published for ``policy`` (None: none yet)."""
-        table = self.tables.get(policy)
-        manifest = table.get(policy) if table is not None else None
+        manifest = self.manifest(policy)
         return manifest.version if manifest is not None else None
+
+    def manifest(self, policy: str) -> WeightManifest | None:
+        """The manifest of the highest version published for ``policy`` (None: none yet)."""
+        table = self.tables.get(policy)
+        return table.get(policy) if table is not None else None
 
     def close(self) -> None:
         """Close the readers."""

@@ -8,6 +8,8 @@
 2. A trainer behind on ``batches.<policy>`` holds admission until it catches up.
 3. Replayed groups never violate the staleness bound, checked from what was published:
    the batches topic against the manifests on the weights topic.
+4. The lag observer counts the groups on their way to a batcher and the batches that are
+   still to become versions past the newest published one.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from collections import Counter
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from astraflow.dataflow.admission import LagObserver, transit_inputs
 from astraflow.dataflow.base import ProcessorContext
 from astraflow.dataflow.batcher import Batcher, BatcherOptions
 from astraflow.dataflow.runtime import ProcessorRuntime
+from astraflow.dataflow.versions import LatestVersions
 from astraflow.kafka.clients import RecordProducer, make_codec_for, read_all
 from astraflow.kafka.lag import LagReader, total_lag
-from astraflow.wire.records import Batch, ComponentStatus, Task, WeightManifest
-from tests.conftest import wait_for
+from astraflow.wire.records import Batch, ComponentStatus, PartitionOffset, Task, WeightManifest
+from tests.conftest import random_name, wait_for
 from tests.kafka.test_processors import group, manifest, run_in_thread, seq
 
 
@@ -437,3 +441,68 @@ def test_admission_in_front_of_a_real_raas_node(kafka_config, kafka_bootstrap, m
         thread.join(30)
         follower.close()
         lags.close()
+
+
+def test_the_observer_counts_groups_on_their_way_and_batches_not_yet_published(
+        kafka_config, make_topology):
+    """Groups past the committed offsets of the processors between the nodes and the
+    batcher count in records (transaction markers left out), and a trainer's batches
+    count from where its newest published version had consumed when that is behind its
+    commits (a trainer that writes a version while it trains the next batch)."""
+    one = {"partitions": 1}
+    topo, _ = make_topology(
+        topics={"tasks": one, "trajectories.raw": one, "trajectories": one,
+                "samples.actor": one, "batches.actor": one, "weights.actor": one},
+        processors={
+            "staleness": {"kind": "staleness_filter", "inputs": ["trajectories.raw"],
+                          "outputs": ["trajectories"]},
+            "router": {"kind": "router", "inputs": ["trajectories"],
+                       "outputs": ["samples.actor"]},
+            "batcher": {"kind": "batcher", "inputs": ["samples.actor"],
+                        "outputs": ["batches.actor"], "options": {"batch_size": 4}}})
+    full = topo.full_name
+    producer = RecordProducer(kafka_config, transactional_id=random_name("tx"))
+    for topic, n in (("trajectories.raw", 5), ("samples.actor", 2), ("batches.actor", 3)):
+        producer.begin()  # one transaction each: a marker after the records
+        for i in range(n):
+            record = (Batch(policy="actor", batch_id=f"b{i}", groups=[])
+                      if topic == "batches.actor" else group(f"{topic}-{i}"))
+            producer.produce(full(topic), record, key=f"k{i}")
+        producer.commit()
+
+    def commit(group_id: str, topic: str, offset: int) -> None:
+        c = Consumer(kafka_config.consumer_conf(group_id))
+        c.commit(offsets=[TopicPartition(full(topic), 0, offset)], asynchronous=False)
+        c.close()
+
+    commit(topo.group_of("staleness"), "trajectories.raw", 2)  # 3 left on the way
+    commit(topo.trainer_group("actor"), "batches.actor", 2)  # b2 being trained
+    transit = {"actor": [(full(t), g) for t, g in transit_inputs(topo, "actor")]}
+    trainers = {"actor": (full("batches.actor"), topo.trainer_group("actor"))}
+    versions = LatestVersions(kafka_config, make_codec_for(kafka_config),
+                              {"actor": full("weights.actor")})
+    observer = LagObserver(kafka_config, full("tasks"), {"local": topo.raas_group("local")},
+                           trainers, transit, versions)
+    try:
+        # until its side readers have read a range, it counts the range in full (markers
+        # too): an upper bound, then exact
+        first = observer.observe()
+        assert first.trainer_transit["actor"] >= 3 + 2 and first.trainer_lag["actor"] >= 1
+        wait_for(lambda: observer.observe().trainer_transit == {"actor": 3 + 2}, 20,
+                 "the groups on their way counted exactly")
+        # nothing published consumed anything yet: the batches past the trainer's commit
+        assert observer.observe().trainer_lag == {"actor": 1}
+        published = manifest("actor", 7)
+        published.consumed_offsets = [PartitionOffset(full("batches.actor"), 0, 1)]
+        producer.begin()
+        producer.produce(full("weights.actor"), published, key="actor")
+        producer.commit()
+        # b1 was committed before version 7 (made from b0) became visible: it still
+        # becomes a version after 7
+        wait_for(lambda: observer.observe().trainer_lag == {"actor": 2}, 20,
+                 "the batches past version 7's offsets counted")
+        commit(topo.group_of("batcher"), "samples.actor", 1)  # one taken into a batch
+        wait_for(lambda: observer.observe().trainer_transit == {"actor": 3 + 1}, 20,
+                 "the batcher's commit counted")
+    finally:
+        observer.close()

@@ -18,6 +18,7 @@ from astraflow.dataflow.admission import (
     task_groups,
     trainer_batches,
     trainer_bounds,
+    transit_inputs,
 )
 from astraflow.dataflow.batcher import Batcher, BatcherOptions, ReplayBuffer
 from astraflow.dataflow.versions import StaticVersions
@@ -190,13 +191,81 @@ def test_the_staleness_budget_counts_tasks_in_flight_with_the_queued_batches():
     assert d.admit == 1 and d.state == "admitting"  # verifier: (2 - 1) x 4 - 3
 
 
+def test_groups_on_their_way_to_the_batcher_count_and_free_the_batch_they_will_fill():
+    # max_staleness 2, 4 groups a batch, 1 batch queued: the new task's group is trained
+    # from a version L + floor((P + T) / B) past the newest, so P + T + 1 <= (2 - 1 + 1) x 4
+    policy = AdmissionPolicy({"local": 100}, {"actor": 2}, trainer_batches={"actor": 4})
+    d = policy.decide({"local": {0: 3}}, {"actor": 1}, waiting=9, transit={"actor": 0})
+    assert d.admit == 5  # 3 + 0 + 5 = 8: one batch more than without the count
+    d = policy.decide({"local": {0: 3}}, {"actor": 1}, waiting=9, transit={"actor": 4})
+    assert d.admit == 1  # a whole batch on its way holds a version of the budget
+    d = policy.decide({"local": {0: 3}}, {"actor": 1}, waiting=9, transit={"actor": 5})
+    assert d.admit == 0 and d.state == "holding"
+    assert d.reason == ("trainer actor: 1 batches queued and 3 tasks in flight and 5 groups "
+                        "on their way fill its 2 versions of 4 groups")
+    # the worst case it guards: each admitted task's group lands at most max_staleness
+    # batches past the newest version, whatever the split between P and T
+    for queued in range(3):
+        for p in range(9):
+            for t in range(9):
+                n = policy.decide({"local": {0: p}}, {"actor": queued}, waiting=20,
+                                  transit={"actor": t}).admit
+                for k in range(n):  # the k-th admitted has p + t + k groups ahead
+                    assert queued + (p + t + k) // 4 <= 2
+                if n == 0 and queued <= 2:  # and one more would have been too many
+                    assert queued + (p + t) // 4 > 2
+    # a policy whose groups on their way are not known keeps the rule without them
+    d = policy.decide({"local": {0: 3}}, {"actor": 1}, waiting=9, transit={"other": 0})
+    assert d.admit == 1  # (2 - 1) x 4 - 3
+
+
+def test_the_groups_on_their_way_are_read_on_every_processor_between_nodes_and_batches():
+    topo = load_topology(REPO / "topology" / "solver-verifier.yaml")
+    run = topo.run
+    assert transit_inputs(topo, "verifier") == [
+        ("trajectories.raw", f"{run}.staleness"), ("trajectories", f"{run}.router"),
+        ("samples.verifier", f"{run}.balance-verifier"),
+        ("samples.verifier.balanced", f"{run}.batcher-verifier")]
+    assert transit_inputs(topo, "solver") == [
+        ("trajectories.raw", f"{run}.staleness"), ("trajectories", f"{run}.router"),
+        ("samples.solver", f"{run}.batcher-solver")]
+    # the processors before the nodes (admission) are not on the way
+    assert all(t != "tasks.source" for t, _ in transit_inputs(topo, "solver"))
+    assert transit_inputs(topo, "nobody") == []
+
+
+def test_replayed_groups_leave_fewer_fresh_groups_a_batch_for_the_budget():
+    topo = load_topology(REPO / "topology" / "replay.yaml")
+    (spec,) = [s for s in topo.processors.values() if s.kind == "batcher"]
+    size, ratio = spec.options["batch_size"], spec.options["replay_ratio"]
+    assert trainer_batches(topo, AdmissionOptions()) == {"actor": size - int(ratio * size)}
+
+
 def test_the_pipeline_budget_takes_each_policys_batch_size_from_its_batcher():
     topo = load_topology(REPO / "topology" / "smollm2-solver-verifier.yaml")
     batchers = {s.options["policy"]: s.options["batch_size"]
                 for s in topo.processors.values() if s.kind == "batcher"}
     assert len(batchers) == 2
     assert trainer_batches(topo, AdmissionOptions()) == batchers
+    assert trainer_batches(topo, AdmissionOptions(staleness_budget="in_flight")) == batchers
     assert trainer_batches(topo, AdmissionOptions(staleness_budget="queue")) == {}
+
+
+@pytest.mark.parametrize("budget", ["pipeline", "in_flight"])
+def test_only_the_pipeline_budget_reads_the_lag_on_the_way_to_the_batchers(budget):
+    topo = load_topology(REPO / "topology" / "smollm2.yaml")
+    spec = topo.processors["admission"]
+    admission = Admission("admission", spec.inputs, spec.outputs,
+                          AdmissionOptions(staleness_budget=budget))
+    side = admission.side_access(topo)
+    on_the_way = {topo.group_of(p) for p in ("staleness", "router", "batcher")}
+    assert set(side.lag_groups) >= {topo.raas_group("local"), topo.trainer_group("actor")}
+    if budget == "pipeline":
+        assert on_the_way <= set(side.lag_groups)
+        assert {"trajectories.raw", "samples.actor", "weights.actor"} <= set(side.reads)
+    else:
+        assert not on_the_way & set(side.lag_groups)
+        assert set(side.reads) == {"tasks", "batches.actor"}
 
 
 def test_admission_every_pool_must_have_room():

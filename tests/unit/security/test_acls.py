@@ -98,10 +98,14 @@ def test_each_component_reads_only_its_own_group_and_transactional_prefix():
     assert txn["trainer.verifier"] == {("solver-verifier.trainer.verifier.", "WRITE"),
                                        ("solver-verifier.trainer.verifier.", "DESCRIBE")}
     assert txn["feeder"] == set() and txn["eval.solver"] == set()
-    # the admission reads the lag of the pool's and the trainers' groups, nothing else
+    # the admission reads the lag of the pool's, the trainers' and the groups of the
+    # processors between them (groups on their way to a batch), nothing else
     lag = {a.name for a in comps["processor.admission"].acls if a.why == "reads its lag"}
     assert lag == {"solver-verifier.raas", "solver-verifier.trainer.solver",
-                   "solver-verifier.trainer.verifier"}
+                   "solver-verifier.trainer.verifier", *(
+                       f"solver-verifier.{p}" for p in ("staleness", "router",
+                                                        "batcher-solver", "balance-verifier",
+                                                        "batcher-verifier"))}
 
 
 def test_processors_declare_their_side_reads():
