@@ -58,8 +58,9 @@ BENCHES: dict[str, tuple[str, str]] = {
         "what a run wrote in weight blobs against what the broker still holds"),
     "backpressure": (
         "Backpressure",
-        "the default topology with its admission processor (staleness budget counting the "
-        "tasks in flight, or the queued batches alone) and with a pass-through instead"),
+        "a topology with its admission processor (staleness budget counting the groups on "
+        "their way to the batcher too, the tasks in flight, or the queued batches alone) "
+        "and with a pass-through instead"),
     "remote_pool": (
         "A remote pool over a slow link",
         "one RaaS pool behind a shaped link (300 ms RTT, 4 Gbit/s) beside a local one, "

@@ -273,6 +273,18 @@ def trainer_batches(topology: Any, options: AdmissionOptions) -> dict[str, int]:
     return out
 
 
+def _closure(start: str, edges: list[tuple[str, str]]) -> set[str]:
+    """``start`` and every topic reachable from it along ``edges`` (from, to)."""
+    seen, todo = {start}, [start]
+    while todo:
+        here = todo.pop()
+        for a, b in edges:
+            if a == here and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen
+
+
 def transit_inputs(topology: Any, policy: str) -> list[tuple[str, str]]:
     """``(input topic, consumer group)`` of every processor between the RaaS nodes'
     ``trajectories.raw`` and ``batches.<policy>`` (logical topic names): the records
@@ -280,24 +292,9 @@ def transit_inputs(topology: Any, policy: str) -> list[tuple[str, str]]:
     yet in one of its batches (a record that is another policy's, or that a filter will
     drop, counts too: the count errs towards admitting less)."""
     procs = topology.processors
-    reached, todo = {"trajectories.raw"}, ["trajectories.raw"]
-    while todo:  # the topics the nodes' groups can reach
-        topic = todo.pop()
-        for spec in procs.values():
-            if topic in spec.inputs:
-                for out in spec.outputs:
-                    if out not in reached:
-                        reached.add(out)
-                        todo.append(out)
-    feeds, todo = {f"batches.{policy}"}, [f"batches.{policy}"]
-    while todo:  # the topics that can reach the policy's batches
-        topic = todo.pop()
-        for spec in procs.values():
-            if topic in spec.outputs:
-                for src in spec.inputs:
-                    if src not in feeds:
-                        feeds.add(src)
-                        todo.append(src)
+    edges = [(t, o) for spec in procs.values() for t in spec.inputs for o in spec.outputs]
+    reached = _closure("trajectories.raw", edges)  # the topics the nodes' groups reach
+    feeds = _closure(f"batches.{policy}", [(o, t) for t, o in edges])  # reaching batches
     return [(t, topology.group_of(name)) for name, spec in procs.items()
             if any(o in feeds for o in spec.outputs)
             for t in spec.inputs if t in reached and t in feeds]
