@@ -491,7 +491,8 @@ def test_the_observer_counts_groups_on_their_way_and_batches_not_yet_published(
         wait_for(lambda: observer.observe().trainer_transit == {"actor": 3 + 2}, 20,
                  "the groups on their way counted exactly")
         # nothing published consumed anything yet: the batches past the trainer's commit
-        assert observer.observe().trainer_lag == {"actor": 1}
+        wait_for(lambda: observer.observe().trainer_lag == {"actor": 1}, 20,
+                 "the batches past the trainer's commit counted exactly")
         published = manifest("actor", 7)
         published.consumed_offsets = [PartitionOffset(full("batches.actor"), 0, 1)]
         producer.begin()
