@@ -625,7 +625,8 @@ class Admission(Processor):
                   for label in policy.pool_bounds),
                 *(g for _, g in transit),
                 *(topology.trainer_group(p) for p in trainers)))),
-            reader_groups=(ADMISSION_GROUP, TABLE_GROUP))
+            reader_groups=(ADMISSION_GROUP,
+                           *((TABLE_GROUP,) if self._counts_transit() else ())))
 
     def open(self, context: ProcessorContext) -> None:
         topo = context.topology
@@ -633,6 +634,8 @@ class Admission(Processor):
         groups = task_groups(topo, self.options)
         if self.policy is None:
             self.policy = _policy(topo, self.options)
+        transit = {p: transit_inputs(topo, p) for p in self.policy.trainer_batches
+                   if self._counts_transit()}
         if self.lags is None:
             by_label = {g.label: g.group for g in groups}
             self.lags = LagObserver(
@@ -641,8 +644,8 @@ class Admission(Processor):
                  for label in self.policy.pool_bounds},
                 {p: (topo.full_name(f"batches.{p}"), f"{topo.run}.trainer.{p}")
                  for p in self.policy.trainer_bounds},
-                {p: [(topo.full_name(t), g) for t, g in transit_inputs(topo, p)]
-                 for p in self.policy.trainer_batches if self._counts_transit()},
+                {p: [(topo.full_name(t), g) for t, g in inputs]
+                 for p, inputs in transit.items()},
                 self._published(context))
         capacity = {g.label: g.capacity for g in groups}
         o = self.options
@@ -654,8 +657,7 @@ class Admission(Processor):
                  "groups on their way counted on %s", context.component_id,
                  {g.label: g.group for g in groups}, self.policy.pool_bounds,
                  self.policy.trainer_bounds, self.policy.trainer_batches,
-                 {p: [t for t, _ in transit_inputs(topo, p)]
-                  for p in self.policy.trainer_batches if self._counts_transit()})
+                 {p: [t for t, _ in inputs] for p, inputs in transit.items()})
 
     def _counts_transit(self) -> bool:
         return self.options.staleness_budget == "pipeline"
