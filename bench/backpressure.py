@@ -28,12 +28,15 @@ went stale (``stale_trace``); ``--no-eval`` leaves the evaluator out, as
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -191,23 +194,21 @@ def stale_trace(topo, policy: str = "actor") -> dict[str, Any]:
     manifests = sorted((r.record for r in read_all(
         config, topo.full_name(f"weights.{policy}"), expect=WeightManifest, idle_s=2.0,
         timeout_s=120)), key=lambda m: m.version)
-    made_by = sorted((int(m.meta["batch_offset"]), m.version) for m in manifests
-                     if "batch_offset" in m.meta)
-    published = [(m.created_at_ms, m.version) for m in manifests]
+    made_by = _Newest((int(m.meta["batch_offset"]), m.version) for m in manifests
+                      if "batch_offset" in m.meta)
+    published = _Newest((m.created_at_ms, m.version) for m in manifests)
+    first = min((m.version for m in manifests), default=0)
     rows = []
     for r in read_all(config, topo.full_name(f"batches.{policy}"), expect=Batch, idle_s=2.0,
                       timeout_s=300):
-        before = [v for off, v in made_by if off < r.offset]
-        trained_from = max(before, default=min((v for _, v in published), default=0))
+        trained_from = made_by.before(r.offset, default=first)
         for g in r.record.groups:
-            versions = [v for s in g.sequences if s.policy == policy for v in s.versions
-                        if v >= 0]
-            if not versions or g.task_id not in admitted:
+            oldest = min((s.min_version for s in g.sequences
+                          if s.policy == policy and s.min_version >= 0), default=None)
+            if oldest is None or g.task_id not in admitted:
                 continue
-            at = admitted[g.task_id]
-            latest = max((v for t, v in published if t <= at), default=0)
-            rows.append((trained_from - min(versions), latest - min(versions),
-                         trained_from - latest))
+            latest = published.at_or_before(admitted[g.task_id], default=0)
+            rows.append((trained_from - oldest, latest - oldest, trained_from - latest))
     stale = [r for r in rows if r[0] > bound]
     return {"groups": len(rows), "stale": len(stale), "max_staleness": bound,
             "engine_behind": sum(1 for r in stale if r[1] > 0),
@@ -218,10 +219,25 @@ def stale_trace(topo, policy: str = "actor") -> dict[str, Any]:
 
 
 def _histogram(values) -> dict[str, int]:
-    out: dict[int, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return {str(k): out[k] for k in sorted(out)}
+    return {str(k): n for k, n in sorted(Counter(values).items())}
+
+
+class _Newest:
+    """The highest version among ``(key, version)`` points with a key below (or at) a
+    bound, found by bisection."""
+
+    def __init__(self, points):
+        points = sorted(points)
+        self.keys = [k for k, _ in points]
+        self.best = list(itertools.accumulate((v for _, v in points), max))
+
+    def before(self, key, default: int) -> int:
+        i = bisect.bisect_left(self.keys, key)
+        return self.best[i - 1] if i else default
+
+    def at_or_before(self, key, default: int) -> int:
+        i = bisect.bisect_right(self.keys, key)
+        return self.best[i - 1] if i else default
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
