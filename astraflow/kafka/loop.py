@@ -607,6 +607,7 @@ class TransactionalLoop:
             self._abort_quietly()
             raise denied
         if err is not None and err.txn_requires_abort() and not transient(err):
+            self.outage.ok()  # the broker answered, if with an abort (e.g. a rebalance)
             log.warning("%s: aborting the transaction (%s): %s", cid, stage, err.str())
             try:
                 self.producer.producer.abort_transaction(self._call_timeout_s)

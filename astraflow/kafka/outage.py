@@ -37,22 +37,39 @@ class BrokerUnreachable(AstraflowError):
     """Kafka did not answer for longer than the outage limit."""
 
 
+# While Kafka is away a component fails at least every few seconds: its calls time out
+# within their call timeout (10 s), a processor commits its status every few seconds, and
+# librdkafka reports each reconnect attempt (at most 10 s apart). A failure after a longer
+# quiet spell is a new outage: the previous one ended without a call seeing it end.
+QUIET_S = 60.0
+
+
 class Outage:
     """Tracks how long Kafka has not answered; logs once per interval, gives up past the
     limit."""
 
-    def __init__(self, component_id: str, bootstrap: str, limit_s: float, interval_s: float):
+    def __init__(self, component_id: str, bootstrap: str, limit_s: float, interval_s: float,
+                 quiet_s: float = QUIET_S):
         self.component_id = component_id
         self.bootstrap = bootstrap
         self.limit_s = limit_s
         self.interval_s = interval_s
+        self.quiet_s = quiet_s
         self.since: float | None = None
+        self.last_failed = 0.0
         self.last_log = 0.0
         self.ended_at = 0.0
         self.longest_s = 0.0
 
     def failed(self, what: str) -> None:
         now = time.monotonic()
+        if self.since is not None and now - self.last_failed > self.quiet_s:
+            # e.g. a stale "connection refused" reported just after the broker came back,
+            # then a long rebalance whose transactions the broker answered with aborts
+            log.info("%s: no failure for %.0fs: Kafka answered meanwhile", self.component_id,
+                     now - self.last_failed)
+            self.ok(at=self.last_failed)
+        self.last_failed = now
         if self.since is None:
             self.since = self.last_log = now
             log.warning("%s: Kafka at %s is not answering (%s); retrying for up to %.0fs "
@@ -71,15 +88,16 @@ class Outage:
             log.warning("%s: Kafka at %s not answering for %.0fs (%s); giving up after %.0fs",
                         self.component_id, self.bootstrap, down, what, self.limit_s)
 
-    def ok(self) -> None:
+    def ok(self, at: float | None = None) -> None:
+        """Kafka answered (at ``at``, default now): the outage, if any, is over."""
         if self.since is None:
             return
-        down = time.monotonic() - self.since
+        down = (time.monotonic() if at is None else at) - self.since
         self.longest_s = max(self.longest_s, down)
         log.warning("%s: Kafka at %s answers again after %.1fs", self.component_id,
                     self.bootstrap, down)
         self.since = None
-        self.ended_at = time.monotonic()
+        self.ended_at = time.monotonic() if at is None else at
 
     def recent(self, within_s: float = 600.0) -> bool:
         """Whether Kafka is away now or was within ``within_s``."""

@@ -109,6 +109,20 @@ class Run:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"
                          for p in sorted((self.runs / self.run / "logs").glob("*.log")))
 
+    def exits(self, restarts: dict[str, int]) -> str:
+        """Why the restarted components exited: ``up``'s lines about them and each one's
+        warnings, errors and traceback (pytest cuts a long message short, so these first)."""
+        up = [line for line in self.out.read_text().splitlines()
+              if any(f"{name} exited" in line for name in restarts)]
+        out = ["--- up.log", *up]
+        for name in restarts:
+            log = self.runs / self.run / "logs" / f"{name}.log"
+            lines = log.read_text().splitlines() if log.exists() else []
+            keep = [line for line in lines if not line[:1].isdigit() and "Loading" not in line
+                    or " WARNING " in line or " ERROR " in line or " CRITICAL " in line]
+            out += [f"--- {name}.log", *keep[-60:]]
+        return "\n".join(out)
+
     def kill(self) -> None:
         """Teardown after a failure: ``up`` and every component it started."""
         kill_up(self.proc, self.runs / self.run)
@@ -215,7 +229,7 @@ def test_every_component_rides_out_a_broker_outage(chaos_run):
 
     _recovers(run, outage)
     summary = run.stop()
-    assert not summary.get("restarts"), (summary["restarts"], run.logs())
+    assert not summary.get("restarts"), run.exits(summary["restarts"])
     books = _account(run)
     logs = "".join(p.read_text() for p in (run.runs / run.run / "logs").glob("*.log"))
     assert "not answering" in logs and "answers again after" in logs, run.logs()
@@ -233,7 +247,7 @@ def test_every_component_rides_out_a_sigkilled_broker(chaos_run):
 
     _recovers(run, crash)
     summary = run.stop()
-    assert not summary.get("restarts"), (summary["restarts"], run.logs())
+    assert not summary.get("restarts"), run.exits(summary["restarts"])
     print("broker SIGKILL", _account(run))
 
 

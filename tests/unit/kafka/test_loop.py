@@ -47,13 +47,37 @@ def test_an_outage_logs_once_per_interval_and_gives_up_past_its_limit(clock, cap
     clock.t += 601
     assert not o.recent()
 
-    o.failed("x")
-    clock.t += 299
-    o.failed("x")  # within the limit
-    clock.t += 2
+    for _ in range(30):  # a failure every 10 s for 300 s: within the limit
+        o.failed("x")
+        clock.t += 10
+    clock.t += 1
     with pytest.raises(BrokerUnreachable, match=r"p/0: Kafka at host:9092 has not answered "
                        r"for 301s, over kafka.outage_limit_s=300"):
         o.failed("Connection refused")
+
+
+def test_a_failure_after_a_quiet_spell_starts_a_new_outage(clock, caplog):
+    """A stale "connection refused" just after the broker came back, and one more 290 s
+    later (the broker answered meanwhile, with aborts during a long rebalance): two short
+    outages, not one of 290 s."""
+    caplog.set_level(logging.INFO, logger="astraflow.loop")
+    o = Outage("p/0", "host:9092", limit_s=300, interval_s=10, quiet_s=60)
+    o.failed("Connect to 127.0.0.1:9092 failed: Connection refused")
+    clock.t += 290
+    o.failed("GroupCoordinator: Connection refused")
+    assert o.since == clock.t and o.longest_s == 0.0
+    assert any("no failure for 290s" in r.message for r in caplog.records)
+    clock.t += 15  # failures within the quiet spell: one outage
+    o.failed("x")
+    clock.t += 59
+    o.failed("x")
+    assert o.since == clock.t - 74
+    for _ in range(22):  # failing on, every 10 s: the limit is measured from the start
+        clock.t += 10
+        o.failed("x")
+    clock.t += 10
+    with pytest.raises(BrokerUnreachable, match="has not answered for 304s"):
+        o.failed("x")
 
 
 def test_which_errors_wait_for_the_broker():
@@ -157,9 +181,10 @@ def test_a_failed_transaction_is_aborted_or_its_producer_replaced(monkeypatch):
     # the broker answered "abort" (a rebalance meanwhile): abort on the same producer
     loop, made = _loop(monkeypatch)
     first = loop.producer
+    loop.outage.failed("1/1 brokers are down")  # a stale report from before: it answered
     e = _exc(KafkaError.ILLEGAL_GENERATION, txn_requires_abort=True)
     assert loop._failed(e, "sending offsets", tps) is False
-    assert first.calls == ["abort"] and not made
+    assert first.calls == ["abort"] and not made and loop.outage.since is None
 
     # the broker went away mid-transaction: a new producer (it aborts the old epoch's
     # transaction), the old one's records purged
