@@ -29,9 +29,10 @@ after ``####`` or in ``\\boxed{}``, ``lenient`` any final answer; both systems t
 the workflow's own reward and TRL completes as many tokens as the workflow does.
 
 **Sweep** (``--sweep``, on by default; ``--no-sweep`` skips it). Each system's learning
-rate (and, for TRL, any ``--trl-option`` given a YAML list of values) is chosen by short
-runs of ``--sweep-duration`` seconds (one seed, ``--seed0``) scored on a validation split,
-not copied from the other system. The validation split is made with the hash-split
+rate (and any ``--trl-option`` or ``--astraflow-option``, a topology setting by its dotted
+path such as ``processors.batcher.options.batch_size``, given a YAML list of values) is
+chosen by short runs of ``--sweep-duration`` seconds (one seed, ``--seed0``) scored on a
+validation split, not copied from the other system. The validation split is made with the hash-split
 machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (salt
 ``bench-learning-validation``) into the ``eval`` side at ``VALIDATION_FRACTION`` is a
 validation row, unless its prompt is in the test set; every run, sweep or not, trains on
@@ -373,6 +374,48 @@ def parse_trl_options(items: list[str], max_completion_length: int = 8) -> dict[
         if not values:
             raise ValueError(f"--trl-option {item!r}: an empty list")
         out[name.strip()] = values
+    return out
+
+
+def parse_astraflow_options(items: list[str], doc: dict[str, Any]) -> dict[str, list[Any]]:
+    """``--astraflow-option PATH=VALUE`` values: a dotted path into the topology (e.g.
+    ``processors.batcher.options.batch_size``) and the values to try (a YAML list is swept).
+    ``ValueError`` names a path whose parent is not in ``doc``, or one the bench sets."""
+    out: dict[str, list[Any]] = {}
+    for item in items:
+        path, sep, text = item.partition("=")
+        path = path.strip()
+        if not sep or not path:
+            raise ValueError(f"--astraflow-option {item!r}: expected PATH=VALUE (a dotted "
+                             "path into the topology)")
+        if path.endswith((".lr", ".seed")) or path == "run":
+            raise ValueError(f"--astraflow-option {path}: set by the bench (the learning "
+                             "rate: --sweep-lrs astraflow=...; the seed: --seeds/--seed0)")
+        parent = doc
+        for part in path.split(".")[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+            if not isinstance(parent, dict):
+                raise ValueError(f"--astraflow-option {path}: the topology has no "
+                                 f"{path.rsplit('.', 1)[0]!r} mapping")
+        value = yaml.safe_load(text)
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValueError(f"--astraflow-option {item!r}: an empty list")
+        out[path] = values
+    return out
+
+
+def with_options(doc: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with each dotted-path option of ``setting`` (every key but ``lr``) set."""
+    out = copy.deepcopy(doc)
+    for path, value in setting.items():
+        if path == "lr":
+            continue
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
     return out
 
 
@@ -1115,8 +1158,8 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
                               "duration_s": duration, "commit": run_meta("", [])["commit"],
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if system == "astraflow":
-        run_doc = seeded_topology(with_lr(doc, setting["lr"]), seed)
-        path = write_topology(run_doc, runs_dir, f"seed {seed}, lr {setting['lr']:g}")
+        run_doc = seeded_topology(with_options(with_lr(doc, setting["lr"]), setting), seed)
+        path = write_topology(run_doc, runs_dir, f"seed {seed}, {json.dumps(setting)}")
         result = run_astraflow(path, duration, checkpoints, runs_dir)
         record["at"] = {key(t): None if v is None else f"v{v}"
                         for t, v in result["at"].items()}
@@ -1153,7 +1196,8 @@ def settings_of(args: argparse.Namespace, doc: dict[str, Any],
     topo_lr = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
     usual = {"astraflow": topo_lr, "trl": TRL_LR}
     lrs = {"astraflow": astraflow_lrs(topo_lr), "trl": list(TRL_LRS), **given}
-    options = {"astraflow": {}, "trl": trl_options}
+    options = {"astraflow": parse_astraflow_options(args.astraflow_option, doc),
+               "trl": trl_options}
     if not args.sweep:
         return {s: [unswept_setting(given.get(s), usual[s], options[s])] for s in systems}
     return {s: sweep_grid(lrs[s], options[s]) for s in systems}
@@ -1338,6 +1382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a GRPOConfig option for TRL (over num_generations=8, "
                     "max_completion_length=8, beta=0.0); a YAML list is swept")
+    ap.add_argument("--astraflow-option", action="append", default=[], metavar="PATH=VALUE",
+                    help="a topology setting for AstraFlow by its dotted path, e.g. "
+                    "processors.batcher.options.batch_size=[1,2,4]; a YAML list is swept")
     ap.add_argument("--target", type=float, default=0.5,
                     help="the lenient accuracy whose time to reach is reported")
     ap.add_argument("--runs-dir", type=Path, default=REPO / "runs")

@@ -28,6 +28,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
@@ -131,6 +134,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     lengths = [float(x) for x in args.lengths.split(",")]
+    meta = run_meta("outage", ["python", *sys.argv])  # before the run: its commit
     with tempfile.TemporaryDirectory(prefix="bench-outage-") as tmp:
         model = Path(tmp) / "model"
         subprocess.run([sys.executable, "-m", "astraflow.cli.main", "model", "init", str(model),
@@ -153,7 +157,7 @@ def main() -> int:
               f"{f'{total:.1f} s' if total is not None else 'not all within the settle time'}"
               f" | {slow} | {sum(r['restarts'].values()) if r['restarts'] else 0} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
 

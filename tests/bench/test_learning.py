@@ -127,6 +127,29 @@ def test_sweep_lrs_and_trl_options_parse_and_reject_bad_input():
             bench.parse_trl_options([bad])
 
 
+def test_astraflow_options_name_topology_paths_and_set_them():
+    doc = {"processors": {"batcher": {"options": {"batch_size": 4}}},
+           "policies": {"actor": {"trainer": {"lr": 3e-5}}}}
+    options = bench.parse_astraflow_options(
+        ["processors.batcher.options.batch_size=[1, 2]", "policies.actor.temperature=0.9"],
+        doc)
+    assert options == {"processors.batcher.options.batch_size": [1, 2],
+                       "policies.actor.temperature": [0.9]}
+    grid = bench.sweep_grid([1e-5], options)
+    assert [g["processors.batcher.options.batch_size"] for g in grid] == [1, 2]
+    run_doc = bench.with_options(bench.with_lr(doc, 1e-5), grid[0])
+    assert run_doc["processors"]["batcher"]["options"]["batch_size"] == 1
+    assert run_doc["policies"]["actor"] == {"trainer": {"lr": 1e-5}, "temperature": 0.9}
+    assert doc["processors"]["batcher"]["options"]["batch_size"] == 4  # not changed
+    for bad, msg in (("batch_size", "PATH=VALUE"),
+                     ("processors.sorter.options.k=1", "no 'processors.sorter.options'"),
+                     ("policies.actor.trainer.lr=1e-4", "--sweep-lrs"),
+                     ("run=other", "set by the bench"),
+                     ("processors.batcher.options.batch_size=[]", "empty list")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_astraflow_options([bad], doc)
+
+
 def test_the_sweep_grid_and_the_setting_without_a_sweep():
     grid = bench.sweep_grid([1e-6, 2e-6], {"beta": [0.0, 0.1], "num_generations": [8]})
     assert grid == [{"lr": 1e-6, "beta": 0.0, "num_generations": 8},
