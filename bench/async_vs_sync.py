@@ -60,6 +60,7 @@ for _p in (str(REPO), str(REPO / "bench")):  # this checkout's package, and sync
         sys.path.insert(0, _p)
 
 import sync_loop  # noqa: E402
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 CASES = {"single": "topology/default.yaml", "multi": "topology/solver-verifier.yaml"}
 RUN_PREFIX = "bench-avs"
@@ -459,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    meta = run_meta("async_vs_sync", ["python", *(sys.argv if argv is None else argv)])
     results = []
     t0 = time.time()
     for case in args.cases:
@@ -468,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(case_table(r) + "\n")
     print(headline(results))
-    out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    out = {"meta": meta,
+           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "seconds": round(time.time() - t0, 1), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -48,6 +48,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.clients import read_all  # noqa: E402
@@ -384,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="only the run with the proxy")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
+    meta = run_meta("remote_pool", ["python", *(sys.argv if argv is None else argv)])
     work = Path(tempfile.mkdtemp(prefix="bench-remote-pool-"))
     print(f"work directory (logs) {work}", flush=True)
     broker = EmbeddedBroker(work / "broker")
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.out:
         Path(args.out).write_text(json.dumps(
-            {"duration_s": args.duration, "rtt_ms": args.rtt_ms, "rate_kbps": args.rate_kbps,
+            {"meta": meta, "duration_s": args.duration, "rtt_ms": args.rtt_ms,
+             "rate_kbps": args.rate_kbps,
              "batch_size": args.batch_size or 8, "env_latency_s": args.env_latency,
              "link": link, "runs": results},
             indent=1) + "\n")
