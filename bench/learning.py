@@ -32,8 +32,8 @@ the workflow's own reward and TRL completes as many tokens as the workflow does.
 rate (and any ``--trl-option`` or ``--astraflow-option``, a topology setting by its dotted
 path such as ``processors.batcher.options.batch_size``, given a YAML list of values) is
 chosen by short runs of ``--sweep-duration`` seconds (one seed, ``--seed0``) scored on a
-validation split, not copied from the other system. The validation split is made with the hash-split
-machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (salt
+validation split, not copied from the other system. The validation split is made with the
+hash-split machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (salt
 ``bench-learning-validation``) into the ``eval`` side at ``VALIDATION_FRACTION`` is a
 validation row, unless its prompt is in the test set; every run, sweep or not, trains on
 the rest, so validation prompts are never trained on and never in the test set. The

@@ -118,8 +118,9 @@ class Run:
         for name in restarts:
             log = self.runs / self.run / "logs" / f"{name}.log"
             lines = log.read_text().splitlines() if log.exists() else []
-            keep = [line for line in lines if not line[:1].isdigit() and "Loading" not in line
-                    or " WARNING " in line or " ERROR " in line or " CRITICAL " in line]
+            keep = [line for line in lines
+                    if (not line[:1].isdigit() and "Loading" not in line)  # a traceback
+                    or any(f" {level} " in line for level in ("WARNING", "ERROR", "CRITICAL"))]
             out += [f"--- {name}.log", *keep[-60:]]
         return "\n".join(out)
 
