@@ -98,6 +98,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -358,22 +359,33 @@ def cpu_bf16() -> bool:
     return choose("cpu", cpu_flags(), None).bf16
 
 
+def _swept_option(system: str, item: str, expected: str,
+                  set_by_bench: Callable[[str], bool]) -> tuple[str, list[Any]]:
+    """One ``--<system>-option NAME=VALUE``: the name and the values to try (a YAML list is
+    swept, anything else is one value). ``ValueError`` names a bad one."""
+    flag = f"--{system}-option"
+    name, sep, text = item.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"{flag} {item!r}: expected {expected}")
+    if set_by_bench(name):
+        raise ValueError(f"{flag} {name}: set by the bench (the learning rate: --sweep-lrs "
+                         f"{system}=...; the seed: --seeds/--seed0)")
+    value = yaml.safe_load(text)
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise ValueError(f"{flag} {item!r}: an empty list")
+    return name, values
+
+
 def parse_trl_options(items: list[str], max_completion_length: int = 8) -> dict[str, list[Any]]:
     """``--trl-option KEY=VALUE`` values over ``trl_base``: each option's values to try (a
     YAML list is swept, anything else is one value). ``ValueError`` names a bad one."""
     out: dict[str, list[Any]] = {k: [v] for k, v in trl_base(max_completion_length).items()}
     for item in items:
-        name, sep, text = item.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"--trl-option {item!r}: expected KEY=VALUE (a GRPOConfig option)")
-        if name.strip() in ("learning_rate", "seed", "output_dir"):
-            raise ValueError(f"--trl-option {name.strip()}: set by the bench (the learning "
-                             "rate: --sweep-lrs trl=...; the seed: --seeds/--seed0)")
-        value = yaml.safe_load(text)
-        values = value if isinstance(value, list) else [value]
-        if not values:
-            raise ValueError(f"--trl-option {item!r}: an empty list")
-        out[name.strip()] = values
+        name, values = _swept_option("trl", item, "KEY=VALUE (a GRPOConfig option)",
+                                     lambda n: n in ("learning_rate", "seed", "output_dir"))
+        out[name] = values
     return out
 
 
@@ -383,24 +395,15 @@ def parse_astraflow_options(items: list[str], doc: dict[str, Any]) -> dict[str, 
     ``ValueError`` names a path whose parent is not in ``doc``, or one the bench sets."""
     out: dict[str, list[Any]] = {}
     for item in items:
-        path, sep, text = item.partition("=")
-        path = path.strip()
-        if not sep or not path:
-            raise ValueError(f"--astraflow-option {item!r}: expected PATH=VALUE (a dotted "
-                             "path into the topology)")
-        if path.endswith((".lr", ".seed")) or path == "run":
-            raise ValueError(f"--astraflow-option {path}: set by the bench (the learning "
-                             "rate: --sweep-lrs astraflow=...; the seed: --seeds/--seed0)")
+        path, values = _swept_option(
+            "astraflow", item, "PATH=VALUE (a dotted path into the topology)",
+            lambda p: p.endswith((".lr", ".seed")) or p == "run")
         parent = doc
         for part in path.split(".")[:-1]:
             parent = parent.get(part) if isinstance(parent, dict) else None
             if not isinstance(parent, dict):
                 raise ValueError(f"--astraflow-option {path}: the topology has no "
                                  f"{path.rsplit('.', 1)[0]!r} mapping")
-        value = yaml.safe_load(text)
-        values = value if isinstance(value, list) else [value]
-        if not values:
-            raise ValueError(f"--astraflow-option {item!r}: an empty list")
         out[path] = values
     return out
 

@@ -92,12 +92,12 @@ class Outage:
         """Kafka answered (at ``at``, default now): the outage, if any, is over."""
         if self.since is None:
             return
-        down = (time.monotonic() if at is None else at) - self.since
+        self.ended_at = time.monotonic() if at is None else at
+        down = self.ended_at - self.since
         self.longest_s = max(self.longest_s, down)
         log.warning("%s: Kafka at %s answers again after %.1fs", self.component_id,
                     self.bootstrap, down)
         self.since = None
-        self.ended_at = time.monotonic() if at is None else at
 
     def recent(self, within_s: float = 600.0) -> bool:
         """Whether Kafka is away now or was within ``within_s``."""
