@@ -31,8 +31,9 @@ the workflow's own reward and TRL completes as many tokens as the workflow does.
 **Sweep** (``--sweep``, on by default; ``--no-sweep`` skips it). Each system's learning
 rate (and any ``--trl-option`` or ``--astraflow-option``, a topology setting by its dotted
 path such as ``processors.batcher.options.batch_size``, given a YAML list of values) is
-chosen by short runs of ``--sweep-duration`` seconds (one seed, ``--seed0``) scored on a
-validation split, not copied from the other system. The validation split is made with the
+chosen by short runs of ``--sweep-duration`` seconds (``--sweep-seeds`` seeds from
+``--seed0``, default one; a setting's scores are their mean) scored on a validation
+split, not copied from the other system. The validation split is made with the
 hash-split machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (salt
 ``bench-learning-validation``) into the ``eval`` side at ``VALIDATION_FRACTION`` is a
 validation row, unless its prompt is in the test set; every run, sweep or not, trains on
@@ -450,13 +451,34 @@ def late_mean(values: list[float]) -> float | None:
     return sum(late) / len(late) if late else None
 
 
+def setting_means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per setting of ``rows`` (sweep runs, one system's or several), in the order
+    they first appear: its ``seeds``, and its scores and training reward averaged over them
+    (a reward left out where a run has none; None where no run has one)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(json.dumps([r.get("system"), r["setting"]], sort_keys=True),
+                          []).append(r)
+    out = []
+    for same in groups.values():
+        rewards = [r["train_reward"] for r in same if r.get("train_reward") is not None]
+        out.append({"system": same[0].get("system"), "setting": same[0]["setting"],
+                    "seeds": [r.get("seed") for r in same],
+                    "scores": {m: statistics.mean(r["scores"][m] for r in same)
+                               for m in same[0]["scores"]},
+                    "train_reward": statistics.mean(rewards) if rewards else None})
+    return out
+
+
 def choose_setting(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
     """The sweep's choice among ``rows`` (``{"setting": {...}, "scores": {metric: x},
-    "train_reward": r}``, one system's): the best validation score on ``metric``; ties go
-    to the higher training reward near the run's end (``late_mean``; a run without one
-    loses), then to the smaller learning rate, then to the earlier row."""
+    "train_reward": r}``, one system's; a setting run with several seeds counts by its
+    means, ``setting_means``): the best validation score on ``metric``; ties go to the
+    higher training reward near the run's end (``late_mean``; a run without one loses),
+    then to the smaller learning rate, then to the earlier row."""
     if not rows:
         raise ValueError("the sweep has no runs to choose from")
+    rows = setting_means(rows)
 
     def rank(ir: tuple[int, dict[str, Any]]) -> tuple[float, float, float, int]:
         i, r = ir
@@ -619,17 +641,22 @@ def times_table(times: dict[str, Any]) -> str:
 
 
 def sweep_table(rows: list[dict[str, Any]], chosen: dict[str, dict[str, Any]]) -> str:
-    """One row a sweep run: its system, learning rate, the options that vary among its
-    system's runs, both validation scores, and which setting was chosen."""
-    lines = ["| system | lr | options | validation strict | validation lenient | chosen |",
-             "|---|---|---|---|---|---|"]
+    """One row a setting of the sweep: its system, learning rate, the options that vary
+    among its system's settings, both validation scores (the mean over its seeds, with a
+    ``seeds`` column where a setting ran more than one), and which setting was chosen."""
+    rows = setting_means(rows)
+    several = any(len(r["seeds"]) > 1 for r in rows)
+    lines = ["| system | lr | options | " + ("seeds | " if several else "")
+             + "validation strict | validation lenient | chosen |",
+             "|---|---|---|" + ("---|" if several else "") + "---|---|---|"]
     for r in rows:
         mine = [x["setting"] for x in rows if x["system"] == r["system"]]
         varying = [k for k in r["setting"] if k != "lr" and len({json.dumps(s.get(k))
                                                                 for s in mine}) > 1]
         opts = ", ".join(f"{k} {r['setting'][k]}" for k in varying) or "-"
         mark = "yes" if chosen.get(r["system"]) == r["setting"] else ""
-        lines.append(f"| {r['system']} | {r['setting']['lr']:g} | {opts} | "
+        seeds = f"{len(r['seeds'])} | " if several else ""
+        lines.append(f"| {r['system']} | {r['setting']['lr']:g} | {opts} | {seeds}"
                      f"{100 * r['scores']['strict']:.1f} % | "
                      f"{100 * r['scores']['lenient']:.1f} % | {mark} |")
     return "\n".join(lines)
@@ -1214,8 +1241,10 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
     setting per system (``choose_setting``)."""
     chosen = {s: grids[s][0] for s in systems if len(grids[s]) == 1}
     swept = [s for s in systems if len(grids[s]) > 1]
+    seeds = list(range(args.seed0, args.seed0 + args.sweep_seeds))
     out: dict[str, Any] = {"duration_s": args.sweep_duration, "seed": args.seed0,
-                           "metric": args.sweep_metric, "rows": [], "chosen": chosen}
+                           "seeds": seeds, "metric": args.sweep_metric, "rows": [],
+                           "chosen": chosen}
     if not swept:
         return out
     scorer = make_scorer(doc, dataset=data["validation"], size=args.val_size)
@@ -1223,22 +1252,12 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
     out["start"] = scorer["scores"](None)
     for system in swept:
         for setting in grids[system]:
-            row = progress.find("sweep", system, setting, args.seed0)
-            if row is None:
-                run = one_run(system, doc, setting, args.seed0, args.sweep_duration,
-                              [args.sweep_duration], args.runs_dir, scorer)
-                row = {"system": system, "setting": setting, "seed": args.seed0,
-                       "scores": run["scores"][key(args.sweep_duration)],
-                       "at": run["at"][key(args.sweep_duration)], "commit": run["commit"],
-                       "train_reward": run["train_reward"],
-                       **({"where": run["where"]} if "where" in run else {})}
-                progress.add("sweep", row)
-            else:
-                print(f"[bench] sweep: {system} {json.dumps(setting)}: kept from "
-                      f"{progress.path} (commit {row.get('commit')})", flush=True)
-            out["rows"].append(row)
+            for seed in seeds:
+                out["rows"].append(sweep_run(args, doc, system, setting, seed, scorer,
+                                             progress))
         mine = [r for r in out["rows"] if r["system"] == system]
         chosen[system] = choose_setting(mine, args.sweep_metric)
+        mine = setting_means(mine)
         best = max(r["scores"][args.sweep_metric] for r in mine)
         if sum(r["scores"][args.sweep_metric] == best for r in mine) > 1:
             # a tie (all 0 % when the sweep is too short to learn) picks no setting on
@@ -1251,6 +1270,27 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
         print(f"[bench] sweep: {system} runs {json.dumps(chosen[system])}", flush=True)
     out["table"] = sweep_table(out["rows"], chosen)
     return out
+
+
+def sweep_run(args: argparse.Namespace, doc: dict[str, Any], system: str,
+              setting: dict[str, Any], seed: int, scorer: dict[str, Any],
+              progress: Progress) -> dict[str, Any]:
+    """One sweep run's row, scored on the validation split: the one ``progress`` has, or
+    a new run, kept in ``progress`` at once."""
+    row = progress.find("sweep", system, setting, seed)
+    if row is not None:
+        print(f"[bench] sweep: {system} {json.dumps(setting)} seed {seed}: kept from "
+              f"{progress.path} (commit {row.get('commit')})", flush=True)
+        return row
+    run = one_run(system, doc, setting, seed, args.sweep_duration, [args.sweep_duration],
+                  args.runs_dir, scorer)
+    row = {"system": system, "setting": setting, "seed": seed,
+           "scores": run["scores"][key(args.sweep_duration)],
+           "at": run["at"][key(args.sweep_duration)], "commit": run["commit"],
+           "train_reward": run["train_reward"],
+           **({"where": run["where"]} if "where" in run else {})}
+    progress.add("sweep", row)
+    return row
 
 
 def results_of(args: argparse.Namespace, systems: list[str], runs: list[dict[str, Any]],
@@ -1275,8 +1315,10 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         ap.error(f"--systems {args.systems!r}: a comma-separated subset of {','.join(SYSTEMS)}")
     if not args.checkpoints or any(not 0 < t <= args.duration for t in args.checkpoints):
         ap.error(f"--checkpoints must lie in (0, --duration {args.duration:g}]")
-    if args.seeds < 1 or args.sweep_duration <= 0 or not 0 < args.target <= 1:
-        ap.error("--seeds must be at least 1, --sweep-duration positive, --target in (0, 1]")
+    if args.seeds < 1 or args.sweep_seeds < 1:
+        ap.error("--seeds and --sweep-seeds must be at least 1")
+    if args.sweep_duration <= 0 or not 0 < args.target <= 1:
+        ap.error("--sweep-duration must be positive, --target in (0, 1]")
     if any(n is not None and n < 1 for n in (args.eval_size, args.val_size)):
         ap.error("--eval-size and --val-size must be at least 1")
     if args.sweep_metric not in METRICS:
@@ -1341,7 +1383,7 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
     out["meta"]["run_commits"] = sorted({str(r.get("commit")) for r in out["runs"]})
     out.update(results_of(args, systems, out["runs"], start))
     if sweep.get("table"):
-        print(f"\nsweep ({args.sweep_duration:g} s, seed {args.seed0}; validation: "
+        print(f"\nsweep ({args.sweep_duration:g} s, seeds {sweep['seeds']}; validation: "
               f"{sweep['validation_size']} prompts, chosen on {args.sweep_metric}):\n"
               + sweep["table"])
     print(f"\nheld-out test set ({scorer['size']} prompts, greedy): mean and 95 % interval "
@@ -1375,6 +1417,9 @@ def main(argv: list[str] | None = None) -> int:
                     "one and ten thirds of the topology's; trl: 2e-6,5e-6,1e-5)")
     ap.add_argument("--sweep-duration", type=float, default=300.0,
                     help="seconds of a sweep run")
+    ap.add_argument("--sweep-seeds", type=int, default=1, metavar="N",
+                    help="seeds each sweep setting runs with (--seed0 on); its validation "
+                    "scores are averaged over them (one 300-s run is noisy)")
     ap.add_argument("--sweep-metric", default="lenient", help="the metric the sweep maximizes")
     ap.add_argument("--val-size", type=int, default=None, metavar="N",
                     help="validation prompts a sweep run is scored on (default: --eval-size)")

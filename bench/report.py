@@ -328,7 +328,10 @@ def render_learning(data: dict[str, Any]) -> list[str]:
                    data["time_table"].strip()]
     sweep = data.get("sweep") or {}
     if sweep.get("table"):
-        blocks += [f"Sweep: {fmt(sweep.get('duration_s'))} s a run, seed {sweep.get('seed')}, "
+        seeds = sweep.get("seeds") or [sweep.get("seed")]
+        which = (f"seed {seeds[0]}" if len(seeds) == 1
+                 else f"seeds {', '.join(map(str, seeds))} (scores: their mean)")
+        blocks += [f"Sweep: {fmt(sweep.get('duration_s'))} s a run, {which}, "
                    f"scored on {fmt(sweep.get('validation_size'))} validation prompts "
                    f"({(data.get('data') or {}).get('how', 'a split of the training set')}); "
                    f"chosen on {sweep.get('metric')} (ties: the smaller learning rate):",

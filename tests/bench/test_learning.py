@@ -196,6 +196,65 @@ def test_the_sweep_chooses_the_best_validation_score_then_training_reward_then_s
     assert lines[6] == "| astraflow | 5e-06 | beta 0.1 | 0.0 % | 20.0 % | yes |"
 
 
+def test_a_setting_run_with_several_seeds_counts_by_its_means():
+    seeded = [{**row(1e-5, 0.0, 0.125), "seed": 0, "train_reward": 0.2},
+              {**row(1e-5, 0.0, 0.01), "seed": 1, "train_reward": None},
+              {**row(5e-6, 0.0, 0.075), "seed": 0, "train_reward": 0.1},
+              {**row(5e-6, 0.0, 0.075), "seed": 1, "train_reward": 0.3}]
+    means = bench.setting_means(seeded)
+    assert [m["setting"] for m in means] == [{"lr": 1e-5}, {"lr": 5e-6}]  # first seen
+    assert means[0]["seeds"] == [0, 1] and means[0]["scores"]["lenient"] == \
+        pytest.approx(0.0675)
+    assert means[0]["train_reward"] == pytest.approx(0.2)  # a run without one is left out
+    assert means[1]["train_reward"] == pytest.approx(0.2)
+    # seed 0 alone would choose 1e-5 (12.5 % against 7.5 %); over both seeds 5e-6 wins
+    assert bench.choose_setting(seeded[::2], "lenient") == {"lr": 1e-5}
+    assert bench.choose_setting(seeded, "lenient") == {"lr": 5e-6}
+    # the same setting under two systems stays two settings
+    assert len(bench.setting_means([seeded[0], {**seeded[1], "system": "astraflow"}])) == 2
+    lines = bench.sweep_table(seeded, {"trl": {"lr": 5e-6}}).splitlines()
+    assert lines[0] == ("| system | lr | options | seeds | validation strict | "
+                        "validation lenient | chosen |")
+    assert lines[2] == "| trl | 1e-05 | - | 2 | 0.0 % | 6.8 % |  |"
+    assert lines[3] == "| trl | 5e-06 | - | 2 | 0.0 % | 7.5 % | yes |"
+    assert len(lines) == 4
+
+
+def test_the_sweep_runs_every_setting_with_each_seed_and_keeps_finished_ones(tmp_path,
+                                                                              monkeypatch):
+    # validation scores by (lr, seed): 1e-5 wins seed 0 by luck, 5e-6 wins on the mean
+    lenient = {(1e-5, 0): 0.125, (1e-5, 1): 0.01, (5e-6, 0): 0.075, (5e-6, 1): 0.075}
+    ran = []
+
+    def one_run(system, doc, setting, seed, duration, checkpoints, runs_dir, scorer):
+        ran.append((setting["lr"], seed))
+        score = {"strict": 0.0, "lenient": lenient[setting["lr"], seed]}
+        return {"scores": {bench.key(duration): score}, "at": {bench.key(duration): "v3"},
+                "commit": "abc", "train_reward": 0.1}
+
+    monkeypatch.setattr(bench, "one_run", one_run)
+    monkeypatch.setattr(bench, "make_scorer", lambda doc, dataset=None, size=None: {
+        "size": 200, "scores": lambda state: {"strict": 0.0, "lenient": 0.0}})
+    args = argparse.Namespace(seed0=0, sweep_seeds=2, sweep_duration=300.0,
+                              sweep_metric="lenient", val_size=None, runs_dir=tmp_path)
+    grids = {"trl": [{"lr": 1e-5}, {"lr": 5e-6}]}
+    path = tmp_path / "progress.json"
+
+    def sweep():
+        progress = bench.Progress(path, {"c": 1}, {"trl": {"grid": grids["trl"]}}, True)
+        return bench.run_sweep(args, {}, ["trl"], grids, {"validation": "v.jsonl"}, progress)
+
+    out = sweep()
+    assert ran == [(1e-5, 0), (1e-5, 1), (5e-6, 0), (5e-6, 1)]
+    assert out["seeds"] == [0, 1] and len(out["rows"]) == 4
+    assert out["chosen"]["trl"] == {"lr": 5e-6}
+    assert "| trl | 5e-06 | - | 2 | 0.0 % | 7.5 % | yes |" in out["table"]
+    again = sweep()  # a resumed sweep runs nothing again, and chooses the same
+    assert len(ran) == 4 and again["chosen"] == out["chosen"]
+    args.sweep_seeds = 1  # one seed: seed 0's luck decides
+    assert sweep()["chosen"]["trl"] == {"lr": 1e-5} and len(ran) == 4
+
+
 def test_late_mean_is_the_second_half_of_the_rewards_in_order():
     assert bench.late_mean([0.0, 0.0, 1.0, 0.5]) == pytest.approx(0.75)
     assert bench.late_mean([0.0, 0.2, 0.4]) == pytest.approx(0.3)  # the middle one is late
@@ -324,7 +383,8 @@ def test_trl_runs_its_own_options_its_lr_and_the_seed():
 @pytest.mark.parametrize("argv,msg", [
     (["--systems", "astraflow,verl"], "--systems"),
     (["--duration", "60", "--checkpoints", "30,120"], "--checkpoints must lie"),
-    (["--seeds", "0"], "--seeds must be at least 1"),
+    (["--seeds", "0"], "--seeds and --sweep-seeds must be at least 1"),
+    (["--sweep-seeds", "0"], "--seeds and --sweep-seeds must be at least 1"),
     (["--reward", "nope"], "unknown reward 'nope'"),
     (["--sweep-lrs", "trl=x"], "must be numbers"),
     (["--sweep-metric", "mean"], "--sweep-metric"),
@@ -356,6 +416,10 @@ def test_the_results_page_shows_curves_times_sweep_and_where_the_time_went():
     assert "| chosen.astraflow.lr | 3e-05 |" in page
     assert "mean and 95 % interval over 2 seed(s)" in page
     assert "Tied at the top, chosen by the tie rule: astraflow." in page
+    assert "Sweep: 180 s a run, seed 0, scored" in page
+    data["sweep"]["seeds"] = [0, 1]
+    page = "\n\n".join(report.render("learning", json.loads(json.dumps(data))))
+    assert "Sweep: 180 s a run, seeds 0, 1 (scores: their mean), scored" in page
 
 
 def test_a_math_topology_is_scored_and_trained_with_math_verify():
