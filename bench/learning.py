@@ -1383,7 +1383,8 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
     out["meta"]["run_commits"] = sorted({str(r.get("commit")) for r in out["runs"]})
     out.update(results_of(args, systems, out["runs"], start))
     if sweep.get("table"):
-        print(f"\nsweep ({args.sweep_duration:g} s, seeds {sweep['seeds']}; validation: "
+        seeds = ", ".join(map(str, sweep["seeds"]))
+        print(f"\nsweep ({args.sweep_duration:g} s, seeds {seeds}; validation: "
               f"{sweep['validation_size']} prompts, chosen on {args.sweep_metric}):\n"
               + sweep["table"])
     print(f"\nheld-out test set ({scorer['size']} prompts, greedy): mean and 95 % interval "
