@@ -142,6 +142,11 @@ class TrainerSpec(_Section):
                             json_schema_extra=_in("optimizer"))
     max_grad_norm: float = Field(default=1.0, gt=0, description="gradient-norm clipping",
                                  json_schema_extra=_in("optimizer"))
+    adam_impl: Literal["auto", "fused", "foreach", "for-loop"] = Field(
+        default="auto", description="AdamW's implementation: fused (one kernel over all "
+        "tensors; on CPU about 4x faster than foreach at 135M parameters), foreach, "
+        "for-loop; auto: fused where torch has it for the parameters' device, else foreach",
+        json_schema_extra=_in("optimizer"))
     # loss
     loss: str = Field(default=DEFAULT_LOSS, description="policy loss, by its name in "
                       "astraflow.trainer.loss.LOSSES: clipped_tis, decoupled_ppo, m2po "

@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from astraflow.models.lora import LoraSettings
 from astraflow.models.precision import best_precision
@@ -128,6 +129,8 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # AdamW's implementation (adam_impl below): "auto", "fused", "foreach" or "for-loop"
+    adam_impl: str = "auto"
     # the policy loss, by its name in astraflow.trainer.loss.LOSSES
     loss: str = DEFAULT_LOSS
     clip_low: float = 0.2
@@ -190,7 +193,8 @@ class TrainerConfig:
         t = spec.trainer
         return cls(
             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), adam_eps=t.adam_eps,
-            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, loss=t.loss,
+            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+            adam_impl=t.adam_impl, loss=t.loss,
             clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap,
             tis_mask=t.tis_mask, m2_threshold=t.m2_threshold, normalize_std=t.std_normalize,
             micro_batch_size=t.micro_batch_size, minibatches=t.minibatches,
@@ -223,6 +227,8 @@ class TrainerConfig:
              f"must be > 1 + clip_high ({1 + self.clip_high:g}) with loss {DEFAULT_LOSS}"),
             ("m2_threshold", "--m2-threshold", self.m2_threshold > 0, "must be > 0"),
             ("max_grad_norm", "--max-grad-norm", self.max_grad_norm > 0, "must be > 0"),
+            ("adam_impl", "--adam-impl", self.adam_impl in ADAM_IMPLS,
+             f"must be one of {ADAM_IMPLS}"),
             ("max_staleness", "--max-staleness",
              self.max_staleness is None or self.max_staleness >= 0, "must be >= 0"),
             ("dtype", "--dtype", self.dtype in DTYPES, f"must be one of {sorted(DTYPES)}"),
@@ -263,6 +269,7 @@ class TrainerConfig:
 
 
 AUTOCAST = ("none", "bf16", "best")
+ADAM_IMPLS = ("auto", "fused", "foreach", "for-loop")
 FORWARD_ON = ("published", "master")
 
 
@@ -326,14 +333,11 @@ class Trainer:
                              for p in self.model.parameters() if p.requires_grad]
             self._round_params()
         self._master_of = {id(p): m for p, m in self._masters}
+        trained = ([m for _, m in self._masters] or
+                   [p for p in self.model.parameters() if p.requires_grad])
         self.optimizer = torch.optim.AdamW(
-            [m for _, m in self._masters] or
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=c.lr,
-            betas=c.betas,
-            eps=c.adam_eps,
-            weight_decay=c.weight_decay,
-        )
+            trained, lr=c.lr, betas=c.betas, eps=c.adam_eps, weight_decay=c.weight_decay,
+            **adam_kwargs(c.adam_impl, trained))
         self.steps = 0
         # blocks until a checkpoint's copy of the trained tensors is done (hold_updates)
         self._update_guard: Callable[[], Any] | None = None
@@ -898,6 +902,22 @@ class Trainer:
             for k, v in acc["sums"].items():
                 total["sums"][k] = total["sums"].get(k, 0.0) + v
         return total
+
+
+def adam_kwargs(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
+    """``torch.optim.AdamW``'s keyword for implementation ``impl`` of ``ADAM_IMPLS``.
+    "auto" picks fused when torch has a fused kernel for every parameter's device and
+    dtype (CPU and CUDA do: one kernel over all tensors, where foreach launches a few per
+    tensor list), else foreach; the choice is logged."""
+    if impl == "auto":
+        devices = set(_get_fused_kernels_supported_devices())
+        fusable = all(p.device.type in devices and p.is_floating_point() for p in params)
+        impl = "fused" if fusable else "foreach"
+        log.info("AdamW: %s (adam_impl auto: %s)", impl,
+                 "a fused kernel for the parameters' device" if fusable else
+                 "no fused kernel for some parameter's device or dtype")
+    return {"fused": {"fused": True}, "foreach": {"foreach": True},
+            "for-loop": {"foreach": False}}[impl]
 
 
 def deal_groups(rows: list[_Row], world: int) -> dict[int, int]:

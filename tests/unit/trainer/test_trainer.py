@@ -169,6 +169,23 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
         assert torch.allclose(a, b, atol=1e-5), k
 
 
+def test_adamw_runs_fused_where_torch_has_it_and_steps_as_foreach_does(tiny_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig, adam_kwargs
+
+    assert adam_kwargs("auto", [torch.zeros(2)]) == {"fused": True}  # CPU has the kernel
+    assert adam_kwargs("auto", [torch.zeros(2, dtype=torch.int64)]) == {"foreach": True}
+    assert adam_kwargs("for-loop", [torch.zeros(2)]) == {"foreach": False}
+    batch = make_batch(0)
+    stepped = {}
+    for impl in ("auto", "foreach"):
+        tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, adam_impl=impl), policy="actor")
+        assert tr.optimizer.defaults["fused"] is (True if impl == "auto" else None)
+        tr.train_step(batch)
+        stepped[impl] = tr.state_dict()
+    for k, a in stepped["auto"].items():  # one algorithm: only the rounding differs
+        assert torch.allclose(a, stepped["foreach"][k], atol=1e-6), k
+
+
 def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_model):
 
     from astraflow.trainer.loss import policy_loss
@@ -617,6 +634,7 @@ def test_config_errors_name_the_flag(tiny_model):
         (TrainerConfig(tis_cap=1.2), "--tis-cap"),
         (TrainerConfig(loss="decoupled_ppo", tis_cap=0.0), "--tis-cap"),
         (TrainerConfig(autocast="fp16"), "--autocast"),
+        (TrainerConfig(adam_impl="apex"), "--adam-impl"),
         (ServiceOptions(policy="a", model_path="m", state_interval=0), "--state-interval"),
         (ServiceOptions(policy="a", model_path="m", keep_optimizer=0), "--keep-optimizer"),
         (ServiceOptions(policy="a", model_path="m", state_max_lag=0), "--state-max-lag"),
