@@ -31,8 +31,9 @@ setting for a 135M model, plus 1.6 GB while a state is written).
 
 Settings (``--settings``): ``fp32`` (no autocast, 8 sequences per micro-batch, each
 sequence's prompt in its own pass: the trainer before real-model support), ``fp32-shared``
-(a group's samples share one pass over their prompt, the default), ``fp32-foreach``
-(``fp32-shared`` with AdamW's foreach implementation, the default before fused), ``bf16``
+(a group's samples share one pass over their prompt, the default), ``fp32-loop``
+(``fp32-shared`` with AdamW's for-loop, torch's default on a CPU and AstraFlow's before
+``adam_impl: auto`` chose fused), ``bf16``
 (``--autocast bf16``), ``bf16-shared``, ``bf16-tokens`` (and ``--micro-batch-tokens``),
 ``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence),
 ``fp32-mb64`` and ``bf16-mb64`` (64 sequences per micro-batch, each prompt in its own
@@ -82,8 +83,8 @@ from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
 SETTINGS: dict[str, dict[str, Any]] = {
     "fp32": {"autocast": "none", "micro_batch_size": 8, "share_prompt": False},
     "fp32-shared": {"autocast": "none", "micro_batch_size": 8},
-    # AdamW as before adam_impl "auto" chose its fused kernel
-    "fp32-foreach": {"autocast": "none", "micro_batch_size": 8, "adam_impl": "foreach"},
+    # AdamW as on a CPU before adam_impl "auto" chose its fused kernel (torch's default)
+    "fp32-loop": {"autocast": "none", "micro_batch_size": 8, "adam_impl": "for-loop"},
     "bf16": {"autocast": "bf16", "micro_batch_size": 8, "share_prompt": False},
     "bf16-shared": {"autocast": "bf16", "micro_batch_size": 8},
     "bf16-tokens": {"autocast": "bf16", "micro_batch_tokens": 2048, "share_prompt": False},

@@ -144,8 +144,8 @@ class TrainerSpec(_Section):
                                  json_schema_extra=_in("optimizer"))
     adam_impl: Literal["auto", "fused", "foreach", "for-loop"] = Field(
         default="auto", description="AdamW's implementation: fused (one kernel over all "
-        "tensors; on CPU about 4x faster than foreach at 135M parameters), foreach, "
-        "for-loop; auto: fused where torch has it for the parameters' device, else foreach",
+        "tensors), foreach, for-loop; auto: fused where torch has it for the parameters' "
+        "device (CPU, CUDA), else torch's default",
         json_schema_extra=_in("optimizer"))
     # loss
     loss: str = Field(default=DEFAULT_LOSS, description="policy loss, by its name in "

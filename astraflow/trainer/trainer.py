@@ -907,15 +907,15 @@ class Trainer:
 def adam_kwargs(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
     """``torch.optim.AdamW``'s keyword for implementation ``impl`` of ``ADAM_IMPLS``.
     "auto" picks fused when torch has a fused kernel for every parameter's device and
-    dtype (CPU and CUDA do: one kernel over all tensors, where foreach launches a few per
-    tensor list), else foreach; the choice is logged."""
+    dtype (CPU and CUDA do: one kernel over all tensors), else torch's own default
+    (foreach on CUDA, a loop elsewhere); the choice is logged."""
     if impl == "auto":
         devices = set(_get_fused_kernels_supported_devices())
         fusable = all(p.device.type in devices and p.is_floating_point() for p in params)
-        impl = "fused" if fusable else "foreach"
-        log.info("AdamW: %s (adam_impl auto: %s)", impl,
-                 "a fused kernel for the parameters' device" if fusable else
-                 "no fused kernel for some parameter's device or dtype")
+        log.info("AdamW: %s", "fused (adam_impl auto: a fused kernel for the parameters' "
+                 "device)" if fusable else "torch's default (adam_impl auto: no fused "
+                 "kernel for some parameter's device or dtype)")
+        return {"fused": True} if fusable else {}
     return {"fused": {"fused": True}, "foreach": {"foreach": True},
             "for-loop": {"foreach": False}}[impl]
 
