@@ -437,6 +437,11 @@ class LagSource(Protocol):
     def close(self) -> None: ...
 
 
+def _floor(r: PartitionLag) -> int:
+    """Where a group's unconsumed records begin: its committed offset, else the start."""
+    return r.committed if r.committed is not None else r.start_offset
+
+
 class LagObserver:
     """Reads the pools' lag on ``tasks``, the groups on their way to each trainer's batcher
     and the trainers' lag on ``batches.<policy>``.
@@ -448,7 +453,8 @@ class LagObserver:
     from the offsets its newest published version had consumed where those are behind
     its committed ones: a trainer that writes a version while it trains the next batch
     (``publish_overlap``) commits that batch before the version is visible, and the batch
-    still becomes a version after it.
+    still becomes a version after it. Only that one batch: the others a trainer committed
+    past its newest version it skipped (every group stale or without advantage).
     """
 
     def __init__(self, config: Any, tasks_topic: str, pool_groups: dict[str, str],
@@ -494,13 +500,16 @@ class LagObserver:
         in_flight = self._count(self.tasks, pool_rows)
         batches = (self._count(self.batches, self._from_published(trainer_rows))
                    if self.batches else {})
+        queued = {policy: sum(parts.values()) for policy, parts in batches.items()}
+        if self.batches and self.published is not None:
+            queued = self._one_unpublished_at_most(queued, trainer_rows)
         transit: dict[str, int] = {}
         if self.transit:
             for (policy, _g, _t), n in self._count(self.transit, transit_rows).items():
                 transit[policy] = transit.get(policy, 0) + sum(n.values())
         return Observation(
             pool_in_flight=in_flight,
-            trainer_lag={policy: sum(parts.values()) for policy, parts in batches.items()},
+            trainer_lag=queued,
             pool_offset_lag={p: sum(r.lag for r in rows) for p, rows in pool_rows.items()},
             trainer_offset_lag={p: sum(r.lag for r in rows) for p, rows in trainer_rows.items()},
             trainer_consumed={p: sum(parts.values()) for p, parts in self._trainer_done.items()},
@@ -526,6 +535,22 @@ class LagObserver:
                 < r.committed else r for r in rs]
         return out
 
+    def _one_unpublished_at_most(self, queued: dict[str, int],
+                                 rows: dict[str, list[PartitionLag]]) -> dict[str, int]:
+        """``queued`` (policy -> batches counted from its newest version's offsets) with at
+        most one batch the trainer committed before that version: the last one, which an
+        overlapping trainer is training. The others it skipped (every group stale or without
+        advantage) and will never become versions; counted, once more than
+        ``max_staleness`` of them followed the newest version, they held every task, so no
+        batch and no version ever came to move those offsets on."""
+        assert self.batches is not None
+        out = dict(queued)
+        for policy, n in queued.items():
+            past_commit = sum(self.batches.count(r.topic, r.partition, _floor(r), r.end_offset)
+                              for r in rows.get(policy, []))
+            out[policy] = min(n, past_commit + 1)
+        return out
+
     def _count_done(self, counter: RecordCounter, kind: str,
                     rows: dict[str, list[PartitionLag]], done: dict[str, dict[int, int]]
                     ) -> None:
@@ -547,17 +572,14 @@ class LagObserver:
     @staticmethod
     def _count(counter: RecordCounter, rows: dict[Any, list[PartitionLag]]
                ) -> dict[Any, dict[int, int]]:
-        def committed(r: PartitionLag) -> int:
-            return r.committed if r.committed is not None else r.start_offset
-
         floors: dict[tuple[str, int], int] = {}
         for rs in rows.values():
             for r in rs:
                 tp = (r.topic, r.partition)
-                floors[tp] = min(floors.get(tp, committed(r)), committed(r))
+                floors[tp] = min(floors.get(tp, _floor(r)), _floor(r))
         counter.follow(floors)
         counter.drain()  # after a (re)start, what the new assignment reads
-        return {name: {r.partition: counter.count(r.topic, r.partition, committed(r),
+        return {name: {r.partition: counter.count(r.topic, r.partition, _floor(r),
                                                   r.end_offset) for r in rs}
                 for name, rs in rows.items()}
 

@@ -502,6 +502,11 @@ def test_the_observer_counts_groups_on_their_way_and_batches_not_yet_published(
         # becomes a version after 7
         wait_for(lambda: observer.observe().trainer_lag == {"actor": 2}, 20,
                  "the batches past version 7's offsets counted")
+        # b2 skipped as well (every group stale): of the batches committed past version
+        # 7's offsets only the last may still become a version; b1 never will
+        commit(topo.trainer_group("actor"), "batches.actor", 3)
+        wait_for(lambda: observer.observe().trainer_lag == {"actor": 1}, 20,
+                 "one batch committed past version 7's offsets counted, not the skipped")
         commit(topo.group_of("batcher"), "samples.actor", 1)  # one taken into a batch
         wait_for(lambda: observer.observe().trainer_transit == {"actor": 3 + 1}, 20,
                  "the batcher's commit counted")
