@@ -1,5 +1,6 @@
 """Chaos: the default topology under ``astraflow up`` survives a SIGKILLed processor, RaaS
-node and trainer, a broker stopped for 30 s and for 3 min, and a SIGKILLed broker.
+node and trainer, a broker stopped for longer than the transactions' timeout, and a
+SIGKILLed broker.
 
 Each scenario runs on a broker of its own (the session's broker is never stopped), faults
 the run once it has published a few versions, waits until the trainer publishes again,
@@ -54,13 +55,15 @@ class Run:
     """One ``astraflow up`` of the default topology against ``broker``."""
 
     def __init__(self, broker: EmbeddedBroker, model: Path, tmp_path: Path,
-                 trainer_processes: int = 1):
+                 trainer_processes: int = 1, transaction_timeout_ms: int | None = None):
         self.broker = broker
         self.bootstrap = broker.bootstrap()
         self.config = KafkaConfig(bootstrap_servers=self.bootstrap, client_id="chaos")
         topo = yaml.safe_load((REPO / "topology" / "default.yaml").read_text())
         self.run = topo["run"] = random_name("chaos")
         topo["kafka"] = {"bootstrap_servers": self.bootstrap}
+        if transaction_timeout_ms is not None:
+            topo["kafka"]["transaction_timeout_ms"] = transaction_timeout_ms
         topo["policies"]["actor"].update(model=str(model),
                                          warm_start={"steps": 100, "slip": 0.7})
         if trainer_processes > 1:
@@ -132,6 +135,15 @@ class Run:
 @pytest.fixture
 def chaos_run(broker, chaos_model, tmp_path):
     run = Run(broker, chaos_model, tmp_path)
+    yield run
+    run.kill()
+
+
+@pytest.fixture
+def chaos_run_short_transactions(broker, chaos_model, tmp_path):
+    """A run whose transactions time out after 20 s (default 60 s): an outage that
+    outlives them takes a third of the time."""
+    run = Run(broker, chaos_model, tmp_path, transaction_timeout_ms=20_000)
     yield run
     run.kill()
 
@@ -215,13 +227,14 @@ def test_a_sigkilled_trainer_process_takes_its_group_down_and_it_resumes_exactly
     print("trainer rank", rank, _account(run))
 
 
-# 90 s outlives the transactions' 60 s timeout (kafka.transaction_timeout_ms) and the
-# consumers' sessions, so the broker aborts what was open: the harder case. A
-# short outage, within the timeout, is the SIGKILLed broker's below (back in seconds);
-# bench/outage.py measures longer outages (180 s and more).
-def test_every_component_rides_out_a_broker_outage(chaos_run):
-    run = chaos_run
-    outage_s = 90
+# 30 s outlives the run's 20-s transaction timeout (kafka.transaction_timeout_ms; 60 s by
+# default) and the consumers' 10-s sessions, so the broker aborts what was open: the
+# harder case, as a 90-s outage under the defaults, in a third of the time. A short
+# outage, within the timeout, is the SIGKILLed broker's below (back in seconds);
+# bench/outage.py measures longer outages (180 s and more) under the defaults.
+def test_every_component_rides_out_a_broker_outage(chaos_run_short_transactions):
+    run = chaos_run_short_transactions
+    outage_s = 30
 
     def outage() -> None:
         assert run.broker.stop()

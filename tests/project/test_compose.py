@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,19 @@ from astraflow.config.topology import load_topology
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
+
+
+@cache
+def _parser() -> argparse.ArgumentParser:
+    """The CLI's parser, built once: parsing is stateless, and building one per service
+    checked made this module take a minute."""
+    return build_parser()
+
+
+@cache
+def _processors(path: str) -> tuple[str, ...]:
+    """The processor names of topology file ``path`` (relative to the repository)."""
+    return tuple(load_topology(REPO / path).processors)
 
 
 def _default(value: str) -> str:
@@ -50,9 +65,8 @@ def _cluster(service: dict) -> bool:
 def test_service_command_is_an_astraflow_subcommand(name):
     command = SERVICES[name]["command"]
     assert isinstance(command, list) and command[0] == "astraflow", command
-    parser = build_parser()
     try:
-        args = parser.parse_args(command[1:])
+        args = _parser().parse_args(command[1:])
     except SystemExit as e:  # argparse exits on an unknown subcommand or option
         pytest.fail(f"service {name}: `{' '.join(command)}` is not a valid command ({e})")
     assert callable(args.func)
@@ -83,7 +97,7 @@ def _parsed(service: dict):
     command = service.get("command")
     if not isinstance(command, list) or command[:1] != ["astraflow"]:
         return None
-    return build_parser().parse_args(command[1:])
+    return _parser().parse_args(command[1:])
 
 
 def _processor_services(services: dict) -> dict[tuple[str, str], list[str]]:
@@ -101,7 +115,7 @@ def _processor_services(services: dict) -> dict[tuple[str, str], list[str]]:
 def _missing_processor_services(services: dict) -> list[str]:
     running = _processor_services(services)
     return [f"{path}: {name}" for path in TOPOLOGY_FILES
-            for name in load_topology(REPO / path).processors if (path, name) not in running]
+            for name in _processors(path) if (path, name) not in running]
 
 
 def test_topology_files_are_found():
@@ -112,8 +126,7 @@ def test_topology_files_are_found():
 def test_every_processor_of_every_topology_has_its_own_service(path):
     """Each processor of each topology/*.yaml runs as a service with that very topology."""
     running = _processor_services(SERVICES)
-    missing = [name for name in load_topology(REPO / path).processors
-               if (path, name) not in running]
+    missing = [name for name in _processors(path) if (path, name) not in running]
     assert not missing, f"no docker-compose service runs {missing} with --topology {path}"
 
 
@@ -256,7 +269,7 @@ def _recipe_mismatches(service: dict) -> list[str]:
         for policy, spec in load_topology(REPO / path).policies.items():
             if spec.model != args.dir:
                 continue
-            want = init_recipe(build_parser().parse_args(model_init_command(spec)))
+            want = init_recipe(_parser().parse_args(model_init_command(spec)))
             out += [f"{path} {policy}: {k} {have.get(k)} != {v}"
                     for k, v in want.items() if have.get(k) != v]
             out += [f"{path} {policy}: {k} {have[k]} (the topology leaves it out)"
