@@ -43,7 +43,7 @@ score on ``--sweep-metric``; ties (all 0 % when a sweep run is too short to lear
 the held-out task) go to the higher training reward over the second half of the run
 (AstraFlow's rolled-out sequences, TRL's logged step rewards), then to the smaller
 learning rate. Default learning rates:
-AstraFlow a third, one and ten thirds of the topology's (``1e-5,3e-5,1e-4`` on
+AstraFlow a third, one and ten thirds of the topology's (``3.3e-6,1e-5,3.3e-5`` on
 ``smollm2.yaml``), TRL ``2e-6,5e-6,1e-5``; ``--sweep-lrs SYSTEM=LR,LR,...`` sets them.
 Without a sweep a system runs its usual learning rate (the topology's; TRL 5e-6), or the
 one ``--sweep-lrs`` gives it.
@@ -78,7 +78,7 @@ bench/progress/learning.json`` keeps them where git can carry them to the next s
 
     python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
         [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]
-        [--sweep-lrs astraflow=1e-5,3e-5,1e-4] [--sweep-lrs trl=2e-6,5e-6,1e-5]
+        [--sweep-lrs astraflow=1e-5,2e-5,3e-5] [--sweep-lrs trl=2e-6,5e-6,1e-5]
         [--sweep-duration 300] [--reward first_integer] [--trl-option loss_type=dr_grpo]
         [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json] [--resume]
         [--progress FILE]

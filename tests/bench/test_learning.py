@@ -86,7 +86,7 @@ def test_the_shared_reward_and_the_swept_lr_reach_the_topology(tmp_path):
     topo = load_topology(bench.write_topology(run_doc, tmp_path, "test"))
     assert topo.pools["local"].workflows["single_turn"].reward == "first_integer"
     assert topo.policies["actor"].trainer.lr == 1e-4
-    assert doc["policies"]["actor"]["trainer"]["lr"] == 3e-5  # the input is left alone
+    assert doc["policies"]["actor"]["trainer"]["lr"] == 1e-5  # the input is left alone
 
 
 def test_the_validation_split_is_disjoint_from_test_and_training_and_repeats():
