@@ -132,6 +132,18 @@ class TrainerSpec(_Section):
     # optimizer
     lr: float = Field(default=1e-5, gt=0, description="learning rate",
                       json_schema_extra=_in("optimizer"))
+    lr_warmup_steps: int = Field(default=0, ge=0, description="the first N steps' "
+                                 "learning rate rises linearly to lr",
+                                 json_schema_extra=_in("optimizer"))
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        default="constant", description="after the warm-up: constant keeps lr; linear and "
+        "cosine take it to lr_final over lr_decay_steps steps and hold it there",
+        json_schema_extra=_in("optimizer"))
+    lr_final: float = Field(default=0.0, ge=0, description="the learning rate lr_decay "
+                            "ends at", json_schema_extra=_in("optimizer"))
+    lr_decay_steps: int | None = Field(default=None, ge=1, description="the steps "
+                                       "lr_decay takes (needed unless constant)",
+                                       json_schema_extra=_in("optimizer"))
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay",
                                 json_schema_extra=_in("optimizer"))
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1",
@@ -277,6 +289,18 @@ class TrainerSpec(_Section):
             raise ValueError(".parallel.processes: several processes train with backend "
                              "torch (FSDP2) only; megatron-core's own data parallelism "
                              "needs CUDA and is not wired in yet (docs/trainer.md)")
+        return self
+
+    @model_validator(mode="after")
+    def _lr_schedule(self) -> TrainerSpec:
+        if self.lr_decay == "constant":
+            given = sorted({"lr_final", "lr_decay_steps"} & self.model_fields_set)
+            if given:
+                raise ValueError(f".{given[0]}: not read with lr_decay constant; remove it "
+                                 "or choose lr_decay linear or cosine")
+        elif self.lr_decay_steps is None:
+            raise ValueError(f".lr_decay_steps: lr_decay {self.lr_decay} needs the number "
+                             "of steps it takes")
         return self
 
     @field_validator("loss")

@@ -97,6 +97,7 @@ from astraflow.trainer.loss import (
 )
 from astraflow.trainer.parallel import rows as make_rows
 from astraflow.trainer.parallel import shard_rows
+from astraflow.trainer.schedule import DECAYS, LrSchedule
 from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
@@ -125,6 +126,13 @@ class TrainerConfig:
     here are the same (a test keeps them equal), for a step built in code."""
 
     lr: float = 1e-5
+    # the rate of each step (astraflow.trainer.schedule.LrSchedule): a linear warm-up of
+    # lr_warmup_steps, then lr_decay ("constant", "linear", "cosine") to lr_final over
+    # lr_decay_steps
+    lr_warmup_steps: int = 0
+    lr_decay: str = "constant"
+    lr_final: float = 0.0
+    lr_decay_steps: int | None = None
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
@@ -192,7 +200,9 @@ class TrainerConfig:
         ``trainer:`` and the policy's sampling and ``max_staleness``)."""
         t = spec.trainer
         return cls(
-            lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), adam_eps=t.adam_eps,
+            lr=t.lr, lr_warmup_steps=t.lr_warmup_steps, lr_decay=t.lr_decay,
+            lr_final=t.lr_final, lr_decay_steps=t.lr_decay_steps,
+            betas=(t.adam_beta1, t.adam_beta2), adam_eps=t.adam_eps,
             weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
             adam_impl=t.adam_impl, loss=t.loss,
             clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap,
@@ -210,6 +220,13 @@ class TrainerConfig:
         """Raise ``ValueError`` naming the field (and its CLI flag) of a bad setting."""
         checks = [
             ("lr", "--lr", self.lr > 0, "must be > 0"),
+            ("lr_warmup_steps", "--lr-warmup-steps", self.lr_warmup_steps >= 0,
+             "must be >= 0"),
+            ("lr_decay", "--lr-decay", self.lr_decay in DECAYS, f"must be one of {DECAYS}"),
+            ("lr_final", "--lr-final", self.lr_final >= 0, "must be >= 0"),
+            ("lr_decay_steps", "--lr-decay-steps",
+             self.lr_decay == "constant" or (self.lr_decay_steps or 0) >= 1,
+             f"must be at least 1 with lr_decay {self.lr_decay}"),
             ("loss", "--loss", self.loss in LOSSES, f"must be one of {sorted(LOSSES)}"),
             ("micro_batch_size", "--micro-batch-size", self.micro_batch_size >= 1,
              "must be at least 1"),
@@ -251,6 +268,11 @@ class TrainerConfig:
         for name, flag, ok, what in checks:
             if not ok:
                 raise ValueError(f"{name} ({flag}) {what}, got {getattr(self, name)!r}")
+
+    def lr_schedule(self) -> LrSchedule:
+        """The learning rate of each step."""
+        return LrSchedule(lr=self.lr, warmup_steps=self.lr_warmup_steps, decay=self.lr_decay,
+                          final=self.lr_final, decay_steps=self.lr_decay_steps)
 
     def chosen_autocast(self) -> tuple[str, str]:
         """``(autocast, why)``: ``autocast`` as set, or for ``best`` what this machine's
@@ -339,6 +361,7 @@ class Trainer:
             trained, lr=c.lr, betas=c.betas, eps=c.adam_eps, weight_decay=c.weight_decay,
             **adam_kwargs(c.adam_impl, trained))
         self.steps = 0
+        self.schedule = c.lr_schedule()
         # blocks until a checkpoint's copy of the trained tensors is done (hold_updates)
         self._update_guard: Callable[[], Any] | None = None
         # the loss reads a proximal policy apart from this step's (decoupled_ppo): with
@@ -836,6 +859,7 @@ class Trainer:
             "trainer/loss": acc["loss"],
             "trainer/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "trainer/grad_norm": acc["grad_norm"],
+            "trainer/lr": acc["lr"],
             "trainer/sequences": float(len(rows)),
             "trainer/loss_tokens": float(acc["tokens"]),
             "trainer/zero_advantage_frac": 1.0 - acc["live"] / len(rows) if rows else 0.0,
@@ -874,6 +898,9 @@ class Trainer:
         total.update(tokens=0, live=0, live_tokens=0, grad_norm=0.0, minibatches=0,
                      forward_backward_seconds=0.0, optimizer_seconds=0.0)
         t0 = time.perf_counter()
+        total["lr"] = self.schedule.at(self.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = total["lr"]
         parts = self.minibatches(rows)
         proximal = self._proximal(parts)
         for part, prox in zip(parts, proximal):

@@ -278,7 +278,8 @@ def _solver_verifier_data() -> dict:
 # ("trainer", TrainerConfig attribute) or ("spec", the handler reads it: torch settings)
 TRAINER_FIELDS = {
     **{f: ("trainer", f) for f in (
-        "lr", "weight_decay", "adam_eps", "max_grad_norm", "adam_impl", "loss", "clip_low",
+        "lr", "lr_warmup_steps", "lr_decay", "lr_final", "lr_decay_steps", "weight_decay",
+        "adam_eps", "max_grad_norm", "adam_impl", "loss", "clip_low",
         "clip_high", "tis_cap", "tis_mask", "m2_threshold", "minibatches", "micro_batch_size",
         "micro_batch_tokens", "dtype", "publish_dtype", "autocast", "gradient_checkpointing",
         "share_prompt", "forward_on", "device", "backend")},
@@ -307,7 +308,8 @@ def test_every_typed_trainer_field_reaches_the_trainer():
     from astraflow.config.topology import TrainerSpec
 
     assert set(TRAINER_FIELDS) == set(TrainerSpec.model_fields)
-    values = dict(lr=0.5, anchor_interval=7, state_interval=3, state_max_lag=2,
+    values = dict(lr=0.5, lr_warmup_steps=4, lr_decay="linear", lr_final=0.1,
+                  lr_decay_steps=20, anchor_interval=7, state_interval=3, state_max_lag=2,
                   keep_optimizer=5, keep_versions=0, seed=9, weight_decay=0.1,
                   adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, max_grad_norm=0.5,
                   adam_impl="for-loop",

@@ -186,6 +186,23 @@ def test_adamw_runs_fused_where_torch_has_it_and_steps_as_foreach_does(tiny_mode
         assert torch.allclose(a, stepped["for-loop"][k], atol=1e-6), k
 
 
+def test_each_step_trains_at_its_scheduled_rate(tiny_model):
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay="linear", lr_final=0.0,
+                        lr_decay_steps=2)
+    tr = Trainer(tiny_model, cfg, policy="actor")
+    seen = []
+    for _ in range(5):
+        before = {k: v.clone() for k, v in tr.state_dict().items()}
+        seen.append(tr.train_step(make_batch(0))["trainer/lr"])
+        assert tr.optimizer.param_groups[0]["lr"] == seen[-1]
+        moved = any(not torch.equal(before[k], v) for k, v in tr.state_dict().items())
+        assert moved is (seen[-1] > 0)
+    assert seen == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4, 0.0])
+
+
 def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_model):
 
     from astraflow.trainer.loss import policy_loss
@@ -974,7 +991,8 @@ def test_trainer_recomputes_the_versions_after_the_newest_state_on_resume(
     """State every 3 versions, crash between state writes (version 6's transaction open):
     the restart loads the state of version 3, recomputes 4 and 5 without publishing
     (checked against the published ones), then trains on. The real-model settings (bf16
-    autocast, gradient checkpointing, token-budget micro-batches) resume exactly too."""
+    autocast, gradient checkpointing, token-budget micro-batches) and a learning-rate
+    schedule that changes every step resume exactly too."""
     from astraflow.trainer.trainer import TrainerConfig
     from astraflow.weights.stores import FileBlobStore
 
@@ -985,14 +1003,17 @@ def test_trainer_recomputes_the_versions_after_the_newest_state_on_resume(
     sent, before, manifests, text = _crash_then_resume(
         kafka_config, kafka_bootstrap, topo, path, tiny_model, tmp_path, n=n, crash_at=6,
         args=["--lr", "1e-4", "--micro-batch-tokens", "40", "--autocast", "bf16",
-              "--gradient-checkpointing", "--state-interval", "3", "--state-max-lag", "1"])
+              "--gradient-checkpointing", "--state-interval", "3", "--state-max-lag", "1",
+              "--lr-warmup-steps", "2", "--lr-decay", "cosine", "--lr-final", "2e-5",
+              "--lr-decay-steps", "5"])
     recorded_before = _recorded(before)
     assert sorted(recorded_before) == [3] and recorded_before[3].version == 4
     assert "resumed at version 5 from the state of version 3" in text, text[-3000:]
     assert "recomputed versions 4..5" in text, text[-3000:]
     assert "recomputed version 4 from batch batch-3" in text, text[-3000:]
     cfg = TrainerConfig(lr=1e-4, micro_batch_tokens=40, autocast="bf16",
-                        gradient_checkpointing=True)
+                        gradient_checkpointing=True, lr_warmup_steps=2, lr_decay="cosine",
+                        lr_final=2e-5, lr_decay_steps=5)
     ref = _reference(tiny_model, sent, cfg)
     _check_history(kafka_config, manifests, sent, ref, topo.full_name("batches.actor"))
     recorded = _recorded(manifests)
