@@ -97,7 +97,7 @@ from astraflow.trainer.loss import (
 )
 from astraflow.trainer.parallel import rows as make_rows
 from astraflow.trainer.parallel import shard_rows
-from astraflow.trainer.schedule import DECAYS, LrSchedule
+from astraflow.trainer.schedule import LrSchedule
 from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
@@ -222,11 +222,7 @@ class TrainerConfig:
             ("lr", "--lr", self.lr > 0, "must be > 0"),
             ("lr_warmup_steps", "--lr-warmup-steps", self.lr_warmup_steps >= 0,
              "must be >= 0"),
-            ("lr_decay", "--lr-decay", self.lr_decay in DECAYS, f"must be one of {DECAYS}"),
             ("lr_final", "--lr-final", self.lr_final >= 0, "must be >= 0"),
-            ("lr_decay_steps", "--lr-decay-steps",
-             self.lr_decay == "constant" or (self.lr_decay_steps or 0) >= 1,
-             f"must be at least 1 with lr_decay {self.lr_decay}"),
             ("loss", "--loss", self.loss in LOSSES, f"must be one of {sorted(LOSSES)}"),
             ("micro_batch_size", "--micro-batch-size", self.micro_batch_size >= 1,
              "must be at least 1"),
@@ -268,6 +264,7 @@ class TrainerConfig:
         for name, flag, ok, what in checks:
             if not ok:
                 raise ValueError(f"{name} ({flag}) {what}, got {getattr(self, name)!r}")
+        self.lr_schedule()  # lr_decay and lr_decay_steps: the schedule's own checks
 
     def lr_schedule(self) -> LrSchedule:
         """The learning rate of each step."""
