@@ -26,6 +26,7 @@ and the sampling options every workflow takes, the defaults of a request that se
 from __future__ import annotations
 
 import statistics
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -60,13 +61,16 @@ class AgentWorkflow:
         self.score = Scorer(reward, checker) if reward is not None or checker else None
         self.defaults = {k: v for k, v in sampling.items() if v is not None}
         self._server: AgentServer | None = None
+        self._server_lock = threading.Lock()
 
     @property
     def server(self) -> AgentServer:
-        """The node's endpoint, started on first use."""
-        if self._server is None:
-            self._server = AgentServer()
-        return self._server
+        """The node's endpoint, started on first use (by one of a task's episodes, which
+        start together: one endpoint for all of them)."""
+        with self._server_lock:
+            if self._server is None:
+                self._server = AgentServer()
+            return self._server
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload = parse_payload(task)
@@ -99,19 +103,20 @@ class AgentWorkflow:
         """Sample ``j``: its sequences (None when every attempt failed) and the reasons of
         the attempts that failed."""
         reasons: list[str] = []
+        server = self.server
         for attempt in range(self.attempts):
-            ep = self.server.open(engines, j, self.defaults, key=f"{task_id}:{j}:{attempt}")
+            ep = server.open(engines, j, self.defaults, key=f"{task_id}:{j}:{attempt}")
             try:
-                outcome = self.program.run(payload, self.server.base_url(ep),
-                                           self.server.reward_url(ep), self.timeout_s)
+                outcome = self.program.run(payload, server.base_url(ep),
+                                           server.reward_url(ep), self.timeout_s)
             finally:
-                self.server.close(ep)
+                server.close(ep)
             reward, reason = self._ended(ep, outcome, payload)
             if reason is None:
                 meta = {"episode_attempt": str(attempt),
                         "episode_requests": str(ep.trajectory.stats.requests)}
                 if reasons:  # each reason cut short: a meta value stays small
-                    meta["agent_failures"] = " | ".join(r[:200] for r in reasons)
+                    meta["agent_failures"] = " | ".join(_shorten(r) for r in reasons)
                 return ep.trajectory.build(reward, meta), reasons
             reasons.append(f"attempt {attempt + 1}: {reason}")
         return None, reasons
@@ -140,6 +145,14 @@ class AgentWorkflow:
                               payload), None
         return None, ("no_reward: the program returned no reward, posted none, and the "
                       "workflow has no reward function")
+
+
+def _shorten(reason: str, n: int = 240) -> str:
+    """``reason`` in at most about ``n`` characters: its start, which gives its kind, and its
+    end, where a traceback names the error."""
+    if len(reason) <= n:
+        return reason
+    return reason[:n // 3] + " ... " + reason[-(n - n // 3 - 5):]
 
 
 def _kind(reason: str) -> str:

@@ -308,7 +308,44 @@ def test_the_workflow_runs_n_episodes_and_scores_their_answers(engine, tmp_path)
         answer = engine.decode([t for t, m in zip(s.token_ids, s.loss_mask) if m
                                 and t != engine.eos_token_id])
         assert s.reward == (1.0 if answer.strip() == "82" else 0.0)
-    assert wf.group_metrics(seqs)["agent/failed_attempts"] == 0.0
+    assert wf.group_metrics(seqs)["agent/failed_attempts"] == 0.0, [
+        s.meta.get("agent_failures") for s in seqs]
+
+
+def test_episodes_that_start_together_share_one_endpoint(tmp_path):
+    """The endpoint starts on a task's first episode; episodes start in threads at once,
+    and one that opened its episode on an endpoint must be served by that endpoint."""
+    import threading
+
+    from astraflow.raas.workflows.agent import AgentWorkflow
+
+    wf = AgentWorkflow(command=list(_script(tmp_path, "print(1)")))
+    barrier = threading.Barrier(8)
+    seen = []
+
+    def first_use() -> None:
+        barrier.wait()
+        seen.append(wf.server)
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len({id(s) for s in seen}) == 1
+    finally:
+        for s in {id(s): s for s in seen}.values():
+            s.stop()
+
+
+def test_a_long_failure_reason_keeps_its_kind_and_its_last_line():
+    from astraflow.raas.workflows.agent import _kind, _shorten
+
+    reason = "attempt 1: exit code 1: Traceback\n" + "  frame\n" * 100 + "ValueError: bad"
+    short = _shorten(reason)
+    assert len(short) <= 240 and short.endswith("ValueError: bad")
+    assert _kind(short) == "exit" and _shorten("attempt 1: timeout") == "attempt 1: timeout"
 
 
 def test_an_episode_that_keeps_failing_sends_its_task_to_the_dlq_with_the_reasons(
