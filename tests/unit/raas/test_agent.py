@@ -332,10 +332,11 @@ def test_episodes_that_start_together_share_one_endpoint(tmp_path):
         t.start()
     for t in threads:
         t.join()
+    started = {id(s): s for s in seen}
     try:
-        assert len({id(s) for s in seen}) == 1
+        assert len(started) == 1
     finally:
-        for s in {id(s): s for s in seen}.values():
+        for s in started.values():
             s.stop()
 
 
