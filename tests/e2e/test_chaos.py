@@ -181,56 +181,70 @@ def _recovers(run: Run, fault, wait_s: float = 600) -> None:
     run.wait_versions(before + 2, wait_s)
 
 
-@pytest.mark.parametrize("component", ["processor-batcher", "raas-local-0", "trainer-actor"])
-def test_a_sigkilled_component_is_restarted_with_nothing_lost_or_done_twice(chaos_run,
-                                                                             component):
-    run = chaos_run
-
+def _restarted(run: Run, component: str, signal_pid) -> None:
+    """SIGKILL the process ``signal_pid()`` names; wait until ``component`` is restarted and
+    back in its consumer group (not merely spawned)."""
     log = run.runs / run.run / "logs" / f"{component}.log"
+    joined = log.read_text().count("consuming ")
+    pid = signal_pid()
+    assert pid > 0, f"no pid for {component}"  # os.kill(-1) would signal every process
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: log.read_text().count("consuming ") > joined, 300,
+             f"{component} to be restarted and consuming again")
 
-    def kill() -> None:
-        joined = log.read_text().count("consuming ")
-        os.kill(run.pid(component), signal.SIGKILL)
-        # restarted and back in its consumer group (not merely spawned)
-        wait_for(lambda: log.read_text().count("consuming ") > joined, 300,
-                 f"{component} to be restarted and consuming again")
 
-    _recovers(run, kill)
+def _crash_broker(run: Run) -> None:
+    """SIGKILL the run's broker, then start it again on its port and data."""
+    pid = int(json.loads(run.broker.info_file.read_text())["pid"])
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _pid_alive(pid), 30, "the broker to die")
+    run.broker.start(log=lambda *_: None)
+
+
+def test_sigkilled_components_and_broker_are_ridden_out_with_nothing_lost_or_done_twice(
+        chaos_run):
+    """One run, faulted four times in turn, each once the trainer has published two versions
+    since the last: the RaaS node, the trainer and the batcher SIGKILLed (``up`` restarts
+    each), then the broker SIGKILLed and started again (nothing restarts). One run, not
+    one each: the faults compound, and the suite pays one start-up instead of four."""
+    run = chaos_run
+    components = ["raas-local-0", "trainer-actor", "processor-batcher"]
+    for component in components:
+        _recovers(run, lambda c=component: _restarted(run, c, lambda: run.pid(c)))
+    _recovers(run, lambda: _crash_broker(run))
     summary = run.stop()
-    assert summary["restarts"] == {component: 1}, (summary["restarts"], run.logs())
-    books = _account(run, killed="batcher" if component == "processor-batcher" else None)
-    print(component, books)
+    assert summary["restarts"] == dict.fromkeys(components, 1), (summary["restarts"],
+                                                                 run.exits(summary["restarts"]))
+    print("SIGKILLed", components, "and the broker:", _account(run, killed="batcher"))
 
 
-@pytest.mark.parametrize("rank", [0, 1])
 def test_a_sigkilled_trainer_process_takes_its_group_down_and_it_resumes_exactly(
-        chaos_run_two_trainer_processes, rank):
-    """A trainer of 2 processes (FSDP2, gloo): SIGKILL one of them mid-run. The group's
-    supervisor takes the other down and exits; ``up`` restarts the trainer, which resumes
-    from the committed offsets and the newest manifest: versions contiguous, no batch
-    trained twice, none lost."""
+        chaos_run_two_trainer_processes):
+    """A trainer of 2 processes (FSDP2, gloo): SIGKILL rank 1 mid-run, then, once the
+    group is back and has published two more versions, rank 0 of the new group. Each time
+    the group's supervisor takes the other process down and exits; ``up`` restarts the
+    trainer, which resumes from the committed offsets and the newest manifest: versions
+    contiguous, no batch trained twice, none lost."""
     run = chaos_run_two_trainer_processes
-    log = run.runs / run.run / "logs" / "trainer-actor.log"
 
-    def kill() -> None:
+    def rank(r: int) -> int:
         wait_for(lambda: len(_children(run.pid("trainer-actor"))) == 2, 120,
                  "the trainer's 2 processes")
-        joined = log.read_text().count("consuming ")
-        os.kill(_children(run.pid("trainer-actor"))[rank], signal.SIGKILL)
-        wait_for(lambda: log.read_text().count("consuming ") > joined, 300,
-                 "the trainer group to be restarted and consuming again")
+        return _children(run.pid("trainer-actor"))[r]
 
-    _recovers(run, kill)
+    for r in (1, 0):
+        _recovers(run, lambda r=r: _restarted(run, "trainer-actor", lambda: rank(r)))
     summary = run.stop()
-    assert summary["restarts"] == {"trainer-actor": 1}, (summary["restarts"], run.logs())
+    assert summary["restarts"] == {"trainer-actor": 2}, (summary["restarts"], run.logs())
+    log = run.runs / run.run / "logs" / "trainer-actor.log"
     assert "trainer group of 2 processes" in log.read_text()
-    print("trainer rank", rank, _account(run))
+    print("trainer ranks 1 then 0", _account(run))
 
 
 # 30 s outlives the run's 20-s transaction timeout (kafka.transaction_timeout_ms; 60 s by
 # default) and the consumers' 10-s sessions, so the broker aborts what was open: the
 # harder case, as a 90-s outage under the defaults, in a third of the time. A short
-# outage, within the timeout, is the SIGKILLed broker's below (back in seconds);
+# outage, within the timeout, is the SIGKILLed broker's above (back in seconds);
 # bench/outage.py measures longer outages (180 s and more) under the defaults.
 def test_every_component_rides_out_a_broker_outage(chaos_run_short_transactions):
     run = chaos_run_short_transactions
@@ -248,21 +262,6 @@ def test_every_component_rides_out_a_broker_outage(chaos_run_short_transactions)
     logs = "".join(p.read_text() for p in (run.runs / run.run / "logs").glob("*.log"))
     assert "not answering" in logs and "answers again after" in logs, run.logs()
     print(f"outage {outage_s}s", books)
-
-
-def test_every_component_rides_out_a_sigkilled_broker(chaos_run):
-    run = chaos_run
-
-    def crash() -> None:
-        pid = int(json.loads(run.broker.info_file.read_text())["pid"])
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not _pid_alive(pid), 30, "the broker to die")
-        run.broker.start(log=lambda *_: None)
-
-    _recovers(run, crash)
-    summary = run.stop()
-    assert not summary.get("restarts"), run.exits(summary["restarts"])
-    print("broker SIGKILL", _account(run))
 
 
 def test_past_its_outage_limit_a_component_exits_with_one_clear_line(broker, tmp_path):

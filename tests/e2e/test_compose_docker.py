@@ -1,13 +1,14 @@
 """The docker-compose stack under a real Docker engine: the default and the secure profile
 train, from images built without a registry, on the host's network.
 
-``.ci/run`` installs Docker, docker-compose and mmdebstrap from Debian, starts ``dockerd``,
-builds the images (``scripts/offline-images``) and runs these tests (``pytest -m docker``)
-after the main suite; without an engine, docker-compose or the images they skip, saying
-which. Each profile runs in a compose project of its own (``docker-compose.host.yml``)
-until the trainer has published and the RaaS node applied at least 5 versions and the
-evaluator scored one; a failure prints every service's log; the project is torn down
-(its containers and volumes only) whatever happens.
+``.ci/run`` installs Docker, docker-compose and mmdebstrap from Debian, starts ``dockerd``
+and builds the images (``scripts/offline-images``) while the main suite (``-m "not
+docker"``) runs, then runs these tests (``pytest -m docker``); without an engine,
+docker-compose or the images they skip, saying which. Each profile runs in a compose
+project of its own (``docker-compose.host.yml``) until the trainer has published and the
+RaaS node applied at least 5 versions and the evaluator scored one; a failure prints every
+service's log; the project is torn down (its containers and volumes only) whatever
+happens.
 """
 
 from __future__ import annotations
