@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -181,7 +182,7 @@ def _recovers(run: Run, fault, wait_s: float = 600) -> None:
     run.wait_versions(before + 2, wait_s)
 
 
-def _restarted(run: Run, component: str, signal_pid) -> None:
+def _restarted(run: Run, component: str, signal_pid: Callable[[], int]) -> None:
     """SIGKILL the process ``signal_pid()`` names; wait until ``component`` is restarted and
     back in its consumer group (not merely spawned)."""
     log = run.runs / run.run / "logs" / f"{component}.log"
