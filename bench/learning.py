@@ -609,34 +609,66 @@ def curves_table(curve: dict[str, Any], start: dict[str, float],
 def times_to_target(runs: list[dict[str, Any]], systems: list[str], level: float,
                     metric: str = "lenient") -> dict[str, Any]:
     """Each seed's time to ``level`` on ``metric`` by system, the mean over the seeds that
-    reached it, and the AstraFlow/TRL ratio of those means when both reached it."""
+    reached it, and the AstraFlow/TRL ratio of those means when both reached it.
+
+    Leaving out a seed that never got there favours the system that has such seeds, so
+    each system also gets ``floor``: the mean with such a seed counted at its last
+    checkpoint, less than its real time, hence a lower bound on the system's mean; and
+    ``bound`` gives the ratio of those floors with the side it bounds (``ratio_bound``)."""
     out: dict[str, Any] = {"level": level, "metric": metric, "systems": {}}
     for system in systems:
         mine = sorted((r for r in runs if r["system"] == system), key=lambda r: r["seed"])
         seconds = {r["seed"]: time_to(r["scores"], metric, level) for r in mine}
         reached = [s for s in seconds.values() if s is not None]
+        floors = [max(map(float, r["scores"])) if seconds[r["seed"]] is None
+                  else seconds[r["seed"]] for r in mine if r["scores"]]
         out["systems"][system] = {"seconds": seconds, "reached": len(reached), "n": len(mine),
-                                  "mean": statistics.fmean(reached) if reached else None}
+                                  "mean": statistics.fmean(reached) if reached else None,
+                                  "floor": statistics.fmean(floors) if floors else None}
     means = [out["systems"].get(s, {}).get("mean") for s in SYSTEMS]
     out["ratio"] = means[0] / means[1] if None not in means and means[1] else None
+    out["bound"] = ratio_bound(*(out["systems"].get(s) for s in SYSTEMS))
     return out
+
+
+def ratio_bound(mine: dict[str, Any] | None,
+                theirs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the floors of ``times_to_target`` say of the true ratio of the mean times:
+    ``{"ratio", "side"}`` with side ``=`` when every seed reached the level, ``<=`` when
+    only ``theirs`` has seeds that did not (its true mean is larger), ``>=`` when only
+    ``mine`` has; None when both have such seeds or either reached it with none."""
+    if not mine or not theirs or not mine["reached"] or not theirs["reached"]:
+        return None
+    short = (mine["reached"] < mine["n"], theirs["reached"] < theirs["n"])
+    side = {(False, False): "=", (False, True): "<=", (True, False): ">="}.get(short)
+    if side is None:
+        return None
+    return {"ratio": mine["floor"] / theirs["floor"], "side": side}
 
 
 def times_table(times: dict[str, Any]) -> str:
     """``times_to_target`` as a table (one row a system, one column a seed) and the
-    ratio line."""
+    ratio lines."""
     seeds = sorted({int(s) for v in times["systems"].values() for s in v["seconds"]})
     lines = ["| system | " + " | ".join(f"seed {s}" for s in seeds)
-             + " | mean (seeds that reached it) |", "|" + "---|" * (len(seeds) + 2)]
+             + " | mean (seeds that reached it) | mean (the others at their last checkpoint)"
+             " |", "|" + "---|" * (len(seeds) + 3)]
     for system, v in times["systems"].items():
         by = {int(s): x for s, x in v["seconds"].items()}
         cells = ["-" if s not in by else "not reached" if by[s] is None else f"{by[s]:g} s"
                  for s in seeds]
         mean = "-" if v["mean"] is None else f"{v['mean']:.0f} s ({v['reached']} of {v['n']})"
-        lines.append(f"| {system} | " + " | ".join(cells) + f" | {mean} |")
-    ratio = times["ratio"]
+        floor = v.get("floor")
+        floor = ("-" if floor is None or v["mean"] is None
+                 else f"{'' if v['reached'] == v['n'] else '>= '}{floor:.0f} s")
+        lines.append(f"| {system} | " + " | ".join(cells) + f" | {mean} | {floor} |")
+    ratio, bound = times["ratio"], times.get("bound")
     lines.append("\nAstraFlow / TRL, ratio of the means: "
                  + ("- (not reached by both)" if ratio is None else f"{ratio:.2f}"))
+    if bound and bound["side"] != "=":
+        lines.append(f"With the seeds that never reached it at their last checkpoint: "
+                     f"{'at most' if bound['side'] == '<=' else 'at least'} "
+                     f"{bound['ratio']:.2f}")
     return "\n".join(lines)
 
 

@@ -344,15 +344,31 @@ def test_time_to_target_per_seed_and_the_ratio_of_the_means():
     assert bench.time_to(RUNS[1]["scores"], "lenient", 0.5) is None
     times = bench.times_to_target(RUNS, ["astraflow", "trl"], 0.5)
     assert times["systems"]["astraflow"] == {"seconds": {0: 600.0, 1: None}, "reached": 1,
-                                             "n": 2, "mean": 600.0}
+                                             "n": 2, "mean": 600.0, "floor": 600.0}
     assert times["systems"]["trl"]["mean"] == 450.0 and times["ratio"] == pytest.approx(4 / 3)
     lines = bench.times_table(times).splitlines()
-    assert lines[2] == "| astraflow | 600 s | not reached | 600 s (1 of 2) |"
-    assert lines[3] == "| trl | 300 s | 600 s | 450 s (2 of 2) |"
-    assert lines[-1] == "AstraFlow / TRL, ratio of the means: 1.33"
+    assert lines[2] == "| astraflow | 600 s | not reached | 600 s (1 of 2) | >= 600 s |"
+    assert lines[3] == "| trl | 300 s | 600 s | 450 s (2 of 2) | 450 s |"
+    assert lines[-2] == "AstraFlow / TRL, ratio of the means: 1.33"
+    # astraflow's unreached seed is later than 600 s: the true ratio is at least 600 / 450
+    assert times["bound"] == {"ratio": pytest.approx(4 / 3), "side": ">="}
+    assert lines[-1] == ("With the seeds that never reached it at their last checkpoint: "
+                         "at least 1.33")
     alone = bench.times_to_target(RUNS[:2], ["astraflow"], 0.9)
     assert alone["ratio"] is None and alone["systems"]["astraflow"]["mean"] is None
     assert bench.times_table(alone).splitlines()[-1].endswith("- (not reached by both)")
+
+
+def test_the_ratio_bound_takes_the_side_of_the_system_whose_seeds_fell_short():
+    def times(reached: int, n: int, floor: float) -> dict:
+        return {"reached": reached, "n": n, "floor": floor}
+
+    assert bench.ratio_bound(times(4, 4, 1050.0), times(3, 4, 1425.0)) \
+        == {"ratio": pytest.approx(1050 / 1425), "side": "<="}
+    assert bench.ratio_bound(times(2, 2, 900.0), times(2, 2, 600.0))["side"] == "="
+    assert bench.ratio_bound(times(1, 2, 900.0), times(1, 2, 600.0)) is None  # both short
+    assert bench.ratio_bound(times(0, 2, 1800.0), times(2, 2, 600.0)) is None
+    assert bench.ratio_bound(None, times(2, 2, 600.0)) is None
 
 
 @pytest.mark.parametrize("flags,bf16", [({"amx_bf16", "avx512_bf16"}, True), (set(), False)])
