@@ -620,8 +620,8 @@ def times_to_target(runs: list[dict[str, Any]], systems: list[str], level: float
         mine = sorted((r for r in runs if r["system"] == system), key=lambda r: r["seed"])
         seconds = {r["seed"]: time_to(r["scores"], metric, level) for r in mine}
         reached = [s for s in seconds.values() if s is not None]
-        floors = [max(map(float, r["scores"])) if seconds[r["seed"]] is None
-                  else seconds[r["seed"]] for r in mine if r["scores"]]
+        floors = [t if (t := seconds[r["seed"]]) is not None else max(map(float, r["scores"]))
+                  for r in mine if r["scores"]]
         out["systems"][system] = {"seconds": seconds, "reached": len(reached), "n": len(mine),
                                   "mean": statistics.fmean(reached) if reached else None,
                                   "floor": statistics.fmean(floors) if floors else None}
