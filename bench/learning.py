@@ -74,14 +74,16 @@ Usage (the defaults take about 4 hours on 2 cores: a 6 x 300 s sweep, then 3 see
 systems x 30 min, and the scoring; after 120 s TRL at 5e-6 still earned no reward in any
 step, so a shorter sweep ties at 0 % and chooses nothing on merit). ``--resume`` goes on
 from the runs an interrupted bench finished (``Progress``); ``--progress
-bench/progress/learning.json`` keeps them where git can carry them to the next session:
+bench/progress/learning.json`` keeps them where git can carry them to the next session;
+``--reuse FILE`` keeps the seeded runs of another bench (``--no-sweep`` at the settings this
+sweep chooses, say) instead of running them again, each marked with where it came from:
 
     python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
         [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]
         [--sweep-lrs astraflow=1e-5,2e-5,3e-5] [--sweep-lrs trl=2e-6,5e-6,1e-5]
         [--sweep-duration 300] [--reward first_integer] [--trl-option loss_type=dr_grpo]
         [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json] [--resume]
-        [--progress FILE]
+        [--progress FILE] [--reuse OTHER-PROGRESS-FILE]
 
 Needs TRL (``python3 -m pip install trl``) for the ``trl`` system, and the model the
 topology imports (``astraflow model import smollm2 DIR``; done here when missing).
@@ -490,6 +492,11 @@ def choose_setting(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
 
 
 # --- resuming an interrupted bench -------------------------------------------------------------
+# the common settings that decide what a seeded run is (the others only decide the sweep)
+RUN_SETTINGS = ("topology", "reward", "data", "cpu_bf16", "eval_size", "duration",
+                "checkpoints")
+
+
 class Progress:
     """The runs a bench has finished, kept in a file (``--progress``) after each one, so
     that ``--resume`` goes on from where an interrupted bench stopped (a finished run is
@@ -506,6 +513,7 @@ class Progress:
         self.path, self.common, self.per_system = path, plain(common), plain(per_system)
         self.sweep_rows: list[dict[str, Any]] = []
         self.runs: list[dict[str, Any]] = []
+        self.lent: list[dict[str, Any]] = []  # other benches' runs (reuse)
         if not (resume and path.exists()):
             return
         old = json.loads(path.read_text())
@@ -527,14 +535,42 @@ class Progress:
         self.runs = [r for r in old.get("runs", []) if r["system"] not in changed]
         self.per_system = {**was_own, **self.per_system}
 
+    def reuse(self, path: Path) -> None:
+        """Lends this bench the seeded runs of another bench's progress file (``--reuse``),
+        for ``find`` to fall back on: a run is what its system, setting, seed and the
+        ``RUN_SETTINGS`` made it, whatever sweep chose that setting, so a 30-min run of the
+        setting this bench's sweep chose need not run again. Refused, naming them, when
+        the run settings differ; a system whose own settings differ lends nothing."""
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"learning: --reuse {path}: {e}") from None
+        was = old.get("common", {})
+        differ = [k for k in RUN_SETTINGS if was.get(k) != self.common.get(k)]
+        if differ:
+            raise SystemExit(f"learning: --reuse {path}: its runs were made with other "
+                             f"settings ({', '.join(differ)})")
+        was_own = old.get("per_system", {})
+        # what a system's own settings say of a run beyond its grid (TRL's step)
+        same = {s for s, c in self.per_system.items()
+                if {k: v for k, v in was_own.get(s, {}).items() if k != "grid"}
+                == {k: v for k, v in c.items() if k != "grid"}}
+        self.lent += [{**r, "reused_from": _shown(path)} for r in old.get("runs", [])
+                      if r["system"] in same]
+
     def find(self, kind: str, system: str, setting: dict[str, Any],
              seed: int) -> dict[str, Any] | None:
         """The finished ``kind`` run ("sweep" or "run") of ``system`` with ``setting`` and
         ``seed``, or None."""
-        rows = self.sweep_rows if kind == "sweep" else self.runs
         want = json.loads(json.dumps(setting))
-        return next((r for r in rows if r["system"] == system and r["seed"] == seed
-                     and r["setting"] == want), None)
+        match = lambda rows: next((r for r in rows if r["system"] == system  # noqa: E731
+                                   and r["seed"] == seed and r["setting"] == want), None)
+        if kind == "sweep":
+            return match(self.sweep_rows)
+        run = match(self.runs)
+        if run is None and (run := match(self.lent)) is not None:
+            self.add("run", run)  # kept in this bench's file, with where it came from
+        return run
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """Keeps a finished run, on disk at once."""
@@ -1390,6 +1426,8 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         # what a TRL step trains (trl_config_kwargs): runs with another step are not kept
         s: {"grid": grids[s], **({"step": "one prompt x num_generations"} if s == "trl"
                                  else {})} for s in systems}, args.resume)
+    for path in args.reuse:
+        progress.reuse(path)
     sweep = run_sweep(args, doc, systems, grids, data, progress)
     chosen = sweep["chosen"]
     scorer = make_scorer(doc, size=args.eval_size)
@@ -1408,8 +1446,9 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
                               args.checkpoints, args.runs_dir, scorer)
                 progress.add("run", run)
             else:
-                print(f"[bench] {system} seed {seed}: kept from {progress.path} "
-                      f"(commit {run.get('commit')})", flush=True)
+                print(f"[bench] {system} seed {seed}: kept from "
+                      f"{run.get('reused_from', progress.path)} (commit {run.get('commit')})",
+                      flush=True)
             out["runs"].append(run)
     # a resumed bench ran its runs at the commits each records
     out["meta"]["run_commits"] = sorted({str(r.get("commit")) for r in out["runs"]})
@@ -1482,6 +1521,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="where finished runs are kept (default "
                     "runs/bench-learning/progress.json; bench/progress/learning.json can be "
                     "committed, so a bench longer than a session goes on in the next)")
+    ap.add_argument("--reuse", type=Path, action="append", default=[], metavar="FILE",
+                    help="another bench's --progress file whose seeded runs are kept where "
+                    "this bench's sweep chose their setting (same task, durations and "
+                    "checkpoints): a 30-min run is not run again")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.trl_worker:

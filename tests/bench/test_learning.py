@@ -298,6 +298,45 @@ def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path):
     assert both.find("run", "trl", {"lr": 5e-6}, 1) is not None
 
 
+def test_reuse_lends_another_benchs_runs_of_the_same_task(tmp_path):
+    run_settings = {"duration": 1800.0, "checkpoints": [300.0, 1800.0], "data": "d"}
+    shipped = tmp_path / "shipped.json"  # a --no-sweep bench at one setting per system
+    other = bench.Progress(shipped, {**run_settings, "sweep": False},
+                           {"trl": {"grid": [{"lr": 5e-6}], "step": "one prompt"},
+                            "astraflow": {"grid": [{"lr": 1e-5}]}}, resume=True)
+    other.add("run", {"system": "trl", "seed": 0, "setting": {"lr": 5e-6}, "scores": {"x": 1}})
+    other.add("run", {"system": "astraflow", "seed": 0, "setting": {"lr": 1e-5},
+                      "scores": {"x": 2}})
+    own = {"trl": {"grid": [{"lr": 2e-6}, {"lr": 5e-6}], "step": "one prompt"},
+           "astraflow": {"grid": [{"lr": 1e-5}, {"lr": 3e-5}]}}
+    path = tmp_path / "default.json"
+    progress = bench.Progress(path, {**run_settings, "sweep": True}, own, resume=True)
+    progress.reuse(shipped)
+    assert progress.find("run", "trl", {"lr": 2e-6}, 0) is None  # not the setting it ran
+    assert progress.find("run", "trl", {"lr": 5e-6}, 1) is None  # not the seed
+    assert progress.find("sweep", "trl", {"lr": 5e-6}, 0) is None  # a sweep run is its own
+    lent = progress.find("run", "trl", {"lr": 5e-6}, 0)
+    assert lent["scores"] == {"x": 1} and lent["reused_from"] == str(shipped)
+    # kept in this bench's own file, so a --resume without --reuse keeps it too
+    resumed = bench.Progress(path, {**run_settings, "sweep": True}, own, resume=True)
+    assert resumed.find("run", "trl", {"lr": 5e-6}, 0)["reused_from"] == str(shipped)
+    assert resumed.find("run", "astraflow", {"lr": 1e-5}, 0) is None  # never asked for
+
+    # a system whose own settings differ (what a TRL step trains) lends nothing
+    steps = bench.Progress(tmp_path / "b.json", {**run_settings, "sweep": True},
+                           {**own, "trl": {**own["trl"], "step": "another"}}, resume=True)
+    steps.reuse(shipped)
+    assert steps.find("run", "trl", {"lr": 5e-6}, 0) is None
+    assert steps.find("run", "astraflow", {"lr": 1e-5}, 0)["scores"] == {"x": 2}
+    # other run settings: refused, naming them
+    shorter = bench.Progress(tmp_path / "c.json", {**run_settings, "duration": 600.0}, own,
+                             resume=True)
+    with pytest.raises(SystemExit, match=r"--reuse .*other settings \(duration\)"):
+        shorter.reuse(shipped)
+    with pytest.raises(SystemExit, match="--reuse .*missing.json"):
+        shorter.reuse(tmp_path / "missing.json")
+
+
 def test_mean_interval_is_students_t_over_the_seeds():
     mean, half = bench.mean_interval([0.2, 0.4, 0.6])
     assert mean == pytest.approx(0.4)
