@@ -552,16 +552,17 @@ class Progress:
                              f"settings ({', '.join(differ)})")
         was_own = old.get("per_system", {})
         # what a system's own settings say of a run beyond its grid (TRL's step)
-        same = {s for s, c in self.per_system.items()
-                if {k: v for k, v in was_own.get(s, {}).items() if k != "grid"}
-                == {k: v for k, v in c.items() if k != "grid"}}
+        run_own = lambda own: {k: v for k, v in own.items() if k != "grid"}  # noqa: E731
+        same = {s for s, own in self.per_system.items()
+                if run_own(was_own.get(s, {})) == run_own(own)}
         self.lent += [{**r, "reused_from": _shown(path)} for r in old.get("runs", [])
                       if r["system"] in same]
 
     def find(self, kind: str, system: str, setting: dict[str, Any],
              seed: int) -> dict[str, Any] | None:
         """The finished ``kind`` run ("sweep" or "run") of ``system`` with ``setting`` and
-        ``seed``, or None."""
+        ``seed``, or None; a seeded run this bench lacks may be one ``reuse`` lent, which
+        is then added to this bench's file."""
         want = json.loads(json.dumps(setting))
         match = lambda rows: next((r for r in rows if r["system"] == system  # noqa: E731
                                    and r["seed"] == seed and r["setting"] == want), None)
