@@ -33,18 +33,33 @@ class LagReader:
     Committed offsets are fetched with ``Consumer.committed`` rather than the admin
     ListConsumerGroupOffsets call: the latter crashes librdkafka 2.x when the group
     coordinator answers "load in progress" on a freshly started broker.
+
+    They are the offsets last committed, as Kafka's own ``kafka-consumer-groups`` shows
+    them: a read_committed consumer asks for stable offsets, which the coordinator refuses
+    while the group has a transaction open, and a busy exactly-once processor nearly
+    always has one, so the fetch would wait out its timeout. Log-end offsets stay
+    read_committed: the last stable offset, the end a transactional reader sees.
     """
 
     def __init__(self, config: KafkaConfig):
         self.config = config
         self._consumers: dict[str, Consumer] = {}
+        self._ends: Consumer | None = None
 
     def _consumer(self, group: str) -> Consumer:
         if group not in self._consumers:
             # never subscribes, so it never joins the group it reads offsets of
             self._consumers[group] = Consumer(self.config.consumer_conf(
-                group, **{"enable.auto.commit": False, "client.id": "astraflow-lag"}))
+                group, **{"enable.auto.commit": False, "client.id": "astraflow-lag",
+                          "isolation.level": "read_uncommitted"}))
         return self._consumers[group]
+
+    def _ends_consumer(self) -> Consumer:
+        if self._ends is None:
+            self._ends = Consumer(self.config.consumer_conf(
+                "astraflow-lag", **{"enable.auto.commit": False, "client.id": "astraflow-lag",
+                                    "isolation.level": "read_committed"}))
+        return self._ends
 
     def lag(self, group: str, topics: list[str], timeout: float = 10.0) -> list[PartitionLag]:
         """Lag of ``group`` on every partition of ``topics``.
@@ -52,8 +67,8 @@ class LagReader:
         With no committed offset the lag counts from the earliest retained offset, which
         is where a consumer with ``auto.offset.reset=earliest`` would start.
         """
-        consumer = self._consumer(group)
-        md = consumer.list_topics(timeout=timeout).topics
+        consumer, ends = self._consumer(group), self._ends_consumer()
+        md = ends.list_topics(timeout=timeout).topics
         parts: list[TopicPartition] = []
         for t in topics:
             if t not in md or md[t].error is not None:
@@ -67,7 +82,7 @@ class LagReader:
         out = []
         for tp in parts:
             start, end = _retrying(
-                lambda tp=tp: consumer.get_watermark_offsets(tp, timeout=timeout, cached=False),
+                lambda tp=tp: ends.get_watermark_offsets(tp, timeout=timeout, cached=False),
                 timeout)
             c = committed.get((tp.topic, tp.partition), OFFSET_INVALID)
             c_val = None if c < 0 else c
@@ -77,9 +92,10 @@ class LagReader:
         return out
 
     def close(self) -> None:
-        for c in self._consumers.values():
+        for c in [*self._consumers.values(), *([self._ends] if self._ends else [])]:
             c.close()
         self._consumers.clear()
+        self._ends = None
 
 
 _TRANSIENT = {

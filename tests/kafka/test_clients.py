@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from astraflow.config.topology import parse_topology
 from astraflow.kafka.clients import RecordConsumer, RecordProducer, make_admin, read_all
@@ -67,6 +67,28 @@ def test_lag_is_exact_per_record_with_compression_and_linger(kafka_config, new_t
         assert rows[p].end_offset == per_partition[p]
         assert rows[p].lag == per_partition[p]
     assert total_lag(list(rows.values())) == n - m
+
+
+def test_lag_reads_the_last_committed_offsets_while_a_transaction_is_open(
+        kafka_config, new_topic, new_group):
+    """A busy exactly-once processor nearly always has a transaction open: lag shows the
+    offsets it last committed at once, and the end a read_committed reader sees."""
+    topic, group = new_topic(), new_group()
+    producer = Producer(kafka_config.producer_conf(**{"transactional.id": random_name("tx")}))
+    producer.init_transactions(30)
+    meta = Consumer(kafka_config.consumer_conf(group)).consumer_group_metadata()
+    for offset in (1, 2):
+        producer.begin_transaction()
+        producer.produce(topic, b"x")
+        producer.send_offsets_to_transaction([TopicPartition(topic, 0, offset)], meta)
+        if offset == 1:
+            producer.commit_transaction(30)
+    producer.flush(30)
+    try:
+        [row] = lag(kafka_config, group, [topic], timeout=5.0)  # a stable fetch waits it out
+        assert (row.committed, row.end_offset, row.lag) == (1, 2, 1)
+    finally:
+        producer.abort_transaction(30)
 
 
 def test_topics_apply_is_idempotent_and_applies_configs(kafka_config):

@@ -75,9 +75,8 @@ def test_exactly_once_when_processor_is_sigkilled_mid_stream(
     proc = astraflow_cli("processor", "run", "fwd", "--topology", str(path), "--instance", "0",
                          log=log)
     group = topo.group_of("fwd")
-    # the kill waits on the output as a read_committed stream, not on the group's lag: an
-    # offset fetch is refused as unstable while a transaction is open, which the busy
-    # processor almost always has, so a lag poll can stall until the whole input is done
+    # the kill waits on the output as a read_committed stream: records a transaction has
+    # committed, so the restart resumes mid-stream from offsets the processor committed
     seen = TopicReader(kafka_config, dst, Task, isolation="read_committed")
     committed = 0
 
