@@ -40,10 +40,14 @@ class PolicyModel(Protocol):
         ``ids`` (``attn``: 1 on real tokens)."""
         ...
 
-    def shared_prompt_logits(self, ids: torch.Tensor, attn: torch.Tensor,
-                             prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows sharing their first ``prompt_len`` tokens, the prompt run once: the logits
-        at the prompt's last column ``[1, 1, vocab]`` and at columns ``prompt_len..n-1``."""
+    def shared_prompt_logits(self, prompts: torch.Tensor, prompt_attn: torch.Tensor,
+                             tails: torch.Tensor, tail_attn: torch.Tensor,
+                             owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows that continue shared prompts, each prompt run once: ``prompts``
+        ``[g, p]`` right-padded (``prompt_attn``: 1 on real tokens), ``tails`` ``[k, t]``
+        the tokens of each row after its prompt, right-padded, ``owner`` ``[k]`` the index
+        of each row's prompt. The logits at the last column of each row's prompt
+        ``[k, 1, vocab]`` and at each column of its tail ``[k, t, vocab]``."""
         ...
 
     def named_state(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -101,19 +105,30 @@ class TorchPolicy:
         out = self.module(input_ids=ids, attention_mask=attn, **kwargs).logits
         return out[:, start:] if out.shape[1] == n else out
 
-    def shared_prompt_logits(self, ids: torch.Tensor, attn: torch.Tensor,
-                             prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, n = ids.shape
-        keep = {"logits_to_keep": 1} if self._keep_arg else {}
-        head = self.module(input_ids=ids[:1, :prompt_len], use_cache=True, **keep)
+    def shared_prompt_logits(self, prompts: torch.Tensor, prompt_attn: torch.Tensor,
+                             tails: torch.Tensor, tail_attn: torch.Tensor,
+                             owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = prompts.shape[1]
+        lengths = prompt_attn.sum(1)
+        # logits only from the shortest prompt's last column on: every prompt ends there
+        # or later
+        keep = width - int(lengths.min()) + 1
+        kwargs = {"logits_to_keep": keep} if self._keep_arg else {}
+        head = self.module(input_ids=prompts, attention_mask=prompt_attn, use_cache=True,
+                           **kwargs)
+        last = head.logits[torch.arange(len(prompts), device=prompts.device),
+                           lengths - 1 - (width - head.logits.shape[1])]
         cache = head.past_key_values
-        if k > 1:
-            cache.batch_repeat_interleave(k)
-        positions = torch.arange(prompt_len, n, device=ids.device).expand(k, -1)
-        tail = self.module(input_ids=ids[:, prompt_len:], attention_mask=attn,
-                           position_ids=positions, past_key_values=cache,
-                           use_cache=True).logits
-        return head.logits[:, -1:], tail
+        # every row gets its prompt's keys and values (a differentiable index_select): the
+        # gradient of a prompt is the sum of its rows'
+        cache.reorder_cache(owner)
+        # a tail's positions go on from its own prompt's end, past that prompt's padding,
+        # which the attention mask hides
+        positions = lengths[owner, None] + torch.arange(tails.shape[1], device=tails.device)
+        tail = self.module(input_ids=tails, attention_mask=torch.cat(
+            [prompt_attn[owner], tail_attn], dim=1), position_ids=positions,
+            past_key_values=cache, use_cache=True).logits
+        return last[owner, None], tail
 
     def named_state(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         return self.module.state_dict(keep_vars=keep_vars)
@@ -204,8 +219,9 @@ class MegatronPolicy:
 
         return logits(self.module, ids, start)
 
-    def shared_prompt_logits(self, ids: torch.Tensor, attn: torch.Tensor,
-                             prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def shared_prompt_logits(self, prompts: torch.Tensor, prompt_attn: torch.Tensor,
+                             tails: torch.Tensor, tail_attn: torch.Tensor,
+                             owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("the megatron backend runs every prompt itself")
 
     def named_state(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:

@@ -1129,33 +1129,41 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
         restored()
 
 
-def test_shared_prompt_pass_gives_the_logprobs_and_gradients_of_separate_passes(tiny_model):
-    """A group's samples share their prompt's forward pass (keys/values repeated): the
+@pytest.mark.parametrize("size, passes", [(4, [4, 4, 4]), (12, [12]), (5, [5, 5, 2])])
+def test_shared_prompt_pass_gives_the_logprobs_and_gradients_of_separate_passes(
+        tiny_model, size, passes):
+    """A pass runs each of its prompts once, their keys/values repeated for their samples:
+    one prompt a pass, several (of unequal lengths), or groups cut across passes, the
     log-probs, the loss and every gradient equal those of one pass per sequence."""
     from astraflow.trainer.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(1)
     batch = make_batch(7, groups=3, samples=4)
-    shared = Trainer(tiny_model, TrainerConfig(lr=1e-3), policy="actor")
+    prompts = {len(g.sequences[0].token_ids) - sum(g.sequences[0].loss_mask)
+               for g in batch.groups}
+    assert len(prompts) > 1  # of unequal lengths: padded in the shared pass
+    shared = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=size),
+                     policy="actor")
     plain = Trainer(tiny_model, TrainerConfig(lr=1e-3, share_prompt=False), policy="actor")
-    passes = shared.passes(shared._rows(batch))
-    assert [len(p) for _, p in passes] == [4, 4, 4]  # one pass per group's prompt
-    for (prompt_len, part), g in zip(passes, batch.groups):
-        assert prompt_len == g.sequences[0].loss_mask.index(1)
+    got = shared.passes(shared._rows(batch))
+    assert [len(p) for _, p in got] == passes and all(s for s, _ in got)
+    for _, part in got:
         ids, attn, _, mask, _ = shared._tensors(part)
+        lens = [s.seq.loss_mask.index(1) for s in part]
         with torch.no_grad():
-            a = shared.shared_prompt_logprobs(ids, attn, prompt_len)
+            a = shared.shared_prompt_logprobs(ids, attn, lens)
             b = plain.token_logprobs(ids, attn)
         assert float(((a - b).abs() * mask).max()) < 1e-5
-    assert all(n == 0 for n, _ in plain.passes(plain._rows(batch)))
+        assert all(not a[i, :n].any() for i, n in enumerate(lens))  # prompts: none
+    assert not any(s for s, _ in plain.passes(plain._rows(batch)))
     assert _backward(shared, batch) == pytest.approx(_backward(plain, batch), rel=1e-5)
     g_shared, g_plain = _grads(shared), _grads(plain)
     assert g_shared.keys() == g_plain.keys()
     for k, g in g_plain.items():
         assert torch.allclose(g_shared[k], g, rtol=1e-4, atol=1e-7), k
-    # the ids of a padded row are right-aligned after the shared prompt
-    with pytest.raises(ValueError, match="prompt length"):
-        shared.shared_prompt_logprobs(ids, attn, ids.shape[1])
+    # a prompt is at least one token and leaves at least one
+    with pytest.raises(ValueError, match="prompt lengths"):
+        shared.shared_prompt_logprobs(ids, attn, [int(attn[0].sum())] * len(part))
 
 
 @pytest.mark.kafka
