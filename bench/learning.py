@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import itertools
 import json
 import math
@@ -221,6 +222,14 @@ def with_lr(doc: dict[str, Any], lr: float) -> dict[str, Any]:
     for spec in out.get("policies", {}).values():
         spec.setdefault("trainer", {})["lr"] = lr
     return out
+
+
+def topology_digest(doc: dict[str, Any]) -> str:
+    """What the topology's settings are, in 16 hex digits (its file's comments and key
+    order aside): an AstraFlow run records it, and ``--reuse`` lends a run only to a bench
+    of the same topology, whatever file the path now names."""
+    text = json.dumps(doc, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def seeded_topology(doc: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -535,12 +544,14 @@ class Progress:
         self.runs = [r for r in old.get("runs", []) if r["system"] not in changed]
         self.per_system = {**was_own, **self.per_system}
 
-    def reuse(self, path: Path) -> None:
+    def reuse(self, path: Path, topology: str | None = None) -> None:
         """Lends this bench the seeded runs of another bench's progress file (``--reuse``),
         for ``find`` to fall back on: a run is what its system, setting, seed and the
         ``RUN_SETTINGS`` made it, whatever sweep chose that setting, so a 30-min run of the
         setting this bench's sweep chose need not run again. Refused, naming them, when
-        the run settings differ; a system whose own settings differ lends nothing."""
+        the run settings differ; a system whose own settings differ lends nothing. An
+        AstraFlow run is lent only where it records ``topology`` (``topology_digest``):
+        the topology's path alone does not say its settings were the same."""
         try:
             old = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -555,8 +566,13 @@ class Progress:
         run_own = lambda own: {k: v for k, v in own.items() if k != "grid"}  # noqa: E731
         same = {s for s, own in self.per_system.items()
                 if run_own(was_own.get(s, {})) == run_own(own)}
-        self.lent += [{**r, "reused_from": _shown(path)} for r in old.get("runs", [])
-                      if r["system"] in same]
+        runs = [r for r in old.get("runs", []) if r["system"] in same]
+        other = [r for r in runs if r["system"] == "astraflow"
+                 and r.get("topology_sha256") != topology]
+        if other:
+            print(f"[bench] --reuse {_shown(path)}: {len(other)} astraflow run(s) of other "
+                  "topology settings (or from before runs recorded them) not kept", flush=True)
+        self.lent += [{**r, "reused_from": _shown(path)} for r in runs if r not in other]
 
     def find(self, kind: str, system: str, setting: dict[str, Any],
              seed: int) -> dict[str, Any] | None:
@@ -1257,6 +1273,7 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
                               "duration_s": duration, "commit": run_meta("", [])["commit"],
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if system == "astraflow":
+        record["topology_sha256"] = topology_digest(doc)
         run_doc = seeded_topology(with_options(with_lr(doc, setting["lr"]), setting), seed)
         path = write_topology(run_doc, runs_dir, f"seed {seed}, {json.dumps(setting)}")
         result = run_astraflow(path, duration, checkpoints, runs_dir)
@@ -1428,7 +1445,7 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         s: {"grid": grids[s], **({"step": "one prompt x num_generations"} if s == "trl"
                                  else {})} for s in systems}, args.resume)
     for path in args.reuse:
-        progress.reuse(path)
+        progress.reuse(path, topology_digest(doc))
     sweep = run_sweep(args, doc, systems, grids, data, progress)
     chosen = sweep["chosen"]
     scorer = make_scorer(doc, size=args.eval_size)

@@ -306,7 +306,9 @@ def test_reuse_lends_another_benchs_runs_of_the_same_task(tmp_path):
                             "astraflow": {"grid": [{"lr": 1e-5}]}}, resume=True)
     other.add("run", {"system": "trl", "seed": 0, "setting": {"lr": 5e-6}, "scores": {"x": 1}})
     other.add("run", {"system": "astraflow", "seed": 0, "setting": {"lr": 1e-5},
-                      "scores": {"x": 2}})
+                      "scores": {"x": 2}, "topology_sha256": "abc"})
+    other.add("run", {"system": "astraflow", "seed": 1, "setting": {"lr": 1e-5},
+                      "scores": {"x": 3}})  # from before runs recorded their topology
     own = {"trl": {"grid": [{"lr": 2e-6}, {"lr": 5e-6}], "step": "one prompt"},
            "astraflow": {"grid": [{"lr": 1e-5}, {"lr": 3e-5}]}}
     path = tmp_path / "default.json"
@@ -325,9 +327,20 @@ def test_reuse_lends_another_benchs_runs_of_the_same_task(tmp_path):
     # a system whose own settings differ (what a TRL step trains) lends nothing
     steps = bench.Progress(tmp_path / "b.json", {**run_settings, "sweep": True},
                            {**own, "trl": {**own["trl"], "step": "another"}}, resume=True)
-    steps.reuse(shipped)
+    steps.reuse(shipped, topology="abc")
     assert steps.find("run", "trl", {"lr": 5e-6}, 0) is None
     assert steps.find("run", "astraflow", {"lr": 1e-5}, 0)["scores"] == {"x": 2}
+    assert steps.find("run", "astraflow", {"lr": 1e-5}, 1) is None
+    # an AstraFlow run of other topology settings behind the same path is not lent
+    edited = bench.Progress(tmp_path / "e.json", {**run_settings, "sweep": True}, own,
+                            resume=True)
+    edited.reuse(shipped, topology="abd")
+    assert edited.find("run", "astraflow", {"lr": 1e-5}, 0) is None
+    assert edited.find("run", "trl", {"lr": 5e-6}, 0)["scores"] == {"x": 1}
+    doc = {"run": "r", "policies": {"actor": {"trainer": {"lr": 1e-5}}}}
+    same = {"policies": {"actor": {"trainer": {"lr": 1e-5}}}, "run": "r"}
+    assert bench.topology_digest(doc) == bench.topology_digest(same)  # key order aside
+    assert bench.topology_digest(doc) != bench.topology_digest(bench.with_lr(doc, 3e-5))
     # other run settings: refused, naming them
     shorter = bench.Progress(tmp_path / "c.json", {**run_settings, "duration": 600.0}, own,
                              resume=True)
