@@ -213,8 +213,9 @@ class TrainerSpec(_Section):
         "pass (less memory, about one more forward of time)",
         json_schema_extra=_in("compute"))
     share_prompt: bool = Field(
-        default=True, description="the sequences of a group share one pass over their "
-        "prompt (off: each runs its prompt itself; always off with gradient checkpointing)",
+        default=True, description="each prompt of a forward/backward runs once for the "
+        "sequences that continue it; micro_batch_size then counts rows across prompts "
+        "(off: each runs its prompt itself; always off with gradient checkpointing)",
         json_schema_extra=_in("compute"))
     # the model implementation: transformers ("torch") or megatron-core ("megatron",
     # Llama-family models; astraflow.trainer.backend)
