@@ -28,7 +28,7 @@ class PartitionLag:
 
 
 class LagReader:
-    """Reads consumer-group lag; keeps one non-member consumer per group between calls.
+    """Reads consumer-group lag; keeps two non-member consumers per group between calls.
 
     Committed offsets are fetched with ``Consumer.committed`` rather than the admin
     ListConsumerGroupOffsets call: the latter crashes librdkafka 2.x when the group
@@ -43,23 +43,18 @@ class LagReader:
 
     def __init__(self, config: KafkaConfig):
         self.config = config
-        self._consumers: dict[str, Consumer] = {}
-        self._ends: Consumer | None = None
+        # per group: (committed offsets, log-end offsets); both carry the group's own id,
+        # the one its ACLs let a reader describe
+        self._consumers: dict[str, tuple[Consumer, Consumer]] = {}
 
-    def _consumer(self, group: str) -> Consumer:
+    def _pair(self, group: str) -> tuple[Consumer, Consumer]:
         if group not in self._consumers:
             # never subscribes, so it never joins the group it reads offsets of
-            self._consumers[group] = Consumer(self.config.consumer_conf(
+            conf = lambda isolation: Consumer(self.config.consumer_conf(  # noqa: E731
                 group, **{"enable.auto.commit": False, "client.id": "astraflow-lag",
-                          "isolation.level": "read_uncommitted"}))
+                          "isolation.level": isolation}))
+            self._consumers[group] = (conf("read_uncommitted"), conf("read_committed"))
         return self._consumers[group]
-
-    def _ends_consumer(self) -> Consumer:
-        if self._ends is None:
-            self._ends = Consumer(self.config.consumer_conf(
-                "astraflow-lag", **{"enable.auto.commit": False, "client.id": "astraflow-lag",
-                                    "isolation.level": "read_committed"}))
-        return self._ends
 
     def lag(self, group: str, topics: list[str], timeout: float = 10.0) -> list[PartitionLag]:
         """Lag of ``group`` on every partition of ``topics``.
@@ -67,7 +62,7 @@ class LagReader:
         With no committed offset the lag counts from the earliest retained offset, which
         is where a consumer with ``auto.offset.reset=earliest`` would start.
         """
-        consumer, ends = self._consumer(group), self._ends_consumer()
+        consumer, ends = self._pair(group)
         md = ends.list_topics(timeout=timeout).topics
         parts: list[TopicPartition] = []
         for t in topics:
@@ -92,10 +87,10 @@ class LagReader:
         return out
 
     def close(self) -> None:
-        for c in [*self._consumers.values(), *([self._ends] if self._ends else [])]:
-            c.close()
+        for pair in self._consumers.values():
+            for c in pair:
+                c.close()
         self._consumers.clear()
-        self._ends = None
 
 
 _TRANSIENT = {

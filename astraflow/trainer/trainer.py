@@ -590,8 +590,9 @@ class Trainer:
         loss-mask token), and a pass runs each of its prompts once for all of its rows
         (``shared`` true). Its rows are cut as ``micro_batch_size`` says, across prompts: a
         batch of 4 prompts x 8 samples and ``micro_batch_size: 32`` is one pass of 4
-        prompts, far cheaper on a CPU than 4 passes of one (each pass reads every weight
-        about 3 times). With ``micro_batch_tokens`` each prompt's rows are packed apart.
+        prompts, cheaper for a trainer with its cores to itself than 4 passes of one (each
+        pass reads every weight about 3 times; docs/trainer.md). With
+        ``micro_batch_tokens`` each prompt's rows are packed apart.
         Otherwise ``shared`` is false and the micro-batches are ``micro_batches(rows)``.
 
         Under a group: the passes of this rank's share of ``rows`` (``share``), never a
