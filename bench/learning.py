@@ -566,13 +566,13 @@ class Progress:
         run_own = lambda own: {k: v for k, v in own.items() if k != "grid"}  # noqa: E731
         same = {s for s, own in self.per_system.items()
                 if run_own(was_own.get(s, {})) == run_own(own)}
+        other = lambda r: (r["system"] == "astraflow"  # noqa: E731
+                           and r.get("topology_sha256") != topology)
         runs = [r for r in old.get("runs", []) if r["system"] in same]
-        other = [r for r in runs if r["system"] == "astraflow"
-                 and r.get("topology_sha256") != topology]
-        if other:
-            print(f"[bench] --reuse {_shown(path)}: {len(other)} astraflow run(s) of other "
+        if left := sum(map(other, runs)):
+            print(f"[bench] --reuse {_shown(path)}: {left} astraflow run(s) of other "
                   "topology settings (or from before runs recorded them) not kept", flush=True)
-        self.lent += [{**r, "reused_from": _shown(path)} for r in runs if r not in other]
+        self.lent += [{**r, "reused_from": _shown(path)} for r in runs if not other(r)]
 
     def find(self, kind: str, system: str, setting: dict[str, Any],
              seed: int) -> dict[str, Any] | None:

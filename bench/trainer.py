@@ -38,7 +38,7 @@ sequence's prompt in its own pass: the trainer before real-model support), ``fp3
 ``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence),
 ``fp32-mb64`` and ``bf16-mb64`` (64 sequences per micro-batch, each prompt in its own
 pass: few large kernels, for a GPU, ``--device cuda``), ``bf16-shared-mb64`` (64 sequences
-per micro-batch, each of their prompts run once: ``topology/smollm2.yaml``'s trainer).
+per micro-batch, each of their prompts run once).
 
 Backends (``--backends``): every setting runs under each trainer backend listed,
 ``torch`` (transformers) and ``megatron`` (megatron-core ``GPTModel``, Llama-family models,
@@ -93,7 +93,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # the whole batch in one pass (a GPU: few, large kernels)
     "fp32-mb64": {"autocast": "none", "micro_batch_size": 64, "share_prompt": False},
     "bf16-mb64": {"autocast": "bf16", "micro_batch_size": 64, "share_prompt": False},
-    # the whole batch in one pass, each prompt once (topology/smollm2.yaml's trainer)
+    # the whole batch in one pass, each prompt once
     "bf16-shared-mb64": {"autocast": "bf16", "micro_batch_size": 64},
 }
 

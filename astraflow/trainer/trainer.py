@@ -634,13 +634,12 @@ class Trainer:
         index: dict[tuple[int, ...], int] = {}
         owner = [index.setdefault(tuple(ids[i, :p].tolist()), len(index))
                  for i, p in enumerate(prompt_lens)]
-        firsts = {g: i for i, g in reversed(list(enumerate(owner)))}
         width = max(prompt_lens)
         prompts = torch.full((len(index), width), self.config.pad_token_id, dtype=torch.long)
         prompt_attn = torch.zeros((len(index), width), dtype=torch.long)
-        for g, i in firsts.items():
-            prompts[g, :prompt_lens[i]] = ids[i, :prompt_lens[i]]
-            prompt_attn[g, :prompt_lens[i]] = 1
+        for g, prompt in enumerate(index):  # in the order of their indices
+            prompts[g, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            prompt_attn[g, :len(prompt)] = 1
         span = max(m - p for p, m in zip(prompt_lens, lengths))
         tails = torch.full((k, span), self.config.pad_token_id, dtype=torch.long)
         tail_attn = torch.zeros((k, span), dtype=torch.long)
@@ -648,11 +647,12 @@ class Trainer:
             tails[i, :m - p] = ids[i, p:m]
             tail_attn[i, :m - p] = 1
         dev = self.device
+        tails = tails.to(dev)
         with self._autocast():
             first, tail = self.backend.shared_prompt_logits(
-                prompts.to(dev), prompt_attn.to(dev), tails.to(dev), tail_attn.to(dev),
+                prompts.to(dev), prompt_attn.to(dev), tails, tail_attn.to(dev),
                 torch.tensor(owner, device=dev))
-        lp = self._picked_logprobs(torch.cat([first, tail[:, :-1]], dim=1), tails.to(dev))
+        lp = self._picked_logprobs(torch.cat([first, tail[:, :-1]], dim=1), tails)
         # each row's tail back to its own columns, past a scratch width that the padding of
         # the shorter rows' tails lands in
         cols = torch.tensor(prompt_lens, device=dev)[:, None] + torch.arange(span, device=dev)
