@@ -59,6 +59,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
+END_TO_END = "tests/e2e/"  # `astraflow up` end to end: each test runs a whole topology
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``-n N --dist loadfile``: a file per worker at a time, except that the end-to-end
+    files are one unit, run one after the other on one worker from the start.
+
+    Each starts a topology's processes; two at once on 2 cores took 1.6 to 3 times as long
+    as one alone (``test_default.py``: 263 s beside another, 82-166 s alone), and CI saw
+    them time out. The other worker takes the remaining files in the order they were
+    collected."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class EndToEndInOneLane(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(END_TO_END):
+                return END_TO_END
+            return super()._split_scope(nodeid)
+
+    # in collection order, so that the end-to-end unit (tests/e2e/ sorts second) starts
+    # first; xdist's default puts the files with the most tests first, leaving the
+    # end-to-end files, a test or two each and the longest, for the end, two at a time
+    config.option.loadscopereorder = False
+    return EndToEndInOneLane(config, log)
+
+
 def _docker_answers() -> bool:
     try:
         import docker

@@ -23,9 +23,10 @@ MAX_STALENESS = 4
 
 
 def up_until(path: Path, tmp_path: Path, bootstrap: str, done: Callable[[str], bool],
-             what: str, timeout_s: float = 300) -> str:
+             what: str, timeout_s: float = 600) -> str:
     """``astraflow up`` until ``done(its newest progress line)``, then Ctrl-C; it must exit
-    0. Its whole output."""
+    0. Its whole output. ``timeout_s`` is a hang guard: a busy machine may take twice the
+    time an idle one does."""
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "up.log"
     with open(out, "wb") as log:
