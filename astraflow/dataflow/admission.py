@@ -437,11 +437,6 @@ class LagSource(Protocol):
     def close(self) -> None: ...
 
 
-def _floor(r: PartitionLag) -> int:
-    """Where a group's unconsumed records begin: its committed offset, else the start."""
-    return r.committed if r.committed is not None else r.start_offset
-
-
 class LagObserver:
     """Reads the pools' lag on ``tasks``, the groups on their way to each trainer's batcher
     and the trainers' lag on ``batches.<policy>``.
@@ -546,8 +541,9 @@ class LagObserver:
         assert self.batches is not None
         out = dict(queued)
         for policy, n in queued.items():
-            past_commit = sum(self.batches.count(r.topic, r.partition, _floor(r), r.end_offset)
-                              for r in rows.get(policy, []))
+            past_commit = sum(
+                self.batches.count(r.topic, r.partition, r.resumes_at, r.end_offset)
+                for r in rows.get(policy, []))
             out[policy] = min(n, past_commit + 1)
         return out
 
@@ -559,7 +555,7 @@ class LagObserver:
         for name, rs in rows.items():
             parts = done.setdefault(name, {})
             for r in rs:
-                if r.committed is None:
+                if r.resumes_at != r.committed:  # none committed, or a stale one
                     continue
                 key = (kind, name, r.partition)
                 before = self._committed.get(key)
@@ -576,10 +572,10 @@ class LagObserver:
         for rs in rows.values():
             for r in rs:
                 tp = (r.topic, r.partition)
-                floors[tp] = min(floors.get(tp, _floor(r)), _floor(r))
+                floors[tp] = min(floors.get(tp, r.resumes_at), r.resumes_at)
         counter.follow(floors)
         counter.drain()  # after a (re)start, what the new assignment reads
-        return {name: {r.partition: counter.count(r.topic, r.partition, _floor(r),
+        return {name: {r.partition: counter.count(r.topic, r.partition, r.resumes_at,
                                                   r.end_offset) for r in rs}
                 for name, rs in rows.items()}
 
@@ -727,8 +723,13 @@ class Admission(Processor):
                 caps = self.targets.partition_caps(label)
         for label, bound in self.policy.pool_bounds.items():
             self.peak_bounds[label] = max(bound, self.peak_bounds.get(label, 0))
-        d = self.policy.decide(self._with_unseen(self.last), self.last.trainer_lag,
-                               len(self.held), rates, caps, self.last.trainer_transit)
+        in_flight = self._with_unseen(self.last)
+        d = self.policy.decide(in_flight, self.last.trainer_lag, len(self.held), rates, caps,
+                               self.last.trainer_transit)
+        log.debug("%s: in flight %s (read %s), ends %s, bounds %s, trainer %s, transit %s: "
+                  "admit %d of %d", self.name, in_flight, self.last.pool_in_flight,
+                  self.last.tasks_end, self.policy.pool_bounds, self.last.trainer_lag,
+                  self.last.trainer_transit, d.admit, len(self.held))
         self.decision = d
         if d.state != was:
             if d.state == "holding":

@@ -26,6 +26,22 @@ class PartitionLag:
     def committed_display(self) -> str:
         return "-" if self.committed is None else str(self.committed)
 
+    @property
+    def resumes_at(self) -> int:
+        """Where the group's consumers read next: its committed offset, else the earliest
+        retained one (``auto.offset.reset=earliest``), as also where the committed offset
+        lies outside the log: past its end (the topic deleted and made again under the
+        same name while the group kept its offsets) or before its start (retention)."""
+        return resume_offset(self.committed, self.start_offset, self.end_offset)
+
+
+def resume_offset(committed: int | None, start: int, end: int) -> int:
+    """Where a consumer with ``auto.offset.reset=earliest`` resumes on a partition whose
+    log spans ``[start, end]``, given the group's committed offset (None: none)."""
+    if committed is None or not start <= committed <= end:
+        return start
+    return committed
+
 
 class LagReader:
     """Reads consumer-group lag; keeps two non-member consumers per group between calls.
@@ -59,8 +75,9 @@ class LagReader:
     def lag(self, group: str, topics: list[str], timeout: float = 10.0) -> list[PartitionLag]:
         """Lag of ``group`` on every partition of ``topics``.
 
-        With no committed offset the lag counts from the earliest retained offset, which
-        is where a consumer with ``auto.offset.reset=earliest`` would start.
+        With no committed offset, or one outside the log, the lag counts from the
+        earliest retained offset, where a consumer with ``auto.offset.reset=earliest``
+        starts (``PartitionLag.resumes_at``).
         """
         consumer, ends = self._pair(group)
         md = ends.list_topics(timeout=timeout).topics
@@ -81,7 +98,7 @@ class LagReader:
                 timeout)
             c = committed.get((tp.topic, tp.partition), OFFSET_INVALID)
             c_val = None if c < 0 else c
-            behind = end - (c_val if c_val is not None else start)
+            behind = end - resume_offset(c_val, start, end)
             out.append(PartitionLag(group, tp.topic, tp.partition, end, c_val, start,
                                     max(0, behind)))
         return out

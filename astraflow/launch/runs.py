@@ -15,16 +15,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import OffsetSpec
 
 from astraflow.errors import AstraflowError
 from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.offsets import list_offsets
+from astraflow.kafka.outage import kafka_error, transient
 
 # every run has these two topics (``astraflow.config.topology.IMPLICIT_TOPICS``)
 MARKER_TOPICS = ("status", "dlq")
+# how long a delete waits for a group coordinator that is loading (a broker just started)
+COORDINATOR_WAIT_S = 60.0
+# how long start_over waits for a group's members to leave: past librdkafka's default
+# session timeout (45 s), after which a killed process's member is gone
+START_OVER_MEMBERS_S = 60.0
+OFFSETS_TOPIC = "__consumer_offsets"
+_COORDINATOR_BUSY = {KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.NOT_COORDINATOR,
+                     KafkaError.COORDINATOR_NOT_AVAILABLE}
 
 
 class RunNotFound(AstraflowError):
@@ -144,25 +153,53 @@ class Runs:
         out.versions = self._versions(run, mine)
         return out
 
-    def delete(self, run: str) -> tuple[list[str], list[str], dict[str, str]]:
+    def delete(self, run: str, wait_members_s: float = 0.0
+               ) -> tuple[list[str], list[str], dict[str, str]]:
         """Delete ``run``'s topics and consumer groups: the topics deleted, the groups
-        deleted, and the groups kept with why (a group with live members stays)."""
+        deleted, and the groups kept with why (a group with live members stays; with
+        ``wait_members_s`` it is tried again until then, as a killed process's member
+        leaves once its session times out).
+
+        A coordinator still loading its groups (a broker just started) is waited for
+        (``AstraflowError`` past ``COORDINATOR_WAIT_S``): it would neither list nor delete
+        them, nor drop their offsets of the deleted topics, and a run made again under the
+        same name would then inherit those offsets."""
         topics = self.topics()
         runs = run_names(topics)
         mine = self._topics_of(run, topics)
+        groups = self._groups_of(run, runs)  # first: waits for the coordinator
         for fut in self.admin.delete_topics(mine, operation_timeout=30).values():
             fut.result()
-        deleted, kept = [], {}
-        groups = self._groups_of(run, runs)
-        if groups:
-            for g, fut in self.admin.delete_consumer_groups(groups, request_timeout=30).items():
+        deleted, kept = self._delete_groups(groups, wait_members_s)
+        _wait_gone(self.admin, mine)
+        return mine, deleted, kept
+
+    def _delete_groups(self, groups: list[str], wait_members_s: float
+                       ) -> tuple[list[str], dict[str, str]]:
+        deleted: list[str] = []
+        kept: dict[str, str] = {}
+        todo = list(groups)
+        coordinator_by = time.monotonic() + COORDINATOR_WAIT_S
+        members_by = time.monotonic() + wait_members_s
+        while todo:
+            retry: list[str] = []
+            for g, fut in self.admin.delete_consumer_groups(todo, request_timeout=30).items():
                 try:
                     fut.result()
                     deleted.append(g)
                 except KafkaException as e:
-                    kept[g] = str(e.args[0].str() if e.args else e)
-        _wait_gone(self.admin, mine)
-        return mine, deleted, kept
+                    err = kafka_error(e)
+                    code = err.code() if err is not None else None
+                    if code == KafkaError.GROUP_ID_NOT_FOUND:  # gone meanwhile
+                        deleted.append(g)
+                    elif _again(code, coordinator_by, members_by):
+                        retry.append(g)
+                    else:
+                        kept[g] = err.str() if err is not None else str(e)
+            todo = retry
+            if todo:
+                time.sleep(0.5)
+        return deleted, kept
 
     # --- helpers -----------------------------------------------------------------------
     def _topics_of(self, run: str, topics: dict[str, int]) -> list[str]:
@@ -204,9 +241,86 @@ class Runs:
         return out
 
     def _groups_of(self, run: str, runs: list[str]) -> list[str]:
-        listed = self.admin.list_consumer_groups(request_timeout=30).result()
-        names = [g.group_id for g in listed.valid]
-        return topics_of(run, names, runs)
+        """``run``'s consumer groups, once the group coordinator has loaded them: on a
+        broker just started it lists none, without an error, until it takes up the
+        partitions of ``__consumer_offsets``, then answers with an error while it loads
+        them."""
+        self._wait_for_coordinator(run)
+        deadline = time.monotonic() + COORDINATOR_WAIT_S
+        while True:
+            listed = self.admin.list_consumer_groups(request_timeout=30).result()
+            # librdkafka gives each broker's error as a KafkaError, not an exception
+            errors = [e if isinstance(e, KafkaError) else kafka_error(e) or e
+                      for e in listed.errors]
+            if not errors:
+                break
+            if time.monotonic() > deadline or not all(
+                    isinstance(e, KafkaError) and transient(e) for e in errors):
+                raise AstraflowError(
+                    f"listing the consumer groups of run {run!r} failed: "
+                    + "; ".join(e.str() if isinstance(e, KafkaError) else str(e)
+                                for e in errors))
+            time.sleep(0.5)
+        return topics_of(run, [g.group_id for g in listed.valid], runs)
+
+    def _wait_for_coordinator(self, run: str) -> None:
+        """Until every partition of ``__consumer_offsets`` is loaded: describing a group
+        (one named after the run, which its ACLs cover, and that nobody uses) of each
+        partition answers "not coordinator", then "load in progress", until it is."""
+        md = self.admin.list_topics(topic=OFFSETS_TOPIC, timeout=10).topics.get(OFFSETS_TOPIC)
+        if md is None or md.error is not None or not md.partitions:
+            return  # no group has ever committed an offset here
+        probes = _probe_groups(f"{run}.coordinator-probe", len(md.partitions))
+        deadline = time.monotonic() + COORDINATOR_WAIT_S
+        while True:
+            busy = []
+            answers = self.admin.describe_consumer_groups(probes, request_timeout=10)
+            for fut in answers.values():
+                try:
+                    fut.result()
+                except KafkaException as e:  # denied, say: nothing to wait for there
+                    err = kafka_error(e)
+                    if err is not None and err.code() in _COORDINATOR_BUSY:
+                        busy.append(err.str())
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                raise AstraflowError(
+                    f"the group coordinator did not load __consumer_offsets within "
+                    f"{COORDINATOR_WAIT_S:.0f} s ({busy[0]}); run {run!r} was not deleted")
+            time.sleep(0.2)
+
+
+def offsets_partition(group: str, partitions: int) -> int:
+    """The partition of ``__consumer_offsets`` that holds ``group``: Kafka's
+    ``abs(String.hashCode()) % partitions`` (Java's hash of UTF-16 code units)."""
+    h = 0
+    units = group.encode("utf-16-be")
+    for i in range(0, len(units), 2):
+        h = (31 * h + int.from_bytes(units[i:i + 2], "big")) & 0xFFFFFFFF
+    if h >= 1 << 31:
+        h -= 1 << 32
+    return (0 if h == -(1 << 31) else abs(h)) % partitions
+
+
+def _probe_groups(prefix: str, partitions: int) -> list[str]:
+    """One group name ``<prefix>-<i>`` for each partition of ``__consumer_offsets``."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < partitions:
+        found.setdefault(offsets_partition(f"{prefix}-{i}", partitions), f"{prefix}-{i}")
+        i += 1
+    return [found[p] for p in sorted(found)]
+
+
+def _again(code: int | None, coordinator_by: float, members_by: float) -> bool:
+    """Whether a group that could not be deleted with ``code`` is tried again: while its
+    coordinator loads or moves (until ``coordinator_by``), and while it has members (until
+    ``members_by``)."""
+    now = time.monotonic()
+    if code == KafkaError.NON_EMPTY_GROUP:
+        return now < members_by
+    return code in _COORDINATOR_BUSY and now < coordinator_by
 
 
 def _embedded_log_dir(config: KafkaConfig) -> Path | None:
@@ -232,7 +346,9 @@ def _wait_gone(admin, topics: list[str], timeout_s: float = 30.0) -> None:
 def start_over(run: str, config: KafkaConfig | None = None) -> None:
     """Delete run ``run`` if the cluster holds it, so that ``astraflow up`` starts it at
     version 0 under the same name (benches that compare runs by name). Without ``config``
-    the cluster is ``$ASTRAFLOW_BOOTSTRAP``, else the embedded broker, started if needed."""
+    the cluster is ``$ASTRAFLOW_BOOTSTRAP``, else the embedded broker, started if needed.
+    ``AstraflowError`` if a consumer group of the run keeps members past
+    ``START_OVER_MEMBERS_S`` (a process of the run still runs)."""
     import os
 
     from astraflow.broker.embedded import EmbeddedBroker
@@ -243,7 +359,12 @@ def start_over(run: str, config: KafkaConfig | None = None) -> None:
         config = KafkaConfig().effective()
     runs = Runs(config)
     if run in runs.names():
-        runs.delete(run)
+        _, _, kept = runs.delete(run, wait_members_s=START_OVER_MEMBERS_S)
+        kept.update((g, "still listed after the delete")
+                    for g in runs._groups_of(run, runs.names()) if g not in kept)
+        if kept:  # its offsets would carry over to the run made again
+            raise AstraflowError(f"run {run!r} could not start over: " + "; ".join(
+                f"consumer group {g} kept ({why})" for g, why in sorted(kept.items())))
 
 
 def human_bytes(n: int | None) -> str:

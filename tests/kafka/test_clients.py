@@ -91,6 +91,29 @@ def test_lag_reads_the_last_committed_offsets_while_a_transaction_is_open(
         producer.abort_transaction(30)
 
 
+def test_a_committed_offset_past_the_log_counts_from_the_start_where_the_consumer_resumes(
+        kafka_config, new_topic, new_group):
+    """A group that kept its offsets while its topic was deleted and made again (a broker
+    whose coordinator was still loading) has a committed offset past the new log's end:
+    its consumer resets to the earliest offset, so everything there is still to consume."""
+    topic, group = new_topic(partitions=1), new_group()
+    producer = RecordProducer(kafka_config)
+    for i in range(3):
+        producer.produce(topic, Task(task_id=f"t{i}", prompt_id="p", workflow="w",
+                                     payload="{}", source="s"), key=f"{i}")
+    producer.flush()
+    consumer = Consumer(kafka_config.consumer_conf(group))
+    consumer.commit(offsets=[TopicPartition(topic, 0, 1975)], asynchronous=False)
+    consumer.close()
+
+    [row] = lag(kafka_config, group, [topic])
+    assert (row.committed, row.end_offset, row.start_offset) == (1975, 3, 0)
+    assert (row.resumes_at, row.lag) == (0, 3)
+    consumer = RecordConsumer(kafka_config, group, [topic])  # and the consumer agrees
+    assert len(list(consumer.iter_until(3, timeout_s=30))) == 3
+    consumer.close()
+
+
 def test_topics_apply_is_idempotent_and_applies_configs(kafka_config):
     run = random_name("run")
     data = {

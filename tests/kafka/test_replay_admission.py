@@ -9,7 +9,8 @@
 3. Replayed groups never violate the staleness bound, checked from what was published:
    the batches topic against the manifests on the weights topic.
 4. The lag observer counts the groups on their way to a batcher and the batches that are
-   still to become versions past the newest published one.
+   still to become versions past the newest published one, and the tasks past a pool
+   offset left from a deleted topic.
 """
 
 from __future__ import annotations
@@ -524,5 +525,27 @@ def test_the_observer_counts_groups_on_their_way_and_batches_not_yet_published(
         commit(topo.group_of("batcher"), "samples.actor", 1)  # one taken into a batch
         wait_for(lambda: observer.observe().trainer_transit == {"actor": 3 + 1}, 20,
                  "the batcher's commit counted")
+    finally:
+        observer.close()
+
+
+def test_the_observer_counts_tasks_past_a_pool_offset_left_from_a_deleted_topic(
+        kafka_config, make_topology):
+    """A pool group whose committed offset lies past the end of ``tasks`` (kept while the
+    topic was deleted and made again) resumes from the start: every task there is in
+    flight. Counted as none, admission let 47 tasks through against a bound of 8."""
+    topo, _ = make_topology(topics={"tasks": {"partitions": 1}})
+    tasks = topo.full_name("tasks")
+    producer = RecordProducer(kafka_config)
+    for i in range(3):
+        producer.produce(tasks, task(i), key=f"p{i}")
+    producer.flush()
+    pool = Consumer(kafka_config.consumer_conf(topo.raas_group("local")))
+    pool.commit(offsets=[TopicPartition(tasks, 0, 1975)], asynchronous=False)
+    pool.close()
+    observer = LagObserver(kafka_config, tasks, {"local": topo.raas_group("local")}, {})
+    try:
+        wait_for(lambda: observer.observe().pool_in_flight == {"local": {0: 3}}, 20,
+                 "the three tasks counted in flight")
     finally:
         observer.close()
