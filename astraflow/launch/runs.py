@@ -174,33 +174,6 @@ class Runs:
         _wait_gone(self.admin, mine)
         return mine, deleted, kept
 
-    def _delete_groups(self, groups: list[str], wait_members_s: float
-                       ) -> tuple[list[str], dict[str, str]]:
-        deleted: list[str] = []
-        kept: dict[str, str] = {}
-        todo = list(groups)
-        coordinator_by = time.monotonic() + COORDINATOR_WAIT_S
-        members_by = time.monotonic() + wait_members_s
-        while todo:
-            retry: list[str] = []
-            for g, fut in self.admin.delete_consumer_groups(todo, request_timeout=30).items():
-                try:
-                    fut.result()
-                    deleted.append(g)
-                except KafkaException as e:
-                    err = kafka_error(e)
-                    code = err.code() if err is not None else None
-                    if code == KafkaError.GROUP_ID_NOT_FOUND:  # gone meanwhile
-                        deleted.append(g)
-                    elif _again(code, coordinator_by, members_by):
-                        retry.append(g)
-                    else:
-                        kept[g] = err.str() if err is not None else str(e)
-            todo = retry
-            if todo:
-                time.sleep(0.5)
-        return deleted, kept
-
     # --- helpers -----------------------------------------------------------------------
     def _topics_of(self, run: str, topics: dict[str, int]) -> list[str]:
         """``run``'s topics; ``RunNotFound`` unless it is a run (a status and a dlq topic):
@@ -239,6 +212,36 @@ class Runs:
             finally:
                 reader.close()
         return out
+
+    def _delete_groups(self, groups: list[str], wait_members_s: float
+                       ) -> tuple[list[str], dict[str, str]]:
+        """Delete ``groups``: the deleted, and the kept with why. A group is tried again
+        while its coordinator is busy (moving or loading), and while it has members until
+        ``wait_members_s`` have passed."""
+        deleted: list[str] = []
+        kept: dict[str, str] = {}
+        todo = list(groups)
+        coordinator_by = time.monotonic() + COORDINATOR_WAIT_S
+        members_by = time.monotonic() + wait_members_s
+        while todo:
+            retry: list[str] = []
+            for g, fut in self.admin.delete_consumer_groups(todo, request_timeout=30).items():
+                try:
+                    fut.result()
+                    deleted.append(g)
+                except KafkaException as e:
+                    err = kafka_error(e)
+                    code = err.code() if err is not None else None
+                    if code == KafkaError.GROUP_ID_NOT_FOUND:  # gone meanwhile
+                        deleted.append(g)
+                    elif _again(code, coordinator_by, members_by):
+                        retry.append(g)
+                    else:
+                        kept[g] = err.str() if err is not None else str(e)
+            todo = retry
+            if todo:
+                time.sleep(0.5)
+        return deleted, kept
 
     def _groups_of(self, run: str, runs: list[str]) -> list[str]:
         """``run``'s consumer groups, once the group coordinator has loaded them: on a
