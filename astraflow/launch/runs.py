@@ -272,7 +272,7 @@ class Runs:
         partition answers "not coordinator", then "load in progress", until it is."""
         md = self.admin.list_topics(topic=OFFSETS_TOPIC, timeout=10).topics.get(OFFSETS_TOPIC)
         if md is None or md.error is not None or not md.partitions:
-            return  # no group has ever committed an offset here
+            return  # no group has offsets here, or this principal may not see them
         probes = _probe_groups(f"{run}.coordinator-probe", len(md.partitions))
         deadline = time.monotonic() + COORDINATOR_WAIT_S
         while True:
