@@ -32,8 +32,6 @@ COORDINATOR_WAIT_S = 60.0
 # session timeout (45 s), after which a killed process's member is gone
 START_OVER_MEMBERS_S = 60.0
 OFFSETS_TOPIC = "__consumer_offsets"
-_COORDINATOR_BUSY = {KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.NOT_COORDINATOR,
-                     KafkaError.COORDINATOR_NOT_AVAILABLE}
 
 
 class RunNotFound(AstraflowError):
@@ -231,10 +229,9 @@ class Runs:
                     deleted.append(g)
                 except KafkaException as e:
                     err = kafka_error(e)
-                    code = err.code() if err is not None else None
-                    if code == KafkaError.GROUP_ID_NOT_FOUND:  # gone meanwhile
-                        deleted.append(g)
-                    elif _again(code, coordinator_by, members_by):
+                    if err is not None and err.code() == KafkaError.GROUP_ID_NOT_FOUND:
+                        deleted.append(g)  # gone meanwhile
+                    elif _again(err, coordinator_by, members_by):
                         retry.append(g)
                     else:
                         kept[g] = err.str() if err is not None else str(e)
@@ -283,7 +280,7 @@ class Runs:
                     fut.result()
                 except KafkaException as e:  # denied, say: nothing to wait for there
                     err = kafka_error(e)
-                    if err is not None and err.code() in _COORDINATOR_BUSY:
+                    if transient(err):
                         busy.append(err.str())
             if not busy:
                 return
@@ -316,14 +313,14 @@ def _probe_groups(prefix: str, partitions: int) -> list[str]:
     return [found[p] for p in sorted(found)]
 
 
-def _again(code: int | None, coordinator_by: float, members_by: float) -> bool:
-    """Whether a group that could not be deleted with ``code`` is tried again: while its
-    coordinator loads or moves (until ``coordinator_by``), and while it has members (until
-    ``members_by``)."""
+def _again(err: KafkaError | None, coordinator_by: float, members_by: float) -> bool:
+    """Whether a group that could not be deleted with ``err`` is tried again: while its
+    coordinator loads or moves, or the broker does not answer (until ``coordinator_by``),
+    and while it has members (until ``members_by``)."""
     now = time.monotonic()
-    if code == KafkaError.NON_EMPTY_GROUP:
+    if err is not None and err.code() == KafkaError.NON_EMPTY_GROUP:
         return now < members_by
-    return code in _COORDINATOR_BUSY and now < coordinator_by
+    return transient(err) and now < coordinator_by
 
 
 def _embedded_log_dir(config: KafkaConfig) -> Path | None:
