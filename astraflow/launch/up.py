@@ -7,7 +7,8 @@ subcommand given the topology file and its identity only (it reads its settings 
 file, as when started by hand), with its log under ``runs/<run>/logs/``. It prints live
 progress read from the ``status`` topic and, when it ends (``--duration``, ``--versions``
 or Ctrl-C), stops the processes and writes ``runs/<run>/summary.json`` and
-``summary.png``. Its command line is ``astraflow.cli.up``.
+``summary.png``. When ``up`` itself dies (SIGKILL, a crash), the kernel sends each
+component SIGTERM, so none outlives it. Its command line is ``astraflow.cli.up``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from astraflow.launch.progress import (
     write_summary,
 )
 from astraflow.launch.provision import MissingModel, RecipeOf, write_tiny_models
+from astraflow.trainer.processes import die_with_parent
 
 
 @dataclass
@@ -217,10 +219,14 @@ def _spawner(topo: Topology, config, run_dir: Path, secured=None):
         own = {**own, "ASTRAFLOW_BOOTSTRAP": bootstrap} if bootstrap else own
         if secured is not None:
             own = _secured_env(topo, secured, name, own)
+        # a session of its own: the terminal's Ctrl-C reaches `up` alone, which stops the
+        # components in order; SIGTERM when `up` dies, however it dies: a killed `up`
+        # leaves no component running
+        then = (lambda k=nice: os.nice(k)) if nice else None
         with open(run_dir / "logs" / f"{name}.log", "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
                                     start_new_session=True,
-                                    preexec_fn=(lambda k=nice: os.nice(k)) if nice else None)
+                                    preexec_fn=die_with_parent(signal.SIGTERM, then))
 
     return spawn
 

@@ -25,7 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -54,12 +54,29 @@ def rank_env(rank: int, world: int, port: int, base: dict[str, str] | None = Non
     return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Ask the kernel to SIGKILL this child when its parent dies (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def die_with_parent(sig: int = signal.SIGKILL,
+                    then: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A ``preexec_fn`` that asks the kernel to send ``sig`` to the child when the process
+    that started it dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), then runs
+    ``then``. Call it in the parent: it notes the parent's pid, so that a child whose
+    parent died between the fork and the request gets ``sig`` at once.
+
+    The trainer's ranks die with their parent (SIGKILL); ``astraflow up``'s components
+    are asked to stop (SIGTERM), which ends each one's open transaction cleanly."""
+    parent = os.getpid()
+
+    def preexec() -> None:  # pragma: no cover - runs in the child before exec
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+        except (OSError, AttributeError):
+            pass
+        else:
+            if os.getppid() != parent:
+                os.kill(os.getpid(), sig)
+        if then is not None:
+            then()
+
+    return preexec
 
 
 def run_local_group(argv: Sequence[str], processes: int, port: int | None = None) -> int:
@@ -70,7 +87,7 @@ def run_local_group(argv: Sequence[str], processes: int, port: int | None = None
     children: dict[int, tuple[int, subprocess.Popen]] = {}
     for rank in range(processes):
         p = subprocess.Popen(cmd, env=rank_env(rank, processes, port),
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=die_with_parent())
         children[p.pid] = (rank, p)
     log.info("trainer group of %d processes (pids %s) meeting on 127.0.0.1:%d", processes,
              ", ".join(str(pid) for pid in children), port)
@@ -117,4 +134,5 @@ def _supervise(children: dict[int, tuple[int, subprocess.Popen]]) -> int:
     return status
 
 
-__all__ = ["RANK_ENV", "free_port", "in_group", "rank_env", "run_local_group"]
+__all__ = ["RANK_ENV", "die_with_parent", "free_port", "in_group", "rank_env",
+           "run_local_group"]

@@ -1,6 +1,6 @@
 """Chaos: the default topology under ``astraflow up`` survives a SIGKILLed processor, RaaS
-node and trainer, a broker stopped for longer than the transactions' timeout, and a
-SIGKILLed broker.
+node and trainer, a SIGKILLed ``up``, a broker stopped for longer than the transactions'
+timeout, and a SIGKILLed broker.
 
 Each scenario runs on a broker of its own (the session's broker is never stopped), faults
 the run once it has published a few versions, waits until the trainer publishes again,
@@ -76,6 +76,10 @@ class Run:
         self.path.write_text(yaml.safe_dump(topo))
         self.runs = tmp_path / "runs"
         self.out = tmp_path / "up.log"
+        self.start()
+
+    def start(self) -> None:
+        """``astraflow up`` of the run (again: it resumes where the last one left off)."""
         env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": self.bootstrap}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "astraflow.cli.main", "up", str(self.path), "--duration", "900",
@@ -217,6 +221,32 @@ def test_sigkilled_components_and_broker_are_ridden_out_with_nothing_lost_or_don
     assert summary["restarts"] == dict.fromkeys(components, 1), (summary["restarts"],
                                                                  run.exits(summary["restarts"]))
     print("SIGKILLed", components, "and the broker:", _account(run, killed="batcher"))
+
+
+def test_a_sigkilled_up_stops_its_components_and_the_next_up_resumes_exactly(chaos_run):
+    """SIGKILL ``up`` itself once two versions are out: the kernel sends each component
+    SIGTERM (``die_with_parent``), so every one stops (none left running, as before that,
+    in its own session); a new ``up`` of the run publishes two more versions, and the
+    books balance over both."""
+    run = chaos_run
+    run.wait_versions(2, 600)
+    components = json.loads((run.runs / run.run / "pids.json").read_text())
+    running = lambda: {n: p for n, p in components.items() if _pid_alive(p)}  # noqa: E731
+    run.proc.kill()
+    run.proc.wait(30)
+    try:
+        wait_for(lambda: not running(), 180, "every component to stop with up")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: still running {running()}\n{run.logs()}") from None
+    before = run.versions()
+    run.start()
+    try:
+        run.wait_versions(before + 2, 600)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{run.out.read_text()[-3000:]}\n{run.logs()}") from None
+    summary = run.stop()
+    assert not summary.get("restarts"), run.exits(summary["restarts"])
+    print("SIGKILLed up, then up again:", _account(run))
 
 
 def test_a_sigkilled_trainer_process_takes_its_group_down_and_it_resumes_exactly(
