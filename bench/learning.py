@@ -725,6 +725,66 @@ def times_table(times: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def samples_per_update(doc: dict[str, Any], chosen: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The samples one optimizer update trains, by system: an AstraFlow version is a batch
+    of the batcher's ``batch_size`` groups of the pool's ``n_samples``; a TRL step is
+    ``per_device_train_batch_size`` completions (``trl_config_kwargs``)."""
+    groups = next(p["options"]["batch_size"] for p in doc["processors"].values()
+                  if p["kind"] == "batcher")
+    n = next(iter(doc["pools"].values())).get("n_samples", 1)
+    trl = chosen.get("trl", {})
+    per_step = trl.get("per_device_train_batch_size",
+                       trl.get("num_generations", TRL_BASE["num_generations"]))
+    return {"astraflow": int(groups) * int(n), "trl": int(per_step)}
+
+
+def updates_at(label: str | None) -> int:
+    """The optimizer updates a checkpoint label counts: ``v49`` (a version) or ``step 78``;
+    0 for none yet."""
+    return 0 if label is None else int(label.removeprefix("v").removeprefix("step "))
+
+
+def pace(runs: list[dict[str, Any]], systems: list[str], checkpoints: list[float],
+         per_update: dict[str, int]) -> dict[str, Any]:
+    """How far each system had trained by each checkpoint, as means over its seeds: the
+    optimizer updates, the samples they trained, and the seconds to the first update over
+    the runs that record it (``first_update_s``)."""
+    out: dict[str, Any] = {}
+    for system in systems:
+        mine = [r for r in runs if r["system"] == system]
+        cells = {}
+        for t in map(key, checkpoints):
+            counts = [updates_at(r["at"][t]) for r in mine if t in r.get("at", {})]
+            if counts:
+                mean = statistics.fmean(counts)
+                cells[t] = {"updates": mean, "samples": mean * per_update[system],
+                            "n": len(counts)}
+        firsts = [r["first_update_s"] for r in mine if r.get("first_update_s") is not None]
+        out[system] = {"per_update": per_update[system], "checkpoints": cells,
+                       "first_update_s": statistics.fmean(firsts) if firsts else None,
+                       "first_n": len(firsts), "n": len(mine)}
+    return out
+
+
+def pace_table(paces: dict[str, Any], checkpoints: list[float]) -> str:
+    """``pace`` as a table (one row a checkpoint; each system's updates and samples) and a
+    line for the first update."""
+    systems = list(paces)
+    lines = ["| t (s) | " + " | ".join(f"{s} updates | {s} samples" for s in systems) + " |",
+             "|" + "---|" * (2 * len(systems) + 1)]
+    for t in map(key, checkpoints):
+        cells = [paces[s]["checkpoints"].get(t) for s in systems]
+        lines.append(f"| {t} | " + " | ".join(
+            f"{c['updates']:.0f} | {c['samples']:,.0f}" if c else "- | -" for c in cells) + " |")
+    lines.append("\nSamples an update trains: " + ", ".join(
+        f"{s} {p['per_update']}" for s, p in paces.items()) + ".")
+    firsts = [f"{s} {p['first_update_s']:.0f} s ({p['first_n']} of {p['n']} seeds record it)"
+              for s, p in paces.items() if p["first_update_s"] is not None]
+    if firsts:
+        lines.append("First update after the start: " + ", ".join(firsts) + ".")
+    return "\n".join(lines)
+
+
 def sweep_table(rows: list[dict[str, Any]], chosen: dict[str, dict[str, Any]]) -> str:
     """One row a setting of the sweep: its system, learning rate, the options that vary
     among its system's settings, both validation scores (the mean over its seeds, with a
@@ -787,10 +847,13 @@ def run_astraflow(path: Path, duration: float, checkpoints: list[float],
         at = {t: max((v for v, s in first_at.items() if s <= t), default=None)
               for t in checkpoints}
         mine = {"at": at, "versions": max(first_at, default=0),
+                "first_update_s": min((s for v, s in first_at.items() if v >= 1),
+                                      default=None),
                 "_manifests": [r.record for r in records]}
         out["policies"][policy] = mine
         if i == 0:  # the one-policy report reads the first policy at the top level
-            out.update(at=at, versions=mine["versions"], _manifests=mine["_manifests"])
+            out.update(at=at, versions=mine["versions"], _manifests=mine["_manifests"],
+                       first_update_s=mine["first_update_s"])
     return out
 
 
@@ -925,7 +988,7 @@ def trl_worker(out_dir: Path) -> int:
     clock.finish(trainer.model)
     (out_dir / "result.json").write_text(json.dumps(
         {"at": clock.at, "steps": clock.steps, "paused_s": round(clock.paused, 1),
-         "logged": clock.logged}))
+         "first_step_s": clock.first_step_s, "logged": clock.logged}))
     return 0
 
 
@@ -978,6 +1041,7 @@ class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
         self.steps = 0
         self.prev: dict[str, Any] | None = None
         self.prev_step = 0
+        self.first_step_s: float | None = None
         self.logged: list[dict[str, Any]] = []
 
     def elapsed(self) -> float:
@@ -1000,6 +1064,8 @@ class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
     def on_step_end(self, args, state, control, model=None, **kw):
         self.steps = state.global_step
         now = self.elapsed()
+        if self.first_step_s is None:
+            self.first_step_s = round(now, 1)
         self._save_due(now)
         self._snapshot(model, state.global_step)
         print(f"[trl] {now:6.0f}s step {state.global_step}", flush=True)
@@ -1282,7 +1348,8 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
         rewards = rolled_out_rewards(result["_topology"].run, run_doc)
         print("[bench] scoring", flush=True)
         record["scores"] = score_astraflow(result, scorer)
-        record.update(versions=result["versions"], where=where_time_went(result),
+        record.update(versions=result["versions"], first_update_s=result["first_update_s"],
+                      where=where_time_went(result),
                       summary=result["summary"],
                       train_reward=late_mean(next(iter(rewards.values()))))
     else:
@@ -1293,6 +1360,7 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
         for ckpt in result["at"].values():  # 540 MB each in fp32: scored, not kept
             Path(ckpt["path"]).unlink(missing_ok=True)
         record.update(steps=result["steps"], paused_s=result["paused_s"],
+                      first_update_s=result.get("first_step_s"),
                       logged=result["logged"],
                       train_reward=late_mean([x["reward"] for x in result["logged"]
                                               if "reward" in x]))
@@ -1380,16 +1448,22 @@ def sweep_run(args: argparse.Namespace, doc: dict[str, Any], system: str,
 
 
 def results_of(args: argparse.Namespace, systems: list[str], runs: list[dict[str, Any]],
-               start: dict[str, float]) -> dict[str, Any]:
+               start: dict[str, float],
+               per_update: dict[str, int] | None = None) -> dict[str, Any]:
     """The figures of the seeded runs: curves, their table, times to the target, the
-    where-the-time-went lines."""
+    where-the-time-went lines and, given ``per_update`` (``samples_per_update``), each
+    system's pace: updates and samples by checkpoint."""
     curve = curves(runs, systems, args.checkpoints)
     times = times_to_target(runs, systems, args.target)
     where = [f"seed {r['seed']}: {r['where']}" for r in runs if r["system"] == "astraflow"]
     where += [f"seed {r['seed']}: trl: {r['steps']} optimizer steps" for r in runs
               if r["system"] == "trl"]
-    return {"curves": curve, "table": curves_table(curve, start, args.checkpoints),
-            "time_to_target": times, "time_table": times_table(times), "where": where}
+    out = {"curves": curve, "table": curves_table(curve, start, args.checkpoints),
+           "time_to_target": times, "time_table": times_table(times), "where": where}
+    if per_update:
+        out["pace"] = pace(runs, systems, args.checkpoints, per_update)
+        out["pace_table"] = pace_table(out["pace"], args.checkpoints)
+    return out
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -1470,7 +1544,8 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
             out["runs"].append(run)
     # a resumed bench ran its runs at the commits each records
     out["meta"]["run_commits"] = sorted({str(r.get("commit")) for r in out["runs"]})
-    out.update(results_of(args, systems, out["runs"], start))
+    out.update(results_of(args, systems, out["runs"], start,
+                          samples_per_update(doc, chosen)))
     if sweep.get("table"):
         seeds = ", ".join(map(str, sweep["seeds"]))
         print(f"\nsweep ({args.sweep_duration:g} s, seeds {seeds}; validation: "
@@ -1481,6 +1556,8 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
           f"number:\n" + out["table"])
     print(f"\nseconds to {100 * args.target:g} % lenient accuracy (first checkpoint at or "
           "above it):\n" + out["time_table"])
+    print("\nupdates and samples trained by each checkpoint (means over the seeds):\n"
+          + out["pace_table"])
     print("\n".join(out["where"]))
     out["exploration"] = exploration(doc, args.explore) if args.explore > 0 else ""
     print(out["exploration"])

@@ -311,7 +311,8 @@ def render_generic(data: Any) -> list[str]:
 def render_learning(data: dict[str, Any]) -> list[str]:
     """``bench/learning.py`` and ``bench/offpolicy.py``: the table the bench made, the
     rollout rewards and the exploration report; from the seeded learning bench also the
-    time to its target, the sweep and where AstraFlow's time went."""
+    time to its target, each system's pace (updates and samples by checkpoint), the sweep
+    and where AstraFlow's time went."""
     blocks = [kv_table({k: v for k, v in data.items()
                         if k in ("bench", "topology", "duration_s", "start_accuracy",
                                  "checkpoints", "objectives", "staleness", "seed", "wall_s",
@@ -326,6 +327,9 @@ def render_learning(data: dict[str, Any]) -> list[str]:
         blocks += [f"Seconds to {pct(times.get('level'), 0)} {times.get('metric', '')} "
                    "accuracy (the first checkpoint at or above it):",
                    data["time_table"].strip()]
+    if data.get("pace_table"):
+        blocks += ["Optimizer updates and the samples they trained by each checkpoint (means "
+                   "over the seeds):", data["pace_table"].strip()]
     sweep = data.get("sweep") or {}
     if sweep.get("table"):
         seeds = sweep.get("seeds") or [sweep.get("seed")]

@@ -423,6 +423,33 @@ def test_the_ratio_bound_takes_the_side_of_the_system_whose_seeds_fell_short():
     assert bench.ratio_bound(None, times(2, 2, 600.0)) is None
 
 
+def test_the_pace_counts_updates_and_samples_by_checkpoint_and_the_first_update():
+    doc = yaml.safe_load((REPO / "topology" / "smollm2.yaml").read_text())
+    per = bench.samples_per_update(doc, {"trl": {"lr": 1e-5, "num_generations": 8}})
+    assert per == {"astraflow": 4 * 8, "trl": 8}  # a batch of 4 groups of 8; 1 prompt x 8
+    assert bench.samples_per_update(doc, {"trl": {"per_device_train_batch_size": 16}})["trl"] \
+        == 16
+    assert [bench.updates_at(x) for x in ("v49", "step 78", None, "v0")] == [49, 78, 0, 0]
+    runs = [{**RUNS[0], "at": {"300": "v40", "600": "v90"}, "first_update_s": 20.0},
+            {**RUNS[1], "at": {"300": "v50", "600": None}},
+            {**RUNS[2], "at": {"300": "step 80", "600": "step 170"}, "first_update_s": 14.0},
+            {**RUNS[3], "at": {"300": "step 70"}, "first_update_s": 16.0}]
+    paces = bench.pace(runs, ["astraflow", "trl"], [300.0, 600.0], per)
+    assert paces["astraflow"]["checkpoints"]["300"] == {"updates": 45.0, "samples": 1440.0,
+                                                      "n": 2}
+    assert paces["astraflow"]["checkpoints"]["600"]["updates"] == 45.0  # none yet counts 0
+    assert paces["trl"]["checkpoints"]["600"] == {"updates": 170.0, "samples": 1360.0, "n": 1}
+    assert (paces["astraflow"]["first_update_s"], paces["astraflow"]["first_n"]) == (20.0, 1)
+    assert paces["trl"]["first_update_s"] == 15.0
+    lines = bench.pace_table(paces, [300.0, 600.0]).splitlines()
+    assert lines[0] == ("| t (s) | astraflow updates | astraflow samples | trl updates "
+                        "| trl samples |")
+    assert lines[2] == "| 300 | 45 | 1,440 | 75 | 600 |"
+    assert lines[-2] == "Samples an update trains: astraflow 32, trl 8."
+    assert lines[-1] == ("First update after the start: astraflow 20 s (1 of 2 seeds record "
+                         "it), trl 15 s (2 of 2 seeds record it).")
+
+
 @pytest.mark.parametrize("flags,bf16", [({"amx_bf16", "avx512_bf16"}, True), (set(), False)])
 def test_trl_computes_in_bf16_where_astraflows_best_precision_would(flags, bf16, monkeypatch):
     import astraflow.models.precision as precision
@@ -469,15 +496,18 @@ def test_bad_options_get_a_one_line_error(argv, msg, tmp_path, capsys):
 def test_the_results_page_shows_curves_times_sweep_and_where_the_time_went():
     report = load_bench("report")
     args = argparse.Namespace(checkpoints=[300.0, 600.0], target=0.5)
-    runs = [{**r, "where": "astraflow: 40 versions", "steps": 12} for r in RUNS]
+    runs = [{**r, "where": "astraflow: 40 versions", "steps": 12,
+             "at": {"300": "v4" if r["system"] == "astraflow" else "step 9"}} for r in RUNS]
     data = {"bench": "learning", "seeds": [0, 1], "eval_size": 200, "metrics": bench.METRICS,
             "chosen": {"astraflow": {"lr": 3e-5}},
-            **bench.results_of(args, ["astraflow", "trl"], runs, {"strict": 0, "lenient": 0}),
+            **bench.results_of(args, ["astraflow", "trl"], runs, {"strict": 0, "lenient": 0},
+                               {"astraflow": 32, "trl": 8}),
             "sweep": {"duration_s": 180, "seed": 0, "metric": "lenient", "validation_size": 200,
                       "table": bench.sweep_table([row(2e-6, 0.1, 0.4)], {"trl": {"lr": 2e-6}}),
                       "tied": ["astraflow"]}}
     page = "\n\n".join(report.render("learning", json.loads(json.dumps(data))))
     assert data["table"] in page and data["time_table"] in page
+    assert data["pace_table"] in page and "| 300 | 4 | 128 | 9 | 72 |" in page
     assert data["sweep"]["table"] in page
     assert "- seed 0: astraflow: 40 versions" in page and "- seed 1: trl: 12 optimizer steps" \
         in page
