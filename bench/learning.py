@@ -729,13 +729,17 @@ def samples_per_update(doc: dict[str, Any], chosen: dict[str, dict[str, Any]]) -
     """The samples one optimizer update trains, by system: an AstraFlow version is a batch
     of the batcher's ``batch_size`` groups of the pool's ``n_samples``; a TRL step is
     ``per_device_train_batch_size`` completions (``trl_config_kwargs``)."""
-    groups = next(p["options"]["batch_size"] for p in doc["processors"].values()
-                  if p["kind"] == "batcher")
     n = next(iter(doc["pools"].values())).get("n_samples", 1)
-    trl = chosen.get("trl", {})
-    per_step = trl.get("per_device_train_batch_size",
-                       trl.get("num_generations", TRL_BASE["num_generations"]))
-    return {"astraflow": int(groups) * int(n), "trl": int(per_step)}
+    trl = trl_config_kwargs({"temperature": 1.0}, {"lr": 0.0, **chosen.get("trl", {})}, 0,
+                            Path("."))
+    return {"astraflow": batch_groups(doc) * int(n),
+            "trl": int(trl["per_device_train_batch_size"])}
+
+
+def batch_groups(doc: dict[str, Any]) -> int:
+    """The groups (prompts) a batch of the topology's batcher holds."""
+    return int(next(p["options"]["batch_size"] for p in doc["processors"].values()
+                    if p["kind"] == "batcher"))
 
 
 def updates_at(label: str | None) -> int:
@@ -1016,11 +1020,9 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
     def reward_fn(completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [reward(c, {"answer": a}) for c, a in zip(completions, answer)]
 
-    prompts = next(p["options"]["batch_size"] for p in doc["processors"].values()
-                   if p["kind"] == "batcher")
     temperature = wf.get("temperature", policy.get("temperature", 1.0))
     return {"model": model, "tokenizer": tokenizer, "rows": rows, "reward_fn": reward_fn,
-            "prompts": int(prompts), "temperature": float(temperature), "policy": name}
+            "prompts": batch_groups(doc), "temperature": float(temperature), "policy": name}
 
 
 def _trl_callback_base():
