@@ -197,14 +197,17 @@ class StatusSeries:
                             {f"{cid}/{k}": v for k, v in figures.items()})
 
 
-def status_table(config, topic: str, progress: Progress, series: StatusSeries | None = None):
+def status_table(config, topic: str, progress: Progress, series: StatusSeries | None = None,
+                 timeout_s: float = 10.0):
     """The ``status`` topic from its end on, as a table by component; every new status is
-    folded into ``progress`` (and ``series``)."""
+    folded into ``progress`` (and ``series``). ``timeout_s``: how long Kafka may take to
+    answer while it is opened (``KafkaException`` after that)."""
     from astraflow.kafka.table import TopicTable
     from astraflow.wire.records import ComponentStatus
 
     table = TopicTable.open(config, topic, ComponentStatus, start="end", client_id="up",
-                            key=lambda e: e.value.component_id if e.value else None)
+                            key=lambda e: e.value.component_id if e.value else None,
+                            metadata_timeout_s=timeout_s)
     def changed(_k, _old, new) -> None:
         if new is not None:
             progress.fold(new)

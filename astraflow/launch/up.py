@@ -19,8 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from astraflow.config.topology import Topology, with_overrides
 from astraflow.launch.plan import (
@@ -243,6 +245,58 @@ def _secured_env(topo: Topology, secured, name: str, env: dict[str, str]) -> dic
             **component_env(topo, secured, name)}
 
 
+class KafkaGone(Exception):
+    """Kafka did not answer ``up`` for longer than ``kafka.outage_limit_s``."""
+
+
+class OnceAnswering:
+    """A topic table ``up`` reads (its progress, scaling advice), opened once Kafka answers.
+
+    A broker slow to answer while every component starts (a few seconds on a busy machine)
+    or away for a while must not end the run: its components wait for Kafka too, and ``up``
+    keeps supervising them meanwhile. Past ``limit_s`` without an answer it gives up, as
+    they do (``KafkaGone``). An error other than Kafka not answering is raised at once."""
+
+    def __init__(self, open_table: Callable[[float], Any], what: str, limit_s: float,
+                 attempt_s: float = 3.0):
+        self._open, self.what, self.limit_s = open_table, what, limit_s
+        self._attempt_s = attempt_s
+        self._since = time.monotonic()
+        self._waiting = False  # said that Kafka does not answer (once per wait)
+        self.table: Any = None
+
+    def poll(self, timeout: float) -> None:
+        """Open the table if it is not yet (one attempt), else poll it."""
+        if self.table is not None:
+            self.table.poll(timeout)
+            return
+        from confluent_kafka import KafkaException
+
+        from astraflow.kafka.outage import kafka_error, transient
+
+        try:
+            self.table = self._open(self._attempt_s)
+        except KafkaException as e:
+            if not transient(kafka_error(e)):
+                raise
+            waited = time.monotonic() - self._since
+            if waited > self.limit_s:
+                raise KafkaGone(f"Kafka has not answered for {waited:.0f} s (over "
+                                f"kafka.outage_limit_s={self.limit_s:g}): {e}") from None
+            if not self._waiting:
+                print(f"Kafka not answering yet: {self.what} follows once it does ({e})",
+                      flush=True)
+                self._waiting = True
+            return
+        if self._waiting:
+            print(f"Kafka answers after {time.monotonic() - self._since:.0f} s: {self.what} "
+                  "follows", flush=True)
+
+    def close(self) -> None:
+        if self.table is not None:
+            self.table.close()
+
+
 def _watch(args: UpOptions, topo: Topology, config, sup, progress: Progress,
            pids: Path) -> int:
     """Show progress and supervise until the duration, the versions, Ctrl-C or a component
@@ -254,8 +308,15 @@ def _watch(args: UpOptions, topo: Topology, config, sup, progress: Progress,
 
     series = StatusSeries(Path(args.runs_dir) / topo.run / "tensorboard", topo.run,
                           time.time())
-    status = status_table(config, topo.full_name("status"), progress, series)
-    scaling = _scaling_table(topo, args.topology, config, sup, pids)
+    limit_s = config.outage_limit_s
+    status = OnceAnswering(lambda t: status_table(config, topo.full_name("status"), progress,
+                                                  series, timeout_s=t),
+                           "progress", limit_s)
+    scaling = None
+    if any(p.kind == "autoscaler" for p in topo.processors.values()):
+        scaling = OnceAnswering(lambda t: _scaling_table(topo, args.topology, config, sup,
+                                                         pids, timeout_s=t),
+                                "scaling advice", limit_s)
     lags = LagReader(config)
     pool_groups = list(topo.raas_groups())
     stop = {"flag": False}
@@ -292,6 +353,9 @@ def _watch(args: UpOptions, topo: Topology, config, sup, progress: Progress,
         print(f"astraflow up: {e}; see its log in {Path(args.runs_dir) / topo.run / 'logs'}",
               file=sys.stderr)
         return 1
+    except KafkaGone as e:
+        print(f"astraflow up: {e}", file=sys.stderr)
+        return 1
     finally:
         lags.close()
         status.close()
@@ -318,11 +382,10 @@ def fresh_run(topo: Topology, config, runs_dir: Path) -> Topology:
     return with_overrides(topo, new, None)
 
 
-def _scaling_table(topo: Topology, path: str, config, sup, pids: Path):
-    """With an ``autoscaler`` processor in the topology: a table of ``scaling`` whose new
-    advice the ``PoolActuator`` follows (None without one)."""
-    if not any(p.kind == "autoscaler" for p in topo.processors.values()):
-        return None
+def _scaling_table(topo: Topology, path: str, config, sup, pids: Path,
+                   timeout_s: float = 10.0):
+    """A table of ``scaling`` whose new advice the ``PoolActuator`` follows (for a topology
+    with an ``autoscaler`` processor)."""
     from astraflow.kafka.table import TopicTable
     from astraflow.launch.actuator import PoolActuator
     from astraflow.wire.records import ScalingAdvice
@@ -331,7 +394,7 @@ def _scaling_table(topo: Topology, path: str, config, sup, pids: Path):
                             lambda pool, i: astraflow_command(*raas_args(topo, path, pool, i)))
     table = TopicTable.open(config, topo.full_name("scaling"), ScalingAdvice,
                             key=lambda e: e.value.pool if e.value else None,
-                            client_id="up-actuator")
+                            client_id="up-actuator", metadata_timeout_s=timeout_s)
 
     def changed(_k, _old, new) -> None:
         if new is not None and actuator.follow(new):

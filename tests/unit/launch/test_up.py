@@ -435,3 +435,59 @@ def test_a_runs_plots_are_drawn_from_its_summary(tmp_path):
     for name in ("summary.png", "plots/versions.png", "plots/staleness.png", "plots/lag.png"):
         assert (tmp_path / "r" / name).stat().st_size > 1000
     assert main(["plot", "missing", "--runs-dir", str(tmp_path)]) == 2
+
+
+class _Table:
+    def __init__(self):
+        self.polled: list[float] = []
+
+    def poll(self, timeout: float) -> None:
+        self.polled.append(timeout)
+
+    def close(self) -> None:
+        pass
+
+
+def _opener(errors: list):
+    """Opens a ``_Table`` once ``errors`` is used up, raising each of them first."""
+    from confluent_kafka import KafkaException
+
+    def open_table(_timeout: float) -> _Table:
+        if errors:
+            raise KafkaException(errors.pop(0))
+        return _Table()
+
+    return open_table
+
+
+def test_up_opens_its_progress_once_kafka_answers_and_supervises_meanwhile(capsys):
+    """A broker that does not answer while the components start (it timed out after 10 s
+    on a loaded machine, and `up` ended the run) is waited for: each poll tries once more."""
+    from confluent_kafka import KafkaError
+
+    timed_out = KafkaError(KafkaError._TIMED_OUT, "Failed to get watermark offsets")
+    table = launcher.OnceAnswering(_opener([timed_out, timed_out]), "progress", limit_s=60)
+    table.poll(0.2)
+    table.poll(0.2)
+    assert table.table is None
+    table.poll(0.2)  # opened: the next poll reads it
+    table.poll(0.5)
+    assert table.table.polled == [0.5]
+    out = capsys.readouterr().out
+    assert out.count("Kafka not answering yet: progress follows") == 1, out
+    assert "Kafka answers after" in out
+
+
+def test_up_gives_up_past_the_outage_limit_and_at_once_on_other_errors(monkeypatch):
+    from confluent_kafka import KafkaError, KafkaException
+
+    timed_out = KafkaError(KafkaError._TIMED_OUT, "timed out")
+    table = launcher.OnceAnswering(_opener([timed_out] * 3), "progress", limit_s=5)
+    table.poll(0)
+    clock = launcher.time.monotonic() + 6
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: clock)
+    with pytest.raises(launcher.KafkaGone, match=r"kafka.outage_limit_s=5\b"):
+        table.poll(0)
+    missing = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, "topic run.status does not exist")
+    with pytest.raises(KafkaException, match="does not exist"):
+        launcher.OnceAnswering(_opener([missing]), "progress", limit_s=60).poll(0)
