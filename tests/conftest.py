@@ -44,11 +44,31 @@ CLUSTER_FIXTURE = "embedded_cluster"  # the embedded 3-node cluster: marks clust
 CLUSTER_RACKS = ("r1", "r2", "r3")  # embedded_cluster's node i is in rack r<i>
 
 
+END_TO_END = "tests/e2e/"  # `astraflow up` end to end: each test runs a whole topology
+# End-to-end files left out of the lane and queued last, each for whichever worker is free
+# first: the other worker's files took about 1,400 s on 2 cores, the lane's about 1,800,
+# so these short ones even the two out.
+END_TO_END_LAST = ("tests/e2e/test_real_model.py", "tests/e2e/test_lora_up.py",
+                   "tests/e2e/test_shared_pools.py")
+
+
+def _queue_position(item: pytest.Item) -> int:
+    """0: the end-to-end lane; 1: every other file; 2: END_TO_END_LAST."""
+    path = item.nodeid.split("::")[0]
+    if path in END_TO_END_LAST:
+        return 2
+    return 0 if path.startswith(END_TO_END) else 1
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``kafka`` every test that needs the broker: its fixture closure holds
     ``kafka_bootstrap`` (``kafka_config``, ``new_topic``, ``make_topology``,
-    ``astraflow_cli`` all depend on it)."""
+    ``astraflow_cli`` all depend on it).
+
+    Then orders them: the end-to-end lane first, END_TO_END_LAST last (a stable sort:
+    collection order within each), the same order on every xdist worker."""
+    items.sort(key=_queue_position)
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if {BROKER_FIXTURE, SECURE_FIXTURE, CLUSTER_FIXTURE} & set(fixtures):
@@ -59,31 +79,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
-END_TO_END = "tests/e2e/"  # `astraflow up` end to end: each test runs a whole topology
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``-n N --dist loadfile``: a file per worker at a time, except that the end-to-end
-    files are one unit, run one after the other on one worker from the start.
+    files (but END_TO_END_LAST) are one unit, run one after the other on one worker from
+    the start.
 
     Each starts a topology's processes; two at once on 2 cores took 1.6 to 3 times as long
     as one alone (``test_default.py``: 263 s beside another, 82-166 s alone), and CI saw
     them time out. The other worker takes the remaining files in the order they were
-    collected."""
+    collected; END_TO_END_LAST come last, so end-to-end files overlap only at the end."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class EndToEndInOneLane(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith(END_TO_END):
+            if nodeid.startswith(END_TO_END) and nodeid.split("::")[0] not in END_TO_END_LAST:
                 return END_TO_END
             return super()._split_scope(nodeid)
 
-    # in collection order, so that the end-to-end unit (tests/e2e/ sorts second) starts
-    # first; xdist's default puts the files with the most tests first, leaving the
-    # end-to-end files, a test or two each and the longest, for the end, two at a time
+    # in collection order (pytest_collection_modifyitems puts the end-to-end unit first);
+    # xdist's default puts the files with the most tests first, leaving the end-to-end
+    # files, a test or two each and the longest, for the end, two at a time
     config.option.loadscopereorder = False
     return EndToEndInOneLane(config, log)
 

@@ -1,8 +1,9 @@
-"""The agent examples under ``astraflow up``, on tiny models and on SmolLM2: programs
-written against the `openai` client alone roll out through the node's endpoint, and their
-policies train (the ReAct calculator agent; the solver and critic, two policies driven by
-one program). On SmolLM2 every prompt goes through its chat template, which has no place
-for tools: the endpoint writes them into the system message (``raas/agent/chat.py``)."""
+"""The agent examples under ``astraflow up``: programs written against the `openai` client
+alone roll out through the node's endpoint, and their policies train. The ReAct calculator
+agent on a tiny model (plain-text prompts: it has no chat template) and on SmolLM2; the
+solver and critic, two policies driven by one program, on SmolLM2. On SmolLM2 every prompt
+goes through its chat template, which has no place for tools: the endpoint writes them into
+the system message (``raas/agent/chat.py``)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,12 @@ def _topology(name: str, tmp_path: Path, bootstrap: str, warm: dict[str, dict]) 
     for policy, warm_start in warm.items():  # no warm start: the mechanism, not skill
         topo["policies"][policy].update(model=str(tmp_path / policy), warm_start=warm_start)
     topo["eval"] = {"every_versions": 1000, "size": 10}
-    # 4 episodes a task and batches of 2 groups: each program start costs about a second
-    # of CPU (python and the openai client), so a version costs 8 of them, not 64
-    topo["pools"]["local"]["n_samples"] = 4
+    # 2 episodes a task and batches of 1 group: each program start costs about a second
+    # of CPU (python and the openai client), so a version costs 2 of them, not 64
+    topo["pools"]["local"]["n_samples"] = 2
     for proc in topo["processors"].values():
         if proc["kind"] == "batcher":
-            proc["options"]["batch_size"] = 2
+            proc["options"]["batch_size"] = 1
     path = tmp_path / name
     path.write_text(yaml.safe_dump(topo))
     return topo, path
@@ -71,18 +72,7 @@ def test_the_react_calculator_agent_trains_under_up(kafka_bootstrap, kafka_confi
     _up_until_versions(path, tmp_path, kafka_bootstrap, ["actor"], 2)
     groups = _check_run(kafka_config, tmp_path, topo, ["actor"])
     rewards = {r for g in groups for r in g.rewards}
-    assert rewards <= {0.0, 1.0} and all(len(g.sequences) >= 4 for g in groups)
-
-
-@pytest.mark.slow
-def test_one_program_trains_a_solver_and_a_critic_under_up(kafka_bootstrap, kafka_config,
-                                                           tmp_path):
-    topo, path = _topology("agent-solver-critic.yaml", tmp_path, kafka_bootstrap,
-                           {"solver": {}, "critic": {}})
-    _up_until_versions(path, tmp_path, kafka_bootstrap, ["solver", "critic"], 2)
-    groups = _check_run(kafka_config, tmp_path, topo, ["solver", "critic"])
-    assert {s.policy for g in groups for s in g.sequences} == {"solver", "critic"}
-    assert all(len(g.sequences) == 8 for g in groups)  # 4 episodes x (solver, critic)
+    assert rewards <= {0.0, 1.0} and all(len(g.sequences) >= 2 for g in groups)
 
 
 def _smollm2(name: str, tmp_path: Path, bootstrap: str, model: Path) -> tuple:
