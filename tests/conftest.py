@@ -45,19 +45,6 @@ CLUSTER_RACKS = ("r1", "r2", "r3")  # embedded_cluster's node i is in rack r<i>
 
 
 END_TO_END = "tests/e2e/"  # `astraflow up` end to end: each test runs a whole topology
-# End-to-end files left out of the lane and queued last, each for whichever worker is free
-# first: the other worker's files took about 1,400 s on 2 cores, the lane's about 1,800,
-# so these short ones even the two out.
-END_TO_END_LAST = ("tests/e2e/test_real_model.py", "tests/e2e/test_lora_up.py",
-                   "tests/e2e/test_shared_pools.py")
-
-
-def _queue_position(item: pytest.Item) -> int:
-    """0: the end-to-end lane; 1: every other file; 2: END_TO_END_LAST."""
-    path = item.nodeid.split("::")[0]
-    if path in END_TO_END_LAST:
-        return 2
-    return 0 if path.startswith(END_TO_END) else 1
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -66,9 +53,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``kafka_bootstrap`` (``kafka_config``, ``new_topic``, ``make_topology``,
     ``astraflow_cli`` all depend on it).
 
-    Then orders them: the end-to-end lane first, END_TO_END_LAST last (a stable sort:
-    collection order within each), the same order on every xdist worker."""
-    items.sort(key=_queue_position)
+    Then puts the end-to-end files first (a stable sort: collection order otherwise), the
+    same order on every xdist worker, so that their lane, the longest, starts first."""
+    items.sort(key=lambda item: not item.nodeid.startswith(END_TO_END))
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if {BROKER_FIXTURE, SECURE_FIXTURE, CLUSTER_FIXTURE} & set(fixtures):
@@ -82,20 +69,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``-n N --dist loadfile``: a file per worker at a time, except that the end-to-end
-    files (but END_TO_END_LAST) are one unit, run one after the other on one worker from
-    the start.
+    files are one unit, run one after the other on one worker from the start.
 
     Each starts a topology's processes; two at once on 2 cores took 1.6 to 3 times as long
     as one alone (``test_default.py``: 263 s beside another, 82-166 s alone), and CI saw
     them time out. The other worker takes the remaining files in the order they were
-    collected; END_TO_END_LAST come last, so end-to-end files overlap only at the end."""
+    collected. (Queuing the three shortest end-to-end files last, for whichever worker was
+    free, did not even the lanes out: xdist hands each worker its next file ahead, and the
+    other worker ran all three after its own.)"""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class EndToEndInOneLane(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith(END_TO_END) and nodeid.split("::")[0] not in END_TO_END_LAST:
+            if nodeid.startswith(END_TO_END):
                 return END_TO_END
             return super()._split_scope(nodeid)
 
@@ -154,12 +142,15 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         broker.destroy()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: a broker left idle until the session ends still costs CPU (3-6 %
+# of a core each on 2 cores, measured beside the suite), and its last user is one module.
+@pytest.fixture(scope="module")
 def secure_broker(tmp_path_factory: pytest.TempPathFactory):
     """The embedded broker started with ``secure=True`` (SASL_SSL with SCRAM-SHA-512, a
     SASL controller listener, StandardAuthorizer without fallback) in a temporary state
-    directory, once per session; its ``EmbeddedBroker`` (``status().secure`` has the CA
-    and the admin password file). Always the embedded one: the security is its own."""
+    directory, once per module that uses it; its ``EmbeddedBroker`` (``status().secure``
+    has the CA and the admin password file). Always the embedded one: the security is its
+    own."""
     from astraflow.broker.embedded import EmbeddedBroker, free_port
 
     broker = EmbeddedBroker(state=tmp_path_factory.mktemp("secure-broker"))
@@ -170,10 +161,10 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory):
         broker.destroy()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # its 3 nodes idle cost 10-15 % of a core: see above
 def embedded_cluster(tmp_path_factory: pytest.TempPathFactory):
     """The embedded cluster of three KRaft nodes (``astraflow.broker.cluster.EmbeddedCluster``)
-    in a temporary state directory, once per session; always the embedded one, whatever
+    in a temporary state directory, once per module that uses it; always the embedded one, whatever
     ``ASTRAFLOW_BOOTSTRAP`` says. Node i is in rack ``r<i>`` (``CLUSTER_RACKS``), with the
     rack-aware replica selector: a consumer without ``client.rack`` reads from leaders as
     on any cluster, one with it from the replica in its rack. A test that stops or kills a

@@ -51,17 +51,27 @@ def test_a_running_processor_serves_lag_versions_and_staleness_over_http(
             + [group(f"old{i}", [1.0, 0.0], versions=[-1, 2]) for i in range(3)])
     monkeypatch.setenv(METRICS_PORT_ENV, "0")  # any free port; the exporter says which
     runtime = ProcessorRuntime(topo, "stale", instance="m")
+    me = 'component="stale/m",kind="processor"'
+
+    def lags(text: str) -> list[tuple[str, str, str]]:
+        return re.findall(
+            rf'astraflow_consumer_lag{{{me},partition="(\d)",topic="([^"]+)"}} (\S+)', text)
+
     with running(runtime):
         wait_for(lambda: runtime.loop.exporter is not None, 30, "the metrics endpoint")
         port = runtime.loop.exporter.port
         scrape_until(port, 'policy="actor"', "a weight version on /metrics")
-        text = scrape_until(port, 'le="+Inf"} 9.0', "every group in the staleness histogram")
-    me = 'component="stale/m",kind="processor"'
+        scrape_until(port, 'le="+Inf"} 9.0', "every group in the staleness histogram")
+        # a partition's lag is shown once the consumer has a fetch of it to measure from
+        # (CI scraped once with partition 1's alone): wait for both
+        def both() -> str | None:
+            text = scrape(port)
+            return text if len(lags(text)) == 2 else None
+
+        text = wait_for(both, 60, "the lag of both input partitions")
     assert f'astraflow_weight_version{{{me},policy="actor"}} 5.0' in text
-    lag = re.findall(rf'astraflow_consumer_lag{{{me},partition="(\d)",topic="([^"]+)"}} (\S+)',
-                     text)
-    assert {(p, t) for p, t, _ in lag} == {("0", topo.full_name("trajectories.raw")),
-                                           ("1", topo.full_name("trajectories.raw"))}
+    assert {(p, t) for p, t, _ in lags(text)} == {("0", topo.full_name("trajectories.raw")),
+                                                  ("1", topo.full_name("trajectories.raw"))}
     assert f'astraflow_staleness_bucket{{{me},le="1"}} 6.0' in text  # the fresh ones
     assert re.search(rf"astraflow_records_in_total{{{me}}} 9\.0", text)
 
