@@ -12,7 +12,13 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from astraflow.broker.embedded import BrokerError, EmbeddedBroker, _pid_alive, kept_port
+from astraflow.broker.embedded import (
+    BrokerError,
+    EmbeddedBroker,
+    _pid_alive,
+    free_port,
+    kept_port,
+)
 from tests.conftest import wait_for
 
 
@@ -47,7 +53,9 @@ def _values(bootstrap: str, topic: str) -> list[bytes]:
 def test_broker_keeps_port_and_data_across_stop_and_crash(tmp_path):
     broker = EmbeddedBroker(tmp_path / "state")
     try:
-        st = broker.start(log=lambda *_: None)
+        # a free port, not the default 19092: a broker another worker starts while this one
+        # is stopped would take 19092, and this test's clients would reach that broker
+        st = broker.start(port=free_port(), log=lambda *_: None)
         bootstrap = st.bootstrap
         admin = AdminClient({"bootstrap.servers": bootstrap})
         for f in admin.create_topics([NewTopic("kept", 1, 1)]).values():

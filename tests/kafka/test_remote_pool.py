@@ -186,7 +186,7 @@ def test_clients_behind_a_forward_produce_and_consume_through_the_remote_listene
     forward_port, remote_port = free_port(), free_port()
     broker = EmbeddedBroker(tmp_path / "state")
     try:
-        st = broker.start(log=lambda *_: None,
+        st = broker.start(port=free_port(), log=lambda *_: None,  # not 19092 (test_broker_restart)
                           remote_listener=(remote_port, f"127.0.0.1:{forward_port}"))
         assert st.remote == (remote_port, f"127.0.0.1:{forward_port}")
         assert "remote listener" in st.describe()
