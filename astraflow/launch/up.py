@@ -245,17 +245,13 @@ def _secured_env(topo: Topology, secured, name: str, env: dict[str, str]) -> dic
             **component_env(topo, secured, name)}
 
 
-class KafkaGone(Exception):
-    """Kafka did not answer ``up`` for longer than ``kafka.outage_limit_s``."""
-
-
 class OnceAnswering:
     """A topic table ``up`` reads (its progress, scaling advice), opened once Kafka answers.
 
     A broker slow to answer while every component starts (a few seconds on a busy machine)
     or away for a while must not end the run: its components wait for Kafka too, and ``up``
     keeps supervising them meanwhile. Past ``limit_s`` without an answer it gives up, as
-    they do (``KafkaGone``). An error other than Kafka not answering is raised at once."""
+    they do (``BrokerUnreachable``). An error other than Kafka not answering is raised at once."""
 
     def __init__(self, open_table: Callable[[float], Any], what: str, limit_s: float,
                  attempt_s: float = 3.0):
@@ -272,7 +268,7 @@ class OnceAnswering:
             return
         from confluent_kafka import KafkaException
 
-        from astraflow.kafka.outage import kafka_error, transient
+        from astraflow.kafka.outage import BrokerUnreachable, kafka_error, transient
 
         try:
             self.table = self._open(self._attempt_s)
@@ -281,7 +277,7 @@ class OnceAnswering:
                 raise
             waited = time.monotonic() - self._since
             if waited > self.limit_s:
-                raise KafkaGone(f"Kafka has not answered for {waited:.0f} s (over "
+                raise BrokerUnreachable(f"Kafka has not answered for {waited:.0f} s (over "
                                 f"kafka.outage_limit_s={self.limit_s:g}): {e}") from None
             if not self._waiting:
                 print(f"Kafka not answering yet: {self.what} follows once it does ({e})",
@@ -304,6 +300,7 @@ def _watch(args: UpOptions, topo: Topology, config, sup, progress: Progress,
     from confluent_kafka import KafkaException
 
     from astraflow.kafka.lag import LagReader, total_lag
+    from astraflow.kafka.outage import BrokerUnreachable
     from astraflow.launch.supervisor import GaveUp
 
     series = StatusSeries(Path(args.runs_dir) / topo.run / "tensorboard", topo.run,
@@ -353,7 +350,7 @@ def _watch(args: UpOptions, topo: Topology, config, sup, progress: Progress,
         print(f"astraflow up: {e}; see its log in {Path(args.runs_dir) / topo.run / 'logs'}",
               file=sys.stderr)
         return 1
-    except KafkaGone as e:
+    except BrokerUnreachable as e:
         print(f"astraflow up: {e}", file=sys.stderr)
         return 1
     finally:
@@ -390,11 +387,12 @@ def _scaling_table(topo: Topology, path: str, config, sup, pids: Path,
     from astraflow.launch.actuator import PoolActuator
     from astraflow.wire.records import ScalingAdvice
 
-    actuator = PoolActuator(list(topo.pools), sup,
-                            lambda pool, i: astraflow_command(*raas_args(topo, path, pool, i)))
     table = TopicTable.open(config, topo.full_name("scaling"), ScalingAdvice,
                             key=lambda e: e.value.pool if e.value else None,
                             client_id="up-actuator", metadata_timeout_s=timeout_s)
+    # made once the table opens: an attempt Kafka did not answer leaves nothing behind
+    actuator = PoolActuator(list(topo.pools), sup,
+                            lambda pool, i: astraflow_command(*raas_args(topo, path, pool, i)))
 
     def changed(_k, _old, new) -> None:
         if new is not None and actuator.follow(new):

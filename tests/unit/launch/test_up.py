@@ -481,12 +481,14 @@ def test_up_opens_its_progress_once_kafka_answers_and_supervises_meanwhile(capsy
 def test_up_gives_up_past_the_outage_limit_and_at_once_on_other_errors(monkeypatch):
     from confluent_kafka import KafkaError, KafkaException
 
+    from astraflow.kafka.outage import BrokerUnreachable
+
     timed_out = KafkaError(KafkaError._TIMED_OUT, "timed out")
     table = launcher.OnceAnswering(_opener([timed_out] * 3), "progress", limit_s=5)
     table.poll(0)
     clock = launcher.time.monotonic() + 6
     monkeypatch.setattr(launcher.time, "monotonic", lambda: clock)
-    with pytest.raises(launcher.KafkaGone, match=r"kafka.outage_limit_s=5\b"):
+    with pytest.raises(BrokerUnreachable, match=r"kafka.outage_limit_s=5\b"):
         table.poll(0)
     missing = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, "topic run.status does not exist")
     with pytest.raises(KafkaException, match="does not exist"):
