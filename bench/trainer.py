@@ -34,7 +34,9 @@ sequence's prompt in its own pass: the trainer before real-model support), ``fp3
 (a group's samples share one pass over their prompt, the default), ``fp32-loop``
 (``fp32-shared`` with AdamW's for-loop, torch's default on a CPU and AstraFlow's before
 ``adam_impl: auto`` chose fused), ``bf16``
-(``--autocast bf16``), ``bf16-shared``, ``bf16-tokens`` (and ``--micro-batch-tokens``),
+(``--autocast bf16``), ``bf16-shared``, ``bf16w-shared`` (``--forward-dtype bf16``: the
+forward's weights held in bf16 themselves, no autocast), ``bf16-tokens`` (and
+``--micro-batch-tokens``),
 ``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence),
 ``fp32-mb64`` and ``bf16-mb64`` (64 sequences per micro-batch, each prompt in its own
 pass: few large kernels, for a GPU, ``--device cuda``), ``bf16-shared-mb64`` (64 sequences
@@ -88,6 +90,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fp32-loop": {"autocast": "none", "micro_batch_size": 8, "adam_impl": "for-loop"},
     "bf16": {"autocast": "bf16", "micro_batch_size": 8, "share_prompt": False},
     "bf16-shared": {"autocast": "bf16", "micro_batch_size": 8},
+    "bf16w-shared": {"forward_dtype": "bf16", "micro_batch_size": 8},
     "bf16-tokens": {"autocast": "bf16", "micro_batch_tokens": 2048, "share_prompt": False},
     "bf16-ckpt": {"autocast": "bf16", "micro_batch_size": 8, "gradient_checkpointing": True},
     # the whole batch in one pass (a GPU: few, large kernels)

@@ -196,6 +196,13 @@ class TrainerSpec(_Section):
         "bf16 where the device computes bf16 natively (GPUs from Ampere on, CPUs with "
         "AMX-BF16 or AVX512-BF16), else none, logged with the reason",
         json_schema_extra=_in("compute"))
+    forward_dtype: Literal["fp32", "bf16", "best"] = Field(
+        default="fp32", description="dtype the forward/backward's weights are held in: "
+        "fp32 (autocast decides what it computes in), or bf16: the published bf16 weights "
+        "themselves, every op in bf16 as the engines compute it, no cast per pass, "
+        "gradients summed into the fp32 masters (forward_on published, publish_dtype bf16, "
+        "backend torch, no LoRA); best: bf16 where the device computes bf16 natively, else "
+        "fp32, logged with the reason", json_schema_extra=_in("compute"))
     forward_on: Literal["published", "master"] = Field(
         default="published", description="weights forward/backward run on when the "
         "published ones are rounded (publish_dtype): 'published' (the rollouts' own "

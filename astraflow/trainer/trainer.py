@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import io
 import logging
@@ -166,6 +167,13 @@ class TrainerConfig:
     # optimizer and the log-softmax/loss in fp32 (recommended for real models); "best":
     # bf16 where the device computes bf16 natively (astraflow.models.precision), else none
     autocast: str = "none"
+    # "bf16": the forward/backward's weights are held in bf16, the published rounding
+    # itself, so every op computes in bf16 as the engines do, with no cast of every weight
+    # per pass (autocast's cost: the step took 1.5x as long on a 2-core AMX CPU); their
+    # gradients are summed into the fp32 masters. "best": bf16 where the device computes it
+    # natively and the rest allows it (forward_on published, publish_dtype bf16, backend
+    # torch, no LoRA, no group), else "fp32": the weights in ``dtype``, autocast as set
+    forward_dtype: str = "fp32"
     gradient_checkpointing: bool = False
     # sequences that share a prompt (a group's samples) run it through the model once: its
     # keys/values are repeated for their completions, and gradients flow back through them
@@ -209,7 +217,7 @@ class TrainerConfig:
             tis_mask=t.tis_mask, m2_threshold=t.m2_threshold, normalize_std=t.std_normalize,
             micro_batch_size=t.micro_batch_size, minibatches=t.minibatches,
             micro_batch_tokens=t.micro_batch_tokens, dtype=t.dtype,
-            publish_dtype=t.publish_dtype, autocast=t.autocast,
+            publish_dtype=t.publish_dtype, autocast=t.autocast, forward_dtype=t.forward_dtype,
             gradient_checkpointing=t.gradient_checkpointing, share_prompt=t.share_prompt,
             forward_on=t.forward_on, temperature=spec.temperature, top_p=spec.top_p,
             device=t.device, backend=t.backend, max_staleness=spec.max_staleness,
@@ -251,6 +259,11 @@ class TrainerConfig:
             ("autocast", "--autocast", self.autocast in AUTOCAST, f"must be one of {AUTOCAST}"),
             ("forward_on", "--forward-on", self.forward_on in FORWARD_ON,
              f"must be one of {FORWARD_ON}"),
+            ("forward_dtype", "--forward-dtype", self.forward_dtype in FORWARD_DTYPES,
+             f"must be one of {FORWARD_DTYPES}"),
+            ("forward_dtype", "--forward-dtype",
+             self.forward_dtype != "bf16" or self.bf16_forward_blocker() is None,
+             f"bf16 holds the published weights: {self.bf16_forward_blocker()}"),
             ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
             ("lora", "lora:", self.lora is None or self.backend == "torch",
              "trains with peft on backend torch only"),
@@ -281,6 +294,26 @@ class TrainerConfig:
         p = best_precision(self.device)
         return ("bf16" if p.bf16 else "none"), p.reason
 
+    def bf16_forward_blocker(self) -> str | None:
+        """Why the forward's weights cannot be held in bf16 (``forward_dtype``), or None."""
+        needs = [("forward_on", "published"), ("publish_dtype", "bf16"), ("dtype", "fp32"),
+                 ("backend", "torch")]
+        for name, value in needs:
+            if getattr(self, name) != value:
+                return f"needs {name} {value}, not {getattr(self, name)}"
+        return "needs no LoRA (lora: trains adapters)" if self.lora is not None else None
+
+    def chosen_forward_dtype(self) -> tuple[str, str]:
+        """``(forward_dtype, why)``: as set, or for ``best`` bf16 where the device computes
+        it natively and ``bf16_forward_blocker`` finds nothing, else fp32."""
+        if self.forward_dtype != "best":
+            return self.forward_dtype, "as configured"
+        blocker = self.bf16_forward_blocker()
+        if blocker is not None:
+            return "fp32", f"bf16 {blocker}"
+        p = best_precision(self.device)
+        return ("bf16" if p.bf16 else "fp32"), p.reason
+
     @property
     def logit_temperature(self) -> float:
         """What the logits are divided by: ``temperature``, 1 for greedy (0)."""
@@ -290,6 +323,7 @@ class TrainerConfig:
 AUTOCAST = ("none", "bf16", "best")
 ADAM_IMPLS = ("auto", "fused", "foreach", "for-loop")
 FORWARD_ON = ("published", "master")
+FORWARD_DTYPES = ("fp32", "bf16", "best")
 
 
 @dataclass
@@ -331,7 +365,15 @@ class Trainer:
             _check_group(c, group)
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
+        self.forward_dtype, why = c.chosen_forward_dtype()
+        if group is not None and self.forward_dtype == "bf16":  # best: explicit bf16 fails
+            self.forward_dtype, why = "fp32", "bf16 needs one process, not a group"
+        if c.forward_dtype == "best":
+            log.info("%s: forward weights %s (%s)", policy or "trainer", self.forward_dtype,
+                     why)
         self.autocast, why = c.chosen_autocast()
+        if self.forward_dtype == "bf16":
+            self.autocast, why = "none", "the forward's weights are bf16 themselves"
         if c.autocast == "best":
             log.info("%s: autocast %s (%s)", policy or "trainer", self.autocast, why)
         self.device = torch.device(c.device) if group is None else group.device
@@ -358,6 +400,8 @@ class Trainer:
             self._masters = [(p, p.detach().clone().requires_grad_(True))
                              for p in self.model.parameters() if p.requires_grad]
             self._round_params()
+            if self.forward_dtype == "bf16":
+                self._hold_published()
         self._master_of = {id(p): m for p, m in self._masters}
         trained = ([m for _, m in self._masters] or
                    [p for p in self.model.parameters() if p.requires_grad])
@@ -411,6 +455,14 @@ class Trainer:
         its master rounded to ``publish_dtype`` again."""
         self._round_params()
 
+    def _hold_published(self) -> None:
+        """Each parameter becomes a ``publish_dtype`` tensor (its published value, exactly:
+        it holds the rounding already), whose gradient of each backward pass is summed into
+        its master and cleared (``forward_dtype`` bf16)."""
+        for p, m in self._masters:
+            p.data = p.data.to(self.publish_dtype)
+            p.register_post_accumulate_grad_hook(functools.partial(_add_grad_to, m))
+
     def _round_params(self) -> None:
         """Each parameter := its master rounded to ``publish_dtype`` (the published value)."""
         with torch.no_grad():
@@ -419,14 +471,29 @@ class Trainer:
 
     def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         self._before_update()
-        if self.group is not None:
+        if self.forward_dtype == "bf16":  # the parameters cannot hold the fp32 masters
+            self._load_masters(state)
+        elif self.group is not None:
             self._load_rows(state)
         else:
             self.backend.load_hf(state)
-        with torch.no_grad():
-            for p, m in self._masters:
-                m.copy_(p)
+        if self.forward_dtype != "bf16":
+            with torch.no_grad():
+                for p, m in self._masters:
+                    m.copy_(p)
         self._round_params()
+
+    def _load_masters(self, state: dict[str, torch.Tensor]) -> None:
+        """Every weight of ``state`` (Hugging Face names, as ``state_dict`` gives them)
+        into its master, or into the tensor itself where it has none."""
+        mine = self.backend.named_state(keep_vars=True)
+        missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        if missing or unexpected:
+            raise ValueError(f"loading weights: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]} (of {len(missing)}, {len(unexpected)})")
+        with torch.no_grad():
+            for k, v in mine.items():
+                self._master_of.get(id(v), v).copy_(state[k])
 
     def _load_rows(self, state: dict[str, torch.Tensor]) -> None:
         """Under a group: each weight's rows of this rank from the full tensors of
@@ -834,13 +901,14 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = 0.0
         if total_tokens > 0:
+            if self._masters:
+                if self.forward_dtype != "bf16":  # bf16: each pass summed them in already
+                    for p, m in self._masters:
+                        m.grad, p.grad = p.grad, None
+                params = [m for _, m in self._masters]
             for p in params:  # a step on zero gradients still moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            if self._masters:
-                for p, m in self._masters:
-                    m.grad, p.grad = p.grad, None
-                params = [m for _, m in self._masters]
             norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
             # DTensor gradients (a group): the norm of the whole gradient, on every rank
             grad_norm = float(norm.full_tensor() if _is_dtensor(norm) else norm)
@@ -963,6 +1031,16 @@ class Trainer:
         return total
 
 
+def _add_grad_to(master: torch.Tensor, param: torch.Tensor) -> None:
+    """A bf16-held parameter's gradient of one backward pass, summed into its fp32 master
+    (the sum over micro-batches stays in fp32) and cleared."""
+    if master.grad is None:
+        master.grad = param.grad.to(master.dtype)
+    else:
+        master.grad.add_(param.grad)
+    param.grad = None
+
+
 def adam_kwargs(impl: str, params: list[torch.Tensor]) -> dict[str, bool]:
     """``torch.optim.AdamW``'s keyword for implementation ``impl`` of ``ADAM_IMPLS``.
     "auto" picks fused when torch has a fused kernel for every parameter's device and
@@ -1012,6 +1090,9 @@ def _check_group(c: TrainerConfig, group: Group) -> None:
                          f"shards transformers models), got {c.backend!r}")
     if c.lora is not None:
         raise ValueError("lora: an adapter trains in one process, not over a process group")
+    if c.forward_dtype == "bf16":
+        raise ValueError("forward_dtype (--forward-dtype) bf16 holds the weights in one "
+                         "process, not over a process group: fp32 or best (fp32 there)")
     if torch.device(c.device).type != group.device.type:
         raise ValueError(f"device (--device) {c.device!r} does not match the process group's "
                          f"device {group.device} (join(device=...))")

@@ -319,6 +319,89 @@ def test_forward_runs_on_the_published_weights_and_the_master_keeps_small_steps(
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.9
 
 
+def test_bf16_held_weights_compute_as_the_engine_and_step_the_fp32_master(tiny_model):
+    """forward_dtype bf16: the parameters are the published bf16 weights themselves, so the
+    trainer's log-probs are a bf16 engine's; every micro-batch's gradient is summed into
+    the fp32 masters, whose update follows bf16 autocast's, and a resume is exact."""
+    from transformers import AutoModelForCausalLM
+
+    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.weights.delta import state_bytes_equal
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(lr=1e-4, micro_batch_size=3, forward_dtype="bf16")
+    tr = Trainer(tiny_model, cfg, policy="actor")
+    autocast = Trainer(tiny_model, dataclasses.replace(cfg, forward_dtype="fp32",
+                                                       autocast="bf16"), policy="actor")
+    assert tr.autocast == "none" and tr.keeps_master
+    assert {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
+    engine = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
+                                                  dtype=torch.bfloat16).eval()
+    rows = [_Row(s, 1.0) for g in make_batch(9).groups for s in g.sequences]
+    ids, attn, *_ = tr._tensors(rows)
+    for i in range(3):
+        m = tr.train_step(make_batch(i))
+        autocast.train_step(make_batch(i))
+        assert m["trainer/micro_batches"] > 1  # gradients of several passes summed
+        master, published = tr.state_dict(), tr.published_state()
+        assert {v.dtype for v in master.values()} == {torch.float32}
+        params = dict(tr.model.named_parameters())
+        for k, v in published.items():
+            assert torch.equal(v, master[k].to(torch.bfloat16)), k
+            if k in params:
+                assert torch.equal(params[k].detach(), v), k
+        assert all(p.grad is None for p in tr.model.parameters())
+        engine.load_state_dict(published, strict=False)
+        with torch.no_grad():
+            mine = tr.token_logprobs(ids, attn)[:, 1:]
+            ref = torch.log_softmax(engine(input_ids=ids, attention_mask=attn).logits.float(),
+                                    -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        assert torch.allclose(mine, ref, atol=1e-5), i
+    start = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True).state_dict()
+    ours, theirs = tr.state_dict(), autocast.state_dict()
+    a = torch.cat([(ours[k] - start[k]).flatten() for k in theirs])
+    b = torch.cat([(theirs[k] - start[k]).flatten() for k in theirs])
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.9
+    # the fp32 masters round-trip bit for bit into a trainer holding bf16 weights
+    other = Trainer(tiny_model, cfg, policy="actor")
+    other.load_master_bytes(tr.master_bytes())
+    other.load_optimizer_bytes(tr.optimizer_bytes())
+    assert state_bytes_equal(other.state_dict(), ours)
+    for k, v in other.model.named_parameters():
+        assert torch.equal(v.detach(), dict(tr.model.named_parameters())[k].detach()), k
+    tr.train_step(make_batch(3))
+    other.train_step(make_batch(3))
+    assert state_bytes_equal(other.state_dict(), tr.state_dict())
+
+
+def test_forward_dtype_settings_are_checked_and_best_says_why(monkeypatch):
+    from astraflow.trainer import trainer as mod
+    from astraflow.trainer.trainer import TrainerConfig
+
+    for bad, named in (({"forward_on": "master"}, "forward_on"),
+                       ({"publish_dtype": "same"}, "publish_dtype"),
+                       ({"dtype": "bf16"}, "dtype"), ({"lora": {"rank": 4}}, "LoRA")):
+        with pytest.raises(ValueError, match=f"forward_dtype .*{named}"):
+            TrainerConfig(forward_dtype="bf16", **bad).validate()
+        assert TrainerConfig(forward_dtype="best", **bad).chosen_forward_dtype()[0] == "fp32"
+    with pytest.raises(ValueError, match="forward_dtype"):
+        TrainerConfig(forward_dtype="fp16").validate()
+
+    class Native:
+        bf16, reason = True, "CPU has amx_bf16"
+
+    class Not:
+        bf16, reason = False, "CPU has no bf16 instructions"
+
+    monkeypatch.setattr(mod, "best_precision", lambda device: Native)
+    assert TrainerConfig(forward_dtype="best").chosen_forward_dtype() == ("bf16",
+                                                                          "CPU has amx_bf16")
+    monkeypatch.setattr(mod, "best_precision", lambda device: Not)
+    assert TrainerConfig(forward_dtype="best").chosen_forward_dtype() == (
+        "fp32", "CPU has no bf16 instructions")
+    assert TrainerConfig(forward_dtype="fp32").chosen_forward_dtype()[0] == "fp32"
+
+
 def test_engine_computes_in_its_own_dtype_with_bf16_published_weights(tiny_model):
     """A RaaS engine (fp32 model) loads the published bf16 state: values cast, dtype kept."""
     from transformers import AutoModelForCausalLM
