@@ -169,7 +169,7 @@ class TrainerConfig:
     autocast: str = "none"
     # "bf16": the forward/backward's weights are held in bf16, the published rounding
     # itself, so every op computes in bf16 as the engines do, with no cast of every weight
-    # per pass (autocast's cost: the step took 1.5x as long on a 2-core AMX CPU); their
+    # per pass (autocast's cost: a step 1.4x as long on 2 AVX512-BF16 cores); their
     # gradients are summed into the fp32 masters. "best": bf16 where the device computes it
     # natively and the rest allows it (forward_on published, publish_dtype bf16, backend
     # torch, no LoRA, no group), else "fp32": the weights in ``dtype``, autocast as set
@@ -486,34 +486,34 @@ class Trainer:
     def _load_masters(self, state: dict[str, torch.Tensor]) -> None:
         """Every weight of ``state`` (Hugging Face names, as ``state_dict`` gives them)
         into its master, or into the tensor itself where it has none."""
-        mine = self.backend.named_state(keep_vars=True)
-        missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-        if missing or unexpected:
-            raise ValueError(f"loading weights: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]} (of {len(missing)}, {len(unexpected)})")
         with torch.no_grad():
-            for k, v in mine.items():
+            for k, v in self._named_to_load(state).items():
                 self._master_of.get(id(v), v).copy_(state[k])
 
     def _load_rows(self, state: dict[str, torch.Tensor]) -> None:
         """Under a group: each weight's rows of this rank from the full tensors of
         ``state`` (every weight, by Hugging Face name), into the parameters."""
+        with torch.no_grad():
+            for k, v in self._named_to_load(state).items():
+                if _is_dtensor(v):
+                    start, stop = self._rows_of(v)
+                    v.to_local().copy_(state[k][start:stop])
+                else:
+                    v.copy_(state[k])
+
+    def _named_to_load(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The module's tensors by name (the parameters themselves), once ``state`` is
+        found to hold each of them, in its full shape, and nothing else."""
         mine = self.backend.named_state(keep_vars=True)
         missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
         if missing or unexpected:
             raise ValueError(f"loading weights: missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]} (of {len(missing)}, {len(unexpected)})")
-        with torch.no_grad():
-            for k, v in mine.items():
-                full = state[k]
-                if tuple(full.shape) != tuple(v.shape):
-                    raise ValueError(f"loading weights: {k} has shape {tuple(full.shape)}, "
-                                     f"the model's is {tuple(v.shape)}")
-                if _is_dtensor(v):
-                    start, stop = self._rows_of(v)
-                    v.to_local().copy_(full[start:stop])
-                else:
-                    v.copy_(full)
+        for k, v in mine.items():
+            if tuple(state[k].shape) != tuple(v.shape):
+                raise ValueError(f"loading weights: {k} has shape {tuple(state[k].shape)}, "
+                                 f"the model's is {tuple(v.shape)}")
+        return mine
 
     def _rows_of(self, v: torch.Tensor) -> tuple[int, int]:
         """The rows of dim 0 of the sharded ``v`` this rank holds."""

@@ -280,6 +280,15 @@ def test_published_state_rounds_fp32_master_weights(tiny_model):
         Trainer(tiny_model, TrainerConfig(publish_dtype="int8"), policy="actor")
 
 
+def _trainer_and_engine_logprobs(tr, engine, ids, attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's token log-probs of ``ids`` and a transformers model's own."""
+    with torch.no_grad():
+        mine = tr.token_logprobs(ids, attn)[:, 1:]
+        ref = torch.log_softmax(engine(input_ids=ids, attention_mask=attn).logits.float(),
+                                -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return mine, ref
+
+
 def test_forward_runs_on_the_published_weights_and_the_master_keeps_small_steps(tiny_model):
     """The trainer's log-probs are the published policy's (what the engines sample), while
     the optimizer's fp32 master keeps the steps the bf16 rounding drops."""
@@ -304,11 +313,8 @@ def test_forward_runs_on_the_published_weights_and_the_master_keeps_small_steps(
             if k in params:
                 assert torch.equal(params[k].detach(), v.float()), k
         engine.load_state_dict(published, strict=False)
-        with torch.no_grad():
-            mine = tr.token_logprobs(ids, attn)[:, 1:]
-            ref = torch.log_softmax(engine(input_ids=ids, attention_mask=attn).logits.float(),
-                                    -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-        assert torch.allclose(mine, ref, atol=1e-5), i
+        assert torch.allclose(*_trainer_and_engine_logprobs(tr, engine, ids, attn),
+                              atol=1e-5), i
     # the master keeps what the rounding dropped, and its update goes the way stepping the
     # fp32 weights themselves goes (the gradients differ only by where they were taken)
     ours, theirs = tr.state_dict(), master_run.state_dict()
@@ -352,11 +358,8 @@ def test_bf16_held_weights_compute_as_the_engine_and_step_the_fp32_master(tiny_m
                 assert torch.equal(params[k].detach(), v), k
         assert all(p.grad is None for p in tr.model.parameters())
         engine.load_state_dict(published, strict=False)
-        with torch.no_grad():
-            mine = tr.token_logprobs(ids, attn)[:, 1:]
-            ref = torch.log_softmax(engine(input_ids=ids, attention_mask=attn).logits.float(),
-                                    -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-        assert torch.allclose(mine, ref, atol=1e-5), i
+        assert torch.allclose(*_trainer_and_engine_logprobs(tr, engine, ids, attn),
+                              atol=1e-5), i
     start = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True).state_dict()
     ours, theirs = tr.state_dict(), autocast.state_dict()
     a = torch.cat([(ours[k] - start[k]).flatten() for k in theirs])
