@@ -473,11 +473,11 @@ class Trainer:
         self._before_update()
         if self.forward_dtype == "bf16":  # the parameters cannot hold the fp32 masters
             self._load_masters(state)
-        elif self.group is not None:
-            self._load_rows(state)
         else:
-            self.backend.load_hf(state)
-        if self.forward_dtype != "bf16":
+            if self.group is not None:
+                self._load_rows(state)
+            else:
+                self.backend.load_hf(state)
             with torch.no_grad():
                 for p, m in self._masters:
                     m.copy_(p)
