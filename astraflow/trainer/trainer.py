@@ -226,6 +226,7 @@ class TrainerConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field (and its CLI flag) of a bad setting."""
+        blocker = self.bf16_forward_blocker() if self.forward_dtype == "bf16" else None
         checks = [
             ("lr", "--lr", self.lr > 0, "must be > 0"),
             ("lr_warmup_steps", "--lr-warmup-steps", self.lr_warmup_steps >= 0,
@@ -262,8 +263,7 @@ class TrainerConfig:
             ("forward_dtype", "--forward-dtype", self.forward_dtype in FORWARD_DTYPES,
              f"must be one of {FORWARD_DTYPES}"),
             ("forward_dtype", "--forward-dtype",
-             self.forward_dtype != "bf16" or self.bf16_forward_blocker() is None,
-             f"bf16 holds the published weights: {self.bf16_forward_blocker()}"),
+             blocker is None, f"bf16 holds the published weights: {blocker}"),
             ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
             ("lora", "lora:", self.lora is None or self.backend == "torch",
              "trains with peft on backend torch only"),
@@ -294,8 +294,11 @@ class TrainerConfig:
         p = best_precision(self.device)
         return ("bf16" if p.bf16 else "none"), p.reason
 
-    def bf16_forward_blocker(self) -> str | None:
-        """Why the forward's weights cannot be held in bf16 (``forward_dtype``), or None."""
+    def bf16_forward_blocker(self, grouped: bool = False) -> str | None:
+        """Why the forward's weights cannot be held in bf16 (``forward_dtype``), or None;
+        ``grouped``: the trainer is one rank of a process group."""
+        if grouped:
+            return "needs one process, not a process group"
         needs = [("forward_on", "published"), ("publish_dtype", "bf16"), ("dtype", "fp32"),
                  ("backend", "torch")]
         for name, value in needs:
@@ -303,12 +306,12 @@ class TrainerConfig:
                 return f"needs {name} {value}, not {getattr(self, name)}"
         return "needs no LoRA (lora: trains adapters)" if self.lora is not None else None
 
-    def chosen_forward_dtype(self) -> tuple[str, str]:
+    def chosen_forward_dtype(self, grouped: bool = False) -> tuple[str, str]:
         """``(forward_dtype, why)``: as set, or for ``best`` bf16 where the device computes
         it natively and ``bf16_forward_blocker`` finds nothing, else fp32."""
         if self.forward_dtype != "best":
             return self.forward_dtype, "as configured"
-        blocker = self.bf16_forward_blocker()
+        blocker = self.bf16_forward_blocker(grouped)
         if blocker is not None:
             return "fp32", f"bf16 {blocker}"
         p = best_precision(self.device)
@@ -365,9 +368,7 @@ class Trainer:
             _check_group(c, group)
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
-        self.forward_dtype, why = c.chosen_forward_dtype()
-        if group is not None and self.forward_dtype == "bf16":  # best: explicit bf16 fails
-            self.forward_dtype, why = "fp32", "bf16 needs one process, not a group"
+        self.forward_dtype, why = c.chosen_forward_dtype(grouped=group is not None)
         if c.forward_dtype == "best":
             log.info("%s: forward weights %s (%s)", policy or "trainer", self.forward_dtype,
                      why)
