@@ -7,9 +7,12 @@ engine to the newest version if one is newer than what it holds. The check polls
 timeout 0, so it costs next to nothing when nothing changed, and it never waits for a
 trainer: without a newer version the engine keeps generating with what it has.
 
-The follower starts holding nothing; the first update takes a full checkpoint plus deltas,
-later ones deltas from the follower's own copy (one extra CPU copy of the weights). The
-engine's initial weights (loaded from disk) count as version 0.
+The engine's initial weights (loaded from disk) count as version 0. Before the first
+update the follower is offered a copy of them, and keeps it as version 0 when version 0's
+manifest carries their digest (``astraflow.weights.digest``): the first update then
+fetches deltas only. Otherwise the follower starts holding nothing and the first update
+takes a full checkpoint plus deltas. Later ones are deltas from the follower's own copy
+(one extra CPU copy of the weights).
 
 With a ``verifier`` (signed weights, ``astraflow.weights.signing``) a manifest not signed by
 a trusted key is refused: the engine keeps its version, and ``dead_letters`` hands the
@@ -60,6 +63,7 @@ class WeightWatcher:
             client_id=f"raas-weights-{engine.policy}")
         self.manifests.on_change(self._observe)
         self._failed_target: int | None = None
+        self._offered_own = False  # the engine's weights from disk, offered as version 0
         self.updates = 0
         self.manifests_seen = 0
         self.last_update_s = 0.0
@@ -113,6 +117,8 @@ class WeightWatcher:
         from astraflow.weights import NoPlanError, WeightsError
 
         t0 = time.perf_counter()
+        if not self._offered_own:
+            self._offer_own_weights()
         try:
             result = self.follower.update_reachable(target)
         except (NoPlanError, WeightsError) as e:
@@ -140,6 +146,22 @@ class WeightWatcher:
             self.last_update_s,
         )
         return True
+
+    def _offer_own_weights(self) -> None:
+        """Before the first update: an engine still on the weights it loaded from disk
+        (version 0) gives the follower a copy, which it keeps as version 0 if version 0's
+        manifest vouches for it (``WeightFollower.adopt``): no full checkpoint fetched."""
+        self._offered_own = True
+        own = getattr(self.engine, "state_dict", None)  # engines holding torch weights
+        if own is None or self.engine.version != 0 or self.follower.version is not None:
+            return
+        t0 = time.perf_counter()
+        if self.follower.adopt(own(), 0):
+            log.info("%s: the engine's own weights are version 0 (its digest matches, "
+                     "%.2fs): only deltas are fetched", self.topic, time.perf_counter() - t0)
+        else:
+            log.info("%s: version 0 does not vouch for the engine's own weights (no digest "
+                     "or another one): fetching a full checkpoint", self.topic)
 
     def close(self) -> None:
         self.manifests.close()

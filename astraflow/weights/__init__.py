@@ -4,6 +4,8 @@ Codec (``delta``): ``encode_delta(old, new) -> (blob, stats)``, ``apply_delta(st
 ``encode_full(state)``, ``decode_full(blob)``, ``apply_blob``, ``inspect_blob``; parts of
 tensors (rows of dim 0: ``Rows``, ``apply_parts``, ``empty_state``); deltas found on the
 tensors' device (``extract_delta``, ``iter_encode_extracted``).
+Digest (``digest``): ``state_digest``, which lets a follower take the weights its engine
+loaded from disk as version 0 (``WeightFollower.adopt``).
 History (``history``): ``plan_update``, ``WeightPublisher`` (``prepare`` ->
 ``PreparedVersion.write``), ``WeightFollower``, ``merge_parts``, ``retained_manifests``,
 ``collect_garbage``.
@@ -61,6 +63,7 @@ _EXPORTS = {
     "retained_manifests": "history",
     "save_manifest": "history",
     "state_bytes_equal": "delta",
+    "state_digest": "digest",
 }
 
 
@@ -118,4 +121,5 @@ __all__ = [
     "retained_manifests",
     "save_manifest",
     "state_bytes_equal",
+    "state_digest",
 ]

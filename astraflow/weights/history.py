@@ -54,6 +54,7 @@ from astraflow.weights.delta import (
     iter_encode_extracted,
     iter_encode_full,
 )
+from astraflow.weights.digest import STATE_DIGEST, own_copy, state_digest
 from astraflow.weights.errors import (
     BaseMismatchError,
     BlobError,
@@ -471,6 +472,8 @@ class WeightPublisher:
             meta={**self.meta, **{str(k): str(x) for k, x in (meta or {}).items()},
                   "anchor_interval": str(self.anchor_interval)},
         )
+        if v == 0 and not self.rows:  # what engines load from disk (weights.digest)
+            common["meta"][STATE_DIGEST] = state_digest(state, tensors)
         opts = dict(threads=self.threads, level=self.level)
         seg, rows = self.segment_elems, self.rows
         anchor = self.is_anchor(v)
@@ -773,6 +776,25 @@ class WeightFollower:
         if t is None:
             raise NoPlanError("no manifest seen yet")
         return plan_update(self.version, t, self._manifests.values(), exclude=self._bad)
+
+    def adopt(self, state: StateDict, version: int = 0) -> bool:
+        """Hold a copy of ``state`` (an engine's weights loaded from disk) as ``version``
+        when that version's full checkpoint manifest carries a digest
+        (``weights.digest``) that the copy, cast to the manifest's dtypes, matches: the
+        next update then fetches only what follows ``version``. Otherwise, or when a
+        version is held already, nothing changes and it returns False."""
+        if self.version is not None:
+            return False
+        vouching = [m for m in self._manifests.values()
+                    if m.version == version and m.kind == "full" and STATE_DIGEST in m.meta]
+        if not vouching:
+            return False
+        m = vouching[0]
+        copy = own_copy(state, m.tensors)
+        if copy is None or state_digest(copy, m.tensors) != m.meta[STATE_DIGEST]:
+            return False
+        self.state, self.version = copy, version
+        return True
 
     def forget_failures(self) -> None:
         """Let manifests that failed before be tried again (e.g. after a store recovered)."""

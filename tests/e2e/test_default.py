@@ -90,6 +90,10 @@ def test_up_trains_publishes_evaluates_and_bounds_staleness(kafka_bootstrap, kaf
     for name in ("trainer-actor", "raas-local-0", "processor-batcher", "eval-actor"):
         log = (run_dir / "logs" / f"{name}.log").read_text()
         assert "Traceback" not in log, f"{name} crashed:\n{log[-3000:]}"
+    # the node's engine holds version 0 from disk, as version 0's digest shows: its first
+    # update fetched deltas, not the full checkpoint
+    raas_log = (run_dir / "logs" / "raas-local-0.log").read_text()
+    assert "the engine's own weights are version 0" in raas_log, raas_log[-3000:]
 
     manifests = [r.record for r in read_all(kafka_config, f"{run}.weights.actor",
                                             expect=WeightManifest)]

@@ -134,5 +134,18 @@ def test_run_meta_names_the_command_commit_machine_and_date() -> None:
     assert meta["bench"] == "outage"
     assert meta["command"] == "python bench/outage.py --lengths 0,10 --out 'a b.json'"
     assert re.fullmatch(r"[0-9a-f]{7}( with uncommitted changes)?", meta["commit"])
-    assert re.search(r", \d+ cores \(", meta["machine"])
+    assert re.search(r", \d+ cores(, [^()]+)? \(", meta["machine"])
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", meta["date"])
+
+
+def test_the_machine_names_the_flags_that_make_two_cpus_of_one_name_differ(tmp_path) -> None:
+    def on(flags: str) -> str:
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"model name\t: AMD EPYC\nflags\t\t: fpu sse2 {flags}\n\n"
+                           "model name\t: AMD EPYC\nflags\t\t: fpu\n")
+        return report.machine(cpuinfo)
+
+    assert ", no AVX512 (" in on("avx2")
+    assert ", avx512_bf16 avx512f (" in on("avx2 avx512f avx512_bf16")
+    assert ", amx_bf16 avx512_bf16 avx512f (" in on("amx_bf16 avx512f avx512_bf16")
+    assert re.search(r", \d+ cores \(", report.machine(tmp_path / "none"))  # no flags known
