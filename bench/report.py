@@ -162,17 +162,28 @@ def _git(*args: str) -> str:
         return ""
 
 
-def machine() -> str:
-    """The CPU model and core count of this machine (and the GPU, when torch sees one)."""
-    model = ""
+# CPU flags that set what a run computes and how fast: "AMD EPYC" alone names both Zen 3
+# (AVX2 only, bf16 emulated) and Zen 4 (AVX512-BF16), whose figures are not comparable
+MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f")
+
+
+def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU model, core count and bf16/AVX512 flags of this machine (and the GPU, when
+    torch sees one)."""
+    model, flags = "", set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name") and not model:
                 model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
     desc = f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if flags:
+        have = [f for f in MATMUL_FLAGS if f in flags]
+        desc += ", " + (" ".join(have) if have else "no AVX512")
     torch = sys.modules.get("torch")  # only when the bench loaded it: no import for this
     if torch is not None and torch.cuda.is_available():
         desc += f", {torch.cuda.get_device_name(0)}"
@@ -188,7 +199,9 @@ def run_meta(bench: str, argv: list[str]) -> dict[str, str]:
         if p.is_absolute() and p.is_relative_to(REPO):
             args[i] = str(p.relative_to(REPO))
     commit = _git("rev-parse", "--short=7", "HEAD") or NOT_RECORDED
-    if commit != NOT_RECORDED and _git("status", "--porcelain", "--", "astraflow", "bench"):
+    # the code only: a bench's own progress and results files are written as it runs
+    if commit != NOT_RECORDED and _git("status", "--porcelain", "--", "astraflow", "bench",
+                                       ":!bench/results", ":!bench/progress"):
         commit += " with uncommitted changes"
     return {"bench": bench, "command": " ".join(shlex.quote(a) for a in args),
             "commit": commit, "machine": machine(),
