@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from astraflow.weights.delta import dtype_name
 from astraflow.wire.records import TensorInfo
 
 STATE_DIGEST = "state_sha256"  # the manifest meta key
@@ -32,7 +33,7 @@ def state_digest(state: Mapping[str, torch.Tensor], tensors: Sequence[TensorInfo
     h = hashlib.sha256()
     for info in tensors:
         t = state[info.name]
-        if str(t.dtype).removeprefix("torch.") != info.dtype or list(t.shape) != info.shape:
+        if dtype_name(t.dtype) != info.dtype or list(t.shape) != info.shape:
             raise ValueError(f"{info.name} is {t.dtype} {list(t.shape)}, the manifest has "
                              f"{info.dtype} {info.shape}")
         h.update(f"{info.name}\0{info.dtype}\0{info.shape}\0".encode())
