@@ -59,10 +59,20 @@ _TXN_PRODUCER = {"retry.backoff.ms": 1, "retry.backoff.max.ms": 20}
 # records handed to the work at a time while a transaction stays open: each such round's
 # outputs go to the broker while the next round is made (commit_interval_s)
 _CHUNK = 500
+# reads of the group's committed offsets a rewind tries before it asks whether the broker
+# answers at all, and if it does gives the consumer up for a new one (each read waits up to
+# the call timeout): a CI run saw a processor's consumer time out on every read for 300 s
+# after the broker came back, while its new producer and every other component worked on,
+# and the process restarted past the outage limit read them at once
+_REWIND_TRIES = 3
 
 
 class _Stopping(Exception):
     """A stop was requested while a call waited for the broker."""
+
+
+class _NoAnswer(Exception):
+    """A call retried ``tries`` times without an answer (``_retrying``)."""
 
 
 @dataclass
@@ -235,10 +245,7 @@ class TransactionalLoop:
         self.exporter = exporter_from_env(s.component_id, None, self.counters)
         try:
             self.work.start(self)
-            self.consumer = Consumer(self.config.consumer_conf(
-                s.group, error_cb=self._on_client_error, **s.consumer_options))
-            self.consumer.subscribe(s.inputs, on_assign=self._on_assign,
-                                    on_revoke=self._on_revoke, on_lost=self._on_revoke)
+            self.consumer = self._new_consumer()
             log.info("%s: consuming %s as group %s, transactional id %s", s.component_id,
                      ", ".join(s.inputs), s.group, s.transactional_id)
             self.running.set()
@@ -719,8 +726,8 @@ class TransactionalLoop:
                 # nothing consumed from it yet: behind by all it holds
                 pos = tp.offset if tp.offset >= 0 else max(low, 0)
                 out[(tp.topic, tp.partition)] = max(0, high - pos)
-        except KafkaException:  # not known right now: no figure rather than a failed commit
-            return {}
+        except (KafkaException, RuntimeError):  # not known right now (or closed meanwhile):
+            return {}  # no figure rather than a failed commit
         return out
 
     def read_positions(self) -> dict[tuple[str, int], int]:
@@ -749,8 +756,9 @@ class TransactionalLoop:
         assigned = self.consumer.assignment()
         self.work.on_revoke([(tp.topic, tp.partition) for tp in assigned])
         self.positions.clear()
-        committed = self._retrying("reading committed offsets", lambda: self.consumer.committed(
-            assigned, timeout=self._call_timeout_s))
+        committed = self._committed_offsets(assigned)
+        if committed is None:
+            return  # a new consumer: its assignment starts at the committed offsets
         for tp in committed:
             if tp.offset < 0:
                 tp = TopicPartition(tp.topic, tp.partition, -2)  # earliest
@@ -760,9 +768,10 @@ class TransactionalLoop:
                 log.debug("%s: no seek on %s[%d]: %s", self.spec.component_id, tp.topic,
                           tp.partition, e)
 
-    def _retrying(self, what: str, call: Callable[[], object]):
-        """``call()``, again while Kafka is away (up to the outage limit)."""
-        while True:
+    def _retrying(self, what: str, call: Callable[[], object], tries: int | None = None):
+        """``call()``, again while Kafka is away (up to the outage limit); with ``tries``,
+        ``_NoAnswer`` after that many transient failures."""
+        for attempt in itertools.count(1):
             try:
                 return call()
             except KafkaException as e:
@@ -772,6 +781,59 @@ class TransactionalLoop:
                 self.outage.failed(f"{what}: {err.str()}")
                 if self._stop.is_set():
                     raise _Stopping() from e
+                if tries is not None and attempt >= tries:
+                    raise _NoAnswer(f"{what}: {err.str()}") from e
+
+    def _committed_offsets(self, tps: list[TopicPartition]) -> list[TopicPartition] | None:
+        """The group's committed offsets of ``tps``, read again while Kafka is away; None
+        when the broker answers a metadata request, then one read more times out too: the
+        consumer was replaced (``_renew_consumer``)."""
+        tries, answers = _REWIND_TRIES, False
+        while True:
+            try:
+                return self._retrying("reading committed offsets", lambda: (
+                    self.consumer.committed(tps, timeout=self._call_timeout_s)), tries=tries)
+            except _NoAnswer as e:
+                if answers:  # only the group's offsets do not come
+                    self._renew_consumer(str(e))
+                    return None
+                answers = self._broker_answers()
+                tries = 1 if answers else _REWIND_TRIES
+
+    def _broker_answers(self) -> bool:
+        """Whether a broker answers the consumer's metadata request for its inputs."""
+        try:
+            self.consumer.list_topics(self.spec.inputs[0], timeout=self._call_timeout_s)
+        except KafkaException:
+            return False
+        return True
+
+    def _new_consumer(self) -> Consumer:
+        """The group member: the spec's inputs subscribed, rebalances served by the loop."""
+        s = self.spec
+        consumer = Consumer(self.config.consumer_conf(
+            s.group, error_cb=self._on_client_error, **s.consumer_options))
+        consumer.subscribe(s.inputs, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                           on_lost=self._on_revoke)
+        return consumer
+
+    def _renew_consumer(self, why: str) -> None:
+        """Replace a consumer that cannot read the group's committed offsets, after a
+        rewind dropped what it held: the new member starts each partition it is assigned
+        at the committed offset, which librdkafka fetches itself for as long as that takes
+        (an outage is seen by the clients' error callbacks meanwhile). The old one leaves
+        the group on a helper thread, given up after a few call timeouts."""
+        log.warning("%s: starting a new consumer (%s)", self.spec.component_id, why)
+        old, self.consumer = self.consumer, None
+        closer = _Worker("kafka-close")
+        done, _ = closer.submit(old.close)
+        if not done.wait(self._call_timeout_s * 3):
+            log.warning("%s: the old consumer did not close; left behind",
+                        self.spec.component_id)
+        closer.close()
+        self.positions.clear()  # whatever its revocation left: nothing is consumed yet
+        self.consumer = self._new_consumer()
+        self._assignment_changed = True
 
     def _new_producer(self) -> RecordProducer:
         tuned = {k: v for k, v in _TXN_PRODUCER.items() if k not in self.config.producer_options}

@@ -26,7 +26,9 @@ PROGRAM = """
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "again"}]
     second = client.chat.completions.create(model="actor", messages=messages)
-    print(json.dumps({"reward": 1.0 if second.choices[0].message.content else 0.5}))
+    # the untrained tiny model may end at once: an empty answer is still an answer
+    answered = isinstance(second.choices[0].message.content, str)
+    print(json.dumps({"reward": 1.0 if answered else 0.5}))
 """
 
 

@@ -368,6 +368,75 @@ def test_a_rebalance_drops_the_open_transaction_and_rewinds(monkeypatch):
     assert loop.counters.produced == 1 and loop.positions == {("in", 1): 4}
 
 
+class SilentGroupConsumer:
+    """A consumer whose reads of the group's committed offsets time out (the first
+    ``silent`` of them; None: all), and whose metadata requests fail ``down`` times first
+    (the broker away), then answer."""
+
+    def __init__(self, down: int = 0, silent: int | None = None) -> None:
+        from confluent_kafka import TopicPartition
+
+        self.down, self.silent, self.reads, self.closed = down, silent, 0, False
+        self.parts, self.seeks = [TopicPartition("in", 0)], []
+
+    def assignment(self):
+        return list(self.parts)
+
+    def committed(self, tps, timeout: float):
+        from confluent_kafka import TopicPartition
+
+        self.reads += 1
+        if self.silent is None or self.reads <= self.silent:
+            raise _exc(KafkaError._TIMED_OUT, retriable=True)
+        return [TopicPartition(t.topic, t.partition, 7) for t in tps]
+
+    def list_topics(self, topic: str, timeout: float):
+        if self.down:
+            self.down -= 1
+            raise _exc(KafkaError._TRANSPORT)
+        return object()
+
+    def seek(self, tp) -> None:
+        self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_rewind_whose_committed_offsets_never_come_starts_a_new_consumer(monkeypatch,
+                                                                           caplog):
+    """After an abort the loop reads the group's committed offsets to go back to: when those
+    reads keep timing out while the broker answers otherwise, the consumer is closed and a
+    new member joins (its assignment starts at the committed offsets); while the broker
+    answers nothing, the reads go on (up to the outage limit)."""
+    caplog.set_level(logging.WARNING, logger="astraflow.loop")
+
+    def rewind(consumer: SilentGroupConsumer):
+        loop, _ = _loop(monkeypatch)
+        loop.work.on_revoke = lambda partitions: None
+        loop.work.held_offsets = lambda: {}
+        loop._call_timeout_s = 0.05
+        fresh = SilentGroupConsumer()
+        loop.consumer, loop.positions = consumer, {("in", 0): 12}
+        monkeypatch.setattr(loop, "_new_consumer", lambda: fresh)
+        loop._rewind()
+        return loop, fresh
+
+    # two metadata requests unanswered: three rounds of reads, then one more once it answers
+    old = SilentGroupConsumer(down=2)
+    loop, fresh = rewind(old)
+    assert old.closed and loop.consumer is fresh and fresh.reads == 0 and not old.seeks
+    assert old.reads == 3 * loop_mod._REWIND_TRIES + 1 and loop.positions == {}
+    assert any("starting a new consumer (reading committed offsets: Local: Timed out)"
+               in r.message for r in caplog.records), caplog.text
+
+    # the broker answers and so does the next read (the outage just ended): the same
+    # consumer goes back to the committed offset
+    old = SilentGroupConsumer(down=1, silent=2 * loop_mod._REWIND_TRIES)
+    loop, fresh = rewind(old)
+    assert loop.consumer is old and not old.closed and old.seeks == [("in", 0, 7)]
+
+
 def test_when_an_open_transaction_commits(monkeypatch):
     """commit_interval_s: at once when a poll finds nothing more (light load), at max_batch
     inputs, or once its first input is commit_interval_s old; None: every round."""
