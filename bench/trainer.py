@@ -35,7 +35,8 @@ sequence's prompt in its own pass: the trainer before real-model support), ``fp3
 (``fp32-shared`` with AdamW's for-loop, torch's default on a CPU and AstraFlow's before
 ``adam_impl: auto`` chose fused), ``bf16``
 (``--autocast bf16``), ``bf16-shared``, ``bf16w-shared`` (``--forward-dtype bf16``: the
-forward's weights held in bf16 themselves, no autocast), ``bf16-tokens`` (and
+forward's weights held in bf16 themselves, no autocast), ``bf16w-mb32`` (that, 32
+sequences per micro-batch: a batch of 4 groups of 8 in one pass), ``bf16-tokens`` (and
 ``--micro-batch-tokens``),
 ``bf16-ckpt`` (and ``--gradient-checkpointing``, which runs prompts per sequence),
 ``fp32-mb64`` and ``bf16-mb64`` (64 sequences per micro-batch, each prompt in its own
@@ -91,6 +92,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "bf16": {"autocast": "bf16", "micro_batch_size": 8, "share_prompt": False},
     "bf16-shared": {"autocast": "bf16", "micro_batch_size": 8},
     "bf16w-shared": {"forward_dtype": "bf16", "micro_batch_size": 8},
+    # the batch's 4 prompts x 8 samples in one shared-prompt pass: with bf16-held weights
+    # every pass adds its gradients into the fp32 masters, so fewer passes add fewer times
+    "bf16w-mb32": {"forward_dtype": "bf16", "micro_batch_size": 32},
     "bf16-tokens": {"autocast": "bf16", "micro_batch_tokens": 2048, "share_prompt": False},
     "bf16-ckpt": {"autocast": "bf16", "micro_batch_size": 8, "gradient_checkpointing": True},
     # the whole batch in one pass (a GPU: few, large kernels)
