@@ -208,6 +208,8 @@ NODE_FLAGS: tuple[Flag, ...] = (
     Flag("--session-timeout-ms", PoolSpec, "session_timeout_ms", "session_timeout_ms"),
     Flag("--speed", PoolSpec, "speed", "speed", metavar="F"),
     Flag("--no-follow-weights", PoolSpec, "follow_weights", "follow_weights", "off"),
+    Flag("--update-every-tokens", PoolSpec, "update_every_tokens", "update_every_tokens",
+         metavar="N"),
     Flag("--workflow-options", PoolSpec, "workflows", "workflows", "keyed_json",
          applied=False, metavar="NAME=JSON"),
     Flag("--engine", PoolSpec, "engine", "engine", applied=False, group="engine"),

@@ -184,6 +184,11 @@ class TrainerSpec(_Section):
     std_normalize: bool = Field(default=True, description="group advantages divided by "
                                 "the group's std (off: r - mean only)",
                                 json_schema_extra=_in("loss"))
+    group_unit: Literal["episode", "sequence"] = Field(
+        default="episode", description="what one member of a group's reward mean and std "
+        "is: episode (the sequences an agent episode was recorded as count once, each "
+        "with the episode's advantage) or sequence (every sequence counts); the same for "
+        "workflows whose sequences are each their own episode", json_schema_extra=_in("loss"))
     # compute
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1, ...)",
                         json_schema_extra=_in("compute"))
@@ -521,6 +526,10 @@ class PoolSpec(_Section):
                          "benches)")
     follow_weights: bool = Field(default=True, description="follow weights.<policy> (off: "
                                  "keep the initial weights)")
+    update_every_tokens: int = Field(
+        default=0, ge=0, description="apply a newer weight version inside a generation, "
+        "between chunks of this many tokens (fetched in the background; torch engine; each "
+        "token keeps the version that sampled it); 0: between generate calls only")
     # true: the pool's nodes join the run's one RaaS group on `tasks` with every other
     # sharing pool, so each task is rolled out once, by whichever pool takes it; false:
     # the pool has a group of its own and rolls out every task (a second engine's pass)

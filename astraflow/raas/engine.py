@@ -8,6 +8,17 @@ purpose so that other backends (vLLM, OpenAI-compatible servers) can plug in lat
 KV cache over a left-padded batch, and a prefix cache (``prefix_cache.py``) that keeps the
 keys and values of earlier calls' rows for prompts that continue them.
 
+In-flight weight updates (``TorchEngine.follow_inflight``): the engine generates in chunks
+of ``every`` tokens and between two chunks asks its ``InflightWeights`` source (the node's
+weight watcher) for a newer version that is already fetched; it loads it in place and the
+tokens sampled from then on carry the new version. The KV cache is kept across the swap:
+a token sampled after it comes from the new weights' logits, attending to keys and values
+of the earlier positions computed by the versions that generated them. Its recorded
+log-probability is that of the distribution it was actually sampled from, so the trainer's
+per-token ratio to the behaviour policy stays exact; recomputing the cache instead would
+cost a prefill of the whole sequence per update and per row (on a CPU, as much as the
+chunk it serves), for a behaviour policy the trainer never needs to name.
+
 Log-probabilities: for every sampled token the engine reports its log-probability under
 the distribution it was sampled from (``astraflow.models.sampling``): the softmax of
 ``logits / temperature``, renormalised over the top-p nucleus when ``top_p < 1``. The
@@ -20,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -110,6 +121,20 @@ class Generation:
     versions: list[int] = field(default_factory=list)
 
 
+# what an in-flight source hands a new version to: load(state, version)
+LoadWeights = Callable[[Mapping[str, torch.Tensor], int], None]
+
+
+class InflightWeights(Protocol):
+    """Where an engine finds a newer version between two chunks of a generation."""
+
+    def take_ready(self, current: int, load: LoadWeights) -> int | None:
+        """If a version newer than ``current`` is already fetched, call ``load(state,
+        version)`` and return the version; else return None at once: a generation never
+        waits on a download."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What workflows need from a policy engine."""
@@ -129,7 +154,9 @@ class Engine(Protocol):
     def eos_token_id(self) -> int | None: ...
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights; takes effect at the next generation, never inside one."""
+        """Swap in new weights; takes effect at the next generation, never inside one (an
+        engine with ``follow_inflight`` takes versions inside a generation from its source
+        only)."""
         ...
 
 
@@ -170,6 +197,19 @@ class TorchEngine(HFText):
         # peft's forward takes **kwargs and passes logits_to_keep on to the model's
         self._keep_logits = takes_logits_to_keep(
             self.model.get_base_model() if is_wrapped(self.model) else self.model)
+        # in-flight weight updates (follow_inflight): off until the node turns them on
+        self.inflight: InflightWeights | None = None
+        self.update_every_tokens = 0
+        self.inflight_updates = 0  # versions taken inside a generation
+
+    def follow_inflight(self, source: InflightWeights | None, every: int) -> None:
+        """Generate in chunks of ``every`` tokens and, between two, take a newer version
+        from ``source`` when one is ready (see the module docstring); ``every`` 0 or
+        ``source`` None: one version per generation."""
+        if every < 0:
+            raise ValueError(f"update_every_tokens {every}: must be >= 0 (0: off)")
+        self.inflight = source if every else None
+        self.update_every_tokens = every if source is not None else 0
 
     # --- weights ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -180,14 +220,23 @@ class TorchEngine(HFText):
         weights, or for a model with LoRA adapters (``astraflow.models.lora``) the adapter,
         in place."""
         with self._lock:
-            try:
-                with torch.no_grad():
-                    load_published(self.model, state)
-            except ValueError as e:
-                raise ValueError(f"{self.policy}: version {version}: {e}") from None
-            self.version = version
-            if self.prefix_cache is not None:
-                self.prefix_cache.clear(version)
+            self._load(state, version)
+
+    def _load(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """``load_state_dict`` with the lock held (by it, or by a running generation)."""
+        try:
+            with torch.no_grad():
+                load_published(self.model, state)
+        except ValueError as e:
+            raise ValueError(f"{self.policy}: version {version}: {e}") from None
+        self.version = version
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear(version)
+
+    def _load_inflight(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """What ``InflightWeights.take_ready`` calls between chunks (the lock is held)."""
+        self._load(state, version)
+        self.inflight_updates += 1
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
@@ -227,6 +276,7 @@ class TorchEngine(HFText):
         b = len(gens)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
         cache, logits, last_pos, mask, prompt_mask = self._prefill(prompts, params.n)
+        start_version, every = version, self.update_every_tokens
         for step in range(params.max_new_tokens):
             tok, lp = _pick(logits, params.temperature, params.top_p,
                             gen if isinstance(gen, torch.Generator) else gen[:, step])
@@ -236,6 +286,11 @@ class TorchEngine(HFText):
                 done[newly_done] = True
             if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
+            if every and (step + 1) % every == 0 and self.inflight is not None:
+                # a chunk ends: the next token's logits come from the newer weights, if any
+                newer = self.inflight.take_ready(version, self._load_inflight)
+                if newer is not None:
+                    version = newer
             feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
             last_pos = last_pos + 1
@@ -251,7 +306,9 @@ class TorchEngine(HFText):
         for g in gens:
             if g.finish_reason != "stop":
                 g.finish_reason = "length"
-        if self.prefix_cache is not None:
+        # rows whose keys came from several versions are not kept: the cache holds one
+        # version's keys (the new version's was cleared and stays empty)
+        if self.prefix_cache is not None and version == start_version:
             self._keep_prefixes(cache, prompt_mask, gens, params.n)
 
     def _prefill(self, prompts: list[list[int]], n: int):
@@ -411,5 +468,5 @@ def load_torch_engine(
                        prefix_cache_bytes=prefix_cache_bytes)
 
 
-__all__ = ["Engine", "Generation", "SamplingParams", "TorchEngine", "load_torch_engine",
-           "sample_seed"]
+__all__ = ["Engine", "Generation", "InflightWeights", "LoadWeights", "SamplingParams",
+           "TorchEngine", "load_torch_engine", "sample_seed"]

@@ -62,6 +62,9 @@ class NodeOptions:
     session_timeout_ms: int = _POOL.session_timeout_ms
     max_poll_interval_ms: int = 600_000  # longest rollout batch before the group evicts us
     follow_weights: bool = _POOL.follow_weights
+    # > 0: a newer version is applied inside a generation, between chunks of this many
+    # tokens (engines with follow_inflight; fetched by a prefetch thread)
+    update_every_tokens: int = _POOL.update_every_tokens
     speed: float = _POOL.speed  # < 1: pause (1/speed - 1) x each rollout batch's duration
     weights_catchup_s: float = 10.0
     workflow_options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -69,6 +72,9 @@ class NodeOptions:
     def __post_init__(self) -> None:
         if not 0 < self.speed <= 1:
             raise ValueError(f"speed {self.speed}: must be above 0 and at most 1")
+        if self.update_every_tokens < 0:
+            raise ValueError(f"update_every_tokens {self.update_every_tokens}: must be >= 0 "
+                             "(0: off)")
 
     @classmethod
     def from_settings(cls, settings: NodeSettings, instance: str | None = None) -> NodeOptions:
@@ -79,6 +85,7 @@ class NodeOptions:
                    tasks_per_transaction=spec.tasks_per_transaction,
                    session_timeout_ms=spec.session_timeout_ms,
                    follow_weights=spec.follow_weights, speed=spec.speed,
+                   update_every_tokens=spec.update_every_tokens,
                    workflow_options={k: dict(v) for k, v in settings.workflow_options.items()})
 
 
@@ -165,7 +172,26 @@ class RaaSNode:
                                     verifier=self.verifier)
             watcher.catch_up(self.options.weights_catchup_s)
             self._watchers[policy] = watcher
+            self._follow_inflight(policy, engine, watcher)
             self.engines[policy] = FollowingEngine(engine, watcher)  # type: ignore[assignment]
+
+    def _follow_inflight(self, policy: str, engine: Engine, watcher: WeightWatcher) -> None:
+        """With ``update_every_tokens``: the engine takes newer versions between chunks of
+        a generation, which the watcher fetches in the background; an engine that cannot
+        (no ``follow_inflight``) keeps updating between generate calls, and says so."""
+        every = self.options.update_every_tokens
+        if not every:
+            return
+        follow = getattr(engine, "follow_inflight", None)
+        if not callable(follow):
+            log.warning("%s: policy %s: the %s applies new weights between generate calls "
+                        "only; update_every_tokens %d has no effect on it", self.component_id,
+                        policy, type(engine).__name__, every)
+            return
+        follow(watcher, every)
+        watcher.start_prefetch()
+        log.info("%s: policy %s takes new weights every %d tokens inside a generation",
+                 self.component_id, policy, every)
 
     def refresh_weights(self, cp: Checkpoint | None = None) -> None:
         """Bring every engine to its newest trusted version; manifests refused since the
@@ -342,6 +368,11 @@ class RaaSNode:
             "rollout/tokens_per_s": gen_tokens / seconds if seconds > 0 else 0.0,
             "rollout/min_version": float(min(gen_versions, default=-1)),
             "rollout/max_version": float(max(gen_versions, default=-1)),
+            # the most versions one sequence's tokens span (> 0: updated inside a generation
+            # or between an episode's calls)
+            "rollout/version_span_max": float(max(
+                (s.max_version - s.min_version for s in seqs if s.min_version >= 0),
+                default=0)),
         }
         # per-policy rewards of a multi-policy group, and the workflow's own figures
         # (e.g. verify/*): in the group, and averaged since the last status on `status`
@@ -398,6 +429,9 @@ class RaaSNode:
             "raas/gen_tokens": float(c.gen_tokens),
             "raas/gen_tokens_per_s": c.gen_tokens / gen_s if gen_s > 0 else 0.0,
             "raas/weight_updates": float(sum(w.updates for w in self._watchers.values())),
+            # of those, the versions taken between two chunks of a generation
+            "raas/weight_updates_inflight": float(
+                sum(w.inflight_updates for w in self._watchers.values())),
             # seconds spent bringing the engines to new versions (blobs fetched over Kafka,
             # deltas applied, engine reloaded), in all and the latest update's
             "raas/weight_sync_s": sum(w.update_s for w in self._watchers.values()),
