@@ -1,4 +1,10 @@
-"""Drops trajectories generated with weights too far behind the latest published version."""
+"""Drops trajectories generated with weights too far behind the latest published version.
+
+A sequence's tokens may come from several versions (a node that takes new weights between
+an episode's calls or between chunks of one generation records each token's version): the
+bound is judged on the oldest token, so it holds for every token trained; how old the
+tokens are one by one is reported as ``staleness/token_lag_mean`` and ``_max``.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +33,17 @@ def staleness(group: TrajectoryGroup, versions: VersionSource) -> int:
     return worst
 
 
+def token_lags(group: TrajectoryGroup, versions: VersionSource) -> list[int]:
+    """Versions between each generated token of ``group`` and its policy's latest (tokens
+    of a policy with no version published yet are left out)."""
+    lags = []
+    for seq in group.sequences:
+        latest = versions.latest(seq.policy)
+        if latest is not None:
+            lags.extend(latest - v for v in seq.versions if v >= 0)
+    return lags
+
+
 class StalenessFilter(Processor):
     """Passes a group unless its oldest token is more than ``max_staleness`` versions old."""
 
@@ -39,6 +56,9 @@ class StalenessFilter(Processor):
         self.passed = 0
         self.dropped = 0
         self.max_seen = 0
+        self.tokens_seen = 0  # generated tokens of the groups judged, and their lags
+        self.token_lag_sum = 0
+        self.token_lag_max = 0
 
     def open(self, context: ProcessorContext) -> None:
         if self.versions is None:
@@ -59,6 +79,10 @@ class StalenessFilter(Processor):
         self.versions.refresh()
         lag = staleness(msg.record, self.versions)
         observe_staleness(lag)
+        lags = token_lags(msg.record, self.versions)
+        self.tokens_seen += len(lags)
+        self.token_lag_sum += sum(lags)
+        self.token_lag_max = max(self.token_lag_max, *lags) if lags else self.token_lag_max
         self.max_seen = max(self.max_seen, lag)
         if lag > self.options.max_staleness:
             self.dropped += 1
@@ -71,4 +95,7 @@ class StalenessFilter(Processor):
 
     def metrics(self) -> dict[str, float]:
         return {"staleness/passed": float(self.passed), "staleness/dropped": float(self.dropped),
-                "staleness/max_seen": float(self.max_seen)}
+                "staleness/max_seen": float(self.max_seen),
+                "staleness/token_lag_mean": (self.token_lag_sum / self.tokens_seen
+                                             if self.tokens_seen else 0.0),
+                "staleness/token_lag_max": float(self.token_lag_max)}
