@@ -198,14 +198,30 @@ class CodeTestsOptions(SamplingOptions):
 
 
 class AgentLimitsOptions(_Options):
-    """An agent command's resource limits (``prlimit``); unset: none."""
+    """An agent command's jail (``astraflow.raas.agent.jail``) and its resource limits,
+    set before it starts; unset limits: none."""
 
     cpu_s: float | None = Field(default=None, gt=0)
     mem_mb: int | None = Field(default=None, ge=1)
-    max_procs: int | None = Field(default=None, ge=1)
+    max_procs: int | None = Field(default=None, ge=1, description="tasks, threads included")
     network: bool | None = Field(
-        default=None, description="false: a network namespace that reaches nothing but the "
-        "endpoint (unshare -r -n); unset: the node's network")
+        default=None, description="true: the node's network; unset or false: a network "
+        "namespace that reaches nothing but the endpoint")
+    isolate: bool | None = Field(
+        default=None, description="default true: its own PID, mount and network namespaces "
+        "and uid; false: the node's user and files (trusted programs only)")
+
+
+class AgentEndpointOptions(_Options):
+    """What one call and one episode may ask of the node's endpoint
+    (``astraflow.raas.agent.server.EndpointLimits``)."""
+
+    max_body_mb: float | None = Field(default=None, gt=0, description="default 8")
+    max_n: int | None = Field(default=None, ge=1, description="default 16")
+    max_tokens: int | None = Field(default=None, ge=1, description="default 4096")
+    max_calls: int | None = Field(default=None, ge=1, description="concurrent calls of an "
+                                  "episode, default 8")
+    max_connections: int | None = Field(default=None, ge=1, description="default 256")
 
 
 class AgentOptions(SamplingOptions):
@@ -218,8 +234,16 @@ class AgentOptions(SamplingOptions):
     timeout_s: float | None = Field(default=None, gt=0, description="default 120")
     attempts: int | None = Field(default=None, ge=1, description="default 2")
     reward: str | dict[str, Any] | None = Field(
-        default=None, description="scores the program's answer when it gives no reward")
+        default=None, description="scores the last assistant message of an untrusted "
+        "program's episode (needed then), a trusted one's answer when it gives no reward")
+    trusted: bool | None = Field(
+        default=None, description="default false; true: the program sees the whole payload "
+        "and the reward it reports for its episode counts")
+    show: list[str] | None = Field(
+        default=None, description="the payload keys an untrusted program gets, default "
+        "prompt, messages, tools")
     limits: AgentLimitsOptions | None = None
+    endpoint: AgentEndpointOptions | None = None
     env: dict[str, str] | None = None
 
     @field_validator("reward")

@@ -12,7 +12,14 @@ program knowing about AstraFlow:
   ``logprobs`` to get each token's log-probability back;
 - ``GET /v1/models``: the policies;
 - ``POST /ep/<id>/reward`` (or ``/v1/reward``): ``{"reward": x}`` or ``{"rewards":
-  {policy: x}}`` ends the episode with that reward.
+  {policy: x}}`` ends the episode with that reward, for a trusted program only (403
+  otherwise: the episode goes on, scored by the workflow).
+
+A command's episode answers only calls that carry its key (``Authorization: Bearer``, what
+the ``openai`` client sends from ``OPENAI_API_KEY``): knowing another episode's URL opens
+nothing. ``EndpointLimits`` bound a call's body, ``n`` and ``max_tokens``, an episode's
+concurrent calls and the endpoint's connections; a call past one gets a 4xx naming the
+limit and (but for the connection limit) ends its episode with the reason.
 
 Answers come from the node's engines (torch, vLLM): concurrent requests to one engine
 share its ``generate`` calls (``astraflow.raas.agent.batching``); every request is recorded
@@ -23,8 +30,10 @@ reason; a request to an episode that has ended gets 410.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -42,6 +51,7 @@ from astraflow.raas.agent.chat import (
     parse_tool_calls,
     render,
 )
+from astraflow.raas.agent.program import Access
 from astraflow.raas.agent.trajectory import EpisodeTrajectory
 from astraflow.raas.engine import Engine, Generation, SamplingParams
 from astraflow.raas.workflows.inputs import engine_tokenizer
@@ -51,6 +61,27 @@ log = logging.getLogger("astraflow.raas.agent")
 
 class EpisodeEnded(Exception):
     """A request to an episode that has ended."""
+
+
+@dataclass(frozen=True)
+class EndpointLimits:
+    """What one call and one episode may ask of the endpoint (the workflow's
+    ``endpoint:`` settings)."""
+
+    max_body_mb: float = 8.0  # a request's body
+    max_n: int = 16  # choices per call
+    max_tokens: int = 4096  # tokens a call may ask to generate
+    max_calls: int = 8  # calls of one episode at once
+    max_connections: int = 256  # connections the endpoint serves at once (others: 503)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_mb", "max_n", "max_tokens", "max_calls", "max_connections"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"agent endpoint.{name} must be positive")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
 
 
 @dataclass
@@ -70,6 +101,11 @@ class Episode:
     # an episode repeats, and the episodes of a task differ (key: task, sample, attempt)
     key: str = ""
     requests: int = 0
+    # the key every call must carry (None: none, for a function in the node's process)
+    api_key: str | None = None
+    trusted: bool = False  # may post its reward
+    limits: EndpointLimits = field(default_factory=EndpointLimits)
+    active: int = 0  # calls being answered now
     # how a request reaches an engine (the server's Coalescer of it); None: directly
     coalescers: Mapping[str, Coalescer] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -91,11 +127,13 @@ class Episode:
 
 
 class CallError(Exception):
-    """A request the endpoint refuses: its HTTP status and message."""
+    """A request the endpoint refuses: its HTTP status and message, and whether it ends
+    the episode (a malformed call or a limit does; a refused reward does not)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, ends_episode: bool = True):
         super().__init__(message)
         self.status = status
+        self.ends_episode = ends_episode
 
 
 def _sampling(ep: Episode, body: Mapping[str, Any], engine: Engine) -> SamplingParams:
@@ -109,10 +147,21 @@ def _sampling(ep: Episode, body: Mapping[str, Any], engine: Engine) -> SamplingP
         ep.requests += 1
         key = f"{ep.key or ep.id}:{ep.requests}"
     try:
+        n = int(body["n"]) if body.get("n") is not None else 1
+        new_tokens = int(max_tokens if max_tokens is not None
+                         else d.get("max_new_tokens", 256))
+    except (TypeError, ValueError) as e:
+        raise CallError(400, f"bad sampling parameter: {e}") from None
+    lim = ep.limits
+    if not 1 <= n <= lim.max_n:
+        raise CallError(400, f"limit: n={n} is outside 1..{lim.max_n} (endpoint.max_n)")
+    if not 1 <= new_tokens <= lim.max_tokens:
+        raise CallError(400, f"limit: max_tokens={new_tokens} is outside "
+                             f"1..{lim.max_tokens} (endpoint.max_tokens)")
+    try:
         return SamplingParams(
-            n=int(body.get("n") or 1),
-            max_new_tokens=int(max_tokens if max_tokens is not None
-                               else d.get("max_new_tokens", 256)),
+            n=n,
+            max_new_tokens=new_tokens,
             temperature=float(body["temperature"] if body.get("temperature") is not None
                               else d.get("temperature", 1.0)),
             top_p=float(body["top_p"] if body.get("top_p") is not None
@@ -215,7 +264,12 @@ def _usage(prompt: list[int], gens: list) -> dict[str, int]:
 
 
 def take_reward(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
-    """``/reward``: ends the episode with its reward (one number, or one per policy)."""
+    """``/reward``: ends a trusted program's episode with its reward (one number, or one
+    per policy); refused, the episode going on, for any other."""
+    if not ep.trusted:
+        raise CallError(403, "this program is not trusted to report its reward (the "
+                             "workflow's trusted: false): the workflow scores the episode",
+                        ends_episode=False)
     if isinstance(body.get("rewards"), Mapping):
         rewards = body["rewards"]
         bad = [p for p, r in rewards.items() if p not in ep.engines
@@ -237,9 +291,11 @@ class AgentServer:
     """The endpoint of one node (module docstring): a threading HTTP server on
     127.0.0.1 (``port`` 0: a free one), episodes registered by id."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, window_s: float = 0.005):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, window_s: float = 0.005,
+                 limits: EndpointLimits | None = None):
         self.episodes: dict[str, Episode] = {}
         self.window_s = window_s  # how long a request waits for others to share its call
+        self.limits = limits or EndpointLimits()
         self._coalescers: dict[int, Coalescer] = {}  # by engine
         self._lock = threading.Lock()
         server = self
@@ -247,7 +303,7 @@ class AgentServer:
         class Handler(_Handler):
             agent = server
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = _BoundedHTTPServer((host, port), Handler, self.limits.max_connections)
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
@@ -256,9 +312,12 @@ class AgentServer:
         log.info("agent endpoint on http://%s:%d", self.host, self.port)
 
     def open(self, engines: dict[str, Engine], sample_index: int,
-             defaults: Mapping[str, Any] | None = None, key: str = "") -> Episode:
+             defaults: Mapping[str, Any] | None = None, key: str = "", *,
+             keyed: bool = False, trusted: bool = False) -> Episode:
         """A new episode (sample ``sample_index`` of its task; ``key`` names it in seeded
-        sampling) served by ``engines`` with the sampling ``defaults``."""
+        sampling) served by ``engines`` with the sampling ``defaults``; ``keyed``: its
+        calls must carry a key of its own (``access``); ``trusted``: it may post its
+        reward."""
         with self._lock:
             coalescers = {p: self._coalescers.setdefault(id(e), Coalescer(e, self.window_s))
                           for p, e in engines.items()}
@@ -266,7 +325,8 @@ class AgentServer:
                 c.episodes += 1
         ep = Episode(id=uuid.uuid4().hex, engines=dict(engines),
                      trajectory=EpisodeTrajectory(sample_index), defaults=dict(defaults or {}),
-                     key=key, coalescers=coalescers)
+                     key=key, coalescers=coalescers, trusted=trusted, limits=self.limits,
+                     api_key=secrets.token_urlsafe(32) if keyed else None)
         with self._lock:
             self.episodes[ep.id] = ep
         return ep
@@ -277,6 +337,19 @@ class AgentServer:
 
     def reward_url(self, ep: Episode) -> str:
         return f"http://{self.host}:{self.port}/ep/{ep.id}/reward"
+
+    def access(self, ep: Episode) -> Access:
+        """What ``ep``'s program is given: its URL, its key, its reward URL if trusted."""
+        return Access(self.base_url(ep), ep.api_key,
+                      self.reward_url(ep) if ep.trusted else None)
+
+    def episode_of(self, path: str) -> Episode | None:
+        """The open episode a request path names, if any."""
+        parts = [p for p in path.split("?")[0].split("/") if p]
+        if len(parts) < 2 or parts[0] != "ep":
+            return None
+        with self._lock:
+            return self.episodes.get(parts[1])
 
     def close(self, ep: Episode) -> None:
         """End ``ep`` (if it has not) and forget it: later requests get 410."""
@@ -290,14 +363,21 @@ class AgentServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        for c in set(self._coalescers.values()):
+            c.close()
 
-    def handle(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
-        """One request: ``(status, JSON body)``. No HTTP here (unit-testable)."""
+    def handle(self, method: str, path: str, body: Any,
+               auth: str | None = None) -> tuple[int, dict[str, Any]]:
+        """One request (``auth``: its Authorization header): ``(status, JSON body)``. No
+        HTTP here (unit-testable)."""
         parts = [p for p in path.split("?")[0].split("/") if p]
         if len(parts) < 3 or parts[0] != "ep":
             return 404, _error(f"no such path {path}: requests go to /ep/<episode>/v1/...")
         with self._lock:
             ep = self.episodes.get(parts[1])
+        if ep is not None and ep.api_key is not None and not hmac.compare_digest(
+                (auth or "").encode(), f"Bearer {ep.api_key}".encode()):
+            return 401, _error("this episode's key is missing or wrong (OPENAI_API_KEY)")
         if ep is None or ep.ended:
             return 410, _error(f"episode {parts[1]} has ended")
         route = "/".join(parts[2:])
@@ -309,12 +389,19 @@ class AgentServer:
         if fn is None:
             return 404, _error(f"{method} {route}: not served (chat/completions, "
                                "completions, models, reward)")
+        with ep.lock:
+            ep.active += 1
+            crowded = ep.active > ep.limits.max_calls
         try:
+            if crowded:
+                raise CallError(429, f"limit: more than {ep.limits.max_calls} calls of one "
+                                     "episode at once (endpoint.max_calls)")
             if method == "POST" and not isinstance(body, Mapping):
                 raise CallError(400, "the body must be a JSON object")
             return 200, fn(ep, body)
         except CallError as e:
-            ep.fail(f"malformed call to {route}: {e}")
+            if e.ends_episode:
+                ep.fail(f"malformed call to {route}: {e}")
             return e.status, _error(str(e))
         except EpisodeEnded:
             return 410, _error(f"episode {ep.id} has ended")
@@ -322,6 +409,50 @@ class AgentServer:
             log.exception("agent endpoint: %s failed", route)
             ep.fail(f"{route} failed: {type(e).__name__}: {e}")
             return 500, _error(f"{type(e).__name__}: {e}")
+        finally:
+            with ep.lock:
+                ep.active -= 1
+
+    def refuse_body(self, path: str, size: int) -> tuple[int, dict[str, Any]]:
+        """A body over ``max_body_mb``, refused unread: its episode ends with the reason."""
+        message = (f"limit: a body of {size} bytes is over {self.limits.max_body_bytes} "
+                   "(endpoint.max_body_mb)")
+        ep = self.episode_of(path)
+        if ep is not None:
+            ep.fail(f"malformed call: {message}")
+        return 413, _error(message)
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most ``limit`` connections at once; one
+    more gets a 503 and is closed, without a thread."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, limit: int):
+        self._slots = threading.BoundedSemaphore(limit)
+        self.limit = limit
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps(_error(f"limit: the endpoint serves {self.limit} connections "
+                                     "at once (endpoint.max_connections)")).encode()
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                                b"application/json\r\nConnection: close\r\n"
+                                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _models(ep: Episode) -> dict[str, Any]:
@@ -336,6 +467,7 @@ def _error(message: str) -> dict[str, Any]:
 class _Handler(BaseHTTPRequestHandler):
     agent: AgentServer
     protocol_version = "HTTP/1.1"
+    timeout = 120  # a connection that sends nothing for this long is closed
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -346,21 +478,35 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self._reply(*self.agent.handle("GET", self.path, None))
+        self._reply(*self.agent.handle("GET", self.path, None,
+                                       self.headers.get("Authorization")))
 
     def do_POST(self) -> None:  # noqa: N802
-        n = int(self.headers.get("Content-Length") or 0)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if n < 0 or "Transfer-Encoding" in self.headers:
+            self.close_connection = True
+            self._reply(411, _error("a body needs a Content-Length"))
+            return
+        if n > self.agent.limits.max_body_bytes:
+            self.close_connection = True  # the body stays unread
+            self._reply(*self.agent.refuse_body(self.path, n))
+            return
         raw = self.rfile.read(n) if n else b""
         try:
             body = json.loads(raw) if raw else {}
         except json.JSONDecodeError as e:
             body = None
             log.debug("agent endpoint: a body that is not JSON: %s", e)
-        self._reply(*self.agent.handle("POST", self.path, body))
+        self._reply(*self.agent.handle("POST", self.path, body,
+                                       self.headers.get("Authorization")))
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's
         log.debug("agent endpoint: " + format, *args)
 
 
-__all__ = ["AgentServer", "CallError", "Episode", "EpisodeEnded", "chat_completion",
+__all__ = ["AgentServer", "CallError", "EndpointLimits", "Episode", "EpisodeEnded",
+           "chat_completion",
            "completion", "take_reward"]

@@ -1,25 +1,35 @@
 """``agent``: any agent program as a rollout workflow (``astraflow.raas.agent``).
 
 For each task the node runs ``n`` episodes of the user's program at once, each with the
-task's payload and its own OpenAI base URL on the node's endpoint; every request the
-program makes is answered by the node's engines (``model``: the policy) and recorded token
-for token. An episode's reward is what the program returns or posts (``{"reward": x}``, or
-``{"rewards": {policy: x}}`` for a program that drives several policies), else the
-workflow's ``reward`` function on the program's ``answer`` (or the last assistant text).
-Each sequence of an episode gets its policy's reward; the ``n`` episodes' sequences form
-the task's ``TrajectoryGroup``, trained like any other workflow's.
+task as the model is to be shown it and its own OpenAI base URL and key on the node's
+endpoint; every request the program makes is answered by the node's engines (``model``:
+the policy) and recorded token for token. The ``n`` episodes' sequences form the task's
+``TrajectoryGroup``, trained like any other workflow's.
 
-An episode that times out, crashes, makes a malformed call, makes no call or ends without
-a reward is run again, up to ``attempts`` times in all; a task with an episode that still
-fails goes to the dead-letter topic with the reasons, and the node goes on. The failures
-of attempts that were retried are counted in the group's metrics
-(``agent/failed_attempts``, by kind).
+**Who decides the reward.** A command is untrusted by default: what it does is steered by
+model output, so it gets only the payload keys named in ``show`` (``prompt``, ``messages``,
+``tools``: never the reference answer, tests or hidden fields), and its episode's reward is
+the workflow's ``reward`` on what the model sampled: the last assistant message the
+endpoint returned. A reward the program prints, returns or posts is ignored (counted in
+``agent/ignored_rewards``). With ``trusted: true`` the program is harness code the
+topology vouches for: it gets the whole payload and ``ASTRAFLOW_REWARD_URL``, and the
+reward it reports for its own episode wins (``{"reward": x}``, or ``{"rewards": {policy:
+x}}`` for a program that drives several policies), else the workflow's reward function on
+its ``answer``. A ``function`` program runs inside the node and is trusted by definition.
+
+An episode that times out, crashes, makes a malformed call or one past the endpoint's
+limits, makes no call or ends without a reward is run again, up to ``attempts`` times in
+all; a task with an episode that still fails goes to the dead-letter topic with the
+reasons, and the node goes on. The failures of attempts that were retried are counted in
+the group's metrics (``agent/failed_attempts``, by kind).
 
 Options: ``command`` (a list, or a string split as a shell would; ``python`` means the
 node's interpreter) or ``function`` (``"package.module:function"``), ``timeout_s`` (120),
-``attempts`` (2), ``reward`` (a reward spec of ``astraflow.tasks.rewards``), ``limits``
-(``{cpu_s, mem_mb, max_procs}`` for a command), ``env`` (more environment for a command),
-and the sampling options every workflow takes, the defaults of a request that sets none
+``attempts`` (2), ``reward`` (a reward spec of ``astraflow.tasks.rewards``; needed for an
+untrusted program), ``trusted`` (false), ``show`` (the payload keys an untrusted program
+gets), ``limits`` (``{cpu_s, mem_mb, max_procs, network, isolate}`` for a command's jail),
+``endpoint`` (``EndpointLimits``), ``env`` (more environment for a command), and the
+sampling options every workflow takes, the defaults of a request that sets none
 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
 """
 
@@ -31,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from astraflow.raas.agent.program import AgentProgram, Outcome
-from astraflow.raas.agent.server import AgentServer, Episode
+from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker, TaskError
 from astraflow.raas.workflows.inputs import parse_payload
@@ -40,6 +50,7 @@ from astraflow.raas.workflows.scoring import Scorer
 from astraflow.wire.records import Sequence, Task
 
 FAILURE_KINDS = ("timeout", "exit", "malformed", "no_request", "no_reward", "other")
+SHOWN = ("prompt", "messages", "tools")  # what an untrusted program gets of a payload
 
 
 @register_workflow("agent")
@@ -51,14 +62,24 @@ class AgentWorkflow:
     def __init__(self, command: str | list[str] | None = None, function: str | None = None,
                  timeout_s: float = 120.0, attempts: int = 2, reward: Any = None,
                  checker: Checker | None = None, limits: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, **sampling: Any):
+                 env: dict[str, str] | None = None, trusted: bool = False,
+                 show: list[str] | tuple[str, ...] = SHOWN,
+                 endpoint: dict[str, Any] | None = None, **sampling: Any):
         if timeout_s <= 0 or attempts < 1:
             raise ValueError("agent: timeout_s must be positive and attempts at least 1")
         self.program = AgentProgram.from_options(command, function, limits, env)
         self.program.resolve()  # a function that does not import fails at start
+        self.trusted = bool(trusted) or function is not None  # a function is the node's
+        self.show = tuple(str(k) for k in show)
         self.timeout_s = float(timeout_s)
         self.attempts = int(attempts)
         self.score = Scorer(reward, checker) if reward is not None or checker else None
+        if not self.trusted and self.score is None:
+            raise ValueError("agent reward: an untrusted program's episodes are scored by the "
+                             "workflow's reward; set reward: (e.g. exact_match), or trusted: "
+                             "true for a program whose own reward is to be used")
+        self.endpoint = EndpointLimits(**{k: v for k, v in dict(endpoint or {}).items()
+                                          if v is not None})
         self.defaults = {k: v for k, v in sampling.items() if v is not None}
         self._server: AgentServer | None = None
         self._server_lock = threading.Lock()
@@ -69,7 +90,7 @@ class AgentWorkflow:
         start together: one endpoint for all of them)."""
         with self._server_lock:
             if self._server is None:
-                self._server = AgentServer()
+                self._server = AgentServer(limits=self.endpoint)
             return self._server
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
@@ -93,6 +114,8 @@ class AgentWorkflow:
         turns = [float(s.meta.get("turns", "1")) for s in seqs]
         return {"agent/failed_attempts": float(sum(int(m.get("episode_attempt", "0"))
                                                    for m in episodes.values())),
+                "agent/ignored_rewards": float(sum(m.get("ignored_reward") == "1"
+                                                   for m in episodes.values())),
                 **{f"agent/failed/{k}": float(sum(_kind(r) == k for r in reasons))
                    for k in FAILURE_KINDS},
                 "agent/sequences_per_episode": len(seqs) / max(len(episodes), 1),
@@ -104,17 +127,20 @@ class AgentWorkflow:
         the attempts that failed."""
         reasons: list[str] = []
         server = self.server
+        shown = payload if self.trusted else {k: payload[k] for k in self.show if k in payload}
         for attempt in range(self.attempts):
-            ep = server.open(engines, j, self.defaults, key=f"{task_id}:{j}:{attempt}")
+            ep = server.open(engines, j, self.defaults, key=f"{task_id}:{j}:{attempt}",
+                             keyed=self.program.command is not None, trusted=self.trusted)
             try:
-                outcome = self.program.run(payload, server.base_url(ep),
-                                           server.reward_url(ep), self.timeout_s)
+                outcome = self.program.run(shown, server.access(ep), self.timeout_s)
             finally:
                 server.close(ep)
             reward, reason = self._ended(ep, outcome, payload)
             if reason is None:
                 meta = {"episode_attempt": str(attempt),
                         "episode_requests": str(ep.trajectory.stats.requests)}
+                if not self.trusted and _reports_reward(outcome.result):
+                    meta["ignored_reward"] = "1"
                 if reasons:  # each reason cut short: a meta value stays small
                     meta["agent_failures"] = " | ".join(_shorten(r) for r in reasons)
                 return ep.trajectory.build(reward, meta), reasons
@@ -130,6 +156,9 @@ class AgentWorkflow:
             return None, outcome.error
         if not ep.trajectory.sequences:
             return None, "no_request: the program made no call to the endpoint"
+        if not self.trusted:  # what the model sampled, scored by the workflow alone
+            assert self.score is not None
+            return self.score(ep.last_answer, payload), None
         result = outcome.result
         if isinstance(result, dict) and isinstance(result.get("rewards"), dict):
             return {str(k): float(v) for k, v in result["rewards"].items()}, None
@@ -145,6 +174,13 @@ class AgentWorkflow:
                               payload), None
         return None, ("no_reward: the program returned no reward, posted none, and the "
                       "workflow has no reward function")
+
+
+def _reports_reward(result: Any) -> bool:
+    """Whether a program's result claims a reward (ignored unless it is trusted)."""
+    if isinstance(result, dict):
+        return "reward" in result or "rewards" in result
+    return isinstance(result, int | float) and not isinstance(result, bool)
 
 
 def _shorten(reason: str, n: int = 240) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from astraflow.models.chat import ChatFormat
 from astraflow.raas.agent.chat import MessageError, check_messages, parse_tool_calls, render
-from astraflow.raas.agent.program import AgentProgram, Limits
+from astraflow.raas.agent.program import Access, AgentProgram, Limits
 from astraflow.raas.agent.server import AgentServer
 from astraflow.raas.agent.trajectory import EpisodeTrajectory
 from astraflow.raas.engine import Generation, SamplingParams
@@ -184,20 +184,30 @@ def test_the_openai_client_gets_answers_and_every_token_is_what_the_engine_sampl
         client.models.list()
 
 
-def test_the_reward_call_ends_an_episode_and_checks_its_body(engine, server):
+def test_the_reward_call_ends_a_trusted_episode_and_checks_its_body(engine, server):
     assert server.handle("GET", "/nowhere", None)[0] == 404
-    ep = server.open({"actor": engine}, 0)
+    ep = server.open({"actor": engine}, 0, trusted=True)
     assert server.handle("POST", f"/ep/{ep.id}/reward", {"rewards": {"other": 1}})[0] == 400
     assert "not a served policy" in ep.failure
-    ep = server.open({"actor": engine}, 0)
+    ep = server.open({"actor": engine}, 0, trusted=True)
     assert server.handle("POST", f"/ep/{ep.id}/reward", {"reward": 0.75}) == (200, {"ok": True})
     assert ep.reward == 0.75 and ep.ended and ep.failure is None
+    # an untrusted program's reward is refused, and its episode goes on
+    ep = server.open({"actor": engine}, 0)
+    status, body = server.handle("POST", f"/ep/{ep.id}/reward", {"reward": 1})
+    assert status == 403 and "not trusted" in body["error"]["message"]
+    assert ep.reward is None and not ep.ended and ep.failure is None
+    assert server.access(ep).reward_url is None
 
 
 # --- programs --------------------------------------------------------------------------------
 def _script(tmp_path: Path, body: str) -> tuple[str, ...]:
-    path = tmp_path / "agent.py"
+    """A program's file, readable by the uid a root node runs it as (pytest's own
+    directories are the node's alone)."""
+    (tmp_path / "agent").mkdir(mode=0o755, exist_ok=True)
+    path = tmp_path / "agent" / "agent.py"
     path.write_text(textwrap.dedent(body))
+    path.chmod(0o644)
     return (sys.executable, str(path))
 
 
@@ -209,18 +219,18 @@ def test_a_command_gets_the_task_and_url_and_its_outcomes_are_told_apart(tmp_pat
         print("thinking...")
         print(json.dumps({"answer": task["answer"], "url": os.environ["OPENAI_BASE_URL"]}))
     """))
-    out = ok.run({"prompt": "1+1=", "answer": "2"}, "http://h/v1", "http://h/r", 30)
+    out = ok.run({"prompt": "1+1=", "answer": "2"}, Access("http://h/v1"), 30)
     assert out.error is None and out.result == {"answer": "2", "url": "http://h/v1"}
     crash = AgentProgram(command=_script(tmp_path, "import sys; sys.exit('bad things')"))
-    out = crash.run({}, "u", "r", 30)
+    out = crash.run({}, Access("u"), 30)
     assert out.error.startswith("exit code 1: bad things")
     slow = AgentProgram(command=_script(tmp_path, "import time; time.sleep(30)"))
-    assert slow.run({}, "u", "r", 0.5).error == "timeout: still running after 0.5 s"
-    assert AgentProgram(command=("/no/such/program",)).run({}, "u", "r", 5).error.startswith(
-        "cannot start")
+    assert slow.run({}, Access("u"), 0.5).error == "timeout: still running after 0.5 s"
+    out = AgentProgram(command=("/no/such/program",)).run({}, Access("u"), 5)
+    assert out.error.startswith("exit code 127") and "/no/such/program" in out.error
     hog = AgentProgram(command=_script(tmp_path, "import time; time.sleep(0.5); "
                                        "x = bytearray(2 * 2**30)"), limits=Limits(mem_mb=400))
-    assert "MemoryError" in hog.run({}, "u", "r", 30).error
+    assert "MemoryError" in hog.run({}, Access("u"), 30).error
     with pytest.raises(ValueError, match="one of them"):
         AgentProgram()
     with pytest.raises(ValueError, match="package.module:function"):
@@ -237,19 +247,19 @@ def agent_function(payload, base_url):  # a function program (see the next test)
 
 def test_a_function_program_returns_its_result_or_its_error():
     fn = AgentProgram(function=f"{__name__}:agent_function")
-    assert fn.run({}, "http://h/v1", "r", 5).result == {"reward": 1.0}
-    assert fn.run({"raise": True}, "u", "r", 5).error == "RuntimeError: it broke"
+    assert fn.run({}, Access("http://h/v1"), 5).result == {"reward": 1.0}
+    assert fn.run({"raise": True}, Access("u"), 5).error == "RuntimeError: it broke"
 
 
 def test_a_command_without_network_reaches_its_endpoint_and_nothing_else(engine, server,
                                                                          tmp_path):
-    """``limits: {network: false}``: the program's own namespace, where the endpoint's URL
-    still answers and a port listening on the node's localhost does not."""
+    """A jailed program (the default) has a network namespace of its own, where the
+    endpoint's URL still answers and a port listening on the node's localhost does not."""
     import socket
 
-    from astraflow.raas.agent import netjail
+    from astraflow.raas.agent import jail
 
-    if (why := netjail.probe()) is not None:
+    if (why := jail.probe(True, False)) is not None:
         pytest.skip(f"no network namespaces here: {why}")
     outside = socket.socket()
     outside.bind(("127.0.0.1", 0))
@@ -265,18 +275,17 @@ def test_a_command_without_network_reaches_its_endpoint_and_nothing_else(engine,
         r = OpenAI().chat.completions.create(
             model="actor", messages=[{{"role": "user", "content": "1+1="}}], max_tokens=2)
         print(json.dumps({{"reached": reached, "text": r.choices[0].message.content}}))
-    """), limits=Limits(network=False))
+    """))
     try:
-        ep = server.open({"actor": engine}, 0)
-        out = program.run({}, server.base_url(ep), server.reward_url(ep), 60)
+        ep = server.open({"actor": engine}, 0, keyed=True)
+        out = program.run({}, server.access(ep), 60)
         assert out.error is None, out.stderr
         assert out.result["reached"] == "ConnectionRefusedError"  # the node's port: not there
         assert isinstance(out.result["text"], str) and len(ep.trajectory.sequences) == 1
         # the same program with the node's network reaches the port
-        free = AgentProgram(command=program.command)
-        ep = server.open({"actor": engine}, 0)
-        assert free.run({}, server.base_url(ep), server.reward_url(ep), 60).result[
-            "reached"] == "yes"
+        free = AgentProgram(command=program.command, limits=Limits(network=True))
+        ep = server.open({"actor": engine}, 0, keyed=True)
+        assert free.run({}, server.access(ep), 60).result["reached"] == "yes"
     finally:
         outside.close()
     with pytest.raises(ValueError, match="a function runs in the node's own process"):
@@ -319,7 +328,7 @@ def test_episodes_that_start_together_share_one_endpoint(tmp_path):
 
     from astraflow.raas.workflows.agent import AgentWorkflow
 
-    wf = AgentWorkflow(command=list(_script(tmp_path, "print(1)")))
+    wf = AgentWorkflow(command=list(_script(tmp_path, "print(1)")), reward="exact_match")
     barrier = threading.Barrier(8)
     seen = []
 
@@ -354,7 +363,7 @@ def test_an_episode_that_keeps_failing_sends_its_task_to_the_dlq_with_the_reason
     from astraflow.raas.workflows.agent import AgentWorkflow
 
     wf = AgentWorkflow(command=list(_script(tmp_path, "print('no call, no reward')")),
-                       attempts=2)
+                       attempts=2, reward="exact_match")
     with pytest.raises(TaskError, match=r"3 of 3 episodes failed after 2 attempt\(s\): "
                        r"attempt 1: no_request.*attempt 2: no_request"):
         wf.run(_task(), {"actor": engine}, 3)
