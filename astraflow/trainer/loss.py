@@ -42,7 +42,11 @@ advantages are clipped at ``1 + clip_high`` first.
 Aggregation is token-level: the loss is ``-sum_t J_t`` over loss tokens divided by the
 number of loss tokens **in the whole batch** (``num_tokens``; pass it when the batch is
 split into micro-batches so that gradient accumulation gives exactly the full-batch
-gradient).
+gradient). A sequence's advantage is its group's (``group_advantages``), the mean and std
+taken over episodes (``unit_advantages``: the sequences one agent episode was recorded as
+are one member) or over sequences, as the trainer's ``group_unit`` says; every loss token
+of a sequence carries its advantage, so an episode weighs in the loss by its sampled
+tokens however many sequences hold them.
 
 The other objectives
 --------------------
@@ -80,7 +84,7 @@ micro-batch as ``m2_cut``; a call without ``m2_cut`` takes the cut over its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,6 +113,37 @@ def group_advantages(
             a = a / (r.std(unbiased=False) + eps)
         out.append(a.to(torch.float32))
     return out
+
+
+# the ``Sequence.meta`` key under which a workflow names the episode a sequence belongs to
+# (the agent workflow: its sample index), for ``group_unit: episode``
+EPISODE_META = "episode"
+
+
+def unit_advantages(
+    rewards: Sequence[float],
+    units: Sequence[Hashable],
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The advantages of one group's sequences, its statistics taken over units (episodes).
+
+    Sequences with the same key in ``units`` are one member of the group: the member's
+    reward is the mean of theirs (they are equal for the sequences of one agent episode,
+    which all carry the episode's reward), the group's mean and std are those of the
+    members (``group_advantages``), and every sequence gets its member's advantage. With a
+    distinct key per sequence this is ``group_advantages`` of the rewards.
+    """
+    if len(rewards) != len(units):
+        raise ValueError(f"{len(rewards)} rewards but {len(units)} unit keys")
+    members: dict[Hashable, list[float]] = {}
+    for r, u in zip(rewards, units):
+        members.setdefault(u, []).append(float(r))
+    keys = list(members)
+    adv = group_advantages([[sum(v) / len(v) for v in members.values()]], normalize_std,
+                           eps)[0]
+    of = dict(zip(keys, adv.tolist()))
+    return torch.tensor([of[u] for u in units], dtype=torch.float32)
 
 
 @dataclass
@@ -373,6 +408,6 @@ def m2po_loss(
                    {"m2_masked_frac": float((t.on & ~kept).sum())})
 
 
-__all__ = ["BATCH_STATS", "DEFAULT_LOSS", "LOSSES", "LossOutput", "PolicyLoss", "SUM_KEYS",
-           "decoupled_ppo_loss", "get_loss", "group_advantages", "m2_keep_below",
-           "m2po_batch_cut", "m2po_loss", "policy_loss", "register_loss"]
+__all__ = ["BATCH_STATS", "DEFAULT_LOSS", "EPISODE_META", "LOSSES", "LossOutput", "PolicyLoss",
+           "SUM_KEYS", "decoupled_ppo_loss", "get_loss", "group_advantages", "m2_keep_below",
+           "m2po_batch_cut", "m2po_loss", "policy_loss", "register_loss", "unit_advantages"]

@@ -91,10 +91,11 @@ from astraflow.trainer.backend import (
 from astraflow.trainer.loss import (
     BATCH_STATS,
     DEFAULT_LOSS,
+    EPISODE_META,
     LOSSES,
     SUM_KEYS,
     get_loss,
-    group_advantages,
+    unit_advantages,
 )
 from astraflow.trainer.parallel import rows as make_rows
 from astraflow.trainer.parallel import shard_rows
@@ -152,6 +153,9 @@ class TrainerConfig:
     # m2po: the most the mean (log pi_theta/mu)^2 of the trained tokens may be
     m2_threshold: float = 0.04
     normalize_std: bool = True
+    # what one member of a group's statistics is (loss.unit_advantages): "episode" (the
+    # sequences of one agent episode, Sequence.meta["episode"], count once) or "sequence"
+    group_unit: str = "episode"
     micro_batch_size: int = 8  # sequences per forward/backward
     # optimizer steps per batch: its groups are cut into this many parts, one AdamW step
     # each (AReaL's ppo_n_minibatches); the proximal policy of decoupled_ppo is the policy
@@ -215,6 +219,7 @@ class TrainerConfig:
             adam_impl=t.adam_impl, loss=t.loss,
             clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap,
             tis_mask=t.tis_mask, m2_threshold=t.m2_threshold, normalize_std=t.std_normalize,
+            group_unit=t.group_unit,
             micro_batch_size=t.micro_batch_size, minibatches=t.minibatches,
             micro_batch_tokens=t.micro_batch_tokens, dtype=t.dtype,
             publish_dtype=t.publish_dtype, autocast=t.autocast, forward_dtype=t.forward_dtype,
@@ -251,6 +256,8 @@ class TrainerConfig:
             ("max_grad_norm", "--max-grad-norm", self.max_grad_norm > 0, "must be > 0"),
             ("adam_impl", "--adam-impl", self.adam_impl in ADAM_IMPLS,
              f"must be one of {ADAM_IMPLS}"),
+            ("group_unit", "--group-unit", self.group_unit in GROUP_UNITS,
+             f"must be one of {GROUP_UNITS}"),
             ("max_staleness", "--max-staleness",
              self.max_staleness is None or self.max_staleness >= 0, "must be >= 0"),
             ("dtype", "--dtype", self.dtype in DTYPES, f"must be one of {sorted(DTYPES)}"),
@@ -326,6 +333,7 @@ class TrainerConfig:
 AUTOCAST = ("none", "bf16", "best")
 ADAM_IMPLS = ("auto", "fused", "foreach", "for-loop")
 FORWARD_ON = ("published", "master")
+GROUP_UNITS = ("episode", "sequence")
 FORWARD_DTYPES = ("fp32", "bf16", "best")
 
 
@@ -620,7 +628,8 @@ class Trainer:
             seqs = [s for s in g.sequences if not s.policy or not policy or s.policy == policy]
             if not seqs:
                 continue
-            adv = group_advantages([[s.reward for s in seqs]], self.config.normalize_std)[0]
+            adv = unit_advantages([s.reward for s in seqs], self._units(seqs),
+                                  self.config.normalize_std)
             for s, a in zip(seqs, adv.tolist()):
                 n = len(s.token_ids)
                 if len(s.loss_mask) != n or len(s.logprobs) != n:
@@ -631,6 +640,17 @@ class Trainer:
                     )
                 rows.append(_Row(s, a, gi))
         return rows
+
+    def _units(self, seqs: list[Sequence]) -> list[tuple[str, str | int]]:
+        """The member of its group's statistics each of one policy's ``seqs`` is
+        (``group_unit``): with ``episode``, the sequences an episode was recorded as share
+        one (a workflow names a sequence's episode in ``meta["episode"]``, as the agent
+        workflow does; a sequence without it is an episode of its own); with
+        ``sequence``, each sequence is one."""
+        if self.config.group_unit == "sequence":
+            return [("sequence", i) for i in range(len(seqs))]
+        return [("episode", s.meta[EPISODE_META]) if EPISODE_META in s.meta
+                else ("sequence", i) for i, s in enumerate(seqs)]
 
     def micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
         """``rows`` cut into forward/backward passes: ``micro_batch_size`` sequences in

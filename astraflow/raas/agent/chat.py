@@ -15,6 +15,13 @@ Hermes form (``<tools>...</tools>`` and how to call one), and an assistant messa
 calls into its content as ``<tool_call>`` blocks, so the model sees what it would see
 under a template that has tools.
 
+``render_after`` renders the next request of a conversation the policy has answered: the
+tokens of the earlier prompt and of the answer exactly as sampled, then the template's
+rendering of the messages after the answer alone. A re-rendered answer would not be the
+sampled one: the client sends back the message the endpoint returned, whose tool calls
+were parsed out of the text and whose content was stripped, and the template writes them
+its own way; the trajectory would then no longer extend (``trajectory``).
+
 ``parse_tool_calls`` finds the calls a model wrote in the Hermes format that Qwen, SmolLM2
 and most open chat models are trained on: ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>``, and returns them in the OpenAI format with the text around them.
@@ -86,7 +93,66 @@ def render(tokenizer: Any, chat: ChatFormat, messages: list[dict[str, Any]],
     if not chat.uses_template(tokenizer):  # as ChatFormat.prompt_text: the contents
         text = "\n".join(m["content"] for m in messages)
         return list(tokenizer.encode(text, add_special_tokens=False))
-    if chat.system_prompt is not None and messages[0]["role"] != "system":
+    ids = _apply(tokenizer, chat, messages, tools, tokenize=True)
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+# stands for a sampled answer in a rendering whose text around the answer is wanted: no
+# whitespace or markup a template could trim or escape, nothing a conversation holds
+_SAMPLED = "ASTRAFLOWSAMPLEDTURN7F3A"
+
+
+def render_after(tokenizer: Any, chat: ChatFormat, sampled: list[int], known: int,
+                 messages: list[dict[str, Any]],
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int] | None:
+    """The prompt ids of ``messages`` whose first ``known`` are a conversation the policy
+    has already seen and answered: ``sampled``, the ids of that request's prompt and of the
+    answer it sampled (``messages[known - 1]``, as the endpoint returned it), followed by
+    the rendering of ``messages[known:]`` alone. The sampled answer keeps its tokens
+    whatever the template would make of the message the client sent back (re-serialised
+    tool calls, stripped text).
+
+    With a chat template, the rest is the template's own text after the answer: the
+    messages are rendered with a stand-in for the answer's content, and what follows the
+    stand-in (the end of the assistant's turn, the new messages, the generation prompt) is
+    encoded; an end-of-turn token the policy sampled is not repeated. None when the
+    template does not render the conversation as the earlier prompt followed directly by
+    the answer (the stand-in is not found once, or the text before it is not the earlier
+    prompt's): the caller renders the whole conversation. Without a template (plain lines,
+    as ``render``), the rest is each new message's content on a line of its own."""
+    if not 2 <= known <= len(messages) or not sampled:  # an answer follows a message
+        return None
+    if not chat.uses_template(tokenizer):
+        rest = "".join("\n" + m["content"] for m in messages[known:])
+        return [*sampled, *tokenizer.encode(rest, add_special_tokens=False)] if rest \
+            else list(sampled)
+    probe = [*messages[:known - 1], {"role": "assistant", "content": _SAMPLED},
+             *messages[known:]]
+    try:
+        head = _apply(tokenizer, chat, messages[:known - 1], tools, tokenize=False)
+        text = _apply(tokenizer, chat, probe, tools, tokenize=False)
+    except MessageError:
+        return None
+    at = text.find(_SAMPLED)
+    if at < 0 or _SAMPLED in text[at + 1:] or text[:at] != head:
+        return None
+    rest = text[at + len(_SAMPLED):]
+    last = int(sampled[-1])
+    if last in set(getattr(tokenizer, "all_special_ids", ()) or ()):
+        marker = tokenizer.convert_ids_to_tokens(last)
+        if isinstance(marker, str) and marker and rest.startswith(marker):
+            rest = rest[len(marker):]  # the sampled end of turn closes the turn already
+    return [*sampled, *tokenizer.encode(rest, add_special_tokens=False)]
+
+
+def _apply(tokenizer: Any, chat: ChatFormat, messages: list[dict[str, Any]],
+           tools: Sequence[Mapping[str, Any]] | None, tokenize: bool) -> Any:
+    """The chat template applied to ``messages`` as ``render`` prepares them (the
+    configured system prompt, tools and earlier calls in the text where the template has
+    no place for them), with the generation prompt: token ids or text."""
+    if chat.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
         messages = [{"role": "system", "content": chat.system_prompt}, *messages]
     source = _template_source(tokenizer, chat)
     if tools and "tools" not in source:
@@ -94,14 +160,11 @@ def render(tokenizer: Any, chat: ChatFormat, messages: list[dict[str, Any]],
     if "tool_calls" not in source:
         messages = [_calls_in_content(m) for m in messages]
     try:
-        ids = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, tools=list(tools) if tools else None, add_generation_prompt=True,
-            tokenize=True, **dict(chat.options))
+            tokenize=tokenize, **dict(chat.options))
     except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
         raise MessageError(f"the chat template cannot render these messages: {e}") from None
-    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def _template_source(tokenizer: Any, chat: ChatFormat) -> str:
@@ -178,4 +241,4 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 
 __all__ = ["MessageError", "check_messages", "check_tools", "parse_tool_calls", "render",
-           "tools_prompt"]
+           "render_after", "tools_prompt"]

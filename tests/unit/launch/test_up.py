@@ -282,7 +282,7 @@ TRAINER_FIELDS = {
         "adam_eps", "max_grad_norm", "adam_impl", "loss", "clip_low",
         "clip_high", "tis_cap", "tis_mask", "m2_threshold", "minibatches", "micro_batch_size",
         "micro_batch_tokens", "dtype", "publish_dtype", "autocast", "gradient_checkpointing",
-        "share_prompt", "forward_on", "forward_dtype", "device", "backend")},
+        "share_prompt", "forward_on", "forward_dtype", "device", "backend", "group_unit")},
     "adam_beta1": ("trainer", "betas", 0), "adam_beta2": ("trainer", "betas", 1),
     "std_normalize": ("trainer", "normalize_std"),
     **{f: ("options", f) for f in ("anchor_interval", "state_interval", "state_max_lag",
@@ -319,7 +319,8 @@ def test_every_typed_trainer_field_reaches_the_trainer():
                   dtype="bf16", publish_dtype="same", device="cuda", threads=2,
                   deterministic=True, max_steps=11, blob_store="file:///b", state_dir="/s",
                   loss="decoupled_ppo", tis_mask=True, backend="megatron", minibatches=4,
-                  std_normalize=False, share_prompt=False, publish_overlap="on",
+                  std_normalize=False, group_unit="sequence", share_prompt=False,
+                  publish_overlap="on",
                   checkpoint_dir="/c", parallel=ParallelSpec(port=29600))
     assert set(values) | {"micro_batch_size", "m2_threshold"} == set(TrainerSpec.model_fields)
     data = _solver_verifier_data()
