@@ -49,7 +49,6 @@ from astraflow.raas.agent.chat import (
     check_messages,
     check_tools,
     parse_tool_calls,
-    render,
 )
 from astraflow.raas.agent.program import Access
 from astraflow.raas.agent.trajectory import EpisodeTrajectory
@@ -196,7 +195,9 @@ def chat_completion(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
     try:
         messages = check_messages(body.get("messages"))
         tools = check_tools(body.get("tools"))
-        prompt = render(engine_tokenizer(engine), engine_chat(engine), messages, tools)
+        # a conversation this episode answered goes on from its sampled tokens
+        prompt = ep.trajectory.chat_prompt(policy, engine_tokenizer(engine),
+                                           engine_chat(engine), messages, tools)
     except MessageError as e:
         raise CallError(400, str(e)) from None
     params = _sampling(ep, body, engine)
@@ -214,6 +215,8 @@ def chat_completion(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
         choices.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": None})
     _record(ep, policy, prompt, gens, choices[0]["message"]["content"] or "")
+    ep.trajectory.remember(policy, messages, tools, prompt, gens,
+                           [c["message"] for c in choices])
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": policy, "choices": choices,
             "usage": _usage(prompt, gens)}
