@@ -3,7 +3,10 @@
 Written against the `openai` client alone; each agent is a `model` on the same endpoint
 (AstraFlow routes it to that policy's engine). The program knows the task's answer and
 rewards both: the solver for a right answer, the critic for a right verdict, and prints
-{"rewards": {"solver": ..., "critic": ...}}.
+{"rewards": {"solver": ..., "critic": ...}}. Knowing the answer and reporting rewards make
+it trusted harness code: its topology says so (`trusted: true`); an untrusted program
+sees no answer and its printed rewards are ignored. The models' text only chooses the
+answer and the verdict, read with fixed patterns.
 
     OPENAI_BASE_URL=... OPENAI_API_KEY=x \
         ASTRAFLOW_TASK='{"prompt": "37+45=", "answer": "82"}' python solver_critic.py
