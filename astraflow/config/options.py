@@ -255,6 +255,10 @@ class AgentOptions(SamplingOptions):
     def _one_program(self) -> AgentOptions:
         if (self.command is None) == (self.function is None):
             raise ValueError("agent: give the program as command or as function, one of them")
+        if self.command is not None and not self.trusted and self.reward is None:
+            raise ValueError("agent reward: an untrusted command's episodes are scored by the "
+                             "workflow's reward; set reward: (e.g. exact_match), or trusted: "
+                             "true for a program whose own reward is to be used")
         return self
 
 

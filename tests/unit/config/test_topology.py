@@ -184,6 +184,11 @@ def test_max_staleness_has_one_default_and_reaches_the_processors():
          "pools.local.workflows.solve_select.ties"),
         ({"pools": {"local": {"workflows": {"code_tests": {"sandbox": {"cpu": 1}}}}}},
          "pools.local.workflows.code_tests.sandbox.cpu"),
+        ({"pools": {"local": {"workflows": {"agent": {"command": "python a.py"}}}}},
+         "pools.local.workflows.agent: agent reward: an untrusted command"),
+        ({"pools": {"local": {"workflows": {"agent": {
+            "command": "python a.py", "reward": "exact_match", "endpoint": {"max_n": 0}}}}}},
+         "pools.local.workflows.agent.endpoint.max_n"),
         ({"pools": {"local": {"engine_options": {"cpus": 1}}}},
          "pools.local.engine_options.cpus"),
         ({"pools": {"local": {"engine": "openai"}}}, "pools.local.engine_options.base_url"),
