@@ -118,9 +118,9 @@ def render_after(tokenizer: Any, chat: ChatFormat, sampled: list[int], known: in
     messages are rendered with a stand-in for the answer's content, and what follows the
     stand-in (the end of the assistant's turn, the new messages, the generation prompt) is
     encoded; an end-of-turn token the policy sampled is not repeated. None when the
-    template does not render the conversation as the earlier prompt followed directly by
-    the answer (the stand-in is not found once, or the text before it is not the earlier
-    prompt's): the caller renders the whole conversation. Without a template (plain lines,
+    template does not render the conversation as the earlier prompt followed by the
+    answer (the stand-in is not found once, or the text before it is not the start of the
+    earlier prompt's): the caller renders the whole conversation. Without a template (plain lines,
     as ``render``), the rest is each new message's content on a line of its own."""
     if not 2 <= known <= len(messages) or not sampled:  # an answer follows a message
         return None
@@ -136,7 +136,9 @@ def render_after(tokenizer: Any, chat: ChatFormat, sampled: list[int], known: in
     except MessageError:
         return None
     at = text.find(_SAMPLED)
-    if at < 0 or _SAMPLED in text[at + 1:] or text[:at] != head:
+    # the earlier prompt may hold more than the template writes before an answer of the
+    # history (a generation prompt that opens an empty thinking block), never other text
+    if at < 0 or _SAMPLED in text[at + 1:] or not head.startswith(text[:at]):
         return None
     rest = text[at + len(_SAMPLED):]
     last = int(sampled[-1])

@@ -191,6 +191,26 @@ def test_a_template_that_does_not_continue_its_prompt_is_rendered_whole(chatml):
     assert render_after(tok, chat, [1], 1, msgs) is None  # no message before the answer
 
 
+def test_a_generation_prompt_longer_than_a_history_turn_still_continues(chatml):
+    """A template whose generation prompt opens an empty thinking block that it does not
+    write before the answers of the history (as Qwen3's with thinking off): the answer
+    was sampled after the whole generation prompt, and the conversation goes on from it."""
+    tok = chatml
+    tok.chat_template = CHATML.replace("<|im_start|>assistant\n{% endif %}",
+                                       "<|im_start|>assistant\n<think></think>{% endif %}")
+    chat = ChatFormat()
+    t = EpisodeTrajectory(0)
+    h = [{"role": "user", "content": "hi"}]
+    p1, m1 = turn(t, tok, chat, h, tok.encode(" yo ", add_special_tokens=False), tools=None)
+    assert tok.decode(p1).endswith("<|im_start|>assistant\n<think></think>")
+    h += [echoed(m1), {"role": "user", "content": "and?"}]
+    p2, _ = turn(t, tok, chat, h, tok.encode("ok", add_special_tokens=False), tools=None)
+    assert tok.decode(p2) == tok.decode(p1) + (
+        " yo <|im_end|>\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n"
+        "<think></think>")
+    assert len(t.build(1.0)) == 1
+
+
 # --- SmolLM2-135M-Instruct's tokenizer and template, through the endpoint ------------------
 class Scripted:
     """An engine that samples the given texts in turn, encoded by a real tokenizer and
