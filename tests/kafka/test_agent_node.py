@@ -87,6 +87,10 @@ def test_a_node_rolls_out_an_openai_program_token_exactly_and_dead_letters_failu
         assert all(v >= 0 for v, m in zip(s.versions, s.loss_mask) if m)
     assert all(len(r) == 2 and all(x in sampled for x in r) for r in runs.values()), (
         runs, sampled)
+    # the second prompt goes on from the first answer as sampled: one sequence an episode,
+    # named by its episode (one member of the group's statistics in the trainer)
+    assert sorted((s.sample_index, s.meta["turns"], s.meta["episode"])
+                  for s in group.sequences) == [(0, "2", "0"), (1, "2", "1")]
     failures = [x.meta.get("agent_failures") for x in group.sequences]
     assert group.metrics["agent/failed_attempts"] == 0.0, failures
     assert letter.error.startswith("TaskError: agent: 2 of 2 episodes failed after 2 "
