@@ -152,6 +152,9 @@ class RaaSNode:
             wf = self._workflows[name] = make_workflow(
                 name, **self.options.workflow_options.get(name, {})
             )
+            attach = getattr(wf, "attach", None)  # a workflow that writes Kafka of its own
+            if callable(attach):
+                attach(self.config, self.topology, self.component_id)
         return wf
 
     def _start_watchers(self, admin) -> None:
@@ -188,7 +191,12 @@ class RaaSNode:
                         "only; update_every_tokens %d has no effect on it", self.component_id,
                         policy, type(engine).__name__, every)
             return
-        follow(watcher, every)
+        try:
+            follow(watcher, every)
+        except ValueError as e:  # this engine cannot here (e.g. vLLM with native LoRA)
+            log.warning("%s: %s; it takes new weights between generate calls only",
+                        self.component_id, e)
+            return
         watcher.start_prefetch()
         log.info("%s: policy %s takes new weights every %d tokens inside a generation",
                  self.component_id, policy, every)
@@ -245,6 +253,10 @@ class RaaSNode:
     def close(self) -> None:
         for w in self._watchers.values():
             w.close()
+        for wf in self._workflows.values():
+            close = getattr(wf, "close", None)
+            if callable(close):
+                close()
 
     def _rollouts(self, msgs) -> tuple[list[tuple[Any, TrajectoryGroup]], list[DeadLetter]]:
         """The groups of ``msgs``' tasks (with their message), in order, and dead letters

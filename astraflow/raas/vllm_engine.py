@@ -26,7 +26,18 @@ only for exactly equal probabilities at the boundary.
 Sampling follows ``TorchEngine``: a sample stops only at ``params.stop_token_ids`` or a
 ``params.stop`` string (the model's eos is not implied: workflows pass it), the stop token
 or the tokens completing the stop string are kept, and every token carries the version
-the engine held when the call started.
+that sampled it.
+
+In-flight weight updates (``follow_inflight``, the pool's ``update_every_tokens``): the
+call's requests are added to vLLM's engine and stepped one scheduler step at a time (each
+step samples one token of every running sequence; their outputs come back as deltas);
+every ``every`` steps the engine asks its source for a newer version that is already
+fetched and reloads it in place between two steps, when no forward pass is running. As
+in ``TorchEngine`` the KV cache is kept (the blocks computed so far stay those of the
+versions that computed them); vLLM's prefix cache is reset after such a call, not during
+it (it refuses while requests hold blocks). Not with native LoRA (a request's adapter is
+fixed when it is added) nor with vLLM's async scheduling (a step may return while the next
+forward pass runs): those keep updating between calls.
 
 Options (``load_vllm_engine(path, policy, **options)``, ``--engine-options`` on the CLI)
 are the fields of ``VLLMOptions``; an unknown one fails at start naming it.
@@ -42,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -52,7 +64,7 @@ import torch
 
 from astraflow.models.lora import LoraSettings, adapted_weights, merged, write_adapter
 from astraflow.models.precision import resolve_best
-from astraflow.raas.engine import Generation, SamplingParams
+from astraflow.raas.engine import Generation, InflightWeights, SamplingParams
 from astraflow.raas.hf_text import HFText, load_tokenizer
 
 log = logging.getLogger("astraflow.raas.vllm")
@@ -208,6 +220,10 @@ class VLLMEngine(HFText):
         self.seconds_generating = 0.0
         self.last_load_s = 0.0
         self.start_seconds = 0.0  # set by load_vllm_engine
+        # in-flight weight updates (follow_inflight): off until the node turns them on
+        self.inflight: InflightWeights | None = None
+        self.update_every_tokens = 0
+        self.inflight_updates = 0
 
     # --- weights ---------------------------------------------------------------------------
     def _items(self, state: Mapping[str, torch.Tensor],
@@ -239,11 +255,45 @@ class VLLMEngine(HFText):
             state = self._merged(state, version)
         items = self._items(state, version)
         with self._lock:
-            t0 = time.perf_counter()
-            self.llm.collective_rpc(_reload_in_worker, args=(items, self.tied))
+            self._reload(items, version)
             self.llm.reset_prefix_cache()
-            self.version = version
-            self.last_load_s = time.perf_counter() - t0
+
+    def _reload(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Checked ``items`` into the worker's model in place (the lock is held)."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc(_reload_in_worker, args=(items, self.tied))
+        self.version = version
+        self.last_load_s = time.perf_counter() - t0
+
+    def inflight_blocker(self) -> str | None:
+        """Why this engine cannot take versions inside a generation (None: it can)."""
+        if self.lora is not None and self.lora_mode == "native":
+            return "native LoRA fixes a request's adapter when the request is added"
+        sched = getattr(getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config",
+                                        None), "scheduler_config", None), "async_scheduling",
+                        None)
+        if sched:
+            return "vLLM's async scheduling runs the next forward pass while a step returns"
+        return None
+
+    def follow_inflight(self, source: InflightWeights | None, every: int) -> None:
+        """Step vLLM's engine and take a newer version from ``source`` every ``every``
+        steps (see the module docstring); ``every`` 0 or ``source`` None: off.
+        ``ValueError`` naming the reason where the engine cannot
+        (``inflight_blocker``)."""
+        if every < 0:
+            raise ValueError(f"update_every_tokens {every}: must be >= 0 (0: off)")
+        if every and source is not None and (why := self.inflight_blocker()):
+            raise ValueError(f"{self.policy}: no weight updates inside a generation: {why}")
+        self.inflight = source if every else None
+        self.update_every_tokens = every if source is not None else 0
+
+    def _load_inflight(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """What ``InflightWeights.take_ready`` calls between two steps (the lock is held)."""
+        if self.lora is not None:  # merge: the base with this version's adapter added
+            state = self._merged(state, version)
+        self._reload(self._items(state, version), version)
+        self.inflight_updates += 1
 
     def _load_adapter(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Native LoRA: the adapter written as a peft directory and served as a new
@@ -331,14 +381,63 @@ class VLLMEngine(HFText):
             sp = (self.sampling_params(params) if seeds is None else
                   [self.sampling_params(params, seeds[i * params.n])
                    for i in range(len(prompts))])
-            outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
-                lora_request=self._lora_request)
-        result = [[_generation(p, c, version) for c in sorted(o.outputs, key=lambda c: c.index)]
-                  for p, o in zip(prompts, outs)]
+            if self.inflight is not None:
+                result = self._generate_stepped(prompts, params.n, sp)
+            else:
+                outs = self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
+                    use_tqdm=False, lora_request=self._lora_request)
+                result = [[_generation(p, c, version)
+                           for c in sorted(o.outputs, key=lambda c: c.index)]
+                          for p, o in zip(prompts, outs)]
         self.tokens_generated += sum(len(g.token_ids) for gs in result for g in gs)
         self.seconds_generating += time.perf_counter() - t0
         return result
+
+    def _generate_stepped(self, prompts: list[list[int]], n: int,
+                          sp: Any) -> list[list[Generation]]:
+        """``generate`` one scheduler step at a time, taking newer versions from
+        ``self.inflight`` every ``update_every_tokens`` steps (the lock is held)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self.inflight is not None
+        engine = self.llm.llm_engine
+        call = uuid.uuid4().hex[:12]
+        ids = [f"astraflow-{call}-{i}" for i in range(len(prompts))]
+        gens = {(rid, j): Generation(prompt_ids=list(p))
+                for rid, p in zip(ids, prompts) for j in range(n)}
+        start, steps = self.version, 0
+        try:
+            for i, (rid, p) in enumerate(zip(ids, prompts)):
+                params = (sp[i] if isinstance(sp, list) else sp).clone()
+                params.output_kind = RequestOutputKind.DELTA  # each step's new tokens
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params,
+                                   lora_request=self._lora_request)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    for c in out.outputs:
+                        g = gens[(out.request_id, c.index)]
+                        ids_new = list(c.token_ids)
+                        lps = c.logprobs or []
+                        if len(lps) != len(ids_new):
+                            raise RuntimeError(f"vLLM returned {len(lps)} log-probs for "
+                                               f"{len(ids_new)} tokens")
+                        g.token_ids += ids_new
+                        g.logprobs += [float(lp[t].logprob) for lp, t in zip(lps, ids_new)]
+                        g.versions += [self.version] * len(ids_new)
+                        if c.finish_reason is not None:
+                            g.finish_reason = "stop" if c.finish_reason == "stop" else "length"
+                steps += 1
+                if steps % self.update_every_tokens == 0 and engine.has_unfinished_requests():
+                    self.inflight.take_ready(self.version, self._load_inflight)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if self.version != start:  # its blocks hold keys of several versions
+                self.llm.reset_prefix_cache()
+        return [[gens[(rid, j)] for j in range(n)] for rid in ids]
 
     def close(self) -> None:
         """Stop vLLM's engine core (the engine cannot be used afterwards); the other

@@ -223,6 +223,37 @@ def test_sampled_logprobs_match_teacher_forced_recomputation(fresh, hf):
 
 
 @needs_vllm
+def test_a_generation_spanning_three_versions_takes_them_between_steps(fresh, hf):
+    """``follow_inflight``: vLLM stepped one scheduler step at a time takes versions 1 and
+    2 between steps; each token records the version that sampled it and the log-prob of
+    the weights in force then (the KV cache kept), as transformers recomputes them."""
+    from tests.unit.raas.test_inflight import Offers, replay
+
+    eng = fresh
+    states = {0: {k: v.clone() for k, v in hf.state_dict().items()}}
+    states[1] = trained(hf, seed=1)
+    states[2] = trained(hf, seed=2)
+    source = Offers({1: states[1], 2: states[2]}, at=(1, 3))
+    eng.follow_inflight(source, 4)
+    try:
+        prompts = [eng.encode(p) for p in PROMPTS[:2]]
+        out = eng.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0, n=2,
+                                                   seed=5))
+    finally:
+        eng.follow_inflight(None, 0)
+    assert source.currents == [0, 1, 1] and eng.version == 2 and eng.inflight_updates == 2
+    worst = 0.0
+    for p, samples in zip(prompts, out):
+        assert len(samples) == 2
+        for g in samples:
+            assert g.prompt_ids == p and g.versions == [0] * 4 + [1] * 8 + [2] * 4
+            mine = replay(hf, states, g, 1.0, 1.0)
+            worst = max(worst, max(abs(a - b) for a, b in zip(mine, g.logprobs)))
+    print(f"max |vLLM - HF| log-prob across two updates: {worst:.2e}")
+    assert worst < LOGPROB_TOL
+
+
+@needs_vllm
 def test_a_keyed_prompt_samples_the_same_alone_or_beside_others(fresh):
     """Keyed seeds (``SamplingParams.keys``): one vLLM request seed per prompt, so what a
     task samples does not depend on the prompts that share its call; another weight
