@@ -528,8 +528,9 @@ class PoolSpec(_Section):
                                  "keep the initial weights)")
     update_every_tokens: int = Field(
         default=0, ge=0, description="apply a newer weight version inside a generation, "
-        "between chunks of this many tokens (fetched in the background; torch engine; each "
-        "token keeps the version that sampled it); 0: between generate calls only")
+        "between chunks of this many tokens (fetched in the background; torch and vllm "
+        "engines; each token keeps the version that sampled it); 0: between generate "
+        "calls only")
     # true: the pool's nodes join the run's one RaaS group on `tasks` with every other
     # sharing pool, so each task is rolled out once, by whichever pool takes it; false:
     # the pool has a group of its own and rolls out every task (a second engine's pass)
