@@ -272,7 +272,7 @@ class EmbeddedBroker:
         previous = self._ports()
         if previous.get("port") and port in (None, previous["port"]):
             port = kept_port(int(previous["port"]), "client")
-        elif port is not None:
+        elif port:  # 0, as None: the default port when free, else any
             if not _bindable(port):
                 raise BrokerError(
                     f"port {port} on 127.0.0.1 is in use by another process: start the "
