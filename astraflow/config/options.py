@@ -244,6 +244,9 @@ class AgentOptions(SamplingOptions):
         "prompt, messages, tools")
     limits: AgentLimitsOptions | None = None
     endpoint: AgentEndpointOptions | None = None
+    resume: Literal["replay", "restart"] | None = Field(
+        default=None, description="default replay: with an episodes topic, a task taken over "
+        "from a node that died replays its episodes' logged calls; restart: starts them again")
     env: dict[str, str] | None = None
 
     @field_validator("reward")
@@ -316,3 +319,45 @@ ENGINE_OPTIONS: dict[str, type[_Options]] = {
     "vllm": VLLMEngineOptions,
     "openai": OpenAIEngineOptions,
 }
+
+
+class VerifiersOptions(SamplingOptions):
+    """``verifiers``: a verifiers environment's own rollout and rubric
+    (``astraflow.raas.workflows.verifiers_env``); the sampling options are a request's
+    defaults."""
+
+    environment: str = Field(min_length=1, description="an installed environment's id or "
+                             "package.module:function")
+    args: dict[str, Any] | None = Field(default=None, description="the environment's "
+                                        "arguments")
+    timeout_s: float | None = Field(default=None, gt=0, description="default 300")
+    attempts: int | None = Field(default=None, ge=1, description="default 2")
+    endpoint: AgentEndpointOptions | None = None
+
+
+class OpenEnvOptions(SamplingOptions):
+    """``openenv``: an OpenEnv environment stepped by the policy
+    (``astraflow.raas.workflows.openenv_env``)."""
+
+    base_url: str | None = Field(default=None, min_length=1, description="a running "
+                                 "environment server, e.g. http://host:8000")
+    app: str | None = Field(default=None, min_length=1, description="or package.module:attr, "
+                            "an OpenEnv app the node serves on localhost")
+    reset: dict[str, Any] | None = Field(default=None, description="reset() arguments")
+    action_field: str | None = Field(default=None, description="default message")
+    observation_field: str | None = Field(default=None, description="default prompt")
+    system_prompt: str | None = None
+    max_turns: int | None = Field(default=None, ge=1, description="default 8")
+    timeout_s: float | None = Field(default=None, gt=0, description="default 300")
+    attempts: int | None = Field(default=None, ge=1, description="default 2")
+    endpoint: AgentEndpointOptions | None = None
+
+    @model_validator(mode="after")
+    def _one_server(self) -> OpenEnvOptions:
+        if (self.base_url is None) == (self.app is None):
+            raise ValueError("openenv: name the server as base_url or app, one of them")
+        return self
+
+
+WORKFLOW_OPTIONS["verifiers"] = VerifiersOptions
+WORKFLOW_OPTIONS["openenv"] = OpenEnvOptions

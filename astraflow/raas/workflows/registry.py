@@ -11,7 +11,7 @@ from astraflow.raas.workflows.base import TaskError, Workflow
 
 # the shipped workflows' modules (astraflow.raas.workflows.<module>), loaded on first use
 BUILTIN_MODULES = ("single_turn", "tool_calc", "code_tests", "solve_verify", "solve_select",
-                   "agent")
+                   "agent", "verifiers_env", "openenv_env")
 
 WORKFLOWS: dict[str, type] = {}
 

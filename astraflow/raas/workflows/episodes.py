@@ -1,0 +1,65 @@
+"""Episodes on the node's agent endpoint for workflows whose harness runs in the node.
+
+An environment from an ecosystem (a verifiers environment, an OpenEnv client) is trusted
+harness code: it runs in the node's process and drives the policy through the OpenAI API.
+``EpisodeEndpoint`` gives it what the ``agent`` workflow gives a ``function`` program: one
+endpoint (``AgentServer``) started on first use, and per episode a base URL whose every
+call is recorded token for token (``Episode.trajectory``); ``episode()`` opens one and
+closes it however the harness ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from astraflow.raas.agent.program import API_KEY, Access
+from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
+from astraflow.raas.engine import Engine
+
+
+class EpisodeEndpoint:
+    """The node's agent endpoint for an in-process harness (module docstring)."""
+
+    def __init__(self, limits: Mapping[str, Any] | None = None):
+        self.limits = EndpointLimits(**{k: v for k, v in dict(limits or {}).items()
+                                        if v is not None})
+        self._server: AgentServer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def server(self) -> AgentServer:
+        """The endpoint, started on first use (one for all of a node's episodes)."""
+        with self._lock:
+            if self._server is None:
+                self._server = AgentServer(limits=self.limits)
+            return self._server
+
+    @contextmanager
+    def episode(self, engines: dict[str, Engine], sample_index: int,
+                defaults: Mapping[str, Any], key: str) -> Iterator[tuple[Episode, Access]]:
+        """An open episode of sample ``sample_index`` and how to reach it (its key the
+        placeholder the ``openai`` client insists on: an in-process harness needs none);
+        closed on exit. ``defaults``: the sampling defaults of a request that sets none;
+        ``key``: what seeds its requests (task, sample, attempt)."""
+        server = self.server
+        ep = server.open(engines, sample_index, dict(defaults), key=key, keyed=False,
+                         trusted=True)
+        try:
+            access = server.access(ep)
+            yield ep, Access(access.base_url, access.key or API_KEY, access.reward_url)
+        finally:
+            server.close(ep)
+
+
+def shorten(reason: str, n: int = 240) -> str:
+    """``reason`` in about ``n`` characters: its start (its kind) and its end (where a
+    traceback names the error)."""
+    if len(reason) <= n:
+        return reason
+    return reason[:n // 3] + " ... " + reason[-(n - n // 3 - 5):]
+
+
+__all__ = ["EpisodeEndpoint", "shorten"]

@@ -1,0 +1,167 @@
+"""``verifiers``: a verifiers environment's own rollout and rubric as a rollout workflow.
+
+The node loads the environment its options name (``environment``: an installed
+environment's id or ``package.module:function``; ``args``: its arguments;
+``astraflow.tasks.verifiers_data``) once, and for each task runs the environment's own
+``rollout`` ``n`` times at once, each against an episode of the node's agent endpoint
+(``episodes.EpisodeEndpoint``): single-turn, multi-turn and tool environments alike speak
+the OpenAI chat API to it, and every call is recorded token for token. The environment's
+rubric then scores the ``n`` states as a group (``score_group``: its group-level reward
+functions see the whole group) and each episode's reward is the rubric's ``reward``; its
+per-function scores are kept in the sequences' meta and averaged in the group's metrics
+(``verifiers/<function>``).
+
+The task's payload comes from the feeder's ``verifiers:ENV:SPLIT`` dataset and picks a row
+of the environment's dataset; the environment is the one these options name (a payload of
+another environment is dead-lettered): what runs in the node is decided by its topology,
+never by a record. The environment is trusted harness code, as a ``function`` agent program
+is: it runs in the node's process.
+
+A group whose rollout raises, times out (``timeout_s``), ends with an error in its state
+or makes a malformed call is run again, up to ``attempts`` times in all; then the task goes
+to the dead-letter topic with the reasons.
+
+Options: ``environment``, ``args``, ``timeout_s`` (300), ``attempts`` (2), ``endpoint``
+(``EndpointLimits``), and the sampling defaults of a request that sets none
+(``max_new_tokens``, ``temperature``, ``top_p``, ``seed``). The environment's own
+``sampling_args`` are sent with each request (but ``n``: one choice per rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from contextlib import ExitStack
+from typing import Any
+
+from astraflow.raas.engine import Engine
+from astraflow.raas.workflows.base import TaskError
+from astraflow.raas.workflows.episodes import EpisodeEndpoint, shorten
+from astraflow.raas.workflows.inputs import parse_payload, pick_engine
+from astraflow.raas.workflows.registry import register_workflow
+from astraflow.tasks.verifiers_data import PREFIX, VerifiersError, load_environment, row_input
+from astraflow.wire.records import Sequence, Task
+
+METRIC_META = "vf_metric:"  # a sequence meta key holding one rubric function's score
+
+
+@register_workflow("verifiers")
+class VerifiersWorkflow:
+    """See the module docstring."""
+
+    name = "verifiers"
+
+    def __init__(self, environment: str | None = None, args: dict[str, Any] | None = None,
+                 timeout_s: float = 300.0, attempts: int = 2,
+                 endpoint: dict[str, Any] | None = None, **sampling: Any):
+        if not environment:
+            raise ValueError("verifiers environment: name the environment (an installed "
+                             "environment's id or 'package.module:function')")
+        if timeout_s <= 0 or attempts < 1:
+            raise ValueError("verifiers: timeout_s must be positive and attempts at least 1")
+        self.environment = environment
+        self.args = dict(args or {})
+        self.env = load_environment(environment, self.args)  # fails at start, not per task
+        self.timeout_s = float(timeout_s)
+        self.attempts = int(attempts)
+        self.endpoint = EpisodeEndpoint(endpoint)
+        self.defaults = {k: v for k, v in sampling.items() if v is not None}
+
+    def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
+        payload = parse_payload(task)
+        ref = payload.get(PREFIX)
+        if not isinstance(ref, dict):
+            raise TaskError(f"verifiers: the payload names no row ({PREFIX!r}: feed a "
+                            f"{PREFIX}:ENV:SPLIT dataset)")
+        if ref.get("env") != self.environment or dict(ref.get("args") or {}) != self.args:
+            raise TaskError(f"verifiers: the task is a row of {ref.get('env')!r} "
+                            f"{ref.get('args') or {}}, this node runs {self.environment!r} "
+                            f"{self.args}")
+        try:
+            row = row_input(self.env, ref)
+        except VerifiersError as e:
+            raise TaskError(str(e)) from None
+        engine = pick_engine(task, engines)
+        reasons: list[str] = []
+        for attempt in range(self.attempts):
+            try:
+                seqs = asyncio.run(self._group(row, engines, engine.policy, n,
+                                               f"{task.task_id}:{attempt}"))
+            except _Failed as e:
+                reasons.append(f"attempt {attempt + 1}: {e}")
+                continue
+            for s in seqs:
+                s.meta["episode_attempt"] = str(attempt)
+                if reasons:
+                    s.meta["agent_failures"] = " | ".join(shorten(r) for r in reasons)
+            return seqs
+        raise TaskError(f"verifiers: the group failed after {self.attempts} attempt(s): "
+                        + " | ".join(shorten(r) for r in reasons))
+
+    async def _group(self, row: dict[str, Any], engines: dict[str, Engine], policy: str,
+                     n: int, key: str) -> list[Sequence]:
+        """One attempt at the task's ``n`` rollouts, scored as a group."""
+        from openai import AsyncOpenAI
+        from verifiers.clients import OpenAIChatCompletionsClient
+
+        sampling = {k: v for k, v in dict(self.env.sampling_args or {}).items() if k != "n"}
+        if not sampling.get("extra_body"):
+            sampling.pop("extra_body", None)
+        with ExitStack() as stack:
+            opened = [stack.enter_context(self.endpoint.episode(engines, j, self.defaults,
+                                                                f"{key}:{j}"))
+                      for j in range(n)]
+            clients = [AsyncOpenAI(base_url=access.base_url, api_key=access.key,
+                                   max_retries=0, timeout=self.timeout_s)
+                       for _, access in opened]
+            try:
+                states = await asyncio.wait_for(asyncio.gather(*(
+                    self.env.rollout(json.loads(json.dumps(row, default=str)),
+                                     OpenAIChatCompletionsClient(c), policy, dict(sampling))
+                    for c in clients)), self.timeout_s)
+                for (ep, _), state in zip(opened, states):
+                    why = ep.failure or (f"the rollout ended with an error: {state['error']!r}"
+                                         if state.get("error") is not None else None)
+                    if why is None and not ep.trajectory.sequences:
+                        why = "no_request: the environment made no call to the endpoint"
+                    if why is not None:
+                        raise _Failed(why)
+                await self.env.rubric.score_group(states)
+            except TimeoutError:
+                raise _Failed(f"timeout: the group ran past {self.timeout_s:g} s") from None
+            except _Failed:
+                raise
+            except Exception as e:  # the environment's own code failed
+                raise _Failed(f"{type(e).__name__}: {e}") from e
+            finally:
+                for c in clients:
+                    await c.close()
+        out: list[Sequence] = []
+        for (ep, _), state in zip(opened, states):
+            meta = {"episode_requests": str(ep.trajectory.stats.requests)}
+            for name, value in dict(state.get("metrics") or {}).items():
+                meta[METRIC_META + str(name)] = repr(float(value))
+            out.extend(ep.trajectory.build(float(state["reward"]), meta))
+        return out
+
+    def group_metrics(self, seqs: list[Sequence]) -> dict[str, float]:
+        """Each rubric function's mean score over the task's episodes
+        (``verifiers/<function>``), and the requests per episode."""
+        episodes = {s.sample_index: s.meta for s in seqs}
+        scores: dict[str, list[float]] = {}
+        for meta in episodes.values():
+            for k, v in meta.items():
+                if k.startswith(METRIC_META):
+                    scores.setdefault(k[len(METRIC_META):], []).append(float(v))
+        requests = [float(m.get("episode_requests", "0")) for m in episodes.values()]
+        return {**{f"verifiers/{k}": statistics.fmean(v) for k, v in scores.items()},
+                "verifiers/requests_per_episode": statistics.fmean(requests) if requests
+                else 0.0}
+
+
+class _Failed(Exception):
+    """One attempt of a group failed (the reason)."""
+
+
+__all__ = ["VerifiersWorkflow"]
