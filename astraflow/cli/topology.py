@@ -20,6 +20,8 @@ SIDE_TOPICS = {
     "status": ("every component", "astraflow up, operators"),
     "dlq": ("every component", "operators"),
     "scaling": ("an autoscaler processor (none in this topology)", "operators' actuators"),
+    "episodes": ("RaaS nodes' agent endpoints (every call, as answered)",
+                 "a RaaS node that takes over an agent task (replay)"),
 }
 
 

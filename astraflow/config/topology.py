@@ -55,6 +55,7 @@ from astraflow.wire.records import (
     BlobChunk,
     ComponentStatus,
     DeadLetter,
+    EpisodeCall,
     Record,
     ScalingAdvice,
     Task,
@@ -83,6 +84,7 @@ TOPIC_SCHEMAS: list[tuple[str, type[Record]]] = [
     ("status", ComponentStatus),
     ("scaling", ScalingAdvice),
     ("dlq", DeadLetter),
+    ("episodes", EpisodeCall),
 ]
 SCHEMA_BY_NAME: dict[str, type[Record]] = {cls.__name__: cls for _, cls in TOPIC_SCHEMAS}
 

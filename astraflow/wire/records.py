@@ -344,6 +344,25 @@ class ScalingAdvice(Record):
     at_ms: int = field(default_factory=now_ms)
 
 
+@record("EpisodeCall")
+class EpisodeCall(Record):
+    episode: str
+    task_id: str
+    kind: str
+    index: int
+    route: str = ""
+    request_sha256: str = ""
+    policy: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    response: str = ""
+    raas_id: str = ""
+    at_ms: int = field(default_factory=now_ms)
+
+
 @record("DeadLetter")
 class DeadLetter(Record):
     source_topic: str

@@ -50,10 +50,12 @@ from astraflow.raas.agent.chat import (
     check_tools,
     parse_tool_calls,
 )
+from astraflow.raas.agent.journal import LOGGED_ROUTES, EpisodeLog, generations
 from astraflow.raas.agent.program import Access
 from astraflow.raas.agent.trajectory import EpisodeTrajectory
 from astraflow.raas.engine import Engine, Generation, SamplingParams
 from astraflow.raas.workflows.inputs import engine_tokenizer
+from astraflow.wire.records import EpisodeCall
 
 log = logging.getLogger("astraflow.raas.agent")
 
@@ -105,6 +107,7 @@ class Episode:
     trusted: bool = False  # may post its reward
     limits: EndpointLimits = field(default_factory=EndpointLimits)
     active: int = 0  # calls being answered now
+    log: EpisodeLog | None = None  # its durable log (astraflow.raas.agent.journal)
     # how a request reaches an engine (the server's Coalescer of it); None: directly
     coalescers: Mapping[str, Coalescer] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -252,12 +255,53 @@ def completion(ep: Episode, body: Mapping[str, Any]) -> dict[str, Any]:
             "usage": _usage(ids, gens)}
 
 
+# the call this handler thread recorded last: what the episode's log appends
+_last = threading.local()
+
+
 def _record(ep: Episode, policy: str, prompt: list[int], gens: list, answer: str) -> None:
     with ep.lock:
         if ep.ended:  # it ended while this request generated: nothing of it is kept
             raise EpisodeEnded(ep.id)
         ep.trajectory.record(policy, prompt, gens)
         ep.last_answer = answer
+    _last.call = (policy, prompt, gens)
+
+
+def answer(ep: Episode, route: str, body: Mapping[str, Any],
+           fn: Any) -> dict[str, Any]:
+    """``fn``'s answer to a call of ``ep``: from its log while the call is the next logged
+    one (recorded as first sampled), else live, logged before it returns."""
+    if ep.log is None or route not in LOGGED_ROUTES:
+        return fn(ep, body)
+    logged = ep.log.take(route, body)
+    if logged is not None:
+        return replayed(ep, route, body, logged)
+    _last.call = None
+    out = fn(ep, body)
+    policy, prompt, gens = _last.call
+    ep.log.append(route, body, policy, prompt, gens, out)
+    return out
+
+
+def replayed(ep: Episode, route: str, body: Mapping[str, Any],
+             logged: EpisodeCall) -> dict[str, Any]:
+    """A logged call's answer, its tokens recorded in ``ep`` as when they were sampled."""
+    gens, out, prompt = generations(logged), json.loads(logged.response), list(logged.prompt_ids)
+    with ep.lock:  # a seeded call after the replay is keyed as it was the first time
+        ep.requests += 1
+    if route == "v1/chat/completions":
+        try:
+            messages = check_messages(body.get("messages"))
+            tools = check_tools(body.get("tools"))
+        except MessageError as e:  # cannot be: the same body was answered before
+            raise CallError(400, str(e)) from None
+        replies = [c["message"] for c in out["choices"]]
+        _record(ep, logged.policy, prompt, gens, replies[0].get("content") or "")
+        ep.trajectory.remember(logged.policy, messages, tools, prompt, gens, replies)
+    else:
+        _record(ep, logged.policy, prompt, gens, out["choices"][0]["text"])
+    return out
 
 
 def _usage(prompt: list[int], gens: list) -> dict[str, int]:
@@ -401,7 +445,7 @@ class AgentServer:
                                      "episode at once (endpoint.max_calls)")
             if method == "POST" and not isinstance(body, Mapping):
                 raise CallError(400, "the body must be a JSON object")
-            return 200, fn(ep, body)
+            return 200, answer(ep, route, body, fn)
         except CallError as e:
             if e.ends_episode:
                 ep.fail(f"malformed call to {route}: {e}")

@@ -28,18 +28,24 @@ node's interpreter) or ``function`` (``"package.module:function"``), ``timeout_s
 ``attempts`` (2), ``reward`` (a reward spec of ``astraflow.tasks.rewards``; needed for an
 untrusted program), ``trusted`` (false), ``show`` (the payload keys an untrusted program
 gets), ``limits`` (``{cpu_s, mem_mb, max_procs, network, isolate}`` for a command's jail),
-``endpoint`` (``EndpointLimits``), ``env`` (more environment for a command), and the
+``endpoint`` (``EndpointLimits``), ``resume`` (``replay``: with an ``episodes`` topic,
+every call is logged and a task taken over from a node that died replays its episodes'
+calls, ``astraflow.raas.agent.journal``; ``restart``: they start again),
+``env`` (more environment for a command), and the
 sampling options every workflow takes, the defaults of a request that sets none
 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from astraflow.kafka.config import KafkaConfig
+from astraflow.raas.agent.journal import EpisodeJournal, EpisodeLog
 from astraflow.raas.agent.program import AgentProgram, Outcome
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
 from astraflow.raas.engine import Engine
@@ -47,7 +53,10 @@ from astraflow.raas.workflows.base import Checker, TaskError
 from astraflow.raas.workflows.inputs import parse_payload
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.scoring import Scorer
-from astraflow.wire.records import Sequence, Task
+from astraflow.wire.records import EpisodeCall, Sequence, Task
+
+log = logging.getLogger("astraflow.raas.agent")
+RESUMES = ("replay", "restart")
 
 FAILURE_KINDS = ("timeout", "exit", "malformed", "no_request", "no_reward", "other")
 SHOWN = ("prompt", "messages", "tools")  # what an untrusted program gets of a payload
@@ -64,9 +73,14 @@ class AgentWorkflow:
                  checker: Checker | None = None, limits: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, trusted: bool = False,
                  show: list[str] | tuple[str, ...] = SHOWN,
-                 endpoint: dict[str, Any] | None = None, **sampling: Any):
+                 endpoint: dict[str, Any] | None = None, resume: str = "replay",
+                 **sampling: Any):
         if timeout_s <= 0 or attempts < 1:
             raise ValueError("agent: timeout_s must be positive and attempts at least 1")
+        if resume not in RESUMES:
+            raise ValueError(f"agent resume: {resume!r} is not one of {', '.join(RESUMES)}")
+        self.resume = resume
+        self.journal: EpisodeJournal | None = None  # attach() opens it
         self.program = AgentProgram.from_options(command, function, limits, env)
         self.program.resolve()  # a function that does not import fails at start
         self.trusted = bool(trusted) or function is not None  # a function is the node's
@@ -93,11 +107,32 @@ class AgentWorkflow:
                 self._server = AgentServer(limits=self.endpoint)
             return self._server
 
+    def attach(self, config: KafkaConfig, topology: Any, raas_id: str) -> None:
+        """The node's Kafka: with ``resume: replay`` and an ``episodes`` topic in the
+        topology, every call is logged there and a task taken over replays its episodes
+        (``astraflow.raas.agent.journal``)."""
+        if self.resume != "replay" or self.journal is not None:
+            return
+        if "episodes" not in topology.topics:
+            log.warning("%s: the topology has no `episodes` topic: an agent task taken over "
+                        "from a node that died starts its episodes again (add topics.episodes "
+                        "to replay them; resume: restart says this is meant)", raas_id)
+            return
+        self.journal = EpisodeJournal(config, topology.full_name("episodes"), raas_id)
+
+    def close(self) -> None:
+        """The node is done: its journal's clients go."""
+        if self.journal is not None:
+            self.journal.close()
+
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload = parse_payload(task)
+        logged = self.journal.logged(task.task_id) if self.journal is not None else {}
         with ThreadPoolExecutor(n, thread_name_prefix="agent") as pool:
-            done = list(pool.map(lambda j: self._episode(payload, engines, j, task.task_id),
-                                 range(n)))
+            done = list(pool.map(
+                lambda j: self._episode(payload, engines, j, task.task_id, logged), range(n)))
+        if self.journal is not None:  # made or failed: its calls are not needed again
+            self.journal.end(task.task_id)
         failed = [reasons for seqs, reasons in done if seqs is None]
         if failed:
             raise TaskError(f"agent: {len(failed)} of {n} episodes failed after "
@@ -116,13 +151,16 @@ class AgentWorkflow:
                                                    for m in episodes.values())),
                 "agent/ignored_rewards": float(sum(m.get("ignored_reward") == "1"
                                                    for m in episodes.values())),
+                **{f"agent/{k}": float(sum(int(m.get(k, "0")) for m in episodes.values()))
+                   for k in ("replayed_calls", "replayed_tokens", "replays_diverged")},
                 **{f"agent/failed/{k}": float(sum(_kind(r) == k for r in reasons))
                    for k in FAILURE_KINDS},
                 "agent/sequences_per_episode": len(seqs) / max(len(episodes), 1),
                 "agent/turns_per_sequence": statistics.fmean(turns) if turns else 0.0}
 
     def _episode(self, payload: dict[str, Any], engines: dict[str, Engine], j: int,
-                 task_id: str) -> tuple[list[Sequence] | None, list[str]]:
+                 task_id: str, logged: dict[str, list[EpisodeCall]] | None = None,
+                 ) -> tuple[list[Sequence] | None, list[str]]:
         """Sample ``j``: its sequences (None when every attempt failed) and the reasons of
         the attempts that failed."""
         reasons: list[str] = []
@@ -131,6 +169,10 @@ class AgentWorkflow:
         for attempt in range(self.attempts):
             ep = server.open(engines, j, self.defaults, key=f"{task_id}:{j}:{attempt}",
                              keyed=self.program.command is not None, trusted=self.trusted)
+            if self.journal is not None:  # the episode's stable identity across nodes
+                name = f"{task_id}/{j}/{attempt}"
+                ep.log = EpisodeLog(self.journal, name, task_id,
+                                    replay=list((logged or {}).get(name, [])))
             try:
                 outcome = self.program.run(shown, server.access(ep), self.timeout_s)
             finally:
@@ -139,6 +181,10 @@ class AgentWorkflow:
             if reason is None:
                 meta = {"episode_attempt": str(attempt),
                         "episode_requests": str(ep.trajectory.stats.requests)}
+                if ep.log is not None and (ep.log.replayed_calls or ep.log.diverged):
+                    meta.update(replayed_calls=str(ep.log.replayed_calls),
+                                replayed_tokens=str(ep.log.replayed_tokens),
+                                replays_diverged=str(int(ep.log.diverged)))
                 if not self.trusted and _reports_reward(outcome.result):
                     meta["ignored_reward"] = "1"
                 if reasons:  # each reason cut short: a meta value stays small
