@@ -139,6 +139,14 @@ BENCHES: dict[str, tuple[str, str]] = {
         "Agent endpoint",
         "the openai client through the RaaS node's OpenAI-compatible endpoint against calling "
         "the engine directly: latency per call and tokens per second"),
+    "agent_splits": (
+        "Agent episodes split into sequences",
+        "the shipped agent examples on SmolLM2-135M: sequences per episode and the share of "
+        "episodes recorded as more than one sequence, before and after a change of the code"),
+    "durable_episodes": (
+        "Durable agent episodes",
+        "a RaaS node killed mid-episode and its task taken over, the episodes replayed from "
+        "the log against started again: tokens sampled again and seconds to the group"),
     "vllm_lora": (
         "vLLM applying LoRA versions",
         "vLLM's own LoRA (a LoRARequest per version) against the adapter merged into the "
