@@ -4,20 +4,31 @@ Trainer states are written every N versions (``astraflow.trainer.state``), so af
 crash the newest recorded state (version k) is usually older than the newest published
 version L. The versions k+1..L were trained from batches whose positions each manifest
 names (``meta`` ``batch_partition``/``batch_offset``, next to ``batch_id``): the trainer
-re-reads them, retrains them *without publishing*, and checks that each recomputed version
-rounds to the published one bit for bit. Only then does it go on from L; a difference
-(other flags, thread count, device, torch version) is refused, since the published history
-could not be continued exactly.
+re-reads them and retrains them *without publishing*, checking that each recomputed version
+rounds to the published one bit for bit.
+
+When every one does, the trainer goes on from L exactly as an uninterrupted one would.
+When one differs (a backward that is not bit-reproducible, as CUDA's is without
+``deterministic``; other flags, thread count, device or torch version) or its batch trains
+nothing when recomputed, the published history cannot be continued exactly; the recompute
+still retrains every batch of k+1..L once, so the recomputed weights have seen exactly the
+batches of version L. The service then publishes them as a *rebase*: version L+1, a full
+checkpoint only, whose ``meta`` says ``rebase_of`` L and why (``rebase_reason``), whose
+consumed offsets are L's and which records its own trainer state; followers move to it
+as to any full checkpoint, and training goes on from it. No batch is lost or trained twice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from astraflow.kafka.config import TRAINER_REPLAY_GROUP_PREFIX, KafkaConfig
@@ -108,6 +119,55 @@ class BatchReader:
         self.consumer.close()
 
 
+# test hook: after recomputing this version, nudge the weights (as a GPU's
+# non-reproducible backward would), so the recompute differs from the published version
+PERTURB_ENV = "ASTRAFLOW_TRAINER_RECOMPUTE_PERTURB"
+
+# a rebase version's meta: the version it follows (whose batches it has trained), and why
+REBASE_KEY = "rebase_of"
+REBASE_REASON_KEY = "rebase_reason"
+
+
+def trained_batches(manifests: list[WeightManifest], version: int) -> int:
+    """How many batches the weights of ``version`` have trained (its manifest's
+    ``trainer_step``: the schedule's step count); ``version`` when no manifest of it is
+    left (before rebases, versions and trained batches are one count)."""
+    steps = [m.trainer_step for m in manifests if m.version == version]
+    return max(steps) if steps else version
+
+
+@dataclass
+class Recomputed:
+    """What ``recompute`` found: the seconds it took, and ``differs``: None when every
+    recomputed version equals the published one, else the first difference (the trainer
+    then holds weights that trained the same batches as the newest version but differ
+    from it: they are published as a rebase)."""
+
+    seconds: float
+    differs: str | None = None
+
+
+def _perturb(trainer: Any) -> None:
+    """``PERTURB_ENV``: shift the first trained floating tensor by a hundredth of its
+    largest magnitude (far more than one step of its published rounding)."""
+    with torch.no_grad():
+        for t in trainer.trained_state().values():
+            if t.is_floating_point():
+                local = t.to_local() if hasattr(t, "to_local") else t
+                local.add_(1e-2 * (float(local.abs().max()) if local.numel() else 0.0) + 1e-3)
+                break
+    trainer.refresh_published()
+
+
+def _agree(trainer: Any, differs: bool) -> bool:
+    """Whether any rank of the trainer's group found a difference (every rank must take
+    the same way on: rebase or not)."""
+    group = getattr(trainer, "group", None)
+    if group is None:
+        return differs
+    return group.max_floats({"differs": float(differs)})["differs"] > 0
+
+
 def recompute(
     trainer: Any,
     follower: Any,
@@ -116,12 +176,17 @@ def recompute(
     latest: int,
     reader: BatchReader,
     where: str,
-) -> float:
+) -> Recomputed:
     """Retrain versions ``start+1..latest`` from their batches (``trainer`` holds the state
     of ``start``, ``follower`` the published weights of ``start``), checking each against
-    the published version; ``follower`` ends at ``latest``. Returns the seconds taken."""
+    the published version until one differs; every batch is retrained either way. With
+    no difference ``follower`` ends at ``latest``. A version that cannot be retrained at
+    all (no manifest, no batch position, another batch at its position) is refused:
+    ``RuntimeError``."""
     t0 = time.perf_counter()
     by_version = {m.version: m for m in manifests}
+    perturb_at = int(os.environ.get(PERTURB_ENV) or -1)
+    differs: str | None = None
     for v in range(start + 1, latest + 1):
         m = by_version.get(v)
         if m is None:
@@ -130,24 +195,34 @@ def recompute(
             raise RuntimeError(
                 f"{where}: version {v} names no batch position (meta batch_partition/"
                 f"batch_offset), so it cannot be recomputed from the state of version "
-                f"{start}; cannot resume exactly")
+                f"{start}; cannot resume")
         batch = reader.read(int(m.meta["batch_partition"]), int(m.meta["batch_offset"]))
         if "batch_id" in m.meta and batch.batch_id != m.meta["batch_id"]:
             raise RuntimeError(
                 f"{where}: version {v} was trained on batch {m.meta['batch_id']}, its "
-                f"position holds {batch.batch_id}; cannot resume exactly")
+                f"position holds {batch.batch_id}; cannot resume")
         metrics = trainer.train_step(batch, current_version=v - 1)
+        if v == perturb_at:
+            _perturb(trainer)
+        if differs is not None:
+            log.info("recomputed version %d from batch %s (after a difference: not "
+                     "compared)", v, batch.batch_id)
+            continue
         follower.update(v)
         bad = first_difference(trainer.published_state(), follower.state)
-        if metrics["trainer/loss_tokens"] == 0 or bad is not None:
-            raise RuntimeError(
-                f"{where}: version {v} recomputed from the state of version {start} differs "
-                f"from the published version {v} (tensor {bad or 'all: nothing trained'}); "
-                "cannot resume exactly: restart with the flags, --threads and device the "
-                "run was started with")
+        nothing = metrics["trainer/loss_tokens"] == 0
+        if _agree(trainer, nothing or bad is not None):
+            differs = (f"version {v} recomputed from the state of version {start} "
+                       + ("trained nothing" if nothing else
+                          f"differs from the published one (tensor {bad or 'on another rank'})"))
+            log.warning("%s: %s; the versions after it are retrained without comparing, "
+                        "the result is published as a rebase", where, differs)
+            continue
         log.info("recomputed version %d from batch %s: equals the published one", v,
                  batch.batch_id)
-    return time.perf_counter() - t0
+    return Recomputed(time.perf_counter() - t0, differs)
 
 
-__all__ = ["BatchReader", "first_difference", "newest_state", "recompute", "recorded_states"]
+__all__ = ["PERTURB_ENV", "REBASE_KEY", "REBASE_REASON_KEY", "BatchReader", "Recomputed",
+           "first_difference", "newest_state", "recompute", "recorded_states",
+           "trained_batches"]

@@ -68,7 +68,15 @@ from astraflow.models.lora import LoraSettings
 from astraflow.models.lora import settings_of as lora_settings_of
 from astraflow.trainer.checkpoint_writer import CheckpointWriter, fetch_state_files
 from astraflow.trainer.parallel import Group
-from astraflow.trainer.resume import BatchReader, newest_state, recompute, recorded_states
+from astraflow.trainer.resume import (
+    REBASE_KEY,
+    REBASE_REASON_KEY,
+    BatchReader,
+    newest_state,
+    recompute,
+    recorded_states,
+    trained_batches,
+)
 from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY, StateWriter, WrittenState
 from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.weights.delta import state_bytes_equal
@@ -324,14 +332,19 @@ class TrainerService:
         follower.observe(manifests)
         res = follower.update(start)
         opt, master = self._load_state(follower, start, meta, manifests)
+        # the schedule's count: the batches version start has trained (not its number: a
+        # rebase version trained none of its own)
+        self.trainer.steps = trained_batches(manifests, start)
         reader = BatchReader(self.config, self.batches_topic, self.codec)
         try:
-            replay_s = recompute(self.trainer, follower, manifests, start, latest, reader,
+            replayed = recompute(self.trainer, follower, manifests, start, latest, reader,
                                  self.weights_topic)
         finally:
             reader.close()
-        assert follower.state is not None
-        self.publisher = self._publisher(version=latest, state=follower.state)
+        replay_s = replayed.seconds
+        if replayed.differs is None:
+            assert follower.state is not None
+            self.publisher = self._publisher(version=latest, state=follower.state)
         last = [m for m in manifests if m.version == latest][0]
         self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
         if self.loop is not None:
@@ -340,10 +353,12 @@ class TrainerService:
         self.state_version = start if meta else None
         self._state_refs = recorded_states(manifests)
         self._drop_old_states()
+        if replayed.differs is not None:
+            self._rebase(last, replayed.differs)
         log.info(
             "%s: resumed at version %d from the state of version %d (%d manifests applied, "
             "%d bytes); optimizer state %s; master weights %s; recomputed versions %s in "
-            "%.2fs; %.2fs in all; consuming from %s",
+            "%.2fs%s; %.2fs in all; consuming from %s",
             self.component_id,
             latest,
             start,
@@ -353,9 +368,41 @@ class TrainerService:
             master,
             f"{start + 1}..{latest}" if latest > start else "none",
             replay_s,
+            "" if replayed.differs is None else f", published as rebase version {self.version}",
             time.perf_counter() - t0,
             _fmt_positions(self.positions) or "the group's committed offsets",
         )
+
+    def _rebase(self, last: WeightManifest, why: str) -> None:
+        """Publish what the recompute arrived at as version ``last.version + 1``: a full
+        checkpoint (nothing to take a delta from: the publisher starts without a base)
+        whose meta says it rebases ``last`` and why, with ``last``'s consumed offsets (it
+        has trained exactly the batches ``last`` had) and its own trainer state recorded,
+        so no later resume has to recompute across it. Every rank calls it; rank 0
+        commits."""
+        latest = last.version
+        version = latest + 1
+        self.publisher = self._publisher()
+        written = self._state_step(version, {}, final=True)
+        meta = dict(written.meta) if written is not None else {}
+        meta[REBASE_KEY] = str(latest)
+        meta[REBASE_REASON_KEY] = why
+        ms = self._publish(version, list(last.consumed_offsets), meta)
+        self.version = version
+        if ms is not None:  # rank 0
+            self._add_model_files(ms)
+            cp = self.loop.checkpoint()
+            for m in self._signed(ms):
+                cp.add(self.weights_topic, m, key=self.policy)
+            self.loop.commit(cp, offsets=False)
+            self._history += ms
+        if written is not None:
+            self.state_version = written.version
+            self._state_refs.append((written.version, written.refs))
+            self._drop_old_states()
+        log.warning("%s: %s: published the recomputed weights as version %d, a rebase of "
+                    "version %d (full checkpoint; the same batches trained)",
+                    self.component_id, why, version, latest)
 
     def _trusted(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
         """The manifests a resume may use: with a public key configured, those signed by
@@ -446,7 +493,9 @@ class TrainerService:
         start encoding and writing it on the publishing thread."""
         state = (self.trainer.published_state() if self.dist is None
                  else self.trainer.published_part()[0])
-        prepared = self.publisher.prepare(state, version=version, trainer_step=version,
+        # trainer_step: the batches these weights have trained (the schedule's count)
+        prepared = self.publisher.prepare(state, version=version,
+                                          trainer_step=self.trainer.steps,
                                           consumed_offsets=offsets or [], meta=meta)
         return self._writer_pool.submit(prepared.write)
 
@@ -565,7 +614,6 @@ class TrainerService:
                     f"{self.weights_topic}: the master weights of version {version} (from "
                     f"{master}) do not round to its published weights; cannot resume exactly"
                 )
-        self.trainer.steps = version
         return opt, master
 
     def _load_checkpoint(self, where: str, published, version: int,
@@ -583,7 +631,6 @@ class TrainerService:
             raise RuntimeError(
                 f"{self.weights_topic}: the master weights of version {version} (from "
                 f"{where}) do not round to its published weights; cannot resume exactly")
-        self.trainer.steps = version
         return f"loaded from {source or where}", "loaded"
 
     def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
@@ -789,6 +836,7 @@ class TrainerService:
             meta["batch_offset"] = str(off)
             meta["loss"] = f"{metrics['trainer/loss']:.6g}"
             meta["reward_mean"] = f"{metrics['trainer/reward_mean']:.6g}"
+            meta["lr"] = repr(metrics["trainer/lr"])  # the schedule's rate, exactly
             offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
         t0 = time.perf_counter()
         future = self._start_publish(version, offsets, meta)

@@ -974,7 +974,9 @@ class Trainer:
         rows = self._rows(batch)
         with self._dropout_rng():
             acc = self._steps(rows)
-        self.steps += 1
+        # the schedule (and LoRA's dropout seed) counts trained batches, i.e. published
+        # versions: a batch that trains nothing (every group stale) leaves it as it is
+        self.steps += int(acc["tokens"] > 0)
         rewards = [r.seq.reward for r in rows]
         metrics = {
             "trainer/loss": acc["loss"],
