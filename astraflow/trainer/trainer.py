@@ -395,7 +395,7 @@ class Trainer:
         if c.gradient_checkpointing:
             self.backend.enable_checkpointing()
         if group is not None:
-            _fully_shard(self.model, group)
+            _fully_shard(self.model, group, self._mixed_precision())
         # True when the published weights are a rounding of the trained ones, which then
         # have to be saved apart (master_bytes) for an exact resume
         self.keeps_master = self.publish_dtype is not None and any(
@@ -523,6 +523,19 @@ class Trainer:
                 raise ValueError(f"loading weights: {k} has shape {tuple(state[k].shape)}, "
                                  f"the model's is {tuple(v.shape)}")
         return mine
+
+    def _mixed_precision(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` under a group where the trainer computes in bf16
+        (``autocast`` bf16, or bf16 weights): layers are all-gathered in bf16 (half the
+        bytes; autocast would cast each weight to bf16 for its matmul anyway) and gradients
+        reduce-scattered in fp32, so the sum over ranks loses nothing to bf16. None (fp32
+        all-gathers and reductions) where the trainer computes in fp32: an fp32 run stays
+        fp32."""
+        if self.autocast != "bf16" and self.dtype != torch.bfloat16:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def _rows_of(self, v: torch.Tensor) -> tuple[int, int]:
         """The rows of dim 0 of the sharded ``v`` this rank holds."""
@@ -817,12 +830,21 @@ class Trainer:
         n = len(passes)
         if self.group is not None:
             n = int(self.group.max_floats({"passes": float(n)})["passes"])
-        for i in range(n):
-            got = self._pass_logprobs(*passes[i]) if i < len(passes) else None
-            if got is not None:
-                yield i, got
-            elif self.group is not None:
-                self._dummy_pass(backward)
+        try:
+            for i in range(n):
+                if self.group is not None and backward:
+                    # gradients stay unsharded and summed on each rank until the step's
+                    # last backward pass, which reduce-scatters them once (the same pass on
+                    # every rank: all make n); the cost, an unsharded gradient per layer
+                    self.model.set_requires_gradient_sync(i == n - 1)
+                got = self._pass_logprobs(*passes[i]) if i < len(passes) else None
+                if got is not None:
+                    yield i, got
+                elif self.group is not None:
+                    self._dummy_pass(backward)
+        finally:
+            if self.group is not None and backward:
+                self.model.set_requires_gradient_sync(True)
 
     def _dummy_pass(self, backward: bool) -> None:
         """A forward (and backward) pass that changes nothing: two pad tokens, loss 0 times
@@ -1121,10 +1143,12 @@ def _check_group(c: TrainerConfig, group: Group) -> None:
                          f"device {group.device} (join(device=...))")
 
 
-def _fully_shard(model: torch.nn.Module, group: Group) -> None:
+def _fully_shard(model: torch.nn.Module, group: Group, mp_policy: Any = None) -> None:
     """FSDP2 on each decoder layer (the classes transformers names in
     ``_no_split_modules``) and on the root; gradients summed over the ranks, not averaged:
-    each rank's loss is already divided by the token count of the whole batch."""
+    each rank's loss is already divided by the token count of the whole batch.
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (None: gathers and reductions in the
+    parameters' dtype)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     names = set(getattr(model, "_no_split_modules", None) or ())
@@ -1132,13 +1156,14 @@ def _fully_shard(model: torch.nn.Module, group: Group) -> None:
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layer to shard (none of the "
                          f"classes in _no_split_modules {sorted(names)})")
+    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in layers:
-        fully_shard(layer, mesh=group.mesh)
+        fully_shard(layer, mesh=group.mesh, **mp)
     # the root too frees its gathered weights after each forward pass (FSDP2 keeps them by
     # default until the backward pass): a no-grad pass (batch statistics, the proximal
     # policy) not followed by a backward pass before the optimizer step would otherwise
     # leave stale weights for the next forward pass
-    fully_shard(model, mesh=group.mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=group.mesh, reshard_after_forward=True, **mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
