@@ -32,6 +32,10 @@ options (``reward: {name: format, pattern: "-?\\d+"}``). Registered rewards:
   ``reasoning_gym:`` dataset payload was drawn from, of the completion's last
   ``<answer>...</answer>`` (``tag``, default ``answer``; null: the whole completion),
   cut at the first end-of-sequence marker (``astraflow.tasks.reasoning_gym``).
+* ``verifiers``: a verifiers environment's rubric (``environment``, ``args``: as the
+  ``verifiers`` workflow names it) of the completion as the one assistant answer to the
+  row a ``verifiers:`` dataset payload names: the held-out score of the evaluator, which
+  samples one answer (``astraflow.tasks.verifiers_data``).
 * ``sum``: ``terms`` (a list of reward specs, each with an optional ``weight``) added up;
   for instance correctness plus a small format bonus.
 
@@ -210,6 +214,13 @@ def reasoning_gym(tag: str | None = "answer") -> Reward:
     from astraflow.tasks import reasoning_gym as rg
 
     return lambda completion, payload: rg.score(cut_at_stop(completion), payload, tag)
+
+
+@register_reward("verifiers")
+def verifiers_rubric(environment: str, args: dict[str, Any] | None = None) -> Reward:
+    from astraflow.tasks.verifiers_data import rubric_reward
+
+    return rubric_reward(environment, args)
 
 
 @register_reward("sum")

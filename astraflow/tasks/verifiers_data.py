@@ -152,5 +152,41 @@ def verifiers_payloads(path: str, *, limit: int | None = None) -> list[dict[str,
     return [payload_of(env, args, split, i, data[i]) for i in range(n)]
 
 
+def rubric_score(environment: Any, row: Mapping[str, Any], completion: str) -> float:
+    """The environment's rubric of one assistant answer ``completion`` to ``row`` (its
+    ``score_group`` on a one-rollout group): what the evaluator's single answer to a held-out
+    row earns. A multi-turn or tool environment's rubric then sees a one-turn conversation."""
+    import asyncio
+
+    from verifiers.types import RolloutTiming, State
+    from verifiers.utils.message_utils import normalize_messages
+
+    state = State(input=dict(row))
+    state["prompt"] = normalize_messages(row["prompt"], field_name="input.prompt")
+    state["completion"] = normalize_messages([{"role": "assistant", "content": completion}],
+                                             field_name="completion")
+    state.update(trajectory=[], reward=None, metrics=None, error=None, timing=RolloutTiming())
+    asyncio.run(environment.rubric.score_group([state]))
+    return float(state["reward"])
+
+
+def rubric_reward(environment: str, args: Mapping[str, Any] | None = None) -> Any:
+    """The ``verifiers`` reward (``astraflow.tasks.rewards``): ``rubric_score`` of a
+    completion on the row its payload names, of the environment these options name."""
+    env = load_environment(environment, args)
+    want = dict(args or {})
+
+    def reward(completion: str, payload: Mapping[str, Any]) -> float:
+        ref = payload.get(PREFIX)
+        if not isinstance(ref, Mapping) or ref.get("env") != environment or \
+                dict(ref.get("args") or {}) != want:
+            raise VerifiersError(f"the verifiers reward of {environment!r} {want} scores rows "
+                                 f"of that environment (the payload names "
+                                 f"{ref.get('env') if isinstance(ref, Mapping) else None!r})")
+        return rubric_score(env, row_input(env, ref), completion)
+
+    return reward
+
+
 __all__ = ["VerifiersError", "load_environment", "parse_path", "payload_of", "row_input",
-           "rows", "verifiers_payloads"]
+           "rows", "rubric_reward", "rubric_score", "verifiers_payloads"]

@@ -126,3 +126,21 @@ def test_workflow_options_fail_at_load_naming_the_key():
         WORKFLOW_OPTIONS["openenv"].model_validate({"app": "a:b", "max_turns": 0})
     assert WORKFLOW_OPTIONS["openenv"].model_validate(
         {"base_url": "http://h:8000"}).given() == {"base_url": "http://h:8000"}
+
+
+def test_the_verifiers_reward_is_the_environments_rubric_on_a_held_out_row():
+    from astraflow.envs.verifiers_examples import correct
+    from astraflow.tasks.rewards import make_reward
+    from astraflow.tasks.verifiers_data import load_environment, row_input, verifiers_payloads
+
+    args = {"size": 4, "eval_size": 4}
+    reward = make_reward({"name": "verifiers", "environment": ENV, "args": args})
+    env = load_environment(ENV, args)
+    for p in verifiers_payloads(f"verifiers:{ENV}:eval?size=4&eval_size=4"):
+        info = row_input(env, p["verifiers"])["info"]
+        for text in (f"<answer>{p['answer']}</answer>", "<answer>x</answer>", p["answer"]):
+            assert reward(text, p) == correct([{"role": "assistant", "content": text}], info)
+        assert reward(f"<answer>{p['answer']}</answer>", p) == 1.0
+    other = verifiers_payloads(f"verifiers:{ENV}:eval?size=3&eval_size=4")[0]
+    with pytest.raises(ValueError, match="scores rows of that environment"):
+        reward("1", other)
