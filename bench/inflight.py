@@ -1,10 +1,10 @@
 """Weight updates inside a long generation: token age in versions and throughput, with
 updates within generations off and on, side by side in one run.
 
-Both cells run ``astraflow up`` on the agent topology (default
+Both cells, **off** and **on**, run ``astraflow up`` on the agent topology (default
 ``topology/agent-react.yaml``: the ReAct calculator program of
 ``examples/agents/react_calc.py`` against the node's OpenAI-compatible endpoint), one
-after the other from the same tiny model and seed, for ``--duration`` seconds each. Each
+after the other from the same tiny model and seed, for ``--duration`` seconds a run. Each
 cell's variant differs from the topology in its run id (``bench-inflight-<cell>``), the
 pool's ``update_every_tokens`` (0 for **off**, ``--every`` for **on**) and what makes
 generations long and versions frequent: the tiny model is not warm-started (a random
@@ -31,12 +31,18 @@ Read back from the run's topics afterwards:
   (``raas/weight_updates_inflight``), the most versions one sequence spanned and the
   groups the staleness filter dropped.
 
-Usage (needs Java and Maven for the embedded broker, as ``astraflow up`` does; about
-``2 x (--duration + 40)`` seconds):
+Each cell runs ``--rounds`` times, in the order off, on, on, off, ... (so that a machine
+getting busier or quieter weighs on both alike); its token ages pool every token of its
+runs, its rates are the mean of its runs. Beside it, the engine alone: tokens per second of
+the torch engine on the same model with a version swapped in at every chunk boundary
+against none, calls alternating (what the mechanism costs, without the rest of the run).
 
-    python bench/inflight.py [--duration 150] [--every 16] [--tokens 256] [--samples 2]
-        [--nodes 3] [--batch 1] [--staleness 32] [--topology topology/agent-react.yaml] [--seed 0]
-        [--keep] [--out bench/results/inflight.json]
+Usage (needs Java and Maven for the embedded broker, as ``astraflow up`` does; about
+``2 x rounds x (--duration + 25)`` seconds):
+
+    python bench/inflight.py [--duration 90] [--rounds 2] [--every 16] [--tokens 256]
+        [--samples 2] [--nodes 3] [--batch 1] [--staleness 32] [--seed 0] [--keep]
+        [--topology topology/agent-react.yaml] [--out bench/results/inflight.json]
 """
 
 from __future__ import annotations
@@ -280,7 +286,7 @@ def side_by_side(cells: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=150.0, help="seconds per cell")
+    ap.add_argument("--duration", type=float, default=90.0, help="seconds per cell run")
     ap.add_argument("--every", type=int, default=16,
                     help="update_every_tokens of the 'on' cell (default 16)")
     ap.add_argument("--tokens", type=int, default=256, help="max_new_tokens of a call")

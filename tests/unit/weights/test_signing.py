@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,7 @@ def test_a_watcher_dead_letters_each_refusal_with_where_it_was_read(keys):
     watcher = object.__new__(WeightWatcher)  # its Kafka table left out: fed by hand
     watcher.topic, watcher.codec, watcher._where = "r.weights.actor", codec, {}
     watcher.manifests_seen, watcher._failed_target = 0, None
+    watcher._lock = threading.RLock()  # the follower's, shared with a prefetch thread
     watcher.follower = WeightFollower(policy="actor", verifier=verifier)
     unsigned = manifest(version=5)
     assert watcher._key(Entry("r.weights.actor", 2, 41, b"actor", unsigned, 0)) is not None
