@@ -84,6 +84,7 @@ class WeightWatcher:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._prefetcher: threading.Thread | None = None
+        self._refused_inflight: int | None = None  # a version the engine refused mid-call
 
     def _key(self, entry: Any) -> Any:
         """The table key of a manifest (its identity); its place is noted when verifying."""
@@ -219,15 +220,16 @@ class WeightWatcher:
             return None  # a fetch is writing the follower's copy: the next chunk asks again
         try:
             v = self.follower.version
-            if v is None or v <= current or self.follower.state is None:
+            if (v is None or v <= current or self.follower.state is None
+                    or v == self._refused_inflight):
                 return None
             t0 = time.perf_counter()
             try:
                 load(self.follower.state, v)
-            except ValueError as e:  # the engine kept its weights; not offered again
+            except ValueError as e:  # the engine kept its weights; not offered again here
                 log.warning("%s: version %s refused by the engine mid-generation: %s",
                             self.topic, v, e)
-                self._failed_target = self.follower.latest_version
+                self._refused_inflight = v
                 return None
             self.updates += 1
             self.inflight_updates += 1

@@ -131,3 +131,54 @@ def test_follow_inflight_off_and_bad_settings(engine):
     with pytest.raises(ValidationError, match="update_every_tokens"):
         PoolSpec(update_every_tokens=-1)
     assert PoolSpec().update_every_tokens == NodeOptions().update_every_tokens == 0
+
+
+def test_the_watcher_hands_over_only_a_fetched_newer_version_and_never_waits():
+    """``WeightWatcher.take_ready`` without Kafka: its follower's copy is handed over when
+    newer than the engine's version; while a fetch holds the lock it answers None at once;
+    a version the engine refused is not offered again."""
+    import threading
+
+    from astraflow.raas.weights_follow import WeightWatcher
+    from astraflow.weights import WeightFollower
+
+    state = {"w": torch.ones(2)}
+    watcher = object.__new__(WeightWatcher)  # its Kafka table left out
+    watcher.topic, watcher._lock, watcher._refused_inflight = "r.weights.actor", \
+        threading.RLock(), None
+    watcher.updates = watcher.inflight_updates = 0
+    watcher.update_s = watcher.last_update_s = 0.0
+    watcher.follower = WeightFollower(state=state, version=4, policy="actor")
+    loads: list[int] = []
+
+    def load(s, v):
+        assert s["w"] is watcher.follower.state["w"]
+        loads.append(v)
+
+    assert watcher.take_ready(4, load) is None and watcher.take_ready(5, load) is None
+    assert watcher.take_ready(2, load) == 4 and loads == [4]
+    assert watcher.inflight_updates == watcher.updates == 1
+
+    held, release = threading.Event(), threading.Event()
+
+    def fetching():  # a prefetch writing the follower's copy
+        with watcher._lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=fetching)
+    t.start()
+    held.wait(30)
+    try:
+        assert watcher.take_ready(2, load) is None and loads == [4]
+    finally:
+        release.set()
+        t.join(30)
+
+    def refuse(s, v):
+        raise ValueError("does not fit")
+
+    assert watcher.take_ready(2, refuse) is None
+    assert watcher.take_ready(2, load) is None and loads == [4]  # v4 is not offered again
+    watcher.follower.version = 5
+    assert watcher.take_ready(2, load) == 5
