@@ -71,6 +71,22 @@ def _moments(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def placed(group: dict[str, Any], p: torch.Tensor, key: str, value: torch.Tensor
+           ) -> torch.Tensor:
+    """``value`` of the AdamW state ``key`` of parameter ``p`` (in param group ``group``)
+    placed where the optimizer expects it, as ``Optimizer.load_state_dict`` places a loaded
+    state: ``step`` a float32 scalar, on the CPU unless the group is ``capturable`` or
+    ``fused`` (whose kernels read it on the device: then on ``p``'s device); every other
+    tensor like ``p``: its device, and its dtype when floating."""
+    if key == "step":
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        return value.to(device=p.device if on_device else torch.device("cpu"),
+                        dtype=torch.float32)
+    if p.is_floating_point():
+        return value.to(device=p.device, dtype=p.dtype)
+    return value.to(device=p.device)
+
+
 def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format).detach()
 
@@ -195,10 +211,14 @@ def load(trainer: Trainer, directory: str | Path) -> dict[str, Any]:
     opt = trainer.optimizer
     for group in opt.param_groups:
         for p in group["params"]:
-            opt.state[p] = dict(state["optim"][name_of[id(p)]])
+            # loaded into the tensors _moments made (a fresh optimizer's step is a CPU
+            # scalar): placed as the optimizer expects them, e.g. fused AdamW on CUDA reads
+            # step on the parameter's device
+            opt.state[p] = {k: placed(group, p, k, v)
+                            for k, v in state["optim"][name_of[id(p)]].items()}
     trainer.refresh_published()
     trainer.steps = int(meta["steps"])
     return meta
 
 
-__all__ = ["FORMAT", "SaveHandle", "load", "read_meta", "save"]
+__all__ = ["FORMAT", "SaveHandle", "load", "placed", "read_meta", "save"]

@@ -10,7 +10,15 @@ drives GPU ``LOCAL_RANK``) and the device the process trains on. ``Trainer(..., 
 The collectives here are what the service needs around the step: ``broadcast`` a Python
 object from one rank, ``gather`` every rank's object on rank 0, ``barrier``, and
 ``sum_floats`` / ``max_floats`` of a dict of numbers. Every rank must call each of them, in
-the same order.
+the same order. They fail after the group's collective timeout (``timeout_s``).
+
+Rank 0 alone reads Kafka, so the other ranks wait for it, for as long as it has no batch.
+They wait on the *control channel*, a gloo group of its own made at ``join`` with a
+timeout of ``CONTROL_TIMEOUT_S`` (a year): ``command`` hands them rank 0's next command,
+``wait_for_all`` holds every rank until all are there (before the collectives that follow
+work one rank does alone). A rank that dies closes its connections, so a rank waiting on
+the channel fails at once with an error naming the peer, not at the timeout; training's
+collectives keep their short timeout, which finds a rank that hangs.
 
 A rank's part of a sharded tensor is rows ``start..stop`` of its dim 0 (FSDP2 shards every
 parameter along dim 0): ``shard_rows`` says which, ``rows`` makes the blob format's ``Rows``
@@ -39,6 +47,8 @@ if TYPE_CHECKING:
 
 # the environment torchrun gives each process
 DEFAULT_TIMEOUT_S = 600.0
+# the control channel's: the other ranks wait for rank 0's next command as long as it lives
+CONTROL_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def rows(start: int, stop: int, shape: tuple[int, ...]) -> Rows:
@@ -72,6 +82,8 @@ class Group:
     device: torch.device
     _mesh: Any = field(default=None, repr=False)
     _checkpoint_group: Any = field(default=None, repr=False)
+    # the control channel (gloo, CONTROL_TIMEOUT_S); None: the default group's collectives
+    _control: Any = field(default=None, repr=False)
 
     @property
     def mesh(self) -> Any:
@@ -100,6 +112,32 @@ class Group:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, device=self._object_device())
         return box[0]
+
+    def command(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` (pickled) on every rank, over the control channel: the other
+        ranks wait for it as long as rank 0 lives (see the module docstring); they fail
+        promptly with ``RuntimeError`` when it dies."""
+        box = [obj if self.rank == 0 else None]
+        self._on_control(lambda: dist.broadcast_object_list(
+            box, src=0, group=self._control,
+            device=None if self._control is not None else self._object_device()))
+        return box[0]
+
+    def wait_for_all(self) -> None:
+        """Return once every rank got here, over the control channel (no deadline while
+        the ranks live): before training's collectives, after work one rank did alone."""
+        if self._control is None:
+            self.barrier()
+            return
+        self._on_control(lambda: dist.barrier(group=self._control))
+
+    def _on_control(self, op: Callable[[], Any]) -> None:
+        try:
+            op()
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise RuntimeError(
+                f"trainer rank {self.rank}: lost the trainer group while waiting for rank 0 "
+                f"(a rank died or left): {e}") from e
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (pickled), in rank order, on rank 0; None elsewhere."""
@@ -152,9 +190,10 @@ class Group:
         """Destroy the process group (and the checkpoint group): the end of this process's
         part in the trainer."""
         if dist.is_initialized():
-            if self._checkpoint_group is not None:
-                dist.destroy_process_group(self._checkpoint_group)
-                self._checkpoint_group = None
+            for sub in (self._checkpoint_group, self._control):
+                if sub is not None:
+                    dist.destroy_process_group(sub)
+            self._checkpoint_group = self._control = None
             dist.destroy_process_group()
         self._mesh = None
 
@@ -167,13 +206,15 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
-def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
+def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+         control_timeout_s: float = CONTROL_TIMEOUT_S) -> Group:
     """Join the trainer's process group from torchrun's environment (``processes.RANK_ENV``).
 
     ``device``: ``cpu`` (gloo) or ``cuda`` (NCCL; this process drives GPU ``LOCAL_RANK``,
     or the index given as ``cuda:N``). ``timeout_s``: how long a collective may wait for the
-    other ranks before it fails. ``ValueError`` (one line) when the environment is
-    incomplete or the device is not usable."""
+    other ranks before it fails (the control channel's is ``control_timeout_s``: see the
+    module docstring). ``ValueError`` (one line) when the environment is incomplete or the
+    device is not usable."""
     missing = [v for v in RANK_ENV if not os.environ.get(v)]
     if missing:
         raise ValueError(
@@ -207,7 +248,9 @@ def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
         backend, rank=rank, world_size=world, init_method="env://",
         timeout=datetime.timedelta(seconds=timeout_s),
         **({"device_id": dev} if backend == "nccl" else {}))
-    return Group(rank, world, local, backend, dev)
+    control = dist.new_group(backend="gloo",
+                             timeout=datetime.timedelta(seconds=control_timeout_s))
+    return Group(rank, world, local, backend, dev, _control=control)
 
 
 def _child(rank: int, n: int, port: int, target: Callable[..., Any], args: tuple,
@@ -285,5 +328,5 @@ def spawn_local(n: int, target: Callable[..., Any], args: tuple = (), *,
     return [results[r] for r in range(n)]
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Group", "join", "rows",
+__all__ = ["CONTROL_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "Group", "join", "rows",
            "shard_rows", "spawn_local"]

@@ -311,7 +311,7 @@ class TrainerService:
                 m for m in read_manifests(self.config, self.weights_topic)
                 if m.policy == self.policy])
         if self.dist is not None:
-            manifests = self.dist.broadcast(manifests)
+            manifests = self.dist.command(manifests)
         return manifests
 
     def _restore(self) -> None:
@@ -347,14 +347,14 @@ class TrainerService:
             self.publisher = self._publisher(version=latest, state=follower.state)
         last = [m for m in manifests if m.version == latest][0]
         self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
-        if self.loop is not None:
-            self.loop.positions.update(self._resume_positions(latest))
         self.version = self.resumed_from = latest
         self.state_version = start if meta else None
         self._state_refs = recorded_states(manifests)
         self._drop_old_states()
         if replayed.differs is not None:
             self._rebase(last, replayed.differs)
+        if self.loop is not None:  # rank 0 alone, after the group's last collective here
+            self.loop.positions.update(self._resume_positions(latest))
         log.info(
             "%s: resumed at version %d from the state of version %d (%d manifests applied, "
             "%d bytes); optimizer state %s; master weights %s; recomputed versions %s in "
@@ -704,17 +704,20 @@ class TrainerService:
             # a clean stop (not an error: then this process fails and the group's
             # supervisor takes the others down) ends the other ranks too
             if self.dist is not None:
-                self.dist.broadcast(("stop",))
+                self.dist.command(("stop",))
         return self.counters
 
     def _follow(self) -> None:
         """A rank > 0: restore with rank 0, then train every batch it hands over, until
-        it says stop (or dies: the group's supervisor then takes this process down)."""
+        it says stop (or dies: the group's supervisor then takes this process down, and
+        the control channel fails at once). Rank 0's commands come over the control
+        channel (``Group.command``): between batches, however long, only it waits."""
+        self.dist.wait_for_all()  # rank 0 has fenced its predecessor (init_transactions)
         self._open()
         try:
             self._restore()
             while True:
-                what, *args = self.dist.broadcast(None)
+                what, *args = self.dist.command(None)
                 if what == "stop":
                     break
                 if what == "flush":
@@ -726,6 +729,8 @@ class TrainerService:
 
     def start(self, loop: TransactionalLoop) -> None:
         """Restore (or publish version 0) once the producer has fenced a predecessor."""
+        if self.dist is not None:
+            self.dist.wait_for_all()  # the other ranks waited for that on the channel
         self._open()
         self._restore()
         self._dead_letter_refused()
@@ -748,7 +753,7 @@ class TrainerService:
                     self.loop.stopping or (self.options.max_steps is not None
                                            and self._steps + 1 >= self.options.max_steps))
                 if self.dist is not None:
-                    self.dist.broadcast(("step", *batch, final))
+                    self.dist.command(("step", *batch, final))
                 self._step(*batch, final, cp=cp)
                 self._steps += 1
         if self.options.max_steps is not None and self._steps >= self.options.max_steps:
@@ -759,7 +764,7 @@ class TrainerService:
     def _flush_all(self, cp: Checkpoint) -> None:
         """Rank 0: ``flush`` on every rank of the group (their parts are gathered)."""
         if self.dist is not None:
-            self.dist.broadcast(("flush",))
+            self.dist.command(("flush",))
         self.flush(cp)
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
