@@ -94,7 +94,9 @@ def handler(args: argparse.Namespace) -> int:
         torch.set_num_threads(spec.trainer.threads)
     torch.manual_seed(spec.trainer.seed)
     if spec.trainer.deterministic:
-        torch.use_deterministic_algorithms(True)
+        from astraflow.trainer.resume import make_deterministic
+
+        make_deterministic()  # kernels, cuBLAS workspace, cuDNN: before any CUDA work
     args.loaded_topology = topo
     config = kafka_config(args, topo.component_kafka(f"trainer.{opts.policy}"))
     group = _join_group(opts.trainer.device) if in_group() else None

@@ -240,7 +240,9 @@ class TrainerSpec(_Section):
     seed: int = Field(default=0, description="torch.manual_seed",
                       json_schema_extra=_in("compute"))
     deterministic: bool = Field(default=False,
-                                description="torch.use_deterministic_algorithms(True)",
+                                description="deterministic kernels, cuBLAS workspace and "
+                                "cuDNN (trainer.resume.make_deterministic): a resume "
+                                "on a GPU recomputes the published versions exactly",
                                 json_schema_extra=_in("compute"))
     # publishing weights
     publish_dtype: Literal["same", "bf16", "fp16"] = Field(

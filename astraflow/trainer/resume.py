@@ -128,6 +128,24 @@ REBASE_KEY = "rebase_of"
 REBASE_REASON_KEY = "rebase_reason"
 
 
+# cuBLAS picks its reduction order per call unless its workspace is fixed (CUDA's note on
+# reproducibility); set before cuBLAS starts, i.e. before the first CUDA matmul
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def make_deterministic() -> None:
+    """What ``deterministic: true`` sets, in each trainer process before any CUDA work, so
+    that a recompute reproduces the published versions bit for bit on the same hardware
+    and software: deterministic kernels only (an op without one fails, naming it), a fixed
+    cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``, unless already set), cuDNN's
+    deterministic algorithms and no autotuning (``cudnn.benchmark`` would pick by timing).
+    On a CPU it costs nothing that matters; on a GPU some kernels are slower."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def trained_batches(manifests: list[WeightManifest], version: int) -> int:
     """How many batches the weights of ``version`` have trained (its manifest's
     ``trainer_step``: the schedule's step count); ``version`` when no manifest of it is
@@ -223,6 +241,7 @@ def recompute(
     return Recomputed(time.perf_counter() - t0, differs)
 
 
-__all__ = ["PERTURB_ENV", "REBASE_KEY", "REBASE_REASON_KEY", "BatchReader", "Recomputed",
-           "first_difference", "newest_state", "recompute", "recorded_states",
-           "trained_batches"]
+__all__ = ["CUBLAS_WORKSPACE", "PERTURB_ENV", "REBASE_KEY", "REBASE_REASON_KEY", "BatchReader",
+           "Recomputed",
+           "first_difference", "make_deterministic", "newest_state", "recompute",
+           "recorded_states", "trained_batches"]

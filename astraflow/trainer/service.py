@@ -28,15 +28,19 @@ Restart (after SIGKILL, anywhere):
    must round to version k's published weights (rebuilt with a ``WeightFollower``) bit for
    bit. With ``publish_dtype`` ``same`` the published weights are the trained ones;
 3. the versions k+1..L after it (L the newest published) are retrained from the batches
-   their manifests name, without publishing, and each must equal the published version bit
-   for bit (``astraflow.trainer.resume``); a difference is refused;
+   their manifests name, without publishing, and compared with the published versions bit
+   for bit (``astraflow.trainer.resume``); where one differs, the retrained weights (which
+   have trained exactly L's batches) are published as version L+1, a rebase: a full
+   checkpoint with L's consumed offsets and its own trainer state (``_rebase``);
 4. consumption resumes at the group's committed offsets: version L's ``consumed_offsets``
    (committed in the same transaction), or past them where batches after it were
    dead-lettered or skipped (every group stale; such a batch changes nothing).
 
 So no batch is lost and none is trained twice, and a resumed trainer continues bit for bit
-as an uninterrupted one would have. Version 0 (the initial weights) is published when
-``weights.<policy>`` is empty; version ``k`` is the model after ``k`` batches.
+as an uninterrupted one would have (or, after a rebase, from weights that trained the
+same batches). Version 0 (the initial weights) is published when
+``weights.<policy>`` is empty; version ``k`` is the model after ``k`` batches (less one
+for each rebase at or before it: a manifest's ``trainer_step`` is the count).
 """
 
 from __future__ import annotations
