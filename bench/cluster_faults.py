@@ -39,6 +39,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.broker.cluster import EmbeddedCluster  # noqa: E402
 from astraflow.broker.faults import (  # noqa: E402
@@ -231,6 +234,7 @@ def main() -> int:
                     "one, deleted)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    meta = run_meta("cluster_faults", ["python", *sys.argv])  # before the run: its commit
     chosen = [s.strip() for s in args.scenarios.split(",")]
     bad = [s for s in chosen if s not in SCENARIOS]
     if bad:
@@ -244,7 +248,7 @@ def main() -> int:
     print()
     print(table(results))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
 

@@ -52,6 +52,10 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
+
 VARIANTS = ("baseline", "dynamic_sampling", "greso", "replay")
 RUN_PREFIX = "bench-da"
 
@@ -370,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "data_algorithms.json"),
                     help="JSON results file ('-': print to stdout)")
     args = ap.parse_args(argv)
+    meta = run_meta("data_algorithms", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/data_algorithms.py", *argv])
     args.runs_dir = args.runs_dir.resolve()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -440,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print()
     print(table(results, start_accuracy))
-    text = json.dumps(report, indent=2)
+    text = json.dumps({"meta": meta, **report}, indent=2)
     if args.out == "-":
         print(text)
     else:

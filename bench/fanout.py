@@ -56,6 +56,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if str(REPO / "bench") not in sys.path:
+    sys.path.insert(0, str(REPO / "bench"))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
+
 MB = 1e6
 RACKS = ["r1", "r2", "r3"]
 IDLE_S = 3.0
@@ -736,10 +740,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:  # the table and notes of an earlier run, by this code
         doc = json.loads(Path(args.report).read_text())
         args = argparse.Namespace(**{**doc["args"], "out": args.out, "report": None})
+        meta = doc.get("meta") or run_meta("fanout", [])
         print(report(args, doc["versions"], doc["rows"], [n for n in doc["notes"]
                                                            if "did not finish" in n],
-                     doc.get("load_before", 0.0), args.versions))
+                     doc.get("load_before", 0.0), args.versions, meta))
         return 0
+    meta = run_meta("fanout", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/fanout.py", *argv])  # before the run: its commit
     base_path, base, deltas, record = load_versions(args)
     load = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
@@ -755,17 +762,17 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"phase failed: {e}")
                         failed.append(f"{nb} broker(s), {phase.variant}, N={phase.followers}"
                                       f" did not finish: {e}")
-                    report(args, record, rows, failed, load, len(deltas))
+                    report(args, record, rows, failed, load, len(deltas), meta)
             finally:
                 brokers.stop()
-    print(report(args, record, rows, failed, load, len(deltas)))
+    print(report(args, record, rows, failed, load, len(deltas), meta))
     return 1 if failed else 0
 
 
 def report(args, record: dict, rows: list[dict[str, Any]], failed: list[str], load: float,
-           versions: int) -> str:
-    """The table and its notes; written to ``--out`` (after every phase, so that a run cut
-    short keeps what it measured)."""
+           versions: int, meta: dict[str, Any] | None = None) -> str:
+    """The table and its notes; written to ``--out`` with ``meta`` (after every phase, so
+    that a run cut short keeps what it measured)."""
     notes = [f"time to the max N ({r[0]} broker(s)): fetched {r[1]}, held {r[2]}"
              for r in _growth(rows)] + marginal_notes(rows) + saturation_notes(rows) + failed
     text = "\n".join([
@@ -773,7 +780,7 @@ def report(args, record: dict, rows: list[dict[str, Any]], failed: list[str], lo
         f"CPUs, load average {load:.2f} before / {os.getloadavg()[0]:.2f} now; followers "
         f"in {args.procs} processes", table(rows), *("- " + n for n in notes)])
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "versions": record,
+        Path(args.out).write_text(json.dumps({"meta": meta, "args": vars(args), "versions": record,
                                               "rows": rows, "notes": notes,
                                               "load_before": load}, indent=1))
     return text

@@ -36,6 +36,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.models.chat import ChatFormat  # noqa: E402
 from astraflow.tasks.rewards import make_reward  # noqa: E402
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset", default=str(REPO / "data" / "addition.train.jsonl"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "forward_on.json")
     args = ap.parse_args(argv)
+    meta = run_meta("forward_on", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/forward_on.py", *argv])
     torch.set_num_threads(args.threads)
     rows = [json.loads(line) for line in open(args.dataset)]
     t0 = time.time()
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
               f"published weights changed per step "
               f"{sum(r['changed'] for r in results[n]) / args.steps:.2%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+    args.out.write_text(json.dumps({"meta": meta,
+                                    "args": {k: str(v) for k, v in vars(args).items()},
                                     "results": results}, indent=1))
     return 0
 

@@ -40,6 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.models.evaluation import generate_answers  # noqa: E402
 from astraflow.roles.chat_formats import (  # noqa: E402
@@ -150,10 +153,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    meta = run_meta("judge_probe", ["python", *sys.argv])  # before the run: its commit
     import torch
 
     torch.set_num_threads(2)
-    result = {"bench": "judge_probe", **run(args)}
+    result = {"meta": meta, "bench": "judge_probe", **run(args)}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

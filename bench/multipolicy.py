@@ -66,6 +66,10 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
+
 TOGETHER = "topology/solver-verifier.yaml"
 
 
@@ -437,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summaries", nargs=2, metavar=("ALONE", "TOGETHER"),
                     help="report on the summary.json of two finished runs instead")
     args = ap.parse_args(argv)
+    args.meta = run_meta("multipolicy", ["python", *sys.argv] if argv is None
+                         else ["python", "bench/multipolicy.py", *argv])
     runs_dir = (REPO / args.runs_dir).resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -470,8 +476,9 @@ def write_out(runs: list[dict[str, Any]], args: argparse.Namespace) -> Path:
     """``--out``: the runs so far, with the settings they ran with."""
     out = REPO / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"duration_s": args.duration, "topology": args.topology,
-                               "seeds": args.seeds, "runs": runs}, indent=1) + "\n")
+    out.write_text(json.dumps({"meta": args.meta, "duration_s": args.duration,
+                               "topology": args.topology, "seeds": args.seeds, "runs": runs},
+                              indent=1) + "\n")
     return out
 
 

@@ -66,6 +66,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 import data_algorithms as da  # noqa: E402
 import learning  # noqa: E402
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 OBJECTIVES = ("clipped_tis", "decoupled_ppo", "m2po")
 # objectives that are a loss with settings of its own (named with --objectives only)
@@ -348,6 +349,8 @@ def run_all(args: argparse.Namespace, base: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.meta = run_meta("offpolicy", ["python", *sys.argv] if argv is None
+                         else ["python", "bench/offpolicy.py", *argv])  # before the run
     from astraflow.config.topology import load_topology
 
     load_topology(args.topology)  # the base must be valid as it is
@@ -367,7 +370,8 @@ def write_out(args: argparse.Namespace, results: dict, start: float | None,
     text = table(results, args.checkpoints, start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "bench": "offpolicy", "topology": str(args.topology), "duration_s": args.duration,
+        "meta": args.meta, "bench": "offpolicy", "topology": str(args.topology),
+        "duration_s": args.duration,
         "checkpoints": args.checkpoints, "objectives": args.objectives,
         "staleness": args.staleness, "seed": args.seed, "start_accuracy": start,
         "wall_s": round(time.time() - t0, 1), "results": results, "table": text},

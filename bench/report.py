@@ -198,9 +198,41 @@ def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{desc} ({platform.system()})"
 
 
-def run_meta(bench: str, argv: list[str]) -> dict[str, str]:
+# the packages whose version changes what a bench measures (absent ones are left out)
+PACKAGES = ("torch", "transformers", "trl", "peft", "vllm", "confluent-kafka", "fastavro",
+            "numpy")
+
+
+def package_versions(names: Iterable[str] = PACKAGES) -> dict[str, str]:
+    """The installed version of each of ``names`` that is installed, read from the package
+    metadata (nothing is imported), and Python's own."""
+    from importlib import metadata
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The SIMD flags of this CPU that matter to matmuls (AVX, AVX2, FMA, AVX512*, AMX*)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split()
+                              if f in ("avx", "avx2", "fma", "f16c")
+                              or f.startswith(("avx512", "amx", "avx_vnni")))
+    except OSError:
+        pass
+    return []
+
+
+def run_meta(bench: str, argv: list[str]) -> dict[str, Any]:
     """The ``meta`` block of a results file: the bench, its command (``argv``), the commit
-    (marked when the code differs from it), this machine and today's date (UTC)."""
+    (marked when the code differs from it), this machine, today's date (UTC), the versions
+    of the packages that set what it measures and the CPU's SIMD flags."""
     args = list(argv)
     for i, a in enumerate(args):  # paths inside the repository, relative to it
         p = Path(a)
@@ -213,7 +245,8 @@ def run_meta(bench: str, argv: list[str]) -> dict[str, str]:
         commit += " with uncommitted changes"
     return {"bench": bench, "command": " ".join(shlex.quote(a) for a in args),
             "commit": commit, "machine": machine(),
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "packages": package_versions(), "cpu_flags": cpu_flags()}
 
 
 # --------------------------------------------------------------------------- formatting
@@ -645,6 +678,12 @@ def section(name: str, bench: str, data: Any) -> str:
         if field in ("command", "commit") and value != NOT_RECORDED:
             value = f"`{value}`"
         lines.append(f"- {field}: {value}")
+    packages = meta.get("packages")
+    lines.append("- packages: " + (", ".join(f"{k} {v}" for k, v in packages.items())
+                                   if isinstance(packages, dict) and packages
+                                   else NOT_RECORDED))
+    if meta.get("cpu_flags"):
+        lines.append("- CPU flags: " + " ".join(meta["cpu_flags"]))
     if meta.get("note"):
         lines += ["", meta["note"]]
     lines += ["", *("\n\n".join(render(bench, data))).splitlines(), ""]

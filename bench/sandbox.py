@@ -30,6 +30,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 from astraflow.sandbox import SandboxResult, run_python  # noqa: E402
 
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespaces", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    meta = run_meta("sandbox", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/sandbox.py", *argv])
     namespaces = {"auto": None, "on": True, "off": False}[args.namespaces]
     try:
         rows = measure([c for c in args.cases.split(",") if c], args.repeats, namespaces)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     print(report(rows))
     if args.out:
-        args.out.write_text(json.dumps({"rows": [r.summary() for r in rows],
+        args.out.write_text(json.dumps({"meta": meta, "rows": [r.summary() for r in rows],
                                         "raw": [asdict(r) for r in rows]}, indent=1) + "\n")
     return 0
 

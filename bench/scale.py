@@ -63,6 +63,10 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
+
 for _p in (str(REPO), str(REPO / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
@@ -911,10 +915,12 @@ def broker() -> tuple[int | None, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    meta = run_meta("scale", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/scale.py", *argv])  # before the run: its commit
     if args.report:
         saved = json.loads(Path(args.report).read_text())
         args.out = None
-        report(args, saved["rows"])
+        report(args, saved["rows"], saved.get("meta") or meta)
         return
     print("$ python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]))
     m = args.model
@@ -934,10 +940,11 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if own is not None:
             own.destroy()
-    report(args, rows)
+    report(args, rows, meta)
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+def report(args: argparse.Namespace, rows: list[dict[str, Any]],
+           meta: dict[str, Any]) -> None:
     print(table(rows))
     done = [r for r in rows if "trajectories_per_s" in r]
     if done:
@@ -955,7 +962,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         settings = {k: v for k, v in vars(args).items() if k != "model"}
         settings["model"] = asdict(args.model)
         Path(args.out).write_text(json.dumps(
-            {"settings": settings, "rows": rows, "plateaus": found,
+            {"meta": meta, "settings": settings, "rows": rows, "plateaus": found,
              "cpu_count": os.cpu_count()}, indent=1))
         print(f"[bench] wrote {args.out}")
 

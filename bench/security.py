@@ -31,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -42,6 +43,10 @@ from astraflow.kafka.clients import make_admin
 from astraflow.kafka.topics import apply_topics
 from astraflow.security.acls_apply import apply
 from astraflow.wire.codec import SingleObjectCodec
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 PROTOCOLS = ("PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL")
 
@@ -150,6 +155,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds over the protocols")
     ap.add_argument("--out", type=Path, help="write every run's figures here (JSON)")
     args = ap.parse_args()
+    meta = run_meta("security", ["python", *sys.argv])  # before the run: its commit
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     unknown = sorted(set(protocols) - set(PROTOCOLS))
     if unknown:
@@ -163,7 +169,8 @@ def main() -> None:
     report(runs, args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+        args.out.write_text(json.dumps({"meta": meta,
+                                        "args": {k: str(v) for k, v in vars(args).items()},
                                         "runs": runs}, indent=1))
 
 

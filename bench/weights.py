@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import math
 import os
 import sys
@@ -68,6 +69,10 @@ from astraflow.weights.delta import (
     iter_encode_full,
     state_bytes_equal,
 )
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 GB = 1e9
 
@@ -288,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed runs, best kept (default 3)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-checkpoint row")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="write the rows as JSON here (with the run's meta block)")
     args = ap.parse_args(argv)
+    meta = run_meta("weights", ["python", *(sys.argv if argv is None else
+                                            ["bench/weights.py", *argv])])
     torch.set_num_threads(max(1, args.threads))
     load_before = os.getloadavg()[0]
     log(f"building a synthetic bf16 model of about {args.params:.3g} parameters")
@@ -380,7 +389,37 @@ def main(argv: list[str] | None = None) -> int:
             f"{gbm / dec_s:.2f} GB/s; peak extra memory encode {enc_mem / mb:,.1f} MB "
             f"(streamed), decode {dec_mem / mb:,.1f} MB + the new state ({full_bytes / mb:,.0f} MB)"
         )
+    if args.out:
+        write_out(args, meta, n, rows, full_rows, thread_set, load_before)
     return 0
+
+
+def write_out(args: argparse.Namespace, meta: dict[str, Any], n: int, rows: list,
+              full_rows: list, thread_set: list[int], load_before: float) -> None:
+    """``--out``: every row's sizes, GB/s and peak memory (1 thread and N threads)."""
+    full_bytes, gbm = 2 * n, 2 * n / GB
+    out = {"meta": meta, "params": n, "level": args.level, "perturb": args.perturb,
+           "threads": args.threads, "load_before": round(load_before, 2), "rows": [], "full": []}
+    for pattern, sp, st, res in rows:
+        row: dict[str, Any] = {"pattern": pattern, "sparsity_target": sp,
+                               "sparsity": round(st.sparsity, 5), "changed": st.num_changed,
+                               "delta_bytes": res[1]["blob"],
+                               "delta_of_full": res[1]["blob"] / full_bytes}
+        for th in thread_set:
+            r = res[th]
+            row[f"enc_gb_s_{th}thr"] = gbm / r["enc_s"]
+            row[f"dec_gb_s_{th}thr"] = gbm / r["dec_s"]
+            row[f"enc_peak_mb_{th}thr"] = r["enc_mem"] / 1e6
+            row[f"dec_peak_mb_{th}thr"] = r["dec_mem"] / 1e6
+        out["rows"].append(row)
+    for th, size, enc_s, enc_mem, dec_s, dec_mem in full_rows:
+        out["full"].append({"threads": th, "bytes": size, "of_raw": size / full_bytes,
+                            "enc_gb_s": gbm / enc_s, "dec_gb_s": gbm / dec_s,
+                            "enc_peak_mb": enc_mem / 1e6, "dec_peak_mb": dec_mem / 1e6})
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
 
 
 if __name__ == "__main__":
