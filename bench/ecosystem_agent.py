@@ -1,0 +1,324 @@
+"""A multi-turn tool agent that learns: held-out success of SmolLM2-135M-Instruct trained on
+reasoning-gym arithmetic as a verifiers tool environment, against the same model trained
+without the tool, at equal wall-clock time, seed by seed.
+
+The systems (``--systems``) share the topology (default ``topology/smollm2-rg-tool.yaml``),
+the problems (reasoning-gym ``basic_arithmetic`` of the environment's arguments), the
+rubric (the task's own ``score_answer``) and the model:
+
+* ``tool``: the topology's ``verifiers`` environment, ``load_tool`` (a ``vf.ToolEnv`` with
+  a ``calculate`` tool): the model may call the calculator, sees its result, answers;
+* ``notool``: the control, the same topology with ``load_single_turn`` (a
+  ``vf.SingleTurnEnv``: the same problems, system prompt without the tool, same rubric);
+  nothing in either prompt carries the answer.
+
+Each system runs ``--seeds`` times (seeds ``--seed0`` on; the run's workflow, trainer and
+feeder take the seed), ``astraflow up`` for ``--duration`` seconds with no online
+evaluator, every version's weights kept. At every checkpoint time (``--checkpoints``) the
+newest version published by then is scored on the environment's held-out rows (its
+``eval`` dataset, reasoning-gym's eval split: a seed of its own, never trained on; the
+first ``--eval-size``) by the system's **own full rollout**, greedy: the tool system's
+episodes call the calculator as in training. The report gives each system's mean and 95 %
+interval (Student's t over seeds) at every checkpoint, side by side.
+
+**Validation** (``--lrs``, several learning rates): each system first runs each rate for
+``--sweep-duration`` seconds (seed ``--seed0``), scored at its end on ``--val-size``
+validation rows (reasoning-gym problems of the same config drawn from ``VALIDATION_SEED``,
+with the eval split's questions removed), and the seeded runs use the best one (ties: the
+smaller rate). One rate: no sweep.
+
+Runs resume (``--progress FILE --resume``): a finished run is kept in the progress file,
+so the work can be spread over several sessions; ``bench/progress/ecosystem-agent.json``
+keeps it where git carries it. TRL's ``GRPOTrainer`` with tools, the third system the
+study calls for, is not built here yet.
+
+    python bench/ecosystem_agent.py [--seeds 3] [--duration 1800]
+        [--checkpoints 0,600,1200,1800] [--eval-size 100] [--lrs 1e-5,3e-5]
+        [--progress bench/progress/ecosystem-agent.json --resume]
+        [--out bench/results/ecosystem_agent.json]
+
+On 2 cores the defaults take about 3 hours a seed pair plus the scoring; a smoke:
+``--seeds 1 --duration 120 --checkpoints 0,120 --eval-size 4 --out /tmp/eco.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import learning  # noqa: E402  (bench/learning.py: the runs, seeds, progress, intervals)
+from report import run_meta  # noqa: E402
+
+SYSTEMS = {"tool": "astraflow.envs.verifiers_examples:load_tool",
+           "notool": "astraflow.envs.verifiers_examples:load_single_turn"}
+VALIDATION_SEED = 10**9  # the validation problems' seed, far from the train seed + index
+RUN = "bench-ecosystem-agent"  # the run id (its topics are started over for each run)
+
+
+def system_topology(doc: dict[str, Any], system: str, lr: float, seed: int,
+                    runs_dir: Path) -> Path:
+    """``doc`` as ``system`` runs it with ``lr`` and ``seed``: its environment in the
+    workflow and the feeder's dataset, run id ``RUN``, no evaluator, every version kept,
+    absolute model path."""
+    out = copy.deepcopy(doc)
+    env = SYSTEMS[system]
+    for pool in out["pools"].values():
+        options = pool["workflows"]["verifiers"]
+        options["environment"] = env
+    feed = out["feeder"]["dataset"]
+    _, split, args = _parsed(feed["path"])
+    feed["path"] = f"verifiers:{env}:{split}?" + _query(args)
+    out = learning.seeded_topology(learning.with_lr(out, lr), seed)
+    out["run"] = RUN
+    for spec in out["policies"].values():
+        spec["model"] = str((REPO / spec["model"]).resolve())
+        spec.setdefault("trainer", {})["keep_versions"] = 0
+    run_dir = runs_dir / RUN
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "topology.yaml"
+    body = {k: v for k, v in out.items() if k != "eval"}
+    path.write_text(f"# bench/ecosystem_agent.py: {system}, lr {lr:g}, seed {seed}\n"
+                    + yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def _parsed(path: str) -> tuple[str, str, dict[str, Any]]:
+    from astraflow.tasks.verifiers_data import parse_path
+
+    parsed = parse_path(path)
+    if parsed is None:
+        raise SystemExit(f"ecosystem_agent: the feeder's dataset {path!r} is not verifiers:")
+    return parsed
+
+
+def _query(args: dict[str, Any]) -> str:
+    return "&".join(f"{k}={json.dumps(v)}" for k, v in sorted(args.items()))
+
+
+def env_args(doc: dict[str, Any]) -> dict[str, Any]:
+    """The environment's arguments, the same for every system (the workflow's ``args``)."""
+    (pool,) = doc["pools"].values()
+    return dict(pool["workflows"]["verifiers"].get("args") or {})
+
+
+def held_out(doc: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows of the environment's eval dataset, as task payloads."""
+    from astraflow.tasks.verifiers_data import verifiers_payloads
+
+    env = SYSTEMS["tool"]
+    return verifiers_payloads(f"verifiers:{env}:eval?{_query(env_args(doc))}", limit=n)
+
+
+def validation(doc: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """``n`` validation problems: reasoning-gym's of the environment's config drawn from
+    ``VALIDATION_SEED``, none of them an eval-split question, as rows of an environment
+    built on them (``load_*`` with ``seed`` = ``VALIDATION_SEED``: its train split)."""
+    from astraflow.tasks.verifiers_data import verifiers_payloads
+
+    args = {**env_args(doc), "seed": VALIDATION_SEED, "size": n}
+    return verifiers_payloads(f"verifiers:{SYSTEMS['tool']}:train?{_query(args)}", limit=n)
+
+
+class Scorer:
+    """Held-out success of a version with a system's own rollout: its ``verifiers``
+    workflow, greedy, one episode per row, against an engine on the policy's model."""
+
+    def __init__(self, doc: dict[str, Any]):
+        import torch
+
+        from astraflow.models.chat import ChatFormat
+        from astraflow.raas.engine import load_torch_engine
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        policy = next(iter(doc["policies"].values()))
+        self.engine = load_torch_engine(str(REPO / policy["model"]), "actor",
+                                        dtype=policy.get("dtype"))
+        self.engine.chat = ChatFormat.from_options(policy.get("chat"))
+        self.base = {k: v.clone() for k, v in self.engine.model.state_dict().items()}
+        (pool,) = doc["pools"].values()
+        self.options = pool["workflows"]["verifiers"]
+        self.workflows: dict[str, Any] = {}
+
+    def workflow(self, system: str, args: dict[str, Any]) -> Any:
+        from astraflow.raas.workflows.registry import make_workflow
+
+        key = json.dumps([system, args], sort_keys=True)
+        if key not in self.workflows:
+            self.workflows[key] = make_workflow(
+                "verifiers", environment=SYSTEMS[system], args=args, temperature=0.0,
+                max_new_tokens=self.options.get("max_new_tokens", 96),
+                timeout_s=self.options.get("timeout_s", 600))
+        return self.workflows[key]
+
+    def __call__(self, system: str, state: dict[str, Any] | None, version: int,
+                 rows: list[dict[str, Any]]) -> float:
+        from astraflow.wire.records import Task
+
+        self.engine.load_state_dict(self.base if state is None else state, version)
+        scores = []
+        for i, row in enumerate(rows):
+            ref = row["verifiers"]
+            wf = self.workflow(system, ref["args"])
+            own = {**row, "verifiers": {**ref, "env": SYSTEMS[system]}}
+            task = Task(task_id=f"score-{i}", prompt_id=row["prompt_id"], workflow="verifiers",
+                        payload=json.dumps(own), source="bench", policies=["actor"])
+            (seq, *_) = wf.run(task, {"actor": self.engine}, 1)
+            scores.append(seq.reward)
+        return statistics.fmean(scores)
+
+
+def versions_state(result: dict[str, Any]):
+    """``state_of(version)``: a run's published weights of a version (None: version 0)."""
+    from astraflow.weights import WeightFollower
+
+    topo = result.pop("_topology")
+    follower = WeightFollower(policy=next(iter(topo.policies)),
+                              kafka_config=topo.kafka.effective())
+    follower.observe(result.pop("_manifests"))
+    result.pop("policies", None)
+
+    def state_of(v: int | None) -> dict[str, Any] | None:
+        if v is None or v == 0:
+            return None
+        follower.update(v)
+        return follower.state
+
+    return state_of, follower
+
+
+def run_one(doc: dict[str, Any], system: str, lr: float, seed: int, duration: float,
+            checkpoints: list[float], rows: list[dict[str, Any]], scorer: Scorer,
+            runs_dir: Path) -> dict[str, Any]:
+    """One run: ``astraflow up``, then each checkpoint's version scored on ``rows``."""
+    path = system_topology(doc, system, lr, seed, runs_dir)
+    t0 = time.time()
+    result = learning.run_astraflow(path, duration, checkpoints, runs_dir)
+    state_of, follower = versions_state(result)
+    scores: dict[str, float] = {}
+    try:
+        by_version: dict[int | None, float] = {}
+        for t, v in result["at"].items():
+            if v not in by_version:
+                by_version[v] = scorer(system, state_of(v), v or 0, rows)
+            scores[learning.key(t)] = by_version[v]
+    finally:
+        follower.close()
+    summary_file = runs_dir / RUN / "summary.json"
+    series = (json.loads(summary_file.read_text()).get("series", [])
+              if summary_file.exists() else [])
+    rewards = [x["reward/actor"] for x in series if "reward/actor" in x]
+    return {"system": system, "seed": seed, "setting": {"lr": lr}, "scores": scores,
+            "versions": result.get("versions"), "wall_s": round(time.time() - t0, 1),
+            # the training reward over the run's second half (the rollouts' own)
+            "rollout_reward": learning.late_mean(rewards)}
+
+
+def report(runs: list[dict[str, Any]], systems: list[str], checkpoints: list[float]) -> str:
+    """The held-out success per system and checkpoint: mean and 95 % interval over seeds."""
+    head = "| t (s) | " + " | ".join(systems) + " |"
+    lines = [head, "|" + "---|" * (len(systems) + 1)]
+    for t in checkpoints:
+        cells = []
+        for system in systems:
+            values = [r["scores"][learning.key(t)] for r in runs if r["system"] == system]
+            cells.append(learning.interval_text(*learning.mean_interval(values))
+                         if values else "-")
+        lines.append(f"| {learning.key(t)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--topology", default="topology/smollm2-rg-tool.yaml")
+    p.add_argument("--systems", default="tool,notool")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed0", type=int, default=0)
+    p.add_argument("--duration", type=float, default=1800)
+    p.add_argument("--checkpoints", default="0,600,1200,1800")
+    p.add_argument("--eval-size", type=int, default=100)
+    p.add_argument("--val-size", type=int, default=50)
+    p.add_argument("--lrs", default=None, help="learning rates to choose from on the "
+                   "validation rows (default: the topology's)")
+    p.add_argument("--sweep-duration", type=float, default=300)
+    p.add_argument("--runs-dir", default="runs/bench-ecosystem-agent")
+    p.add_argument("--progress", default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--out", default="bench/results/ecosystem_agent.json")
+    a = p.parse_args(argv)
+    systems = [s for s in a.systems.split(",") if s]
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise SystemExit(f"ecosystem_agent: unknown systems {unknown} (known: "
+                         f"{', '.join(SYSTEMS)})")
+    checkpoints = [float(x) for x in a.checkpoints.split(",")]
+    doc = yaml.safe_load((REPO / a.topology).read_text())
+    if len(doc.get("pools", {})) != 1 or "verifiers" not in next(
+            iter(doc["pools"].values())).get("workflows", {}):
+        raise SystemExit("ecosystem_agent: the topology needs one pool with a verifiers "
+                         "workflow")
+    learning.ensure_model(doc)
+    usual = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
+    lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else [usual]
+    runs_dir = (REPO / a.runs_dir).resolve()
+    progress = learning.Progress(
+        Path(a.progress or runs_dir / "progress.json"),
+        {"topology": a.topology, "duration": a.duration, "checkpoints": checkpoints,
+         "eval_size": a.eval_size, "val_size": a.val_size,
+         "sweep_duration": a.sweep_duration},
+        {s: {"grid": lrs} for s in systems}, a.resume)
+    rows, val_rows = held_out(doc, a.eval_size), validation(doc, a.val_size)
+    scorer = Scorer(doc)
+    chosen: dict[str, float] = {}
+    for system in systems:
+        if len(lrs) == 1:
+            chosen[system] = lrs[0]
+            continue
+        results = []
+        for lr in lrs:
+            row = progress.find("sweep", system, {"lr": lr}, a.seed0)
+            if row is None:
+                row = run_one(doc, system, lr, a.seed0, a.sweep_duration,
+                              [a.sweep_duration], val_rows, scorer, runs_dir)
+                progress.add("sweep", row)
+            results.append((row["scores"][learning.key(a.sweep_duration)], -lr, lr))
+        chosen[system] = max(results)[2]
+        print(f"[bench] {system}: lr {chosen[system]:g} on validation", flush=True)
+    runs = []
+    for seed in range(a.seed0, a.seed0 + a.seeds):
+        for system in systems:  # the systems take turns: drift hits both
+            run = progress.find("run", system, {"lr": chosen[system]}, seed)
+            if run is None:
+                run = run_one(doc, system, chosen[system], seed, a.duration, checkpoints,
+                              rows, scorer, runs_dir)
+                progress.add("run", run)
+            runs.append(run)
+            print(f"[bench] {system} seed {seed}: {run['scores']}", flush=True)
+    table = report(runs, systems, checkpoints)
+    print(f"held-out success ({len(rows)} problems, the system's own rollout, greedy):")
+    print(table)
+    out = {"meta": run_meta("ecosystem_agent", [sys.executable, "bench/ecosystem_agent.py",
+                                                *argv]),
+           "systems": systems, "chosen": chosen, "checkpoints": checkpoints,
+           "eval_size": len(rows), "runs": runs, "sweep_rows": progress.sweep_rows,
+           "table": table}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
