@@ -35,7 +35,8 @@ Each cell runs ``--rounds`` times, in the order off, on, on, off, ... (so that a
 getting busier or quieter weighs on both alike); its token ages pool every token of its
 runs, its rates are the mean of its runs. Beside it, the engine alone: tokens per second of
 the torch engine on the same model with a version swapped in at every chunk boundary
-against none, calls alternating (what the mechanism costs, without the rest of the run).
+against none, calls alternating, one thread as a node has (what the mechanism costs,
+without the rest of the run).
 
 Usage (needs Java and Maven for the embedded broker, as ``astraflow up`` does; about
 ``2 x rounds x (--duration + 25)`` seconds):
@@ -222,6 +223,8 @@ def engine_overhead(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
 
     from astraflow.raas.engine import SamplingParams, load_torch_engine
 
+    torch.set_num_threads(1)  # as `up` runs its nodes (OMP_NUM_THREADS=1): on a shared
+    # machine more threads than free cores spin against each other
     engine = load_torch_engine(str(model_dir), "actor", prefix_cache_bytes=0)
     states = [{k: v.clone() for k, v in engine.state_dict().items()}]
     states.append({k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v
