@@ -8,14 +8,21 @@ machine, for ``--duration`` seconds from the launch of each run:
   training) and every version's weights kept. It keeps the topology's settings except the
   learning rate (chosen by the sweep) and the reward (below);
 * ``trl``: TRL's ``GRPOTrainer`` in one process (what a user picks for one machine), all
-  cores, a constant learning rate (chosen by the sweep) and TRL's own options: by default
-  ``num_generations`` 8, ``max_completion_length`` 8, ``beta`` 0 (no KL term), ``bf16``
-  where the CPU computes bf16 natively (as AstraFlow's ``best`` precision), and a step
-  on one prompt sampled ``num_generations`` times (``per_device_train_batch_size`` =
-  ``num_generations``, TRL's own GRPO setting: a step on the topology's 4 prompts, 32
-  completions, took 8 s in bf16 and earned no reward in 300 s at any swept rate);
+  cores, a constant learning rate and prompts a step (both chosen by the sweep) and TRL's
+  own options: by default ``num_generations`` 8, ``max_completion_length`` 8, ``beta`` 0
+  (no KL term), ``bf16`` where the CPU computes bf16 natively (as AstraFlow's ``best``
+  precision); a step trains the setting's ``prompts``, each sampled ``num_generations``
+  times (``per_device_train_batch_size`` = prompts x ``num_generations``);
   ``--trl-option KEY=VALUE`` sets or adds any ``GRPOConfig`` option (``loss_type``,
-  ``scale_rewards``, ``per_device_train_batch_size``, ...).
+  ``scale_rewards``, ``per_device_train_batch_size``, ...);
+* ``trl-usual``: the same, on the task as a TRL user sets it up alone: the user message
+  ``What is a + b? Answer with the number only.`` under the tokenizer's chat template and
+  TRL's usual reward, 1 when the first integer of the completion is the sum
+  (``first_integer``); it is scored on that prompt too. Its rows are its own: they say
+  what TRL reaches as usually set up, ``trl``'s what it reaches on AstraFlow's task.
+
+The embedded broker that AstraFlow's runs keep is stopped before each TRL run (the run
+records it: ``broker``), so TRL has the machine to itself; AstraFlow's next run starts it.
 
 What they share: the prompts (the policy's chat template), the training reward
 (``--reward``, default the topology's workflow reward), the training set and the
@@ -29,24 +36,27 @@ after ``####`` or in ``\\boxed{}``, ``lenient`` any final answer; both systems t
 the workflow's own reward and TRL completes as many tokens as the workflow does.
 
 **Sweep** (``--sweep``, on by default; ``--no-sweep`` skips it). Each system's learning
-rate (and any ``--trl-option`` or ``--astraflow-option``, a topology setting by its dotted
-path such as ``processors.batcher.options.batch_size``, given a YAML list of values) is
-chosen by short runs of ``--sweep-duration`` seconds (``--sweep-seeds`` seeds from
-``--seed0``, default one; a setting's scores are their mean) scored on a validation
-split, not copied from the other system. The validation split is made with the
-hash-split machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes (salt
-``bench-learning-validation``) into the ``eval`` side at ``VALIDATION_FRACTION`` is a
-validation row, unless its prompt is in the test set; every run, sweep or not, trains on
-the rest, so validation prompts are never trained on and never in the test set. The
-first ``--val-size`` validation rows are scored. The chosen setting per system is the best
-score on ``--sweep-metric``; ties (all 0 % when a sweep run is too short to learn
-the held-out task) go to the higher training reward over the second half of the run
-(AstraFlow's rolled-out sequences, TRL's logged step rewards), then to the smaller
-learning rate. Default learning rates:
-AstraFlow a third, one and ten thirds of the topology's (``3.3e-6,1e-5,3.3e-5`` on
-``smollm2.yaml``), TRL ``2e-6,5e-6,1e-5``; ``--sweep-lrs SYSTEM=LR,LR,...`` sets them.
-Without a sweep a system runs its usual learning rate (the topology's; TRL 5e-6), or the
-one ``--sweep-lrs`` gives it.
+rate together with the prompts a step trains (``--sweep-prompts``, default 1, 2 and 4:
+TRL's ``prompts`` x 8 generations, AstraFlow's batcher ``batch_size`` in groups of the
+pool's ``n_samples``), and any ``--trl-option`` or ``--astraflow-option`` (a topology
+setting by its dotted path such as ``processors.batcher.options.batch_size``, given a YAML
+list of values) is chosen by short runs of ``--sweep-duration`` seconds (``--sweep-seeds``
+seeds from ``--seed0``, default one; a setting's scores are their mean) scored on a
+validation split, not copied from the other system. The validation split is made with the
+hash-split machinery of ``astraflow.tasks.split``: a training-set row whose prompt hashes
+(salt ``bench-learning-validation``) into the ``eval`` side at ``VALIDATION_FRACTION`` is
+a validation row, unless its prompt is in the test set; every run, sweep or not, trains on
+the rest, so validation prompts are never trained on and never in the test set. The first
+``--val-size`` validation rows are scored. The chosen setting per system is the best score
+on ``--sweep-metric``; ties (all 0 % when a sweep run is too short to learn the held-out
+task) go to the higher training reward over the second half of the run (AstraFlow's
+rolled-out sequences, TRL's logged step rewards), then to the smaller learning rate.
+Default learning rates: AstraFlow a third, one and ten thirds of the topology's
+(``3.3e-6,1e-5,3.3e-5`` on ``smollm2.yaml``), TRL ``2e-6,5e-6,1e-5``; ``--sweep-lrs
+SYSTEM=LR,LR,...`` sets them. Without a sweep a system runs its usual learning rate (the
+topology's; TRL 5e-6), or the one ``--sweep-lrs`` gives it, TRL one prompt a step and
+AstraFlow the topology's batch. The sweep's runs take turns too: seed by seed, setting by
+setting, one system after the other.
 
 **Seeds.** Each system then runs ``--seeds`` times (seeds ``--seed0`` on), the systems
 taking turns. AstraFlow's run k sets the pool's workflow ``seed`` (sampling is drawn from
@@ -60,7 +70,9 @@ finished before ``t``). The report gives, per system and metric, the mean and 95
 interval over seeds (Student's t; one seed: the value and "n=1") at every checkpoint side
 by side, each seed's time to ``--target`` lenient accuracy and the AstraFlow/TRL ratio of
 their means, the sweep's table, and where AstraFlow's time went. The JSON, with its
-``meta`` block, goes to ``--out`` (``bench/report.py`` renders it into docs/results/).
+``meta`` block (the commit, the CPU and its SIMD flags, the versions of torch,
+transformers, TRL and confluent-kafka), goes to ``--out`` (``bench/report.py`` renders it
+into docs/results/).
 
 A topology with several policies (``topology/smollm2-solver-verifier.yaml``,
 ``-solver-selector.yaml``, ``-code.yaml``) runs AstraFlow alone, once, without a sweep
@@ -70,18 +82,20 @@ a solver, verdict accuracy on balanced candidates for a verifier, pick accuracy 
 selector, held-out specs passed for a coder, the mutation reward for a tester), against
 its version 0.
 
-Usage (the defaults take about 4 hours on 2 cores: a 6 x 300 s sweep, then 3 seeds x 2
-systems x 30 min, and the scoring; after 120 s TRL at 5e-6 still earned no reward in any
-step, so a shorter sweep ties at 0 % and chooses nothing on merit). ``--resume`` goes on
+Usage (the defaults take about 6 hours on 2 cores: a 27 x 300 s sweep, then 3 seeds x 3
+systems x 30 min, and the scoring; ``--dry-run`` prints the runs in their order and the
+``meta`` block, runs nothing; a sweep much shorter than 300 s ties at 0 % and chooses
+nothing on merit). ``--resume`` goes on
 from the runs an interrupted bench finished (``Progress``); ``--progress
 bench/progress/learning.json`` keeps them where git can carry them to the next session;
 ``--reuse FILE`` keeps the seeded runs of another bench (``--no-sweep`` at the settings this
 sweep chooses, say) instead of running them again, each marked with where it came from:
 
     python bench/learning.py [--duration 1800] [--checkpoints 300,600,900,1200,1800]
-        [--systems astraflow,trl] [--seeds 3] [--seed0 0] [--no-sweep]
+        [--systems astraflow,trl,trl-usual] [--seeds 3] [--seed0 0] [--no-sweep]
         [--sweep-lrs astraflow=1e-5,2e-5,3e-5] [--sweep-lrs trl=2e-6,5e-6,1e-5]
-        [--sweep-duration 300] [--reward first_integer] [--trl-option loss_type=dr_grpo]
+        [--sweep-duration 300] [--sweep-prompts 1,2,4] [--reward first_integer]
+        [--trl-option loss_type=dr_grpo] [--dry-run]
         [--topology topology/smollm2.yaml] [--eval-size N] [--out FILE.json] [--resume]
         [--progress FILE] [--reuse OTHER-PROGRESS-FILE]
 
@@ -115,7 +129,14 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from report import T95, run_meta  # noqa: E402  (bench/report.py)
 
 RUN = "bench-learning"
-SYSTEMS = ("astraflow", "trl")
+# trl: TRL on the topology's prompt and reward; trl-usual: TRL as a user sets it up alone,
+# its usual first-integer reward on a plain chat-template prompt (``usual_prompt``)
+SYSTEMS = ("astraflow", "trl", "trl-usual")
+TRL_SYSTEMS = ("trl", "trl-usual")
+USUAL_REWARD = "first_integer"
+# prompts a TRL step trains (each sampled num_generations times) and groups an AstraFlow
+# batch holds: the sweep tries each with each learning rate
+PROMPTS_PER_STEP = (1, 2, 4)
 # every checkpoint is scored with both, on the same greedy completions
 METRICS = {"strict": "exact_match", "lenient": "first_integer"}
 # a math topology's (its eval reward math_verify, e.g. smollm2-gsm8k.yaml): strict = the
@@ -123,7 +144,7 @@ METRICS = {"strict": "exact_match", "lenient": "first_integer"}
 # math-verify
 MATH_METRICS = {"strict": {"name": "math_verify", "marker_only": True},
                 "lenient": "math_verify"}
-TRL_LR = 5e-6  # TRL's usual learning rate here (issue 44), the middle of its sweep
+TRL_LR = 5e-6  # TRL's usual learning rate, the middle of its sweep
 TRL_LRS = (2e-6, 5e-6, 1e-5)
 TRL_BASE = {"num_generations": 8, "max_completion_length": 8, "beta": 0.0}
 VALIDATION_SALT = b"bench-learning-validation"
@@ -678,9 +699,10 @@ def times_to_target(runs: list[dict[str, Any]], systems: list[str], level: float
         out["systems"][system] = {"seconds": seconds, "reached": len(reached), "n": len(mine),
                                   "mean": statistics.fmean(reached) if reached else None,
                                   "floor": statistics.fmean(floors) if floors else None}
-    means = [out["systems"].get(s, {}).get("mean") for s in SYSTEMS]
+    pair = ("astraflow", "trl")  # the ratio: AstraFlow against TRL on the same prompt/reward
+    means = [out["systems"].get(s, {}).get("mean") for s in pair]
     out["ratio"] = means[0] / means[1] if None not in means and means[1] else None
-    out["bound"] = ratio_bound(*(out["systems"].get(s) for s in SYSTEMS))
+    out["bound"] = ratio_bound(*(out["systems"].get(s) for s in pair))
     return out
 
 
@@ -730,16 +752,24 @@ def samples_per_update(doc: dict[str, Any], chosen: dict[str, dict[str, Any]]) -
     of the batcher's ``batch_size`` groups of the pool's ``n_samples``; a TRL step is
     ``per_device_train_batch_size`` completions (``trl_config_kwargs``)."""
     n = next(iter(doc["pools"].values())).get("n_samples", 1)
-    trl = trl_config_kwargs({"temperature": 1.0}, {"lr": 0.0, **chosen.get("trl", {})}, 0,
-                            Path("."))
-    return {"astraflow": batch_groups(doc) * int(n),
-            "trl": int(trl["per_device_train_batch_size"])}
+    out = {"astraflow": batch_groups(with_options(doc, chosen.get("astraflow", {}))) * int(n)}
+    for system in TRL_SYSTEMS:
+        kwargs = trl_config_kwargs({"temperature": 1.0}, {"lr": 0.0, **chosen.get(system, {})},
+                                   0, Path("."))
+        out[system] = int(kwargs["per_device_train_batch_size"])
+    return out
 
 
 def batch_groups(doc: dict[str, Any]) -> int:
     """The groups (prompts) a batch of the topology's batcher holds."""
     return int(next(p["options"]["batch_size"] for p in doc["processors"].values()
                     if p["kind"] == "batcher"))
+
+
+def batch_path(doc: dict[str, Any]) -> str:
+    """The dotted path of the batcher's ``batch_size`` (what AstraFlow's batch sweep sets)."""
+    name = next(n for n, p in doc["processors"].items() if p["kind"] == "batcher")
+    return f"processors.{name}.options.batch_size"
 
 
 def updates_at(label: str | None) -> int:
@@ -908,13 +938,14 @@ def trl_config_kwargs(setup: dict[str, Any], setting: dict[str, Any], seed: int,
                       out_dir: Path) -> dict[str, Any]:
     """The ``GRPOConfig`` of a TRL run: the bench's fixed frame (CPU, a constant
     learning rate, no saving, stopped by the clock), the setting's learning rate and
-    options, and ``seed``. A step trains one prompt sampled ``num_generations`` times,
-    unless the setting names ``per_device_train_batch_size``."""
-    options = {k: v for k, v in setting.items() if k != "lr"}
+    options, and ``seed``. A step trains the setting's ``prompts`` (default 1), each
+    sampled ``num_generations`` times, unless it names ``per_device_train_batch_size``."""
+    options = {k: v for k, v in setting.items() if k not in ("lr", "prompts")}
     n = int(options.get("num_generations", TRL_BASE["num_generations"]))
     return {
         "output_dir": str(out_dir / "out"), "learning_rate": float(setting["lr"]),
-        "lr_scheduler_type": "constant", "per_device_train_batch_size": n,
+        "lr_scheduler_type": "constant",
+        "per_device_train_batch_size": int(setting.get("prompts", 1)) * n,
         "gradient_accumulation_steps": 1, "temperature": setup["temperature"], "top_p": 1.0,
         "use_cpu": True, "bf16": False, "gradient_checkpointing": False, "max_steps": 10**6,
         "save_strategy": "no", "report_to": [], "logging_steps": 1, "disable_dropout": True,
@@ -932,20 +963,21 @@ def check_trl(options: dict[str, list[Any]]) -> str | None:
     except ImportError:
         return "the trl system needs TRL: python3 -m pip install trl (or --systems astraflow)"
     known = {f.name for f in dataclasses.fields(GRPOConfig)}
-    unknown = sorted(set(options) - known)
+    unknown = sorted(set(options) - known - {"prompts"})  # prompts: the bench's own
     return f"--trl-option: GRPOConfig has no {', '.join(unknown)}" if unknown else None
 
 
 def run_trl(doc: dict[str, Any], setting: dict[str, Any], seed: int, duration: float,
-            checkpoints: list[float], runs_dir: Path) -> dict[str, Any]:
+            checkpoints: list[float], runs_dir: Path, usual: bool = False) -> dict[str, Any]:
     """TRL's GRPOTrainer in a child process (``--trl-worker``) for ``duration`` s; its
-    checkpoint files and step count. Its whole output goes to ``trl/log.txt``."""
+    checkpoint files and step count. Its whole output goes to ``trl/log.txt``. ``usual``:
+    TRL's usual prompt and reward (``trl_setup``) instead of the topology's."""
     out_dir = runs_dir / RUN / "trl"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").unlink(missing_ok=True)
     (out_dir / "job.json").write_text(json.dumps(
         {"doc": doc, "setting": setting, "seed": seed, "duration": duration,
-         "checkpoints": checkpoints}))
+         "checkpoints": checkpoints, "usual": usual}))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out_dir)]
     env = {**os.environ, "BENCH_T0": str(time.time())}
     with open(out_dir / "log.txt", "w") as log, subprocess.Popen(
@@ -982,7 +1014,7 @@ def trl_worker(out_dir: Path) -> int:
     job = json.loads((out_dir / "job.json").read_text())
     torch.set_num_threads(os.cpu_count() or 1)
     set_seed(job["seed"])  # torch, numpy and random, before the model and the data
-    setup = trl_setup(job["doc"])
+    setup = trl_setup(job["doc"], usual=job.get("usual", False))
     config = GRPOConfig(**trl_config_kwargs(setup, job["setting"], job["seed"], out_dir))
     clock = _TrlClock(t0, job["duration"], job["checkpoints"], out_dir)
     trainer = GRPOTrainer(model=setup["model"], reward_funcs=[setup["reward_fn"]],
@@ -996,9 +1028,10 @@ def trl_worker(out_dir: Path) -> int:
     return 0
 
 
-def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
+def trl_setup(doc: dict[str, Any], usual: bool = False) -> dict[str, Any]:
     """Model, tokenizer, prompts, reward, temperature and prompts a step of the topology,
-    in TRL's terms."""
+    in TRL's terms; ``usual``: the prompts as ``usual_prompt`` writes them and the reward
+    ``USUAL_REWARD``, as a TRL user would set the task up alone."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -1014,8 +1047,9 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(policy["model"], dtype=torch.float32)
     chat = ChatFormat.from_options(policy.get("chat"))
     payloads = load_dataset_file(doc["feeder"]["dataset"]["path"])
-    rows = [{"prompt": chat.prompt_text(tokenizer, p), "answer": p["answer"]} for p in payloads]
-    reward = make_reward(wf.get("reward"))
+    rows = [{"prompt": usual_prompt(tokenizer, p) if usual else chat.prompt_text(tokenizer, p),
+             "answer": p["answer"]} for p in payloads]
+    reward = make_reward(USUAL_REWARD if usual else wf.get("reward"))
 
     def reward_fn(completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [reward(c, {"answer": a}) for c, a in zip(completions, answer)]
@@ -1023,6 +1057,17 @@ def trl_setup(doc: dict[str, Any]) -> dict[str, Any]:
     temperature = wf.get("temperature", policy.get("temperature", 1.0))
     return {"model": model, "tokenizer": tokenizer, "rows": rows, "reward_fn": reward_fn,
             "prompts": batch_groups(doc), "temperature": float(temperature), "policy": name}
+
+
+def usual_prompt(tokenizer: Any, payload: dict[str, Any]) -> str:
+    """The prompt a TRL user writes for an addition task: ``What is a + b? Answer with the
+    number only.`` as the one user message under the tokenizer's own chat template (no
+    system prompt, no topology chat options)."""
+    import re
+
+    text = re.sub(r"(\d+)\s*\+\s*(\d+)", r"\1 + \2", str(payload["prompt"]))
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def _trl_callback_base():
@@ -1103,12 +1148,13 @@ class _TrlClock(_trl_callback_base()):  # type: ignore[misc]
 
 # --- scoring ------------------------------------------------------------------------------
 def make_scorer(doc: dict[str, Any], dataset: str | None = None,
-                size: int | None = None) -> dict[str, Any]:
+                size: int | None = None, usual: bool = False) -> dict[str, Any]:
     """The topology's evaluator settings (greedy, its completion length and chat format) on
     its held-out dataset, or on ``dataset``, first ``size`` rows (default: its size):
     ``score(state) -> accuracy`` with its reward, and ``scores(state) -> {metric: x}`` with
     every metric of ``METRICS`` on the same completions. ``state`` None: the model as
-    loaded (version 0)."""
+    loaded (version 0). ``usual``: the prompts as ``usual_prompt`` writes them (the
+    ``trl-usual`` system is scored on the prompt it trained on)."""
     import torch
 
     from astraflow.config.topology import PolicySpec
@@ -1136,7 +1182,8 @@ def make_scorer(doc: dict[str, Any], dataset: str | None = None,
     limit = int(size if size is not None else ev.get("size", 200))
     tasks = [task_payload(t) for t in _dataset_rows(spec)[:limit]]
     chat = ChatFormat.from_options(policy.get("chat"))
-    prompts = [chat.prompt_text(tokenizer, t) for t in tasks]
+    prompts = [usual_prompt(tokenizer, t) if usual else chat.prompt_text(tokenizer, t)
+               for t in tasks]
     rewards = {"score": make_reward(ev.get("reward")),
                **{m: make_reward(name) for m, name in task_metrics(doc).items()}}
 
@@ -1355,7 +1402,11 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
                       summary=result["summary"],
                       train_reward=late_mean(next(iter(rewards.values()))))
     else:
-        result = run_trl(doc, setting, seed, duration, checkpoints, runs_dir)
+        # TRL gets the machine alone: the broker AstraFlow's runs left running is stopped
+        # (AstraFlow's next run starts it again)
+        record["broker"] = stop_broker(doc)
+        result = run_trl(doc, setting, seed, duration, checkpoints, runs_dir,
+                         usual=system == "trl-usual")
         record["at"] = {key(float(t)): f"step {c['step']}" for t, c in result["at"].items()}
         print("[bench] scoring", flush=True)
         record["scores"] = score_trl(result, scorer)
@@ -1372,18 +1423,45 @@ def one_run(system: str, doc: dict[str, Any], setting: dict[str, Any], seed: int
     return record
 
 
+def stop_broker(doc: dict[str, Any]) -> str:
+    """Stops this machine's embedded broker, if it runs, before a TRL run; what was done
+    (``stopped``, ``not running``, or ``external, not stopped`` for a cluster of the
+    run's own), for the run's record."""
+    if os.environ.get("ASTRAFLOW_BOOTSTRAP") or (doc.get("kafka") or {}).get(
+            "bootstrap_servers"):
+        return "external, not stopped"
+    from astraflow.broker.embedded import EmbeddedBroker
+
+    broker = EmbeddedBroker()
+    if not broker.status().running:
+        return "not running"
+    broker.stop()
+    print("[bench] stopped the embedded broker for the TRL run", flush=True)
+    return "stopped"
+
+
 def settings_of(args: argparse.Namespace, doc: dict[str, Any],
                 systems: list[str]) -> dict[str, list[dict[str, Any]]]:
     """The settings each system may run: its sweep grid, or with ``--no-sweep`` its one
-    setting (``unswept_setting``)."""
+    setting (``unswept_setting``). The grid is every learning rate with every count of
+    prompts a step (``--sweep-prompts``): TRL's ``prompts`` (each sampled
+    ``num_generations`` times), AstraFlow's batcher ``batch_size`` (groups of the pool's
+    ``n_samples``), unless an option names them; without a sweep TRL trains one prompt a
+    step (its usual setting) and AstraFlow the topology's batch."""
     given = parse_sweep_lrs(args.sweep_lrs)
     trl_options = parse_trl_options(args.trl_option,
                                     task_defaults(doc)["max_completion_length"])
     topo_lr = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
-    usual = {"astraflow": topo_lr, "trl": TRL_LR}
-    lrs = {"astraflow": astraflow_lrs(topo_lr), "trl": list(TRL_LRS), **given}
-    options = {"astraflow": parse_astraflow_options(args.astraflow_option, doc),
-               "trl": trl_options}
+    usual = {"astraflow": topo_lr, "trl": TRL_LR, "trl-usual": TRL_LR}
+    lrs = {"astraflow": astraflow_lrs(topo_lr), "trl": list(TRL_LRS),
+           "trl-usual": list(TRL_LRS), **given}
+    astraflow_options = parse_astraflow_options(args.astraflow_option, doc)
+    prompts = list(args.sweep_prompts) if args.sweep else [1]
+    if "per_device_train_batch_size" not in trl_options:
+        trl_options = {**trl_options, "prompts": prompts}
+    if batch_path(doc) not in astraflow_options and args.sweep:
+        astraflow_options = {**astraflow_options, batch_path(doc): prompts}
+    options = {"astraflow": astraflow_options, "trl": trl_options, "trl-usual": trl_options}
     if not args.sweep:
         return {s: [unswept_setting(given.get(s), usual[s], options[s])] for s in systems}
     return {s: sweep_grid(lrs[s], options[s]) for s in systems}
@@ -1403,14 +1481,13 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
                            "chosen": chosen}
     if not swept:
         return out
-    scorer = make_scorer(doc, dataset=data["validation"], size=args.val_size)
-    out["validation_size"] = scorer["size"]
-    out["start"] = scorer["scores"](None)
+    scorers = system_scorers(doc, swept, dataset=data["validation"], size=args.val_size)
+    out["validation_size"] = scorers[swept[0]]["size"]
+    out["start"] = scorers[swept[0]]["scores"](None)
+    for seed, i, system in sweep_order(swept, grids, seeds):
+        out["rows"].append(sweep_run(args, doc, system, grids[system][i], seed,
+                                     scorers[system], progress))
     for system in swept:
-        for setting in grids[system]:
-            for seed in seeds:
-                out["rows"].append(sweep_run(args, doc, system, setting, seed, scorer,
-                                             progress))
         mine = [r for r in out["rows"] if r["system"] == system]
         chosen[system] = choose_setting(mine, args.sweep_metric)
         mine = setting_means(mine)
@@ -1426,6 +1503,54 @@ def run_sweep(args: argparse.Namespace, doc: dict[str, Any], systems: list[str],
         print(f"[bench] sweep: {system} runs {json.dumps(chosen[system])}", flush=True)
     out["table"] = sweep_table(out["rows"], chosen)
     return out
+
+
+def sweep_order(systems: list[str], grids: dict[str, list[dict[str, Any]]],
+                seeds: list[int]) -> list[tuple[int, int, str]]:
+    """The sweep's runs as (seed, index in the system's grid, system), the systems taking
+    turns setting by setting and seed by seed, so that a drift of the machine in the
+    course of the sweep reaches every system alike."""
+    return [(seed, i, system) for seed in seeds
+            for i in range(max(len(grids[s]) for s in systems))
+            for system in systems if i < len(grids[system])]
+
+
+def system_scorers(doc: dict[str, Any], systems: list[str], dataset: str | None = None,
+                   size: int | None = None) -> dict[str, dict[str, Any]]:
+    """Each system's scorer (``make_scorer``): the topology's prompts, and for
+    ``trl-usual`` the prompts it trained on; one scorer each kind, shared."""
+    kinds = {s: s == "trl-usual" for s in systems}
+    made = {u: make_scorer(doc, dataset=dataset, size=size, usual=u)
+            for u in sorted(set(kinds.values()))}
+    return {s: made[u] for s, u in kinds.items()}
+
+
+def plan(args: argparse.Namespace, doc: dict[str, Any], systems: list[str]) -> str:
+    """``--dry-run``: the runs the bench would make, in their order, and what its ``meta``
+    would record (nothing is run, no data or model is prepared)."""
+    grids = settings_of(args, doc, systems)
+    lines = [f"topology {_shown(args.topology)}, reward {args.reward} (trl-usual: "
+             f"{USUAL_REWARD} on its own prompt), systems {', '.join(systems)}"]
+    swept = [s for s in systems if len(grids[s]) > 1]
+    seeds = list(range(args.seed0, args.seed0 + args.sweep_seeds))
+    order = sweep_order(swept, grids, seeds) if swept else []
+    if order:
+        lines.append(f"sweep: {len(order)} runs of {args.sweep_duration:g} s, scored on the "
+                     "validation split:")
+        lines += [f"  {system} seed {seed} {json.dumps(grids[system][i])}"
+                  for seed, i, system in order]
+    fixed = {s: json.dumps(grids[s][0]) for s in systems if len(grids[s]) == 1}
+    n = args.seeds * len(systems)
+    lines.append(f"then {n} runs of {args.duration:g} s, checkpoints "
+                 f"{', '.join(f'{c:g}' for c in args.checkpoints)} s, the systems taking turns "
+                 "seed by seed (the broker stopped for each TRL run):")
+    lines += [f"  {system} seed {seed} " + fixed.get(system, "(the sweep's choice)")
+              for seed in range(args.seed0, args.seed0 + args.seeds) for system in systems]
+    hours = (len(order) * args.sweep_duration + n * args.duration) / 3600
+    lines.append(f"about {hours:.1f} h of runs, then the scoring")
+    lines.append("meta: " + json.dumps(run_meta("learning", ["python", "bench/learning.py"]),
+                                      default=str))
+    return "\n".join(lines)
 
 
 def sweep_run(args: argparse.Namespace, doc: dict[str, Any], system: str,
@@ -1458,8 +1583,8 @@ def results_of(args: argparse.Namespace, systems: list[str], runs: list[dict[str
     curve = curves(runs, systems, args.checkpoints)
     times = times_to_target(runs, systems, args.target)
     where = [f"seed {r['seed']}: {r['where']}" for r in runs if r["system"] == "astraflow"]
-    where += [f"seed {r['seed']}: trl: {r['steps']} optimizer steps" for r in runs
-              if r["system"] == "trl"]
+    where += [f"seed {r['seed']}: {r['system']}: {r['steps']} optimizer steps" for r in runs
+              if r["system"] in TRL_SYSTEMS]
     out = {"curves": curve, "table": curves_table(curve, start, args.checkpoints),
            "time_to_target": times, "time_table": times_table(times), "where": where}
     if per_update:
@@ -1491,7 +1616,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         trl_options = parse_trl_options(args.trl_option)
     except (RewardError, ValueError) as e:
         ap.error(str(e))
-    if "trl" in systems:
+    if set(systems) & set(TRL_SYSTEMS) and not args.dry_run:
         problem = check_trl(trl_options)
         if problem:
             ap.error(problem)
@@ -1517,14 +1642,18 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
         "sweep_metric": args.sweep_metric, "val_size": args.val_size,
         "eval_size": args.eval_size, "duration": args.duration,
         "checkpoints": args.checkpoints}, {
-        # what a TRL step trains (trl_config_kwargs): runs with another step are not kept
-        s: {"grid": grids[s], **({"step": "one prompt x num_generations"} if s == "trl"
-                                 else {})} for s in systems}, args.resume)
+        # what a TRL step trains (trl_config_kwargs) and on which prompt and reward: runs
+        # with another step are not kept
+        s: {"grid": grids[s], **({"step": "prompts x num_generations"} if s in TRL_SYSTEMS
+                                 else {}),
+            **({"task": f"usual prompt, {USUAL_REWARD}"} if s == "trl-usual" else {})}
+        for s in systems}, args.resume)
     for path in args.reuse:
         progress.reuse(path, topology_digest(doc))
     sweep = run_sweep(args, doc, systems, grids, data, progress)
     chosen = sweep["chosen"]
-    scorer = make_scorer(doc, size=args.eval_size)
+    scorers = system_scorers(doc, systems, size=args.eval_size)
+    scorer = scorers[systems[0]]
     start = scorer["scores"](None)
     out: dict[str, Any] = {
         "meta": meta, "bench": "learning", "topology": _shown(args.topology),
@@ -1537,7 +1666,7 @@ def run_one_policy(args: argparse.Namespace, doc: dict[str, Any], systems: list[
             run = progress.find("run", system, chosen[system], seed)
             if run is None:
                 run = one_run(system, doc, chosen[system], seed, args.duration,
-                              args.checkpoints, args.runs_dir, scorer)
+                              args.checkpoints, args.runs_dir, scorers[system])
                 progress.add("run", run)
             else:
                 print(f"[bench] {system} seed {seed}: kept from "
@@ -1575,7 +1704,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of each seeded run, from its launch")
     ap.add_argument("--checkpoints", default="300,600,900,1200,1800",
                     help="seconds at which each run's newest weights are scored")
-    ap.add_argument("--systems", default="astraflow,trl")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seeds", type=int, default=3, help="runs per system")
     ap.add_argument("--seed0", type=int, default=0, help="the first seed (and the sweep's)")
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
@@ -1584,6 +1713,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-lrs", action="append", default=[], metavar="SYSTEM=LR,...",
                     help="learning rates a system's sweep tries (default astraflow: a third, "
                     "one and ten thirds of the topology's; trl: 2e-6,5e-6,1e-5)")
+    ap.add_argument("--sweep-prompts", default=",".join(map(str, PROMPTS_PER_STEP)),
+                    metavar="N,...", help="prompts a step trains that the sweep tries with "
+                    "every learning rate: TRL's prompts a step (x num_generations), "
+                    "AstraFlow's batch_size (groups); default 1,2,4")
     ap.add_argument("--sweep-duration", type=float, default=300.0,
                     help="seconds of a sweep run")
     ap.add_argument("--sweep-seeds", type=int, default=1, metavar="N",
@@ -1622,6 +1755,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="another bench's --progress file whose seeded runs are kept where "
                     "this bench's sweep chose their setting (same task, durations and "
                     "checkpoints): a 30-min run is not run again")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the runs the bench would make, in order, and its meta "
+                    "block; run nothing")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.trl_worker:
@@ -1630,6 +1766,12 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoints = [float(x) for x in args.checkpoints.split(",") if x]
     except ValueError:
         ap.error(f"--checkpoints {args.checkpoints!r}: comma-separated seconds")
+    try:
+        args.sweep_prompts = [int(x) for x in args.sweep_prompts.split(",") if x]
+    except ValueError:
+        ap.error(f"--sweep-prompts {args.sweep_prompts!r}: comma-separated counts")
+    if not args.sweep_prompts or min(args.sweep_prompts) < 1:
+        ap.error("--sweep-prompts: counts of at least 1")
     meta = run_meta("learning", ["python", *sys.argv] if argv is None  # before the run: its
                     else ["python", "bench/learning.py", *argv])  # commit
     args.runs_dir = args.runs_dir.resolve()
@@ -1643,6 +1785,12 @@ def main(argv: list[str] | None = None) -> int:
     systems = check_args(ap, args)
     if args.val_size is None:
         args.val_size = args.eval_size
+    if args.dry_run:
+        try:
+            print(plan(args, with_reward(doc, args.reward), systems))
+        except ValueError as e:
+            ap.error(str(e))
+        return 0
     ensure_model(doc)
     return run_one_policy(args, doc, systems, meta)
 

@@ -233,7 +233,7 @@ def test_the_sweep_runs_every_setting_with_each_seed_and_keeps_finished_ones(tmp
                 "commit": "abc", "train_reward": 0.1}
 
     monkeypatch.setattr(bench, "one_run", one_run)
-    monkeypatch.setattr(bench, "make_scorer", lambda doc, dataset=None, size=None: {
+    monkeypatch.setattr(bench, "make_scorer", lambda doc, dataset=None, size=None, usual=False: {
         "size": 200, "scores": lambda state: {"strict": 0.0, "lenient": 0.0}})
     args = argparse.Namespace(seed0=0, sweep_seeds=2, sweep_duration=300.0,
                               sweep_metric="lenient", val_size=None, runs_dir=tmp_path)
@@ -245,7 +245,7 @@ def test_the_sweep_runs_every_setting_with_each_seed_and_keeps_finished_ones(tmp
         return bench.run_sweep(args, {}, ["trl"], grids, {"validation": "v.jsonl"}, progress)
 
     out = sweep()
-    assert ran == [(1e-5, 0), (1e-5, 1), (5e-6, 0), (5e-6, 1)]
+    assert ran == [(1e-5, 0), (5e-6, 0), (1e-5, 1), (5e-6, 1)]  # seed by seed
     assert out["seeds"] == [0, 1] and len(out["rows"]) == 4
     assert out["chosen"]["trl"] == {"lr": 5e-6}
     assert "| trl | 5e-06 | - | 2 | 0.0 % | 7.5 % | yes |" in out["table"]
@@ -426,7 +426,10 @@ def test_the_ratio_bound_takes_the_side_of_the_system_whose_seeds_fell_short():
 def test_the_pace_counts_updates_and_samples_by_checkpoint_and_the_first_update():
     doc = yaml.safe_load((REPO / "topology" / "smollm2.yaml").read_text())
     per = bench.samples_per_update(doc, {"trl": {"lr": 1e-5, "num_generations": 8}})
-    assert per == {"astraflow": 4 * 8, "trl": 8}  # a batch of 4 groups of 8; 1 prompt x 8
+    assert per == {"astraflow": 4 * 8, "trl": 8, "trl-usual": 8}  # 4 groups of 8; 1 x 8
+    chosen = {"astraflow": {"lr": 1e-5, bench.batch_path(doc): 2},
+              "trl-usual": {"lr": 1e-5, "prompts": 4}}
+    assert bench.samples_per_update(doc, chosen) == {"astraflow": 16, "trl": 8, "trl-usual": 32}
     assert bench.samples_per_update(doc, {"trl": {"per_device_train_batch_size": 16}})["trl"] \
         == 16
     assert [bench.updates_at(x) for x in ("v49", "step 78", None, "v0")] == [49, 78, 0, 0]
@@ -473,6 +476,82 @@ def test_trl_runs_its_own_options_its_lr_and_the_seed():
     kw = bench.trl_config_kwargs(setup, {"lr": 1e-5, "per_device_train_batch_size": 8}, 0,
                                  Path("/x"))
     assert kw["per_device_train_batch_size"] == 8
+    kw = bench.trl_config_kwargs(setup, {"lr": 1e-5, "prompts": 4, **bench.TRL_BASE}, 0,
+                                 Path("/x"))
+    assert kw["per_device_train_batch_size"] == 32 and "prompts" not in kw  # 4 prompts x 8
+
+
+def sweep_args(**over):
+    args = argparse.Namespace(sweep_lrs=[], trl_option=[], astraflow_option=[], sweep=True,
+                              sweep_prompts=[1, 2, 4])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_the_sweep_varies_prompts_a_step_with_the_lr_for_every_system():
+    doc = yaml.safe_load((REPO / "topology" / "smollm2.yaml").read_text())
+    grids = bench.settings_of(sweep_args(), doc, list(bench.SYSTEMS))
+    path = bench.batch_path(doc)
+    assert path == "processors.batcher.options.batch_size"
+    assert {(s["lr"], s[path]) for s in grids["astraflow"]} == {
+        (lr, n) for lr in (3.3e-6, 1e-5, 3.3e-5) for n in (1, 2, 4)}
+    for system in bench.TRL_SYSTEMS:
+        assert {(s["lr"], s["prompts"]) for s in grids[system]} == {
+            (lr, n) for lr in bench.TRL_LRS for n in (1, 2, 4)}
+    # without a sweep: TRL one prompt a step (its usual), AstraFlow the topology's batch
+    fixed = bench.settings_of(sweep_args(sweep=False), doc, ["astraflow", "trl"])
+    assert fixed["trl"][0]["prompts"] == 1 and path not in fixed["astraflow"][0]
+    # an option that names the step itself is left alone
+    own = bench.settings_of(sweep_args(trl_option=["per_device_train_batch_size=16"],
+                                       astraflow_option=[f"{path}=[2]"]), doc,
+                            ["astraflow", "trl"])
+    assert all("prompts" not in s for s in own["trl"])
+    assert {s[path] for s in own["astraflow"]} == {2}
+
+
+def test_the_sweep_runs_the_systems_in_turn_setting_by_setting_and_seed_by_seed():
+    grids = {"astraflow": [{"lr": 1}, {"lr": 2}], "trl": [{"lr": 3}, {"lr": 4}, {"lr": 5}]}
+    assert bench.sweep_order(["astraflow", "trl"], grids, [0, 1]) == [
+        (0, 0, "astraflow"), (0, 0, "trl"), (0, 1, "astraflow"), (0, 1, "trl"), (0, 2, "trl"),
+        (1, 0, "astraflow"), (1, 0, "trl"), (1, 1, "astraflow"), (1, 1, "trl"), (1, 2, "trl")]
+
+
+def test_trl_usual_prompts_plainly_and_is_scored_on_that_prompt(monkeypatch):
+    class Tok:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return "<user>" + "".join(m["content"] for m in messages) + "<assistant>"
+
+    text = bench.usual_prompt(Tok(), {"prompt": "What is 55+20? Answer with the number only."})
+    assert text == "<user>What is 55 + 20? Answer with the number only.<assistant>"
+    made = []
+    monkeypatch.setattr(bench, "make_scorer", lambda doc, dataset=None, size=None, usual=False:
+                        made.append(usual) or {"usual": usual})
+    scorers = bench.system_scorers({}, ["astraflow", "trl", "trl-usual"])
+    assert sorted(made) == [False, True]  # one scorer a kind of prompt
+    assert [scorers[s]["usual"] for s in ("astraflow", "trl", "trl-usual")] == [False, False,
+                                                                                 True]
+
+
+def test_a_trl_run_leaves_an_external_broker_alone(monkeypatch):
+    monkeypatch.setenv("ASTRAFLOW_BOOTSTRAP", "localhost:1")
+    assert bench.stop_broker({}) == "external, not stopped"
+    monkeypatch.delenv("ASTRAFLOW_BOOTSTRAP")
+    assert bench.stop_broker({"kafka": {"bootstrap_servers": "x:9092"}}) == \
+        "external, not stopped"
+
+
+def test_the_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "one_run", lambda *a, **k: pytest.fail("a run was started"))
+    monkeypatch.setattr(bench, "ensure_model", lambda *a: pytest.fail("the model was loaded"))
+    assert bench.main(["--dry-run", "--runs-dir", str(tmp_path), "--sweep-prompts", "1,4",
+                       "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sweep: 18 runs of 300 s" in out  # 3 systems x 3 lrs x 2 prompt counts x 1 seed
+    assert "then 6 runs of 1800 s" in out
+    assert '"prompts": 4' in out and '"processors.batcher.options.batch_size": 4' in out
+    assert '"packages"' in out and '"cpu_flags"' in out
 
 
 @pytest.mark.parametrize("argv,msg", [
