@@ -376,6 +376,10 @@ def render_learning(data: dict[str, Any]) -> list[str]:
                       f"mean and 95 % interval over {len(data.get('seeds', []))} seed(s) "
                       "(Student's t); strict: the number alone, lenient: its first number:")
     blocks.append(data["table"].strip())
+    per_seed = seed_rows(data.get("runs"))
+    if per_seed:
+        blocks += ["Each seed's held-out accuracy, lenient / strict, at each checkpoint:",
+                   per_seed]
     if data.get("time_table"):
         times = data.get("time_to_target", {})
         blocks += [f"Seconds to {pct(times.get('level'), 0)} {times.get('metric', '')} "
@@ -413,6 +417,24 @@ def render_learning(data: dict[str, Any]) -> list[str]:
     if data.get("exploration"):
         blocks.append("```\n" + data["exploration"].strip() + "\n```")
     return blocks
+
+
+def seed_rows(runs: Any) -> str:
+    """The seeded runs of a learning bench one row each (system, seed, lenient / strict at
+    every checkpoint), "" when it kept none."""
+    if not isinstance(runs, list) or not runs or not all(
+            isinstance(r, dict) and isinstance(r.get("scores"), dict) for r in runs):
+        return ""
+    checkpoints = sorted({t for r in runs for t in r["scores"]}, key=float)
+
+    def cell(s: Any) -> str:
+        if not isinstance(s, dict):
+            return "-"
+        return " / ".join(pct(s.get(m)) for m in ("lenient", "strict"))
+    rows = sorted(runs, key=lambda r: (str(r.get("system")), r.get("seed", 0)))
+    return table(["system", "seed", *(f"{t} s" for t in checkpoints)],
+                 ([r.get("system"), r.get("seed"), *(cell(r["scores"].get(t))
+                                                     for t in checkpoints)] for r in rows))
 
 
 def render_async_vs_sync(data: dict[str, Any]) -> list[str]:
@@ -750,6 +772,59 @@ def cited_results(paths: Iterable[Path], results: Path = RESULTS) -> dict[str, l
             if not (results / name).exists():
                 missing.setdefault(f"bench/results/{name}", []).append(_shown(page))
     return missing
+
+
+# a JSON file named in a page, with or without a folder: what stands before it decides
+NAMED = re.compile(r"(?<![\w.-])((?:[\w.-]+/)*[\w.-]+\.json)\b")
+# a page's link to a results page: results/<bench>.md
+RESULTS_LINK = re.compile(r"\(results/([\w-]+)\.md(?:#[^)]*)?\)")
+
+
+def named_results(text: str) -> set[str]:
+    """The results files a page names: ``bench/results/NAME.json``, or a bare ``NAME.json``
+    whose name begins with a bench's (``bench_of``); a file under another folder
+    (``bench/progress/...``) is not one."""
+    known = set(BENCHES) | {p.stem for p in (REPO / "bench").glob("*.py")}
+    out = set()
+    for path in NAMED.findall(text):
+        folder, _, name = path.rpartition("/")
+        if folder and folder != "bench/results":
+            continue
+        if bench_of(name, None) in known:
+            out.add(name)
+    return out
+
+
+def uncited_results(results: Path = RESULTS,
+                    docs: Iterable[Path] | None = None) -> list[str]:
+    """The results files no reference page cites: a page cites a file by naming it
+    (``named_results``) or by linking the results page that renders it
+    (``results/<bench>.md``)."""
+    named: set[str] = set()
+    linked: set[str] = set()
+    for page in (reference_pages() if docs is None else docs):
+        text = page.read_text()
+        named |= named_results(text)
+        linked |= set(RESULTS_LINK.findall(text))
+    return [name for name, r in load_results(results).items()
+            if name not in named and r["bench"] not in linked]
+
+
+def missing_named(results: Path = RESULTS,
+                  docs: Iterable[Path] | None = None) -> dict[str, list[str]]:
+    """Results files a reference page names (``named_results``) that do not exist, each
+    with the pages that name it."""
+    missing: dict[str, list[str]] = {}
+    for page in (reference_pages() if docs is None else docs):
+        for name in sorted(named_results(page.read_text())):
+            if not (results / name).exists():
+                missing.setdefault(name, []).append(_shown(page))
+    return missing
+
+
+def reference_pages() -> list[Path]:
+    """README.md and the reference pages of docs/ (not the generated results pages)."""
+    return [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md"))]
 
 
 def doc_pages() -> list[Path]:

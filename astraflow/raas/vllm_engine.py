@@ -62,7 +62,13 @@ from typing import Any
 
 import torch
 
-from astraflow.models.lora import LoraSettings, adapted_weights, merged, write_adapter
+from astraflow.models.lora import (
+    LoraSettings,
+    adapted_weights,
+    merged,
+    serving_dtype,
+    write_adapter,
+)
 from astraflow.models.precision import resolve_best
 from astraflow.raas.engine import Generation, InflightWeights, SamplingParams
 from astraflow.raas.hf_text import HFText, load_tokenizer
@@ -341,7 +347,10 @@ class VLLMEngine(HFText):
             for f in sorted(self.model_dir.glob("*.safetensors")):
                 self._base.update(load_file(str(f)))
         try:
-            return {**self._base, **merged(self._base, adapter, self.lora)}
+            # kept in fp32 (the engine serves fp32 in merge mode): a bf16 merged weight
+            # rounds away the adapter's early updates (astraflow.models.lora)
+            return {**self._base, **merged(self._base, adapter, self.lora,
+                                           dtype=torch.float32)}
         except ValueError as e:
             raise ValueError(f"{self.policy}: version {version}: {e}") from None
 
@@ -517,9 +526,13 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(opts.kv_cache_gib))
     from vllm import LLM
 
+    dtype = resolve_best(opts.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    if settings is not None and mode == "merge":  # the merged weights are fp32
+        dtype, why = serving_dtype(dtype)
+        if why:
+            log.info("%s: %s", policy, why)
     kwargs: dict[str, Any] = dict(
-        model=str(path), tokenizer=str(path), dtype=resolve_best(
-            opts.dtype, "cuda" if torch.cuda.is_available() else "cpu"), seed=opts.seed,
+        model=str(path), tokenizer=str(path), dtype=dtype, seed=opts.seed,
         enforce_eager=opts.enforce_eager, enable_prefix_caching=opts.enable_prefix_caching,
         enable_chunked_prefill=opts.enable_chunked_prefill,
         distributed_executor_backend="uni", logprobs_mode="processed_logprobs",

@@ -80,6 +80,30 @@ def test_every_results_file_the_docs_cite_exists(tmp_path: Path) -> None:
     assert report.cited_results([page]) == {"bench/results/no-such-bench.json": [str(page)]}
 
 
+def test_every_results_file_is_cited_by_a_reference_page_and_every_named_one_exists() -> None:
+    uncited = report.uncited_results()
+    assert not uncited, (f"no page of README.md or docs/ names {uncited} or links the "
+                         "results page that renders it: cite the current result of a "
+                         "question, remove a superseded file (git keeps it)")
+    missing = report.missing_named()
+    assert not missing, f"pages name results files that do not exist: {missing}"
+
+
+def test_a_results_file_is_cited_by_name_or_by_its_results_page(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("outage.json", "learning-a.json", "learning-b.json"):
+        (results / name).write_text("{}")
+    page = tmp_path / "page.md"
+    page.write_text("As `learning-a.json` shows; runs kept in bench/progress/learning-b.json; "
+                    "config.json is a model file.")
+    assert report.uncited_results(results, [page]) == ["learning-b.json", "outage.json"]
+    page.write_text("See [results](results/outage.md), bench/results/learning-b.json and "
+                    "`learning-a.json`, `learning-gone.json`.")
+    assert report.uncited_results(results, [page]) == []
+    assert report.missing_named(results, [page]) == {"learning-gone.json": [str(page)]}
+
+
 def test_results_pages_are_up_to_date_with_their_json() -> None:
     problems = report.check()
     assert not problems, "\n".join(problems) + "\nrun: python bench/report.py"
@@ -136,6 +160,9 @@ def test_run_meta_names_the_command_commit_machine_and_date() -> None:
     assert re.fullmatch(r"[0-9a-f]{7}( with uncommitted changes)?", meta["commit"])
     assert re.search(r", \d+ cores(, [^()]+)? \(", meta["machine"])
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", meta["date"])
+    assert meta["packages"]["python"].count(".") == 2
+    assert {"torch", "confluent-kafka"} <= set(meta["packages"])  # installed here
+    assert all(f.startswith(("avx", "amx", "fma", "f16c")) for f in meta["cpu_flags"])
 
 
 def test_the_machine_names_the_flags_that_make_two_cpus_of_one_name_differ(tmp_path) -> None:
