@@ -14,6 +14,14 @@ Applying a version: ``load_published`` copies an adapter state into a peft model
 weight, for engines that take full weights (vLLM without LoRA, ``export --merge``).
 Importing this module imports neither torch nor peft (the CLI and the configuration read
 ``LoraSettings``).
+
+Serving precision: the trainer computes the adapter's update on its fp32 base, in fp32.
+Early in training that update moves an adapted layer's output (or its merged weight) by
+far less than one bf16 step, so an engine that rounds either to bf16 (a bf16 model with
+the adapter applied at forward time, or a merged weight cast to bf16) serves close to the
+base model while the trainer computes with the adapter. Engines serve a LoRA policy in
+``SERVING_DTYPE`` (``serving_dtype``): the torch engine applies the adapter at forward time
+on an fp32 model, vLLM's ``merge`` mode keeps the merged weights in fp32 and serves fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 META_KEY = "lora"  # the manifest meta entry with the adapter's settings
+SERVING_DTYPE = "float32"  # what an engine computes a LoRA policy in (module docstring)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
 # a parameter's name in the peft model -> its name in the adapter file (peft drops the
 # adapter's own name, "default")
@@ -163,17 +172,29 @@ def adapted_weights(adapter: Iterable[str]) -> dict[str, tuple[str, str]]:
     return {f"{k}.weight": (v["A"], v["B"]) for k, v in parts.items()}
 
 
+def serving_dtype(requested: str | None) -> tuple[str, str | None]:
+    """The dtype an engine computes a LoRA policy in, for its configured ``requested``
+    (None: as stored): ``SERVING_DTYPE`` whatever was asked, and why when that is not what
+    was asked (see the module docstring), for the engine to log."""
+    if requested in (SERVING_DTYPE, "fp32"):
+        return SERVING_DTYPE, None
+    return SERVING_DTYPE, (f"dtype {requested or 'as stored'} -> {SERVING_DTYPE}: a LoRA "
+                           "policy is served as the trainer computes it (fp32), since a "
+                           "16-bit model rounds away the adapter's early updates")
+
+
 def merged(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
-           s: LoraSettings) -> dict[str, torch.Tensor]:
+           s: LoraSettings, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The adapted base weights with the adapter added, ``W + alpha/rank * B @ A`` computed
-    in fp32 and cast to W's dtype, by Hugging Face name (only the adapted weights)."""
+    in fp32 and cast to ``dtype`` (None: W's dtype, where a bf16 W rounds away an update
+    below half its step), by Hugging Face name (only the adapted weights)."""
     out = {}
     for name, (a, b) in adapted_weights(adapter).items():
         if name not in base:
             raise ValueError(f"the adapter adapts {name}, which the base model lacks")
         w = base[name]
         delta = adapter[b].float() @ adapter[a].float()
-        out[name] = (w.float() + s.scale * delta.to(w.device)).to(w.dtype)
+        out[name] = (w.float() + s.scale * delta.to(w.device)).to(dtype or w.dtype)
     return out
 
 
@@ -196,4 +217,5 @@ def write_adapter(state: Mapping[str, torch.Tensor], s: LoraSettings, base: str 
 
 __all__ = ["ADAPTER_WEIGHTS", "META_KEY", "LoraSettings", "adapted_weights", "adapter_state",
            "is_wrapped", "load_adapter", "load_published", "merged", "peft_config",
-           "saved_name", "settings_of", "wrap", "write_adapter"]
+           "SERVING_DTYPE", "saved_name", "serving_dtype", "settings_of", "wrap",
+           "write_adapter"]

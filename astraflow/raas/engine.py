@@ -30,6 +30,7 @@ teacher-forced forward pass. With ``temperature == 0`` (greedy) the reported val
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,13 @@ import torch
 
 from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
-from astraflow.models.lora import LoraSettings, is_wrapped, load_published, wrap
+from astraflow.models.lora import (
+    LoraSettings,
+    is_wrapped,
+    load_published,
+    serving_dtype,
+    wrap,
+)
 from astraflow.models.precision import resolve_best
 from astraflow.models.sampling import check_top_p, sampling_logprobs
 from astraflow.raas.hf_text import HFText
@@ -449,8 +456,10 @@ def load_torch_engine(
 ) -> TorchEngine:
     """A ``TorchEngine`` for a local model directory (no downloads); ``prefix_cache_bytes``
     0 turns the prefix cache off. ``lora``: the policy's adapter settings (its ``lora:``);
-    the model then carries a peft adapter (version 0: B = 0, the model's own outputs) and
-    each version's adapter is copied into it in place."""
+    the model then carries a peft adapter (version 0: B = 0, the model's own outputs),
+    applied at forward time, each version's adapter copied into it in place; the model
+    computes in ``lora.SERVING_DTYPE`` (fp32) whatever ``dtype`` says, as the trainer does
+    (``astraflow.models.lora``: a 16-bit model rounds away the adapter's early updates)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from astraflow.models.loading import check_model_dir
@@ -458,6 +467,10 @@ def load_torch_engine(
     check_model_dir(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     dtype = resolve_best(dtype, device or "cpu")  # best: bf16 where the device has it
+    if lora is not None:
+        dtype, why = serving_dtype(dtype)
+        if why:
+            logging.getLogger("astraflow.raas").info("%s: %s", policy, why)
     if dtype:
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
