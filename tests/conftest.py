@@ -1,8 +1,11 @@
 """A real Kafka broker for the tests, and factories with random topic and group names.
 
-Broker, in order: ``ASTRAFLOW_BOOTSTRAP`` if set; else a testcontainers Kafka when a
-Docker engine answers; else the embedded Apache Kafka, started once per session in a
-temporary state directory and removed afterwards.
+Broker, in order: ``ASTRAFLOW_BOOTSTRAP`` if set; else, only when
+``ASTRAFLOW_TEST_KAFKA=testcontainers`` asks for it, a testcontainers Kafka
+(``ASTRAFLOW_TEST_KAFKA_IMAGE``, default ``apache/kafka:4.1.1``; the session stops when no
+Docker engine answers); else the embedded Apache Kafka, started once per session in a
+temporary state directory and removed afterwards. A Docker engine that happens to answer
+changes nothing by itself.
 
 Markers: every test whose fixtures (directly or through another fixture) include
 ``kafka_bootstrap`` is marked ``kafka`` here, at collection, so ``pytest -m "not kafka"``
