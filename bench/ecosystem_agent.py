@@ -66,6 +66,7 @@ SYSTEMS = {"tool": "astraflow.envs.verifiers_examples:load_tool",
            "notool": "astraflow.envs.verifiers_examples:load_single_turn"}
 VALIDATION_SEED = 10**9  # the validation problems' seed, far from the train seed + index
 RUN = "bench-ecosystem-agent"  # the run id (its topics are started over for each run)
+SCORE_CONCURRENCY = 16  # held-out episodes scored at once (their requests share batches)
 
 
 def system_topology(doc: dict[str, Any], system: str, lr: float, seed: int,
@@ -165,19 +166,27 @@ class Scorer:
 
     def __call__(self, system: str, state: dict[str, Any] | None, version: int,
                  rows: list[dict[str, Any]]) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
         from astraflow.wire.records import Task
 
         self.engine.load_state_dict(self.base if state is None else state, version)
-        scores = []
-        for i, row in enumerate(rows):
+
+        def one(i: int) -> float:
+            row = rows[i]
             ref = row["verifiers"]
             wf = self.workflow(system, ref["args"])
             own = {**row, "verifiers": {**ref, "env": SYSTEMS[system]}}
             task = Task(task_id=f"score-{i}", prompt_id=row["prompt_id"], workflow="verifiers",
                         payload=json.dumps(own), source="bench", policies=["actor"])
             (seq, *_) = wf.run(task, {"actor": self.engine}, 1)
-            scores.append(seq.reward)
-        return statistics.fmean(scores)
+            return seq.reward
+
+        for args in {json.dumps(r["verifiers"]["args"], sort_keys=True) for r in rows}:
+            self.workflow(system, json.loads(args))  # loaded once, before the threads
+        # the rows' episodes at once: the endpoint batches their requests to the engine
+        with ThreadPoolExecutor(SCORE_CONCURRENCY) as pool:
+            return statistics.fmean(pool.map(one, range(len(rows))))
 
 
 def versions_state(result: dict[str, Any]):

@@ -13,11 +13,15 @@ Their problems are reasoning-gym's ``basic_arithmetic`` (``astraflow.tasks.reaso
 drawn from a seed, nothing downloaded; the eval dataset is the held-out split) and the
 rubric is ``correct``: reasoning-gym's own ``score_answer`` of the answer inside the last
 ``<answer>...</answer>`` of the final assistant message (else of that whole message).
-``max_terms`` and ``max_digits`` set the problems' size.
+``max_terms`` and ``max_digits`` set the problems' size. ``demo`` puts one worked exchange
+before each problem (``DEMO``: a fixed problem, dropped from the data, solved with the tool
+in the tool environment and answered outright in the others), the way a small model is
+shown the format it is to write; it never holds the problem's answer.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import verifiers as vf
@@ -34,13 +38,30 @@ TOOL_SYSTEM = ("Solve the arithmetic problem. You may call the calculate tool wi
                "expression. Give your final answer alone inside <answer></answer> tags.")
 
 
+DEMO_QUESTION, DEMO_EXPRESSION, DEMO_ANSWER = "Calculate 214 - 37 + 5.", "214 - 37 + 5", "182"
+
+
+def demo(tool: bool) -> list[dict[str, Any]]:
+    """The worked exchange: the tool called and its result read, or the answer outright."""
+    if not tool:
+        return [{"role": "user", "content": DEMO_QUESTION},
+                {"role": "assistant", "content": f"<answer>{DEMO_ANSWER}</answer>"}]
+    call = {"id": "call_demo", "type": "function",
+            "function": {"name": "calculate",
+                         "arguments": json.dumps({"expression": DEMO_EXPRESSION})}}
+    return [{"role": "user", "content": DEMO_QUESTION},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_demo", "content": DEMO_ANSWER},
+            {"role": "assistant", "content": f"<answer>{DEMO_ANSWER}</answer>"}]
+
+
 def _rows(split: str, size: int, seed: int, config: dict[str, Any]) -> Dataset:
     query = "&".join(f"{k}={v}" for k, v in sorted(config.items()))
     path = f"reasoning_gym:{TASK}:{split}" + (f"?{query}" if query else "")
     payloads = rg.reasoning_gym_payloads(path, size=size, seed=seed)
     return Dataset.from_list([{"question": p["question"], "answer": p["answer"],
                                "info": {"reasoning_gym": p["reasoning_gym"]}}
-                              for p in payloads])
+                              for p in payloads if p["question"] != DEMO_QUESTION])
 
 
 def final_text(completion: Any) -> str:
@@ -80,10 +101,15 @@ def _datasets(size: int, eval_size: int, seed: int, max_terms: int,
             "eval_dataset": _rows("eval", eval_size, seed, config)}
 
 
+def _demo(wanted: bool, tool: bool) -> list[dict[str, Any]] | None:
+    return demo(tool) if wanted else None
+
+
 def load_single_turn(size: int = 64, eval_size: int = 32, seed: int = 0, max_terms: int = 2,
-                     max_digits: int = 2) -> vf.Environment:
+                     max_digits: int = 2, demo: bool = False) -> vf.Environment:
     """A ``vf.SingleTurnEnv``: one answer per problem, scored by ``correct``."""
     return vf.SingleTurnEnv(system_prompt=SYSTEM, rubric=vf.Rubric(funcs=[correct]),
+                            few_shot=_demo(demo, tool=False),
                             **_datasets(size, eval_size, seed, max_terms, max_digits))
 
 
@@ -99,20 +125,23 @@ class RetryEnv(vf.MultiTurnEnv):
 
 
 def load_multi_turn(size: int = 64, eval_size: int = 32, seed: int = 0, max_terms: int = 2,
-                    max_digits: int = 2, max_turns: int = 2) -> vf.Environment:
+                    max_digits: int = 2, max_turns: int = 2,
+                    demo: bool = False) -> vf.Environment:
     """``RetryEnv``: a multi-turn environment of the same problems."""
     return RetryEnv(system_prompt=SYSTEM, rubric=vf.Rubric(funcs=[correct]),
+                    few_shot=_demo(demo, tool=False),
                     max_turns=max_turns,
                     **_datasets(size, eval_size, seed, max_terms, max_digits))
 
 
 def load_tool(size: int = 64, eval_size: int = 32, seed: int = 0, max_terms: int = 2,
-              max_digits: int = 2, max_turns: int = 3) -> vf.Environment:
+              max_digits: int = 2, max_turns: int = 3, demo: bool = False) -> vf.Environment:
     """A ``vf.ToolEnv`` with the ``calculate`` tool, scored by ``correct``."""
     return vf.ToolEnv(tools=[calculate], max_turns=max_turns, system_prompt=TOOL_SYSTEM,
+                      few_shot=_demo(demo, tool=True),
                       rubric=vf.Rubric(funcs=[correct]),
                       **_datasets(size, eval_size, seed, max_terms, max_digits))
 
 
-__all__ = ["RetryEnv", "calculate", "correct", "final_text", "load_multi_turn",
+__all__ = ["RetryEnv", "calculate", "demo", "correct", "final_text", "load_multi_turn",
            "load_single_turn", "load_tool"]

@@ -10,6 +10,7 @@ closes it however the harness ends.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -28,6 +29,10 @@ class EpisodeEndpoint:
                                         if v is not None})
         self._server: AgentServer | None = None
         self._lock = threading.Lock()
+        # the in-process harness's openai client logs each request at INFO (httpx2): one
+        # line per call of every episode would drown the node's own log
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
     @property
     def server(self) -> AgentServer:
