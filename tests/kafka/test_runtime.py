@@ -88,9 +88,10 @@ def test_exactly_once_when_processor_is_sigkilled_mid_stream(
     try:
         wait_for(some_transactions_committed, 90, "the first committed transactions", step=0)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        killed = proc.wait(10)
     finally:
         seen.close()
+    assert killed == -signal.SIGKILL, f"the processor ended with {killed}, not by the kill"
     at_kill = len(committed_ids(kafka_config, dst))
     assert at_kill < n, f"processor finished ({at_kill}/{n} committed) before it was " \
                         "killed; the test proves nothing"
@@ -107,9 +108,12 @@ def test_exactly_once_when_processor_is_sigkilled_mid_stream(
     duplicates = {k: c for k, c in counts.items() if c > 1}
     assert not duplicates, f"{len(duplicates)} records appear more than once"
     assert set(counts) == {f"t{i}" for i in range(n)}, "records were lost"
-    # the crash was real: the uncommitted view shows what the aborted transaction wrote
+    # the uncommitted view holds every committed record and whatever the killed
+    # transaction had sent before the kill (none when it landed between transactions):
+    # the committed view hid exactly those
     uncommitted = len(read_all(kafka_config, dst, idle_s=1.0, isolation="read_uncommitted"))
-    print(f"killed at {at_kill}/{n} committed; uncommitted view holds {uncommitted} records")
+    assert uncommitted >= n, f"the uncommitted view holds {uncommitted} of {n} records"
+    assert len(ids) == n
 
 
 def test_garbage_goes_to_dlq_and_processor_goes_on(kafka_config, make_topology):

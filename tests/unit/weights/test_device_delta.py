@@ -235,7 +235,12 @@ def test_device_path_publishes_what_the_crc_path_does(tmp_path, dtypes):
 
 
 def test_publish_equals_prepare_then_write(tmp_path):
-    follow_both(tmp_path, chain(5, DTYPES["bf16"]), use_prepare=False)
+    # publish() on the device path: every version followed bit for bit, as prepare().write()
+    # and the CRC path give it (follow_both checks each version)
+    published = follow_both(tmp_path / "publish", chain(5, DTYPES["bf16"]), use_prepare=False)
+    prepared = follow_both(tmp_path / "prepare", chain(5, DTYPES["bf16"]), use_prepare=True)
+    assert state_bytes_equal(published._prev, prepared._prev)
+    assert state_bytes_equal(published._prev, chain(5, DTYPES["bf16"])[-1])
 
 
 @pytest.mark.parametrize("device_delta", [False, True])

@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 
 from astraflow.wire.records import Batch, Sequence, Task, TrajectoryGroup
-from astraflow.wire.validate import InvalidRecord, check_record
+from astraflow.wire.validate import (
+    InvalidRecord,
+    batch_problem,
+    check_record,
+    group_problem,
+    sequence_problem,
+    task_problem,
+)
 
 
 def seq(**kw) -> Sequence:
@@ -25,11 +32,13 @@ def group(*seqs: Sequence, rewards=None) -> TrajectoryGroup:
 
 
 def test_sensible_records_pass():
-    check_record(seq())
-    check_record(group())
-    check_record(Batch(policy="actor", batch_id="b", groups=[group()]))
-    check_record(Task(task_id="t", prompt_id="p", workflow="single_turn", payload="{}",
-                      source="s"))
+    batch = Batch(policy="actor", batch_id="b", groups=[group()])
+    task = Task(task_id="t", prompt_id="p", workflow="single_turn", payload="{}", source="s")
+    # no finder names a problem, so check_record lets each through
+    assert [sequence_problem(seq()), group_problem(group()), batch_problem(batch),
+            task_problem(task)] == [None, None, None, None]
+    for record in (seq(), group(), batch, task):
+        assert check_record(record) is None
 
 
 @pytest.mark.parametrize("record, reason", [
