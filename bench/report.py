@@ -147,6 +147,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "Durable agent episodes",
         "a RaaS node killed mid-episode and its task taken over, the episodes replayed from "
         "the log against started again: tokens sampled again and seconds to the group"),
+    "inflight": (
+        "Weight updates inside a generation",
+        "an agent topology with long generations, updates between chunks of a generation "
+        "off and on: token age in versions (mean and max, per token) and tokens per second"),
     "vllm_lora": (
         "vLLM applying LoRA versions",
         "vLLM's own LoRA (a LoRARequest per version) against the adapter merged into the "
