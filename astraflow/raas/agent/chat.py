@@ -138,7 +138,7 @@ def render_after(tokenizer: Any, chat: ChatFormat, sampled: list[int], known: in
     at = text.find(_SAMPLED)
     # the earlier prompt may hold more than the template writes before an answer of the
     # history (a generation prompt that opens an empty thinking block), never other text
-    if at < 0 or _SAMPLED in text[at + 1:] or not head.startswith(text[:at]):
+    if at <= 0 or _SAMPLED in text[at + 1:] or not head.startswith(text[:at]):
         return None
     rest = text[at + len(_SAMPLED):]
     last = int(sampled[-1])
