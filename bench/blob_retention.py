@@ -12,6 +12,7 @@ reachable. ``--keep-versions`` is passed to the trainer (0: no pruning).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,10 @@ sys.path.insert(0, str(REPO))
 from astraflow.broker.embedded import EmbeddedBroker, free_port  # noqa: E402
 from astraflow.kafka.config import KafkaConfig  # noqa: E402
 from astraflow.weights.stores.kafka import read_manifests  # noqa: E402
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 
 def _named_bytes(manifests) -> int:
@@ -44,7 +49,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=int, default=600)
     ap.add_argument("--keep-versions", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
+    meta = run_meta("blob_retention", ["python", *sys.argv])  # before the run: its commit
     with tempfile.TemporaryDirectory(prefix="bench-blobs-") as tmp:
         work = Path(tmp)
         broker = EmbeddedBroker(work / "broker")
@@ -70,6 +77,12 @@ def main() -> int:
     print(f"{args.duration}s run, keep-versions {args.keep_versions}: {newest} versions; "
           f"blobs named by the manifests {_named_bytes(manifests) / 1e6:.1f} MB, "
           f"on the broker's disk at the end {on_disk / 1e6:.1f} MB")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "meta": meta, "duration_s": args.duration, "keep_versions": args.keep_versions,
+            "versions": newest, "named_blob_bytes": _named_bytes(manifests),
+            "on_disk_bytes": on_disk}, indent=1) + "\n")
     return 0
 
 

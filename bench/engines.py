@@ -23,6 +23,7 @@ Engine start times (vLLM's includes its first-run compile) are printed too.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -38,6 +39,10 @@ except ImportError:  # running from a checkout without an install
 import torch
 
 from astraflow.raas.engine import SamplingParams
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 
 def addition_prompts(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
@@ -108,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--changed", type=float, default=0.05,
                    help="share of elements a new version changes (weight sync)")
     p.add_argument("--engines", default="torch,vllm")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the start, rollout and weight-sync figures as JSON here")
     return p.parse_args(argv)
 
 
@@ -147,6 +154,8 @@ def table(rows: list[tuple[str, dict[str, Any]]], keys: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    meta = run_meta("engines", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/engines.py", *argv])  # before the run: its commit
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -156,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
           f"dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
           f"prompt tokens mean {sum(map(len, prompts)) / len(prompts):.0f}")
     print(table([(n, {"start_s": s}) for n, (_, s) in engines.items()], ["start_s"]))
+    out: dict[str, Any] = {"meta": meta, "settings": {k: str(v) for k, v in vars(args).items()},
+                           "start_s": {n: s for n, (_, s) in engines.items()}, "rollout": []}
     for _, (eng, _) in engines.items():  # warm-up: first-call costs are not throughput
         eng.generate(prompts[:2], SamplingParams(max_new_tokens=4, n=2, seed=args.seed))
     for t in (int(x) for x in args.tokens.split(",")):
@@ -164,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = [(n, rollout(eng, prompts, params)) for n, (eng, _) in engines.items()]
         print(f"\nrollout, max_new_tokens={t}")
         print(table(rows, ["tokens", "seconds", "tokens_per_s"]))
-    print(weight_sync(engines, args))
+        out["rollout"] += [{"engine": n, "max_new_tokens": t, **r} for n, r in rows]
+    sync_rows: list[tuple[str, dict[str, Any]]] = []
+    print(weight_sync(engines, args, sync_rows))
+    out["weight_sync"] = [{"engine": n, **r} for n, r in sync_rows]
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
     for eng, _ in engines.values():
         close = getattr(eng, "close", None)
         if callable(close):
@@ -172,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def weight_sync(engines: dict[str, tuple[Any, float]], args: argparse.Namespace) -> str:
-    """The weight-sync table: encode once (trainer side), then apply + load per engine."""
+def weight_sync(engines: dict[str, tuple[Any, float]], args: argparse.Namespace,
+                into: list[tuple[str, dict[str, Any]]] | None = None) -> str:
+    """The weight-sync table: encode once (trainer side), then apply + load per engine;
+    its rows are added to ``into`` too."""
     from astraflow.weights import encode_delta
 
     any_engine = next(iter(engines.values()))[0]
@@ -184,6 +203,8 @@ def weight_sync(engines: dict[str, tuple[Any, float]], args: argparse.Namespace)
     encode_s = time.perf_counter() - t0
     full = sum(v.numel() * v.element_size() for v in base.values())
     rows = [(n, sync(eng, base, blob, any_engine.version + 1)) for n, (eng, _) in engines.items()]
+    if into is not None:
+        into += [(n, {**r, "encode_s": encode_s, "delta_bytes": len(blob)}) for n, r in rows]
     head = (f"\nweight sync: {sum(v.numel() for v in base.values()) / 1e6:.0f}M parameters, "
             f"{args.changed:.0%} changed, delta {len(blob) / 2**20:.1f} MiB "
             f"({len(blob) / full:.1%} of {full / 2**20:.0f} MiB), encode {encode_s:.2f}s")

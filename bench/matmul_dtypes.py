@@ -11,9 +11,16 @@ and a training pass of 512 rows.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 
 def per_call_ms(rows: int, dtype: torch.dtype, calls: int) -> float:
@@ -27,12 +34,16 @@ def per_call_ms(rows: int, dtype: torch.dtype, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calls", type=int, default=100)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    meta = run_meta("matmul_dtypes", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/matmul_dtypes.py", *argv])
     torch.set_num_threads(args.threads)
+    rows_out = []
     print(f"| rows x 576 @ 576 x 1536, {args.threads} thread(s) | fp32 ms | bf16 ms "
           "| bf16 / fp32 |")
     print("|---|---|---|---|")
@@ -40,6 +51,11 @@ def main() -> int:
         f32 = per_call_ms(rows, torch.float32, args.calls)
         b16 = per_call_ms(rows, torch.bfloat16, args.calls)
         print(f"| {rows} | {f32:.2f} | {b16:.2f} | {b16 / f32:.1f}x |")
+        rows_out.append({"rows": rows, "fp32_ms": f32, "bf16_ms": b16, "bf16_over_fp32": b16 / f32})
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "threads": args.threads,
+                                        "calls": args.calls, "rows": rows_out}, indent=1) + "\n")
     return 0
 
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -42,6 +43,10 @@ from astraflow.kafka.offsets import Offsets  # noqa: E402
 from astraflow.kafka.topics import apply_topics  # noqa: E402
 from astraflow.replay.ranges import clamp_range, copy_range  # noqa: E402
 from astraflow.weights.stores.kafka import read_manifests  # noqa: E402
+
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 
 def cli(*args: str, env: dict[str, str], out: Path | None = None) -> str:
@@ -92,20 +97,30 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=40)
     ap.add_argument("--duration", type=int, default=600)
     ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write each replay's figure and its baseline as JSON here")
     args = ap.parse_args()
+    meta = run_meta("replay", ["python", *sys.argv])  # before the run: its commit
     print("$ python bench/replay.py " + " ".join(sys.argv[1:]), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         work = Path(tmp)
         broker = EmbeddedBroker(work / "broker")
         bootstrap = broker.start(port=free_port(), log=lambda *_: None).bootstrap
         try:
-            measure(work, bootstrap, args)
+            figures = measure(work, bootstrap, args)
         finally:
             broker.destroy()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "versions": args.versions,
+                                        "duration_s": args.duration, "every": args.every,
+                                        **figures}, indent=1) + "\n")
     return 0
 
 
-def measure(work: Path, bootstrap: str, args) -> None:
+def measure(work: Path, bootstrap: str, args) -> dict[str, Any]:
+    """The source run, then replay copy, train, eval and process on it; the figures, each
+    with its baseline."""
     from astraflow.config.topology import load_topology
 
     topo, path, env = source_run(work, bootstrap, args)
@@ -138,8 +153,8 @@ def measure(work: Path, bootstrap: str, args) -> None:
     eval_s = time.perf_counter() - t0
     curve = json.loads((work / "curve.json").read_text())["curve"]
     live_evals = summary["eval"].get("actor", [])
-    report(n, ours, plain, (newest, replayed), train_s, live_s, out, curve, eval_s,
-           live_evals, summary["seconds"])
+    figures = report(n, ours, plain, (newest, replayed), train_s, live_s, out, curve, eval_s,
+                     live_evals, summary["seconds"])
     # process: the run's own chain, in event time
     t0 = time.perf_counter()
     out = cli("replay", "process", "-t", str(path), "--into", f"{run}-process", env=env)
@@ -147,10 +162,12 @@ def measure(work: Path, bootstrap: str, args) -> None:
     print(f"{'process (trajectories/s)':44} {n / process_s:12.0f} {plain:12.0f}  "
           "(baseline: plain consume + produce; replay includes the copy and start-up)")
     print("\nreplay process with the run's own settings:\n" + out.strip())
+    figures["process_per_s"] = {"replay": n / process_s, "baseline": plain}
+    return figures
 
 
 def report(n, ours, plain, versions, train_s, live_s, out, curve, eval_s, live_evals,
-           run_s) -> None:
+           run_s) -> dict[str, Any]:
     newest, replayed = versions
     same = "the weights differ" not in out and "bit for bit" in out
     print(f"\nsource run: {newest} versions in {run_s:.0f}s; {n} trajectory groups")
@@ -164,6 +181,13 @@ def report(n, ours, plain, versions, train_s, live_s, out, curve, eval_s, live_e
     print(f"{'eval (versions/min)':44} {60 * len(curve) / eval_s:12.1f} "
           f"{60 * len(live_evals) / run_s:12.1f}  (baseline: the live evaluator during the "
           "run, which shares the cores with the run)")
+    return {"source": {"versions": newest, "seconds": run_s, "groups": n},
+            "copy_records_per_s": {"replay": ours, "baseline": plain},
+            "train_versions_per_min": {"replay": 60 * replayed / train_s,
+                                       "baseline": 60 * (newest - 1) / live_s},
+            "replayed_versions": replayed, "same_weights": same,
+            "eval_versions_per_min": {"replay": 60 * len(curve) / eval_s,
+                                      "baseline": 60 * len(live_evals) / run_s}}
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ Needs a local model directory, e.g. SmolLM2-135M-Instruct imported without inter
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import random
 import shutil
@@ -83,6 +85,10 @@ from astraflow.trainer.trainer import Trainer, TrainerConfig
 from astraflow.weights.delta import EncodeStats, iter_encode_delta
 from astraflow.weights.stores import FileBlobStore
 from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "fp32": {"autocast": "none", "micro_batch_size": 8, "share_prompt": False},
@@ -378,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
                    "GPU; the batches are still sampled on the CPU)")
     p.add_argument("--dir", help="blob store directory (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write every setting's measurements per step as JSON here")
     args = p.parse_args(argv)
+    meta = run_meta("trainer", ["python", *sys.argv] if argv is None
+                    else ["python", "bench/trainer.py", *argv])  # before the run: its commit
     names = [s for s in args.settings.split(",") if s]
     backends = [b for b in args.backends.split(",") if b]
     bad = [s for s in names if s not in SETTINGS] + [
@@ -409,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     report([st.row for st in settings], args.state_interval)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "settings": {k: str(v) for k, v in vars(args).items()},
+                       "rows": [dataclasses.asdict(st.row) for st in settings]}, f, indent=1)
+            f.write("\n")
     return 0
 
 
