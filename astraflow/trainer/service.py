@@ -83,7 +83,6 @@ from astraflow.trainer.resume import (
 )
 from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY, StateWriter, WrittenState
 from astraflow.trainer.trainer import Trainer, TrainerConfig
-from astraflow.weights.delta import state_bytes_equal
 from astraflow.weights.errors import BlobError
 from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
 from astraflow.wire.codec import RecordDecodeError
@@ -613,7 +612,7 @@ class TrainerService:
                     "rebuilt from the rounded ones; cannot resume exactly (restart with the "
                     "--publish-dtype the run was started with)"
                 )
-            if not state_bytes_equal(self.trainer.published_state(), published):
+            if self.trainer.published_difference(published) is not None:
                 raise RuntimeError(
                     f"{self.weights_topic}: the master weights of version {version} (from "
                     f"{master}) do not round to its published weights; cannot resume exactly"
@@ -631,7 +630,7 @@ class TrainerService:
         except (OSError, RuntimeError, ValueError) as e:
             raise RuntimeError(f"{self.weights_topic}: the state of version {version} in "
                                f"{where} is unusable ({e}); cannot resume exactly") from e
-        if not state_bytes_equal(self.trainer.published_state(), published):
+        if self.trainer.published_difference(published) is not None:
             raise RuntimeError(
                 f"{self.weights_topic}: the master weights of version {version} (from "
                 f"{where}) do not round to its published weights; cannot resume exactly")
@@ -640,7 +639,7 @@ class TrainerService:
     def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
         """The newest version must have been published in the dtype this trainer publishes
         (a delta needs both sides in one dtype)."""
-        mine = {k: v.dtype for k, v in self.trainer.published_state().items()}
+        mine = self.trainer.published_dtypes()
         bad = [k for k, v in published.items() if k in mine and mine[k] != v.dtype]
         if bad:
             raise RuntimeError(

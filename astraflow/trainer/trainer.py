@@ -386,9 +386,13 @@ class Trainer:
         if c.autocast == "best":
             log.info("%s: autocast %s (%s)", policy or "trainer", self.autocast, why)
         self.device = torch.device(c.device) if group is None else group.device
+        # under a group, a model directory is read in rows: each rank its own (sharded_load)
+        files = None if group is None or model is not None else _weight_files(model_path)
+        self.load_seconds = 0.0  # reading the weights in rows (sharded_load); 0: not so
         # eval mode: no dropout, deterministic, and log-probs match the rollout's
-        self.backend: PolicyModel = make_policy_model(c.backend, model_path, self.dtype,
-                                                      str(self.device), model)
+        self.backend: PolicyModel = (
+            make_policy_model(c.backend, model_path, self.dtype, str(self.device), model)
+            if files is None else TorchPolicy(_meta_model(model_path, self.dtype)))
         if c.lora is not None:
             self.backend = LoraPolicy(self.backend.module, LoraSettings.from_mapping(c.lora))
         self.model = self.backend.module
@@ -396,6 +400,8 @@ class Trainer:
             self.backend.enable_checkpointing()
         if group is not None:
             _fully_shard(self.model, group, self._mixed_precision())
+        if files is not None:
+            self._sharded_load(files)
         # True when the published weights are a rounding of the trained ones, which then
         # have to be saved apart (master_bytes) for an exact resume
         self.keeps_master = self.publish_dtype is not None and any(
@@ -524,6 +530,46 @@ class Trainer:
                                  f"the model's is {tuple(v.shape)}")
         return mine
 
+    def _sharded_load(self, files: dict[str, str]) -> None:
+        """Under a group, the model built on the meta device and sharded: each rank
+        allocates its rows alone and reads them from the safetensors ``files`` (tensor name
+        -> file), in ``dtype``; no rank ever holds a whole weight (memory ~1/N from the
+        start). Non-persistent buffers (rotary frequencies) are computed again on the
+        device; the model is then in eval mode, as ``make_policy_model`` leaves it."""
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        buffers = _rebuilt_buffers(self.model, self.device)
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, value in buffers.items():
+                self.model.get_buffer(name).copy_(value)
+            done: set[int] = set()  # tied weights are one tensor: read once
+            by_file: dict[str, list[tuple[str, torch.Tensor]]] = {}
+            for k, v in self.backend.named_state(keep_vars=True).items():
+                if k in buffers or id(v) in done:
+                    continue
+                if k not in files:
+                    raise ValueError(f"loading weights: {k} is in no safetensors file of the "
+                                     "model directory")
+                done.add(id(v))
+                by_file.setdefault(files[k], []).append((k, v))
+            for path, tensors in by_file.items():
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for k, v in tensors:
+                        stored = f.get_slice(k)
+                        if tuple(stored.get_shape()) != tuple(v.shape):
+                            raise ValueError(f"loading weights: {k} has shape "
+                                             f"{tuple(stored.get_shape())} in {path}, the "
+                                             f"model's is {tuple(v.shape)}")
+                        if _is_dtensor(v):
+                            start, stop = self._rows_of(v)
+                            v.to_local().copy_(stored[start:stop])
+                        else:
+                            v.copy_(stored[:])
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
     def _mixed_precision(self) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` under a group where the trainer computes in bf16
         (``autocast`` bf16, or bf16 weights): layers are all-gathered in bf16 (half the
@@ -587,6 +633,45 @@ class Trainer:
                 local = local.to(dt)
             tensors[k] = local.contiguous()
         return tensors, rows
+
+    def published_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each tensor of ``published_state()``, by Hugging Face name, read
+        from the tensors' metadata: nothing is gathered or cast."""
+        dt = self.publish_dtype
+        return {k: dt if dt is not None and v.is_floating_point() else v.dtype
+                for k, v in self.backend.to_hf(self.backend.named_state()).items()}
+
+    def published_difference(self, state: dict[str, torch.Tensor]) -> str | None:
+        """The name of the first tensor of ``published_state()`` whose bytes (dtype,
+        shape, values) differ from ``state``'s (full tensors by Hugging Face name, any
+        device), or that one side lacks; None when they are equal. Under a group each rank
+        compares its own part (``published_part``) with the same rows of ``state`` and the
+        ranks agree on the answer (a collective: every rank calls it); nothing is
+        gathered, so a rank holds no more than its part beside ``state``."""
+        if self.group is None:
+            mine = self.published_state()
+            names = list(mine)
+        else:
+            mine, rows = self.published_part()
+            names = list(self.backend.named_state())
+        if set(names) != set(state):
+            return sorted(set(names) ^ set(state))[0]
+        first = len(names)
+        for i, k in enumerate(names):
+            if k not in mine:  # a rank holding none of its rows
+                continue
+            want = state[k]
+            if self.group is not None and k in rows:
+                if tuple(want.shape) != tuple(rows[k].shape):
+                    first = i
+                    break
+                want = want[rows[k].start:rows[k].stop]
+            if not _same_bytes(mine[k], want):
+                first = i
+                break
+        if self.group is not None:  # the lowest index any rank found
+            first = -int(self.group.max_floats({"first": -float(first)})["first"])
+        return None if first == len(names) else names[first]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Every weight from ``state`` (full tensors by Hugging Face name, any device):
@@ -1141,6 +1226,74 @@ def _check_group(c: TrainerConfig, group: Group) -> None:
     if torch.device(c.device).type != group.device.type:
         raise ValueError(f"device (--device) {c.device!r} does not match the process group's "
                          f"device {group.device} (join(device=...))")
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have the same dtype, shape and raw bytes (NaNs compare by
+    their bits), on ``a``'s device."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().reshape(-1).view(bits),
+                       b.detach().to(a.device).reshape(-1).view(bits))
+
+
+def _weight_files(model_path: str) -> dict[str, str] | None:
+    """Tensor name -> the safetensors file of ``model_path`` holding it, when its weights
+    are all in safetensors files (``model.safetensors``, or the shards an index names);
+    None otherwise (the model is then loaded whole, as without a group)."""
+    import json
+    from pathlib import Path
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text()).get("weight_map", {})
+        files = {k: str(root / f) for k, f in names.items()}
+        return files if files and all(Path(f).is_file() for f in files.values()) else None
+    single = root / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), str(single))
+
+
+def _meta_model(model_path: str, dtype: torch.dtype) -> Any:
+    """The transformers causal LM of ``model_path`` (its config) built on the meta device:
+    no memory, no initialisation; ``Trainer._sharded_load`` allocates and fills it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from astraflow.models.loading import check_model_dir
+
+    check_model_dir(model_path, tokenizer=False)
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _rebuilt_buffers(model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers of a model built on the meta device, computed on
+    ``device``: each module holding one is built again from its ``config`` (what
+    transformers' rotary embeddings are made from), its buffers taken. ``ValueError`` for
+    a module that cannot be (its buffers would be garbage)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, m in model.named_modules():
+        names = [n for n in m._non_persistent_buffers_set if m._buffers.get(n) is not None]
+        if not names:
+            continue
+        config = getattr(m, "config", None)
+        try:
+            with torch.device(device):
+                fresh = type(m)(config)
+        except Exception as e:  # noqa: BLE001 - any failure: say which module
+            raise ValueError(f"{prefix or type(m).__name__}: its buffers {names} cannot be "
+                             f"computed again for a sharded load ({e})") from e
+        for n in names:
+            out[f"{prefix}.{n}" if prefix else n] = fresh.get_buffer(n).to(device)
+    return out
 
 
 def _fully_shard(model: torch.nn.Module, group: Group, mp_policy: Any = None) -> None:

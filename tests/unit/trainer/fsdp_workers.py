@@ -49,4 +49,50 @@ def collectives(model_path: str, config: dict, batches: list[tuple]) -> dict[str
         group.close()
 
 
-__all__ = ["collectives", "cpu"]
+
+def loaded(model_path: str, config: dict, batches: list[tuple]) -> dict[str, Any]:
+    """A trainer on the group loaded from ``model_path``: whether it read its rows
+    (``load_seconds``), its full weights and non-persistent buffers right after loading,
+    and its metrics on ``batches``."""
+    from astraflow.trainer.parallel import join
+
+    torch.set_num_threads(1)
+    group = join("cpu")
+    try:
+        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        out = {"rows_read": tr.load_seconds > 0, "weights": cpu(tr.state_dict()),
+               "buffers": cpu({k: v for k, v in tr.model.named_buffers()})}
+        out["metrics"] = steps(tr, batches)
+        return out
+    finally:
+        group.close()
+
+
+def checks(model_path: str, config: dict, batches: list[tuple]) -> dict[str, Any]:
+    """After ``batches`` on the group: ``published_difference`` against the published
+    state itself, against it with one element of the last row of a weight changed (a row
+    the last rank holds), and without that weight; ``published_dtypes`` beside the
+    published state's dtypes."""
+    from astraflow.trainer.parallel import join
+
+    torch.set_num_threads(1)
+    group = join("cpu")
+    try:
+        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        steps(tr, batches)
+        published = tr.published_state()  # gathered: the reference, for the test only
+        name = next(k for k, v in published.items() if v.dim() == 2)
+        changed = dict(published)
+        changed[name] = published[name].clone()
+        changed[name][-1, 0] = changed[name][-1, 0] + 1
+        missing = {k: v for k, v in published.items() if k != name}
+        return {"same": tr.published_difference(published), "name": name,
+                "changed": tr.published_difference(changed),
+                "missing": tr.published_difference(missing),
+                "dtypes": tr.published_dtypes(),
+                "want_dtypes": {k: v.dtype for k, v in published.items()}}
+    finally:
+        group.close()
+
+
+__all__ = ["checks", "collectives", "cpu", "loaded"]
