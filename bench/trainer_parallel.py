@@ -19,8 +19,18 @@ previous one has ended (so at most one holds the GPU):
   put) on another thread while the next step trains; its state is
   ``checkpoint.save(..., async_=True)`` (torch.distributed.checkpoint).
 
-Per configuration and rank it prints: peak memory (max RSS of the rank; on a GPU also
-``torch.cuda.max_memory_allocated``), both taken once the steps are done; the step
+``--before`` also runs each group as the trainer did before its memory and communication
+work, in the same run: every rank loads the whole model and then shards it, FSDP2
+all-gathers and reduces in fp32 after every backward pass, and the resume's checks gather
+every full tensor on every rank (``published_state()``).
+
+Per configuration and rank it prints: peak memory of three phases, each from its own
+start (the RSS high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs`` after
+``malloc_trim``; on a GPU also ``torch.cuda.max_memory_allocated``, reset likewise): the
+start (building the trainer: loading the model, sharding it, the fp32 masters), the steps
+(the forward/backward passes, the optimizer, publishing), and a resume (the state just
+saved loaded back, and the published weights checked against the newest version, held
+whole as a resuming trainer's follower holds them); the step
 (``train_step``, median over the timed steps after one warm-up), tokens/s (every token of
 the whole batch, prompt and completion, over that step time), the trainer's
 ``trainer/forward_backward_seconds`` and ``trainer/optimizer_seconds``; publishing: the
@@ -66,6 +76,7 @@ measured is printed either way, and ``--out`` is rewritten after every phase.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -115,13 +126,16 @@ REFERENCE = ("issue 42, H100, the old code: forward/backward 1.25 s | optimizer 
 
 COLUMNS = [  # (summary key, header)
     ("config", "configuration"), ("rank", "rank"), ("steps", "timed steps"),
-    ("rss_gb", "max RSS GB"), ("gpu_gb", "GPU peak GB"), ("step_s", "step s"),
+    ("rss_start_gb", "RSS peak start GB"), ("rss_gb", "RSS peak step GB"),
+    ("rss_resume_gb", "RSS peak resume GB"), ("gpu_start_gb", "GPU peak start GB"),
+    ("gpu_gb", "GPU peak step GB"), ("gpu_resume_gb", "GPU peak resume GB"),
+    ("step_s", "step s"),
     ("tokens_s", "tokens/s"), ("fwd_bwd_s", "fwd/bwd s"), ("optim_s", "optim s"),
     ("publish_thread_s", "publish on thread s"), ("publish_wait_s", "publish wait s"),
     ("publish_off_s", "publish off thread s"), ("publish_mb", "MB/version"),
     ("floor_s", "floor s"), ("state_thread_s", "state on thread s"),
     ("state_copied_s", "state copied s"), ("state_written_s", "state written s"),
-    ("state_gb", "state GB"),
+    ("state_gb", "state GB"), ("resume_s", "resume s"),
 ]
 NA = "n/a"
 
@@ -157,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=480.0,
                     help="the whole run's time budget (see the module docstring)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--before", action="store_true",
+                    help="also run each group as the trainer did before: every rank loads "
+                    "the whole model then shards it, FSDP2 all-gathers and reduces in fp32 "
+                    "after every backward pass, the resume's checks gather every tensor")
+    ap.add_argument("--from-disk", action="store_true",
+                    help="with --shape: save the random model as a Hugging Face directory "
+                    "first, so the ranks load it as a model directory (the start's memory)")
     ap.add_argument("--groups-only", action="store_true",
                     help="skip the baseline (a short re-measurement of the groups; the "
                     "comparison then needs a run with it)")
@@ -287,9 +308,50 @@ def floor_diff(prev: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) ->
     return changed
 
 
+def _reset_peak(device: torch.device) -> bool:
+    """Start a phase's peak memory from now: freed heap returned to the system
+    (``malloc_trim``), the RSS high-water mark reset (``/proc/self/clear_refs``, Linux),
+    CUDA's peak statistics reset. False where the RSS mark cannot be reset (the figures
+    are then peaks since the process started)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def _memory(device: torch.device) -> dict[str, float | None]:
+    """The RSS high-water mark (``VmHWM``, since the last ``_reset_peak``; else
+    ``ru_maxrss``) and CUDA's ``max_memory_allocated``, in bytes."""
     gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, "gpu": gpu}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                rss = float(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return {"rss": rss, "gpu": gpu}
+
+
+def _as_before(trainer_cls: Any) -> None:
+    """The trainer's FSDP2 communication as it was before mixed precision and one
+    reduction a step (``--before``): fp32 all-gathers and reductions, a reduce-scatter
+    after every backward pass."""
+    trainer_cls._mixed_precision = lambda self: None
+    original = trainer_cls._each_pass
+
+    def each_pass(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.model.set_requires_gradient_sync = lambda *a, **k: None
+        return original(self, *args, **kwargs)
+
+    trainer_cls._each_pass = each_pass
 
 
 def _rank_files_bytes(where: Path, rank: int) -> int:
@@ -353,7 +415,15 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
         ok = time.time() + estimate < spec["deadline_at"]
         return ok if group is None else bool(group.broadcast(ok))
 
+    before = spec.get("before", False)
+    if before:
+        _as_before(Trainer)
+    peak_reset = _reset_peak(device)
     model = build_model(spec["shape"], device, spec["seed"]) if spec["shape"] else None
+    if model is None and before and not baseline:  # every rank loads the whole model
+        from astraflow.trainer.backend import load_hf_model
+
+        model = load_hf_model(spec["model"], torch.float32)
     cfg = TrainerConfig(lr=spec["lr"], autocast=spec["autocast"],
                         gradient_checkpointing=spec["gradient_checkpointing"],
                         micro_batch_size=spec["micro_batch_size"], share_prompt=False,
@@ -362,6 +432,7 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
     trainer = Trainer(spec["model"] or spec["shape"], cfg, policy="actor", model=model,
                       group=group)
     model = None
+    rec.write("memory", when="start", peak_reset=peak_reset, **_memory(device))
     vocab = int(trainer.model.config.vocab_size)
     batches = make_batches(spec["steps"] + 1, vocab, spec)
     own_logprobs(trainer, batches, spec["prompt"], spec["micro_batch_size"])
@@ -370,8 +441,7 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
     rec.write("start", world=1 if baseline else group.world, device=str(device),
               setup_s=time.perf_counter() - t0, trained_params=trained)
     say(f"ready in {time.perf_counter() - t0:.1f}s on {device}")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _reset_peak(device)
 
     work = Path(spec["workdir"])
     store = FileBlobStore(work / f"blobs-{spec['config_id']}-{rank}")
@@ -469,6 +539,7 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
     rec.write("memory", when="steps", **_memory(device))
 
     per_save = trained * STATE_BYTES_PER_PARAM / STATE_WRITE_BYTES_S + 5.0
+    saved = 0
     for i in range(spec["state_saves"]):
         if not allowed(per_save):
             rec.write("note", text=f"state save {i + 1} skipped: the deadline (about "
@@ -502,11 +573,53 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
             rec.write("state", thread_s=t1 - t0, copied_s=t_copied - t0, written_s=t2 - t0,
                       bytes=_rank_files_bytes(where, rank))
             group.barrier()
-            if rank == 0:
+            if rank == 0 and i + 1 < spec["state_saves"]:  # the last one is resumed
                 shutil.rmtree(where, ignore_errors=True)
         say(f"state saved in {t2 - t0:.1f}s")
+        saved = i + 1
     rec.write("memory", when="end", **_memory(device))
+    if spec["state_saves"] and saved == spec["state_saves"] and allowed(per_save):
+        resume(trainer, spec, group, work / f"state-{spec['config_id']}-{saved - 1}", rec)
+        say("resumed")
+    if group is not None and rank == 0:
+        shutil.rmtree(work / f"state-{spec['config_id']}-{saved - 1}", ignore_errors=True)
     rec.write("end")
+
+
+def resume(trainer: Any, spec: dict[str, Any], group: Any, where: Path, rec: Recorder) -> None:
+    """What a resume does with the trainer's memory: the state just saved loaded back
+    (a group: ``checkpoint.load`` of its DCP directory; one process: the optimizer and
+    master bytes) and the published weights checked against the newest version, held
+    whole as a follower holds them (``published_difference``: each rank its rows; with
+    ``--before`` the gathered ``published_state()`` compared). Its own peak memory."""
+    device = trainer.device
+    published = {k: v.detach().clone() for k, v in trainer.published_state().items()}
+    data = None
+    if group is None:
+        data = (trainer.master_bytes() if trainer.keeps_master else None,
+                trainer.optimizer_bytes())
+    _reset_peak(device)
+    t0 = _now(device)
+    if group is None:
+        assert data is not None
+        if data[0] is not None:
+            trainer.load_master_bytes(data[0])
+        trainer.load_optimizer_bytes(data[1])
+    else:
+        from astraflow.trainer import checkpoint
+
+        checkpoint.load(trainer, where)
+    if spec.get("before"):
+        from astraflow.trainer.resume import first_difference
+
+        bad = first_difference(trainer.published_state(), published)
+    else:
+        bad = trainer.published_difference(published)
+    t1 = _now(device)
+    if bad is not None:
+        rec.write("note", text=f"resume: {bad} differs from the published weights")
+    rec.write("resume", seconds=t1 - t0)
+    rec.write("memory", when="resume", **_memory(device))
 
 
 # --------------------------------------------------------------------------- the parent
@@ -528,6 +641,13 @@ def summarize(config: str, role: str, rank: int, records: list[dict[str, Any]],
     step_s = med(steps, "step_s")
     tokens = med(steps, "tokens")
     mem = memory.get("steps", {})
+
+    def peak(when: str, key: str) -> Any:
+        if key == "gpu" and device != "cuda":
+            return NA
+        m = memory.get(when)
+        return m[key] / 1e9 if m and m.get(key) is not None else None
+
     out: dict[str, Any] = {
         "config": config, "rank": rank, "steps": len(steps),
         "rss_gb": mem["rss"] / 1e9 if mem else None,
@@ -547,6 +667,10 @@ def summarize(config: str, role: str, rank: int, records: list[dict[str, Any]],
         else NA,
         "state_written_s": med(states, "written_s") if state_saves else NA,
         "state_gb": (lambda b: b / 1e9 if b is not None else None)(med(states, "bytes"))
+        if state_saves else NA,
+        "rss_start_gb": peak("start", "rss"), "rss_resume_gb": peak("resume", "rss"),
+        "gpu_start_gb": peak("start", "gpu"), "gpu_resume_gb": peak("resume", "gpu"),
+        "resume_s": next((r["seconds"] for r in records if r["kind"] == "resume"), None)
         if state_saves else NA,
         # beside the table, in the JSON
         "cast_s": med(steps, "cast_s") if baseline else None,
@@ -693,6 +817,14 @@ def run_config(run: Run, label: str, role: str, n: int, spec: dict[str, Any],
 def resolve_model(args: argparse.Namespace, work: Path) -> str | None:
     """The model directory the ranks load (``smollm2``: imported here first), or None
     for ``--shape``."""
+    if args.shape and args.from_disk:  # the random model as a directory the ranks load
+        t0 = time.perf_counter()
+        out = work / f"shape-{args.shape}"
+        build_model(args.shape, torch.device("cpu"), args.seed).save_pretrained(out)
+        print(f"# saved the {args.shape} shape in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr)
+        args.shape = None
+        return str(out)
     if args.model != "smollm2":
         return os.path.abspath(args.model) if args.model else None
     from astraflow.models.gguf import import_gguf, smollm2_gguf
@@ -728,7 +860,9 @@ def main(argv: list[str] | None = None) -> int:
                 "state_saves": args.state_saves, "seed": args.seed, "workdir": str(work)}
         # the baseline always runs, unless a run asks to re-measure the groups alone
         configs = [("baseline", "baseline", 1)] if not args.groups_only else []
-        configs += [(f"group of {n}", "group", n) for n in args.process_counts]
+        for n in args.process_counts:
+            configs += [(f"group of {n}, before", "group", n)] if args.before else []
+            configs += [(f"group of {n}", "group", n)]
         gpus = torch.cuda.device_count() if args.device == "cuda" else 0
         if args.device == "cuda" and gpus == 0:
             print("trainer_parallel: --device cuda, but torch sees no GPU", file=sys.stderr)
@@ -744,7 +878,8 @@ def main(argv: list[str] | None = None) -> int:
             share = left / (len(configs) - i)
             print(f"# {label}: starting, {share:.0f}s of the {left:.0f}s left",
                   file=sys.stderr, flush=True)
-            run_config(run, label, role, n, spec, time.time() + share)
+            run_config(run, label, role, n, {**spec, "before": label.endswith(", before")},
+                       time.time() + share)
     finally:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
