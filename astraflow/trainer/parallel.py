@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 # the environment torchrun gives each process
 DEFAULT_TIMEOUT_S = 600.0
+# how long training's collectives wait for the other ranks (seconds), when join is not told
+TIMEOUT_ENV = "ASTRAFLOW_TRAINER_COLLECTIVE_TIMEOUT_S"
 # the control channel's: the other ranks wait for rank 0's next command as long as it lives
 CONTROL_TIMEOUT_S = 365 * 24 * 3600.0
 
@@ -206,14 +208,29 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
-def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"environment variable {name} must be a number of seconds > 0, "
+                         f"got {value!r}")
+    return seconds
+
+
+def join(device: str = "cpu", timeout_s: float | None = None,
          control_timeout_s: float = CONTROL_TIMEOUT_S) -> Group:
     """Join the trainer's process group from torchrun's environment (``processes.RANK_ENV``).
 
     ``device``: ``cpu`` (gloo) or ``cuda`` (NCCL; this process drives GPU ``LOCAL_RANK``,
     or the index given as ``cuda:N``). ``timeout_s``: how long a collective may wait for the
-    other ranks before it fails (the control channel's is ``control_timeout_s``: see the
-    module docstring). ``ValueError`` (one line) when the environment is incomplete or the
+    other ranks before it fails (default: ``$ASTRAFLOW_TRAINER_COLLECTIVE_TIMEOUT_S``, else
+    ``DEFAULT_TIMEOUT_S``; the control channel's is ``control_timeout_s``: see the module
+    docstring). ``ValueError`` (one line) when the environment is incomplete or the
     device is not usable."""
     missing = [v for v in RANK_ENV if not os.environ.get(v)]
     if missing:
@@ -222,6 +239,8 @@ def join(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
             "environment (set by torchrun or spawn_local: RANK, WORLD_SIZE, LOCAL_RANK, "
             "MASTER_ADDR, MASTER_PORT)")
     rank, world, local = (_env_int(v) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if timeout_s is None:
+        timeout_s = _env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
     if not 0 <= rank < world:
         raise ValueError(f"RANK ({rank}) must be in 0..WORLD_SIZE-1 ({world - 1})")
     try:
@@ -328,5 +347,5 @@ def spawn_local(n: int, target: Callable[..., Any], args: tuple = (), *,
     return [results[r] for r in range(n)]
 
 
-__all__ = ["CONTROL_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "Group", "join", "rows",
+__all__ = ["CONTROL_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Group", "join", "rows",
            "shard_rows", "spawn_local"]

@@ -959,6 +959,8 @@ class TrainerService:
                               else version)
             written = self.writer.wait()
             metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
+            if self.dist is not None:
+                self.dist.wait_for_all()  # as below
             return written
         written = self.writer.poll()
         due = version % o.state_interval == 0
@@ -978,6 +980,11 @@ class TrainerService:
             metrics["trainer/state_write_seconds"] = written.write_seconds
             metrics["trainer/state_bytes"] = float(written.bytes)
             metrics["trainer/state_version"] = float(written.version)
+        if self.dist is not None:
+            # rank 0 alone may have waited for its upload of a state into the blob store
+            # (minutes for a large model): the others wait for it on the control channel,
+            # not in the publish's gather, whose timeout is training's
+            self.dist.wait_for_all()
         return written
 
     def _finish_state_write(self) -> None:

@@ -5,8 +5,10 @@ another number of processes with every batch trained once."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 
 from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.wire.records import Batch
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 from tests.unit.trainer import test_parallel
 from tests.unit.trainer.test_trainer import make_batch
 
@@ -157,3 +159,50 @@ def test_a_group_without_a_checkpoint_dir_keeps_its_states_in_the_blob_store(
     versions = sorted(m.version for m in read_manifests(
         kafka_config, topo.full_name("weights.actor")) if m.kind == "delta")
     assert versions == [1, 2, 3, 4, 5]
+
+
+def test_a_group_idles_past_its_collective_timeout_then_trains(
+    kafka_config, kafka_bootstrap, make_topology, tied_llama, tmp_path
+):
+    """``trainer run --processes 2`` whose collectives time out after 6 s: version 0
+    published, no batch for 30 s (5x that; rank 1 waits for rank 0's command on the
+    control channel), then a batch: version 1 is trained and published by both
+    processes, and a SIGTERM stops the group cleanly."""
+    from astraflow.trainer.parallel import TIMEOUT_ENV
+    from astraflow.weights.stores.kafka import read_manifests
+
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
+    weights = topo.full_name("weights.actor")
+    log = tmp_path / "trainer.log"
+    cmd = [sys.executable, "-m", "astraflow.cli.main", "trainer", "run", "--topology",
+           str(path), "--policy", "actor", "--model", tied_llama, "--state-dir",
+           str(tmp_path / "state"), "--threads", "1", "--lr", "1e-4",
+           "--micro-batch-size", "3", "--processes", "2"]
+    env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": kafka_bootstrap, "PYTHONUNBUFFERED": "1",
+           TIMEOUT_ENV: "6"}
+
+    def versions() -> set[int]:
+        return {m.version for m in read_manifests(kafka_config, weights)}
+
+    with open(log, "wb") as out:
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        wait_for(lambda: 0 in versions() or p.poll() is not None, 300, "version 0", step=1.0)
+        assert p.poll() is None, log.read_text()[-3000:]
+        time.sleep(30)  # the idle under test: 5 collective timeouts without a batch
+        assert p.poll() is None, log.read_text()[-3000:]
+        producer = RecordProducer(kafka_config)
+        producer.produce(topo.full_name("batches.actor"), make_batch(0), key="actor")
+        producer.flush()
+        wait_for(lambda: 1 in versions() or p.poll() is not None, 300, "version 1", step=1.0)
+        assert p.poll() is None, log.read_text()[-3000:]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    (v1,) = [m for m in read_manifests(kafka_config, weights)
+             if m.version == 1 and m.kind == "delta"]
+    assert v1.meta["batch_id"] == "batch-0" and v1.meta["parts"] == "2"
