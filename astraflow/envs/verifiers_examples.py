@@ -134,11 +134,19 @@ def load_multi_turn(size: int = 64, eval_size: int = 32, seed: int = 0, max_term
                     **_datasets(size, eval_size, seed, max_terms, max_digits))
 
 
+def _tool_error(e: Exception) -> str:
+    """What the model reads when its call fails: verifiers' default is the bare exception
+    text (``'apply'`` for an unknown tool), which says nothing of what went wrong."""
+    if isinstance(e, KeyError):
+        return f"error: no tool {e}; the tool is calculate(expression)"
+    return f"error: {type(e).__name__}: {e}"
+
+
 def load_tool(size: int = 64, eval_size: int = 32, seed: int = 0, max_terms: int = 2,
               max_digits: int = 2, max_turns: int = 3, demo: bool = False) -> vf.Environment:
     """A ``vf.ToolEnv`` with the ``calculate`` tool, scored by ``correct``."""
     return vf.ToolEnv(tools=[calculate], max_turns=max_turns, system_prompt=TOOL_SYSTEM,
-                      few_shot=_demo(demo, tool=True),
+                      few_shot=_demo(demo, tool=True), error_formatter=_tool_error,
                       rubric=vf.Rubric(funcs=[correct]),
                       **_datasets(size, eval_size, seed, max_terms, max_digits))
 
