@@ -9,13 +9,12 @@ model's ``message``, and the episode ends at the first number given, or after
 ``MAX_TRIES`` messages without one (the observation then asks again). The reward is this
 environment's own scorer, ``score``: 1 when the message's first number is the answer.
 
-Serve it with ``python -m astraflow.envs.openenv_arith --port 8011`` (or let the
+Serve it with ``uvicorn astraflow.envs.openenv_arith:app --port 8011`` (or let the
 ``openenv`` workflow start it in the node: ``app: astraflow.envs.openenv_arith:app``).
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 from typing import Any
@@ -91,17 +90,3 @@ class ArithEnvironment(Environment):
 app = create_app(ArithEnvironment, ArithAction, ArithObservation, env_name="arith",
                  max_concurrent_envs=64)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """Serve the environment on localhost."""
-    import uvicorn
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8011)
-    a = p.parse_args(argv)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
-
-
-if __name__ == "__main__":
-    main()

@@ -165,7 +165,9 @@ LAYER_ORDER: list[tuple[str, ...]] = [
     ("security", "models"),  # ACLs and TLS; local models, GGUF import, sharing
     ("broker", "roles"),  # the embedded broker and cluster; multi-policy role formats
     ("raas", "trainer"),  # rollout nodes and the trainer
-    ("eval", "launch"),  # the evaluator; `up`, its plan and its supervision
+    # the evaluator; `up`, its plan and its supervision; example environments written
+    # against other ecosystems' APIs (they use raas's calculator)
+    ("eval", "launch", "envs"),
     ("replay",),  # offline replay of a run's retained topics (trains as `up` would)
     ("cli",),  # the `astraflow` command: the only package that imports argparse
 ]
