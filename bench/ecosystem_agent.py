@@ -135,7 +135,8 @@ def validation(doc: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 class Scorer:
     """Held-out success of a version with a system's own rollout: its ``verifiers``
-    workflow, greedy, one episode per row, against an engine on the policy's model."""
+    workflow, greedy, one episode per row, against an engine on the policy's model; the
+    fraction of rows whose rubric gave full marks."""
 
     def __init__(self, doc: dict[str, Any]):
         import torch
@@ -180,7 +181,9 @@ class Scorer:
             task = Task(task_id=f"score-{i}", prompt_id=row["prompt_id"], workflow="verifiers",
                         payload=json.dumps(own), source="bench", policies=["actor"])
             (seq, *_) = wf.run(task, {"actor": self.engine}, 1)
-            return seq.reward
+            # solved: the task's score_answer gives partial credit (0.01 for some wrong
+            # answers in the asked format), success counts full marks only
+            return 1.0 if seq.reward >= 1.0 else 0.0
 
         for args in {json.dumps(r["verifiers"]["args"], sort_keys=True) for r in rows}:
             self.workflow(system, json.loads(args))  # loaded once, before the threads
