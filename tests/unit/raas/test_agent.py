@@ -14,7 +14,6 @@ import pytest
 from astraflow.models.chat import ChatFormat
 from astraflow.raas.agent.chat import MessageError, check_messages, parse_tool_calls, render
 from astraflow.raas.agent.program import Access, AgentProgram, Limits
-from astraflow.raas.agent.server import AgentServer
 from astraflow.raas.agent.trajectory import EpisodeTrajectory
 from astraflow.raas.engine import Generation, SamplingParams
 from astraflow.raas.workflows.base import TaskError
@@ -141,21 +140,6 @@ def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_t
 
 
 # --- the endpoint ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine():
-    from astraflow.raas.engine import TorchEngine
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
-
-    return TorchEngine(tiny_model(), tiny_tokenizer(), policy="actor", prefix_cache_bytes=0)
-
-
-@pytest.fixture
-def server():
-    s = AgentServer()
-    yield s
-    s.stop()
-
-
 def test_the_openai_client_gets_answers_and_every_token_is_what_the_engine_sampled(
         engine, server):
     from openai import OpenAI

@@ -22,14 +22,6 @@ from astraflow.raas.engine import Generation, SamplingParams
 from tests.unit.raas.test_agent import _script
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from astraflow.raas.engine import TorchEngine
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
-
-    return TorchEngine(tiny_model(), tiny_tokenizer(), policy="actor", prefix_cache_bytes=0)
-
-
 @pytest.fixture
 def server():
     s = AgentServer(limits=EndpointLimits(max_body_mb=1, max_n=4, max_tokens=32, max_calls=2))

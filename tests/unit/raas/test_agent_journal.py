@@ -4,11 +4,8 @@ first sampled), where it diverges, and how the log of open episodes is folded.""
 
 from __future__ import annotations
 
-import pytest
-
 from astraflow.raas.agent.journal import EpisodeLog, fold, request_digest
 from astraflow.raas.agent.program import AgentProgram
-from astraflow.raas.agent.server import AgentServer
 from astraflow.wire.records import EpisodeCall
 from tests.unit.raas.test_agent import _script
 
@@ -24,21 +21,6 @@ class Recorder:
 
     def append(self, rec: EpisodeCall) -> None:
         self.calls.append(rec)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from astraflow.raas.engine import TorchEngine
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
-
-    return TorchEngine(tiny_model(), tiny_tokenizer(), policy="actor", prefix_cache_bytes=0)
-
-
-@pytest.fixture
-def server():
-    s = AgentServer()
-    yield s
-    s.stop()
 
 
 # three turns, each prompt built from the answers before it; TURN2 changes the second
