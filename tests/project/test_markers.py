@@ -34,6 +34,10 @@ OWN_BROKER = ("EmbeddedBroker(", "EmbeddedCluster(", '"broker", "start"', "chaos
 NO_BROKER_AFTER_ALL = {  # test -> why its broker never starts
     "tests/unit/config/test_topology.py::test_missing_java_says_what_to_install":
         "no Java is found: the start fails, which is the test",
+    "tests/unit/broker/test_ports.py::test_a_port_asked_for_and_taken_is_one_line":
+        "only the port choice runs, refused, which is the test",
+    "tests/unit/broker/test_ports.py::test_the_default_port_taken_gives_way_and_says_so":
+        "only the port choice runs, no broker starts",
     "tests/kafka/test_cluster.py::test_racks_must_name_one_rack_a_node":
         "the racks are refused in the constructor, which is the test",
     "tests/kafka/test_cluster.py::test_a_state_of_another_size_is_refused_before_anything_starts":
