@@ -117,8 +117,7 @@ def reasoning_gym_payloads(path: str, *, size: int | None, seed: int = 0) -> lis
     if split == "eval":
         ds = dataset(name, config, EVAL_SEED, n)
         return [_payload(name, config, EVAL_SEED, n, i, ds[i]) for i in range(n)]
-    held = dataset(name, config, EVAL_SEED, HELD_OUT)
-    held_out = {str(held[i]["question"]) for i in range(HELD_OUT)}
+    held_out = _held_out(name, json.dumps(dict(config), sort_keys=True))
     ds = dataset(name, config, seed, n)
     out = []
     for i in range(n):
@@ -126,6 +125,13 @@ def reasoning_gym_payloads(path: str, *, size: int | None, seed: int = 0) -> lis
         if str(entry["question"]) not in held_out:
             out.append(_payload(name, config, seed, n, i, entry))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _held_out(name: str, config_json: str) -> frozenset[str]:
+    """The first ``HELD_OUT`` eval questions of a task and config."""
+    held = _dataset(name, config_json, EVAL_SEED, HELD_OUT)
+    return frozenset(str(held[i]["question"]) for i in range(HELD_OUT))
 
 
 def entry_of(payload: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -1,0 +1,76 @@
+"""bench/ecosystem_agent.py without Kafka or a model: each system's topology (its
+environment in the workflow and the feeder, the seed, no evaluator, every version kept),
+the held-out and validation rows (disjoint, the same problems for both systems, no answer
+in any prompt), and the table of means with intervals over seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astraflow.config.topology import load_topology
+from tests.conftest import load_bench
+
+pytest.importorskip("verifiers", reason="the verifiers extra")
+pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra")
+
+REPO = Path(__file__).resolve().parents[2]
+bench = load_bench("ecosystem_agent")
+DOC = yaml.safe_load((REPO / "topology" / "smollm2-rg-tool.yaml").read_text())
+
+
+def small(doc: dict) -> dict:
+    """``doc`` with a small environment (the rows load fast)."""
+    (pool,) = doc["pools"].values()
+    args = {**pool["workflows"]["verifiers"]["args"], "size": 40, "eval_size": 12}
+    pool["workflows"]["verifiers"]["args"] = args
+    env, split, _ = bench._parsed(doc["feeder"]["dataset"]["path"])
+    doc["feeder"]["dataset"]["path"] = f"verifiers:{env}:{split}?" + bench._query(args)
+    return doc
+
+
+@pytest.mark.parametrize("system", ["tool", "notool"])
+def test_each_system_runs_its_environment_seeded_without_an_evaluator(system, tmp_path):
+    path = bench.system_topology(DOC, system, 3e-5, 2, tmp_path)
+    topo = load_topology(path)
+    assert topo.eval is None and topo.run == bench.RUN
+    doc = yaml.safe_load(path.read_text())
+    (pool,) = doc["pools"].values()
+    options = pool["workflows"]["verifiers"]
+    assert options["environment"] == bench.SYSTEMS[system] and options["seed"] == 2
+    env, split, args = bench._parsed(doc["feeder"]["dataset"]["path"])
+    assert (env, split) == (bench.SYSTEMS[system], "train")
+    assert args == options["args"] == DOC["pools"]["local"]["workflows"]["verifiers"]["args"]
+    (policy,) = doc["policies"].values()
+    assert policy["trainer"]["lr"] == 3e-5 and policy["trainer"]["seed"] == 2
+    assert policy["trainer"]["keep_versions"] == 0 and Path(policy["model"]).is_absolute()
+    assert doc["feeder"]["seed"] == 2
+
+
+@pytest.mark.slow
+def test_held_out_and_validation_rows_are_disjoint_and_carry_no_answer():
+    doc = small(yaml.safe_load(yaml.safe_dump(DOC)))
+    held, val = bench.held_out(doc, 12), bench.validation(doc, 10)
+    assert len(held) == 12 and len(val) == 10
+    assert not {p["prompt"] for p in held} & {p["prompt"] for p in val}
+    for p in held + val:
+        # the answer is never in the prompt (a digit string inside a number aside)
+        assert f"<answer>{p['answer']}</answer>" not in p["prompt"]
+    from astraflow.tasks.verifiers_data import load_environment, row_input
+
+    for system, env in bench.SYSTEMS.items():  # both systems face the same problems
+        loaded = load_environment(env, held[0]["verifiers"]["args"])
+        assert [row_input(loaded, p["verifiers"])["answer"] for p in held] == \
+            [p["answer"] for p in held], system
+
+
+def test_the_table_gives_each_systems_mean_and_interval_per_checkpoint():
+    runs = [{"system": "tool", "scores": {"0": 0.0, "60": 0.5}},
+            {"system": "tool", "scores": {"0": 0.0, "60": 0.7}},
+            {"system": "notool", "scores": {"0": 0.0, "60": 0.1}}]
+    table = bench.report(runs, ["tool", "notool"], [0.0, 60.0]).splitlines()
+    assert table[0] == "| t (s) | tool | notool |"
+    assert table[2] == "| 0 | 0.0 % ±0.0 | 0.0 % (n=1) |"
+    assert table[3].startswith("| 60 | 60.0 % ±") and table[3].endswith("| 10.0 % (n=1) |")
