@@ -19,8 +19,12 @@ So the per-token ratio is taken against the behaviour policy::
 
 It is at the same time the PPO ratio and the off-policy importance weight. For tokens the
 trainer's current version generated, ``r_t`` starts at (about) 1; for tokens of older
-versions it is whatever the policy has drifted since. The per-token objective is the PPO
-clipped surrogate with separate low/high clip ("clip-higher")::
+versions it is whatever the policy has drifted since. The correction is per token: one
+sequence's tokens may come from several versions (a node that takes new weights between
+an agent's calls or between chunks of one generation), and each token's ``mu`` is the one
+its own version sampled it with; nothing here takes one version for a sequence. The
+per-token objective is the PPO clipped surrogate with separate low/high clip
+("clip-higher")::
 
     clip(r) = clamp(r, 1 - clip_low, 1 + clip_high)
     J_t     = min(r~_t * A_t, clip(r_t) * A_t)
