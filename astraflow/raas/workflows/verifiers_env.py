@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import threading
 from contextlib import ExitStack
 from typing import Any
 
@@ -67,6 +68,19 @@ class VerifiersWorkflow:
         self.attempts = int(attempts)
         self.endpoint = EpisodeEndpoint(endpoint)
         self.defaults = {k: v for k, v in sampling.items() if v is not None}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The one event loop every rollout of this environment runs on, in a thread of its
+        own: an environment may keep async clients (a judge's, a sandbox's) made on its
+        first loop, which a fresh loop per task could not use."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, daemon=True,
+                                 name="verifiers-loop").start()
+            return self._loop
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload = parse_payload(task)
@@ -86,8 +100,9 @@ class VerifiersWorkflow:
         reasons: list[str] = []
         for attempt in range(self.attempts):
             try:
-                seqs = asyncio.run(self._group(row, engines, engine.policy, n,
-                                               f"{task.task_id}:{attempt}"))
+                seqs = asyncio.run_coroutine_threadsafe(
+                    self._group(row, engines, engine.policy, n, f"{task.task_id}:{attempt}"),
+                    self._event_loop()).result()
             except _Failed as e:
                 reasons.append(f"attempt {attempt + 1}: {e}")
                 continue
