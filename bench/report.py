@@ -101,9 +101,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "the trainer's step-time breakdown per setting and backend"),
     "trainer_parallel": (
         "Trainer across processes",
-        "per process: peak memory, step time, tokens/s, publishing on and off the training "
-        "thread and a trainer state save, for the one-process trainer (the old publish) and "
-        "FSDP2 groups of N, on this CPU and at the SmolLM2-1.7B shape on one H100"),
+        "per process: peak memory at start, step and resume, step time, tokens/s, publishing "
+        "on and off the training thread and a trainer state save, for the one-process "
+        "trainer (the old publish) and FSDP2 groups of N (and each group as the trainer was "
+        "before its sharded load, mixed precision and per-shard checks), on this CPU and at "
+        "the SmolLM2-1.7B shape on one H100"),
     "weights_device": (
         "Weight deltas found on the device",
         "one version's delta published the old way (CPU scan, CRC-32, zstd) against found "
