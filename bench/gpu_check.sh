@@ -29,8 +29,6 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-out="${out:-$(mktemp -d -t astraflow-gpu-check-XXXX)}"
-mkdir -p "$out"
 results=()
 step() {  # name, command...: run it, its log in $out/<name>.log
   local name="$1"; shift
@@ -57,6 +55,9 @@ else
   tests=(tests/unit/trainer/test_checkpoint_placement.py tests/unit/weights/test_device_delta.py
          tests/unit/trainer/test_fsdp.py)
 fi
+
+out="${out:-$(mktemp -d -t astraflow-gpu-check-XXXX)}"
+mkdir -p "$out"
 
 step cuda-tests "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}"
 step trainer-parallel "$PY" bench/trainer_parallel.py --device "$device" --shape "$shape" \
