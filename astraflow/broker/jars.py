@@ -16,7 +16,6 @@ project installed (``scripts/offline-images`` builds the Kafka image that way).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import hashlib
@@ -320,17 +319,29 @@ def fetch(lock: Lock, dest: Path, which: str = "broker", log=print,
     return dest
 
 
+USAGE = "usage: python3 astraflow/broker/jars.py [--kafka VERSION] [--set broker|image] --dest DIR"
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    """``--name value`` pairs (a script run by path, before anything is installed: the
+    standard library and no argument parser; the command line is astraflow's CLI)."""
+    if len(argv) % 2 or any(k not in ("--kafka", "--set", "--dest") for k in argv[::2]):
+        raise ValueError(USAGE)
+    return {k[2:]: v for k, v in zip(argv[::2], argv[1::2])}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python3 astraflow/broker/jars.py [--kafka V] [--set image] --dest DIR``."""
-    p = argparse.ArgumentParser(description="Fetch Apache Kafka's jars as the lock lists "
-                                "them (Maven Central over HTTPS, checked, atomic).")
-    p.add_argument("--kafka", default=os.environ.get("ASTRAFLOW_KAFKA_VERSION")
-                   or DEFAULT_KAFKA_VERSION, help="the Kafka release (a lock for it)")
-    p.add_argument("--set", choices=SETS, default="broker", dest="which")
-    p.add_argument("--dest", required=True, type=Path)
-    args = p.parse_args(argv)
+    """Fetch Apache Kafka's jars as the lock lists them (Maven Central over HTTPS,
+    checked, atomic): ``python3 astraflow/broker/jars.py [--kafka V] [--set image]
+    --dest DIR``."""
     try:
-        fetch(read_lock(args.kafka), args.dest, args.which,
+        opts = _options(sys.argv[1:] if argv is None else argv)
+        which = opts.get("set", "broker")
+        if "dest" not in opts or which not in SETS:
+            raise ValueError(USAGE)
+        kafka = opts.get("kafka") or os.environ.get("ASTRAFLOW_KAFKA_VERSION") \
+            or DEFAULT_KAFKA_VERSION
+        fetch(read_lock(kafka), Path(opts["dest"]), which,
               log=lambda m: print(f"jars: {m}", file=sys.stderr))
     except (DownloadError, ValueError) as e:
         print(f"jars: {e}", file=sys.stderr)

@@ -35,6 +35,7 @@ from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.instance import default_instance
 from astraflow.kafka.loop import Checkpoint, RecordTooLarge, RuntimeCounters, TransactionalLoop
 from astraflow.kafka.topics import missing_topics
+from astraflow.raas.agent.journal import EpisodeJournal
 from astraflow.raas.engine import Engine
 from astraflow.raas.weights_follow import FollowingEngine, WeightWatcher
 from astraflow.raas.workflows import Workflow, make_workflow
@@ -126,6 +127,7 @@ class RaaSNode:
         self.counters = NodeCounters()
         self._out = topology.full_name("trajectories.raw")
         self._workflows: dict[str, Workflow] = {}
+        self._journal: EpisodeJournal | None = None  # of agent episodes, made on first use
         self._watchers: dict[str, WeightWatcher] = {}
         self.current_task: str | None = None
         self._last_metrics: dict[str, float] = {}
@@ -152,10 +154,17 @@ class RaaSNode:
             wf = self._workflows[name] = make_workflow(
                 name, **self.options.workflow_options.get(name, {})
             )
-            attach = getattr(wf, "attach", None)  # a workflow that writes Kafka of its own
+            attach = getattr(wf, "attach", None)  # a workflow that logs its agents' calls
             if callable(attach):
-                attach(self.config, self.topology, self.component_id)
+                attach(self._episode_journal(), self.component_id)
         return wf
+
+    def _episode_journal(self) -> EpisodeJournal | None:
+        """The node's journal on the topology's ``episodes`` topic (None: it has none)."""
+        if self._journal is None and "episodes" in self.topology.topics:
+            self._journal = EpisodeJournal(self.config, self.topology.full_name("episodes"),
+                                           self.component_id)
+        return self._journal
 
     def _start_watchers(self, admin) -> None:
         if not self.options.follow_weights:
@@ -253,10 +262,8 @@ class RaaSNode:
     def close(self) -> None:
         for w in self._watchers.values():
             w.close()
-        for wf in self._workflows.values():
-            close = getattr(wf, "close", None)
-            if callable(close):
-                close()
+        if self._journal is not None:
+            self._journal.close()
 
     def _rollouts(self, msgs) -> tuple[list[tuple[Any, TrajectoryGroup]], list[DeadLetter]]:
         """The groups of ``msgs``' tasks (with their message), in order, and dead letters

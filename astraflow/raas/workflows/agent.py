@@ -44,7 +44,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from astraflow.kafka.config import KafkaConfig
 from astraflow.raas.agent.journal import EpisodeJournal, EpisodeLog
 from astraflow.raas.agent.program import AgentProgram, Outcome
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
@@ -107,23 +106,17 @@ class AgentWorkflow:
                 self._server = AgentServer(limits=self.endpoint)
             return self._server
 
-    def attach(self, config: KafkaConfig, topology: Any, raas_id: str) -> None:
-        """The node's Kafka: with ``resume: replay`` and an ``episodes`` topic in the
-        topology, every call is logged there and a task taken over replays its episodes
-        (``astraflow.raas.agent.journal``)."""
-        if self.resume != "replay" or self.journal is not None:
+    def attach(self, journal: EpisodeJournal | None, raas_id: str) -> None:
+        """The node's ``episodes`` journal (None: its topology has no such topic): with
+        ``resume: replay`` every call is logged there and a task taken over replays its
+        episodes (``astraflow.raas.agent.journal``)."""
+        if self.resume != "replay":
             return
-        if "episodes" not in topology.topics:
+        if journal is None:
             log.warning("%s: the topology has no `episodes` topic: an agent task taken over "
                         "from a node that died starts its episodes again (add topics.episodes "
                         "to replay them; resume: restart says this is meant)", raas_id)
-            return
-        self.journal = EpisodeJournal(config, topology.full_name("episodes"), raas_id)
-
-    def close(self) -> None:
-        """The node is done: its journal's clients go."""
-        if self.journal is not None:
-            self.journal.close()
+        self.journal = journal
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload = parse_payload(task)
