@@ -11,14 +11,15 @@ import pytest
 
 from tests.conftest import REPO
 
-HEADER = ["configuration", "rank", "timed steps", "max RSS GB", "GPU peak GB", "step s",
-          "tokens/s", "fwd/bwd s", "optim s", "publish on thread s", "publish wait s",
-          "publish off thread s", "MB/version", "floor s", "state on thread s",
-          "state copied s", "state written s", "state GB"]
+HEADER = ["configuration", "rank", "timed steps", "RSS peak start GB", "RSS peak step GB",
+          "RSS peak resume GB", "GPU peak start GB", "GPU peak step GB", "GPU peak resume GB",
+          "step s", "tokens/s", "fwd/bwd s", "optim s", "publish on thread s",
+          "publish wait s", "publish off thread s", "MB/version", "floor s",
+          "state on thread s", "state copied s", "state written s", "state GB", "resume s"]
+GPU = {"GPU peak start GB", "GPU peak step GB", "GPU peak resume GB"}
 # what a configuration does not have on a CPU
-NOT_THERE = {"baseline": {"GPU peak GB", "publish wait s", "publish off thread s",
-                          "state copied s"},
-             "group": {"GPU peak GB", "floor s"}}
+NOT_THERE = {"baseline": GPU | {"publish wait s", "publish off thread s", "state copied s"},
+             "group": GPU | {"floor s"}}
 
 
 def _table(stdout: str) -> tuple[list[str], list[list[str]]]:
