@@ -4,6 +4,7 @@ environment, say so on stdout, and wait for rank 0's command (what a follower do
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -55,4 +56,6 @@ def _wait() -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["wait"]:
-    sys.exit(_wait())
+    # os._exit: the process group of the dead peer is never destroyed, and gloo's threads
+    # may abort the interpreter's teardown (SIGABRT), which would hide the exit code
+    os._exit(_wait())

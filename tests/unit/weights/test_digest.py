@@ -4,6 +4,7 @@ only when the digest vouches for every bit of them, and then fetches deltas only
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 
@@ -126,6 +127,7 @@ def _watcher(engine, follower) -> WeightWatcher:
     watcher.topic, watcher.engine, watcher.follower = "r.weights.pol", engine, follower
     watcher._failed_target, watcher._offered_own = None, False
     watcher.updates, watcher.update_s, watcher.last_update_s = 0, 0.0, 0.0
+    watcher._lock = threading.RLock()  # the table and the follower: one thread at a time
     return watcher
 
 
