@@ -80,6 +80,11 @@ class EndpointLimits:
             if not getattr(self, name) > 0:
                 raise ValueError(f"agent endpoint.{name} must be positive")
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> EndpointLimits:
+        """The limits a workflow's ``endpoint`` option sets (unset keys: the defaults)."""
+        return cls(**{k: v for k, v in dict(options or {}).items() if v is not None})
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)

@@ -49,6 +49,7 @@ from astraflow.raas.agent.program import AgentProgram, Outcome
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker, TaskError
+from astraflow.raas.workflows.episodes import shorten
 from astraflow.raas.workflows.inputs import parse_payload
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.raas.workflows.scoring import Scorer
@@ -91,8 +92,7 @@ class AgentWorkflow:
             raise ValueError("agent reward: an untrusted program's episodes are scored by the "
                              "workflow's reward; set reward: (e.g. exact_match), or trusted: "
                              "true for a program whose own reward is to be used")
-        self.endpoint = EndpointLimits(**{k: v for k, v in dict(endpoint or {}).items()
-                                          if v is not None})
+        self.endpoint = EndpointLimits.from_options(endpoint)
         self.defaults = {k: v for k, v in sampling.items() if v is not None}
         self._server: AgentServer | None = None
         self._server_lock = threading.Lock()
@@ -181,7 +181,7 @@ class AgentWorkflow:
                 if not self.trusted and _reports_reward(outcome.result):
                     meta["ignored_reward"] = "1"
                 if reasons:  # each reason cut short: a meta value stays small
-                    meta["agent_failures"] = " | ".join(_shorten(r) for r in reasons)
+                    meta["agent_failures"] = " | ".join(shorten(r) for r in reasons)
                 return ep.trajectory.build(reward, meta), reasons
             reasons.append(f"attempt {attempt + 1}: {reason}")
         return None, reasons
@@ -220,14 +220,6 @@ def _reports_reward(result: Any) -> bool:
     if isinstance(result, dict):
         return "reward" in result or "rewards" in result
     return isinstance(result, int | float) and not isinstance(result, bool)
-
-
-def _shorten(reason: str, n: int = 240) -> str:
-    """``reason`` in at most about ``n`` characters: its start, which gives its kind, and its
-    end, where a traceback names the error."""
-    if len(reason) <= n:
-        return reason
-    return reason[:n // 3] + " ... " + reason[-(n - n // 3 - 5):]
 
 
 def _kind(reason: str) -> str:

@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from astraflow.raas.agent.program import API_KEY, Access
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
 from astraflow.raas.engine import Engine
+from astraflow.raas.workflows.base import TaskError
+from astraflow.wire.records import Sequence
 
 
 class EpisodeEndpoint:
     """The node's agent endpoint for an in-process harness (module docstring)."""
 
     def __init__(self, limits: Mapping[str, Any] | None = None):
-        self.limits = EndpointLimits(**{k: v for k, v in dict(limits or {}).items()
-                                        if v is not None})
+        self.limits = EndpointLimits.from_options(limits)
         self._server: AgentServer | None = None
         self._lock = threading.Lock()
         # the in-process harness's openai client logs each request at INFO (httpx2): one
@@ -67,4 +68,29 @@ def shorten(reason: str, n: int = 240) -> str:
     return reason[:n // 3] + " ... " + reason[-(n - n // 3 - 5):]
 
 
-__all__ = ["EpisodeEndpoint", "shorten"]
+class GroupFailed(Exception):
+    """One attempt at a task's group failed (the reason)."""
+
+
+def with_attempts(workflow: str, attempts: int,
+                  run: Callable[[int], list[Sequence]]) -> list[Sequence]:
+    """``run(attempt)`` until one attempt makes the group (``GroupFailed`` is a failed
+    one), at most ``attempts`` times; the group's sequences say which attempt made them
+    and why the ones before failed. ``TaskError`` with every reason when none did."""
+    reasons: list[str] = []
+    for attempt in range(attempts):
+        try:
+            seqs = run(attempt)
+        except GroupFailed as e:
+            reasons.append(f"attempt {attempt + 1}: {e}")
+            continue
+        for s in seqs:
+            s.meta["episode_attempt"] = str(attempt)
+            if reasons:
+                s.meta["agent_failures"] = " | ".join(shorten(r) for r in reasons)
+        return seqs
+    raise TaskError(f"{workflow}: the group failed after {attempts} attempt(s): "
+                    + " | ".join(shorten(r) for r in reasons))
+
+
+__all__ = ["EpisodeEndpoint", "GroupFailed", "shorten", "with_attempts"]

@@ -42,7 +42,7 @@ from typing import Any
 
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import TaskError
-from astraflow.raas.workflows.episodes import EpisodeEndpoint, shorten
+from astraflow.raas.workflows.episodes import EpisodeEndpoint, GroupFailed, with_attempts
 from astraflow.raas.workflows.inputs import parse_payload, pick_engine
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.wire.records import Sequence, Task
@@ -96,21 +96,8 @@ class OpenEnvWorkflow:
             seed = int((task.prompt_id or task.task_id).encode().hex()[:12] or "0", 16) % 2**31
         reset = {**self.reset, "seed": seed, **extra}
         policy = pick_engine(task, engines).policy
-        reasons: list[str] = []
-        for attempt in range(self.attempts):
-            try:
-                seqs = asyncio.run(self._group(reset, engines, policy, n,
-                                               f"{task.task_id}:{attempt}"))
-            except _Failed as e:
-                reasons.append(f"attempt {attempt + 1}: {e}")
-                continue
-            for s in seqs:
-                s.meta["episode_attempt"] = str(attempt)
-                if reasons:
-                    s.meta["agent_failures"] = " | ".join(shorten(r) for r in reasons)
-            return seqs
-        raise TaskError(f"openenv: the group failed after {self.attempts} attempt(s): "
-                        + " | ".join(shorten(r) for r in reasons))
+        return with_attempts("openenv", self.attempts, lambda attempt: asyncio.run(
+            self._group(reset, engines, policy, n, f"{task.task_id}:{attempt}")))
 
     async def _group(self, reset: dict[str, Any], engines: dict[str, Engine], policy: str,
                      n: int, key: str) -> list[Sequence]:
@@ -123,14 +110,14 @@ class OpenEnvWorkflow:
                     self._episode(access, policy, reset) for _, access in opened)),
                     self.timeout_s)
             except TimeoutError:
-                raise _Failed(f"timeout: the group ran past {self.timeout_s:g} s") from None
-            except _Failed:
+                raise GroupFailed(f"timeout: the group ran past {self.timeout_s:g} s") from None
+            except GroupFailed:
                 raise
             except Exception as e:  # the server or the client failed
-                raise _Failed(f"{type(e).__name__}: {e}") from e
+                raise GroupFailed(f"{type(e).__name__}: {e}") from e
             for ep, _ in opened:
                 if ep.failure is not None:
-                    raise _Failed(ep.failure)
+                    raise GroupFailed(ep.failure)
         out: list[Sequence] = []
         for (ep, _), (reward, steps, done) in zip(opened, results):
             out.extend(ep.trajectory.build(reward, {
@@ -163,7 +150,7 @@ class OpenEnvWorkflow:
                     steps += 1
                     total += float(result.reward or 0.0)
                 if steps == 0:
-                    raise _Failed("no_request: the environment was done at reset")
+                    raise GroupFailed("no_request: the environment was done at reset")
                 return total, steps, bool(result.done)
         finally:
             await llm.close()
@@ -171,7 +158,7 @@ class OpenEnvWorkflow:
     def _shown(self, result: Any) -> str:
         obs = result.observation if isinstance(result.observation, dict) else {}
         if self.observation_field not in obs:
-            raise _Failed(f"malformed: the observation has no {self.observation_field!r} "
+            raise GroupFailed(f"malformed: the observation has no {self.observation_field!r} "
                           f"(it has {sorted(obs)})")
         return str(obs[self.observation_field])
 
@@ -180,9 +167,6 @@ class OpenEnvWorkflow:
         if self._server is not None:
             self._server.stop()
 
-
-class _Failed(Exception):
-    """One attempt of a group failed (the reason)."""
 
 
 class _LocalServer:

@@ -38,7 +38,7 @@ from typing import Any
 
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import TaskError
-from astraflow.raas.workflows.episodes import EpisodeEndpoint, shorten
+from astraflow.raas.workflows.episodes import EpisodeEndpoint, GroupFailed, with_attempts
 from astraflow.raas.workflows.inputs import parse_payload, pick_engine
 from astraflow.raas.workflows.registry import register_workflow
 from astraflow.tasks.verifiers_data import PREFIX, VerifiersError, load_environment, row_input
@@ -97,22 +97,10 @@ class VerifiersWorkflow:
         except VerifiersError as e:
             raise TaskError(str(e)) from None
         engine = pick_engine(task, engines)
-        reasons: list[str] = []
-        for attempt in range(self.attempts):
-            try:
-                seqs = asyncio.run_coroutine_threadsafe(
-                    self._group(row, engines, engine.policy, n, f"{task.task_id}:{attempt}"),
-                    self._event_loop()).result()
-            except _Failed as e:
-                reasons.append(f"attempt {attempt + 1}: {e}")
-                continue
-            for s in seqs:
-                s.meta["episode_attempt"] = str(attempt)
-                if reasons:
-                    s.meta["agent_failures"] = " | ".join(shorten(r) for r in reasons)
-            return seqs
-        raise TaskError(f"verifiers: the group failed after {self.attempts} attempt(s): "
-                        + " | ".join(shorten(r) for r in reasons))
+        return with_attempts("verifiers", self.attempts, lambda attempt: (
+            asyncio.run_coroutine_threadsafe(
+                self._group(row, engines, engine.policy, n, f"{task.task_id}:{attempt}"),
+                self._event_loop()).result()))
 
     async def _group(self, row: dict[str, Any], engines: dict[str, Engine], policy: str,
                      n: int, key: str) -> list[Sequence]:
@@ -141,14 +129,14 @@ class VerifiersWorkflow:
                     if why is None and not ep.trajectory.sequences:
                         why = "no_request: the environment made no call to the endpoint"
                     if why is not None:
-                        raise _Failed(why)
+                        raise GroupFailed(why)
                 await self.env.rubric.score_group(states)
             except TimeoutError:
-                raise _Failed(f"timeout: the group ran past {self.timeout_s:g} s") from None
-            except _Failed:
+                raise GroupFailed(f"timeout: the group ran past {self.timeout_s:g} s") from None
+            except GroupFailed:
                 raise
             except Exception as e:  # the environment's own code failed
-                raise _Failed(f"{type(e).__name__}: {e}") from e
+                raise GroupFailed(f"{type(e).__name__}: {e}") from e
             finally:
                 for c in clients:
                     await c.close()
@@ -174,9 +162,6 @@ class VerifiersWorkflow:
                 "verifiers/requests_per_episode": statistics.fmean(requests) if requests
                 else 0.0}
 
-
-class _Failed(Exception):
-    """One attempt of a group failed (the reason)."""
 
 
 __all__ = ["VerifiersWorkflow"]

@@ -334,7 +334,8 @@ def test_episodes_that_start_together_share_one_endpoint(tmp_path):
 
 
 def test_a_long_failure_reason_keeps_its_kind_and_its_last_line():
-    from astraflow.raas.workflows.agent import _kind, _shorten
+    from astraflow.raas.workflows.agent import _kind
+    from astraflow.raas.workflows.episodes import shorten as _shorten
 
     reason = "attempt 1: exit code 1: Traceback\n" + "  frame\n" * 100 + "ValueError: bad"
     short = _shorten(reason)
