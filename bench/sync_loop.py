@@ -98,9 +98,9 @@ def feeder_tasks(topo: Topology, path: str) -> Iterator[Task]:
 def build_slots(topo: Topology, path: str, pool: str, slots: int) -> list[Any]:
     """``slots`` RaaS nodes of ``pool`` (engines loaded as ``raas run`` loads them, weights
     not followed): the rollout slots."""
-    from astraflow.cli.raas import load_engine
     from astraflow.kafka.config import KafkaConfig
     from astraflow.models.chat import ChatFormat
+    from astraflow.raas.engines import load_engine
     from astraflow.raas.node import RaaSNode
 
     node = launched(topo, path, f"raas-{pool}-0")  # NodeConfiguration

@@ -309,8 +309,8 @@ def test_every_shipped_workflow_has_typed_options_the_workflow_takes():
 def test_typed_engine_options_are_the_engines_own():
     import dataclasses
 
-    from astraflow.cli.raas import TORCH_OPTIONS
     from astraflow.config.options import ENGINE_OPTIONS
+    from astraflow.raas.engines import TORCH_OPTIONS
     from astraflow.raas.openai_engine import OpenAIOptions
     from astraflow.raas.vllm_engine import VLLMOptions
 
