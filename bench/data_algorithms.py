@@ -154,7 +154,6 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     if spec.get("init_tiny", True) is False:
         path = Path(spec["model"])
         return path if path.is_absolute() else REPO / path
-    from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
     from astraflow.launch.provision import model_init_command, tiny_model_outdated
 
@@ -166,7 +165,7 @@ def ensure_shared_model(base: dict[str, Any], runs_dir: Path, *,
     policy = PolicySpec(**{**spec, "model": str(path), "warm_start": {
         **(spec.get("warm_start") or {}), "steps": steps, "slip": slip}})
     if (path / "config.json").is_file() and (path / "astraflow_init.json").is_file() \
-            and not tiny_model_outdated(policy, recipe_of):
+            and not tiny_model_outdated(policy):
         print(f"[bench] shared model: {path} (cached)", flush=True)
         return path
     shutil.rmtree(path, ignore_errors=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -59,96 +58,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def handler(args: argparse.Namespace) -> int:
-    import torch
-
-    from astraflow.cli.context import kafka_config, stop_on_signals
-    from astraflow.trainer.service import TrainerService
+    from astraflow.cli.context import kafka_config
+    from astraflow.launch.provision import MissingModel, provide_policy_model
+    from astraflow.models.errors import ModelError
+    from astraflow.trainer.megatron_shims import MegatronUnavailable
+    from astraflow.trainer.start import TrainerStartError, check_trainer, start_trainer
 
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
-    from astraflow.models.errors import ModelError
-    from astraflow.models.loading import check_model_dir
-    from astraflow.trainer.backend import preflight
-    from astraflow.trainer.megatron_shims import MegatronUnavailable
-
     try:
         topo = component_topology(args)
         spec = _spec(args, topo)
         opts = _options(args, topo, spec)
-        _write_missing_model(topo, args.policy, opts.model_path)
-        check_model_dir(opts.model_path, tokenizer=False)  # before any Kafka client starts
-        preflight(opts.trainer.backend, opts.model_path, opts.trainer.device)
-    except (ValueError, ModelError, MegatronUnavailable) as e:  # TopologyError: ValueError
+        provide_policy_model(topo, args.policy, opts.model_path)
+        check_trainer(opts)  # before any Kafka client starts
+    except (ValueError, ModelError, MegatronUnavailable, MissingModel) as e:
+        # TopologyError: ValueError
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
-    from astraflow.trainer.processes import in_group, run_local_group
-
-    parallel = spec.trainer.parallel
-    if parallel.processes > 1 and not in_group():
-        # this process only supervises: N copies of this command line train as one group
-        return run_local_group(sys.argv[1:], parallel.processes, parallel.port)
-    if spec.trainer.threads:
-        torch.set_num_threads(spec.trainer.threads)
-    torch.manual_seed(spec.trainer.seed)
-    if spec.trainer.deterministic:
-        from astraflow.trainer.resume import make_deterministic
-
-        make_deterministic()  # kernels, cuBLAS workspace, cuDNN: before any CUDA work
     args.loaded_topology = topo
     config = kafka_config(args, topo.component_kafka(f"trainer.{opts.policy}"))
-    group = _join_group(opts.trainer.device) if in_group() else None
-    if group is not None and group.rank > 0:
-        # rank 0 alone stops the group (the supervisor hands it the signal)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        service = TrainerService(topo, opts, config=config, group=group)
-    except ValueError as e:
+        run = start_trainer(topo, opts, spec.trainer, config, argv=sys.argv[1:])
+    except TrainerStartError as e:
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
-
-    if service.rank == 0:
-        stop_on_signals(service.stop, logging.getLogger("astraflow.trainer"),
-                        "finishing the current step and its transaction")
-    try:
-        c = service.run()
-    finally:
-        if group is not None:
-            group.close()
-    if service.rank > 0:
-        return 0
-    print(
-        f"{service.component_id}: {c.steps} steps, version {service.version}, "
-        f"consumed {c.consumed}, waited {c.waiting_s:.1f}s, busy {c.busy_s:.1f}s"
-    )
-    return 0
-
-
-def _join_group(device: str) -> Any:
-    """This process's place in its trainer group (torchrun's environment)."""
-    from astraflow.trainer.parallel import join
-
-    return join(device)
-
-
-def _write_missing_model(topo, policy: str, path: str) -> None:
-    """A trainer whose model directory does not exist writes it as the topology's policy
-    entry says (``model init`` or ``model import``): in a deployment that shares nothing
-    but Kafka the trainer is the one component that holds the model on disk."""
-    from pathlib import Path
-
-    from astraflow.launch.provision import MissingModel, write_policy_model
-
-    spec = topo.policies.get(policy)
-    if spec is None or Path(path, "config.json").exists():
-        return
-    try:
-        write_policy_model(policy, spec.model_copy(update={"model": path}))
-    except MissingModel as e:
-        raise ValueError(str(e)) from None
+    if run.counters is not None:
+        c = run.counters
+        print(f"{run.component_id}: {c.steps} steps, version {run.version}, "
+              f"consumed {c.consumed}, waited {c.waiting_s:.1f}s, busy {c.busy_s:.1f}s")
+    return run.status
 
 
 def _spec(args: argparse.Namespace, topo: Any) -> Any:

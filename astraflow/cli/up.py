@@ -1,8 +1,7 @@
 """``astraflow run up|down`` and their shortcuts ``up`` and ``down``.
 
-The command line of ``astraflow.launch.up``: it builds the ``UpOptions`` of ``up`` and
-hands ``up`` the parser of ``model init`` (to read the recipe of a tiny model it would
-write), so that the launcher imports nothing of the command line.
+The command line of ``astraflow.launch.up``: it builds the ``UpOptions`` of ``up``; the
+launcher imports nothing of the command line.
 """
 
 from __future__ import annotations
@@ -71,23 +70,13 @@ def _add_down(subparsers: Any, shortcut: bool) -> None:
     d.set_defaults(func=cmd_down)
 
 
-def recipe_of(argv: list[str]) -> dict[str, Any]:
-    """The recipe the ``model init`` (``model init-role``) command line ``argv`` leaves
-    next to the model it writes (``astraflow.models.recipe.init_recipe``)."""
-    from astraflow.cli.main import build_parser
-    from astraflow.models.recipe import init_recipe
-
-    return init_recipe(build_parser().parse_args(argv))
-
-
 def up_options(args: argparse.Namespace) -> Any:
     """The ``UpOptions`` of a parsed ``up`` command line."""
     from astraflow.launch.up import UpOptions
 
     return UpOptions(topology=args.topology, runs_dir=args.runs_dir, duration=args.duration,
                      versions=args.versions, fresh=args.fresh, keep_broker=args.keep_broker,
-                     brokers=args.brokers, racks=args.racks, secure=args.secure,
-                     recipe_of=recipe_of)
+                     brokers=args.brokers, racks=args.racks, secure=args.secure)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

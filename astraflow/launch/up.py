@@ -40,7 +40,7 @@ from astraflow.launch.progress import (
     status_table,
     write_summary,
 )
-from astraflow.launch.provision import MissingModel, RecipeOf, write_tiny_models
+from astraflow.launch.provision import MissingModel, write_tiny_models
 from astraflow.trainer.processes import die_with_parent
 
 
@@ -58,8 +58,8 @@ class UpOptions:
     brokers: int = 1
     racks: str | None = None
     secure: bool = False
-    # rewrites a tiny model whose recipe the topology changed (None: only a missing one)
-    recipe_of: RecipeOf | None = None
+    # rewrite a tiny model whose recipe the topology changed (False: only a missing one)
+    rewrite_outdated: bool = True
 
 
 def _pids_file(topo: Topology, runs_dir: str) -> Path:
@@ -125,7 +125,7 @@ def _up(args: UpOptions, topo: Topology, run_dir: Path) -> int:
     try:
         # a rewritten model starts a fresh run: the run's weight stream belongs to the old
         # model, and a trainer would resume it
-        fresh = write_tiny_models(topo, args.recipe_of) or args.fresh
+        fresh = write_tiny_models(topo, rewrite_outdated=args.rewrite_outdated) or args.fresh
     except MissingModel as e:
         print(f"astraflow up: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +233,7 @@ def _verify(dir: Path, expected: dict[str, Any]) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     config = AutoConfig.from_pretrained(dir, local_files_only=True)
     if getattr(config, "quantization_config", None) is not None:
@@ -275,6 +275,35 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
+def import_source(source: str | None, out: str | Path, *, gguf: str | Path | None = None,
+                  dtype: str = "bf16", force: bool = False,
+                  log: Callable[[str], None] | None = None) -> Path:
+    """``model import``: the packaged model ``source`` (``SOURCES``) or the GGUF file
+    ``gguf`` (one of the two) imported into ``out`` (``import_gguf``); one line on what was
+    written goes to ``log`` (default: stdout, flushed). ``ModelError`` on bad input."""
+    if gguf and source:
+        raise ModelError(f"give either a source ({', '.join(SOURCES)}) or --gguf, not both")
+    if gguf:
+        path = Path(gguf)
+    elif source == "smollm2":
+        path = smollm2_gguf()
+    elif source is None:
+        raise ModelError(f"name a source ({', '.join(SOURCES)}) or give --gguf FILE")
+    else:
+        raise ModelError(f"unknown source {source!r} (known: {', '.join(SOURCES)}; "
+                         "any other GGUF file: --gguf FILE)")
+    t0 = time.time()
+    done = import_gguf(path, out, dtype, force=force)
+    record = json.loads((done / IMPORT_RECORD).read_text())
+    line = (f"imported {path.name} to {done}: {dtype}, {record['parameters'] / 1e6:.1f}M "
+            f"parameters, {dir_bytes(done) / 1e6:.0f} MB, in {time.time() - t0:.1f}s")
+    if log is None:
+        print(line, flush=True)
+    else:
+        log(line)
+    return done
+
+
 __all__ = [
     "DTYPES",
     "IMPORT_RECORD",
@@ -282,6 +311,7 @@ __all__ = [
     "SOURCES",
     "dir_bytes",
     "import_gguf",
+    "import_source",
     "sha256_of",
     "smollm2_gguf",
 ]

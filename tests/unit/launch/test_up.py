@@ -12,28 +12,51 @@ import yaml
 
 from astraflow.cli.components import configuration
 from astraflow.cli.main import build_parser
-from astraflow.cli.up import recipe_of
-from astraflow.config.topology import PolicySpec, parse_topology
+from astraflow.config.topology import PolicySpec, load_topology, parse_topology
+from astraflow.launch import provision
 from astraflow.launch import up as launcher
 from astraflow.launch.provision import (
     MissingModel,
+    init_options,
     model_init_command,
     tiny_model_outdated,
     write_policy_model,
 )
-from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, init_recipe
+from astraflow.models.recipe import INIT_RECIPE, OLD_ROLE_RECIPE, RoleInit, init_recipe, recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _outdated(spec: PolicySpec) -> str:
-    """Why `up` would rewrite ``spec``'s tiny model, judged by the CLI's `model init`."""
-    return tiny_model_outdated(spec, recipe_of)
+    """Why `up` would rewrite ``spec``'s tiny model."""
+    return tiny_model_outdated(spec)
 
 
 def _write_models(topo) -> bool:
     """What `up` does first: write each policy's missing or outdated tiny model."""
-    return launcher.write_tiny_models(topo, recipe_of)
+    return launcher.write_tiny_models(topo, rewrite_outdated=True)
+
+
+def _cli_recipe(argv: list[str]) -> dict:
+    """The recipe the `astraflow` command line ``argv`` (`model init` or `init-role`)
+    leaves."""
+    return init_recipe(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(REPO).as_posix()
+                                        for p in (REPO / "topology").rglob("*.yaml")))
+def test_up_writes_the_model_the_command_of_the_same_options_writes(path):
+    """`up` writes tiny models in its own process: the recipe it records (and compares)
+    is, key for key, the one `astraflow model init` / `init-role` records when run with
+    `model_init_command`'s flags, for every policy of every shipped topology."""
+    topo = load_topology(REPO / path)
+    for policy, spec in topo.policies.items():
+        if spec.import_from:
+            continue
+        cmd = model_init_command(spec)
+        assert recipe(init_options(spec)) == _cli_recipe(cmd), (path, policy)
+        args = build_parser().parse_args(cmd)
+        assert type(init_options(spec)).command == args.model_command
 
 
 def _warm(spec: PolicySpec, **update) -> PolicySpec:
@@ -46,6 +69,13 @@ def _written_by(spec: PolicySpec) -> None:
     args = build_parser().parse_args(model_init_command(spec))
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     (Path(args.dir) / INIT_RECIPE).write_text(json.dumps(init_recipe(args)))
+
+
+def test_the_recipe_of_a_default_option_set_is_the_commands():
+    assert recipe(RoleInit(role="selector")) == _cli_recipe(
+        ["model", "init-role", "/m", "--role", "selector"])
+    assert recipe(init_options(PolicySpec(model="/m"))) == _cli_recipe(
+        ["model", "init", "/m", "--warm-start-steps", "0", "--carry-slip", "0.0"])
 
 
 def test_tiny_model_is_rewritten_only_when_its_recipe_changes(tmp_path):
@@ -139,31 +169,31 @@ def _solver_verifier(tmp_path) -> dict:
 
 
 def test_up_writes_every_policys_model_the_same_way(tmp_path, monkeypatch):
-    """One mechanism for all policies: missing or outdated models are written by the
-    command `model_init_command` gives, and only those."""
-    ran: list[list[str]] = []
+    """One mechanism for all policies: missing or outdated models are written with the
+    options of `model_init_command`, and only those."""
+    ran: list[tuple[str, object]] = []
 
-    def fake_run(cmd, check):  # what `model init` / `init-role` leave behind
-        assert cmd[:3] == [launcher.sys.executable, "-m", "astraflow.cli.main"] and check
-        ran.append(cmd[3:])
-        args = build_parser().parse_args(cmd[3:])
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.dir) / "config.json").write_text("{}")
-        (Path(args.dir) / INIT_RECIPE).write_text(json.dumps(init_recipe(args)))
+    def fake_write(dir, opts):  # what `model init` / `init-role` leave behind
+        ran.append((dir, opts))
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        (Path(dir) / "config.json").write_text("{}")
+        (Path(dir) / INIT_RECIPE).write_text(json.dumps(recipe(opts)))
 
-    monkeypatch.setattr(launcher.subprocess, "run", fake_run)
+    monkeypatch.setattr(provision, "write_tiny_model", fake_write)
     data = _solver_verifier(tmp_path)
     topo = parse_topology(data)
     assert _write_models(topo) is True
-    assert [c[:2] for c in ran] == [["model", "init"], ["model", "init-role"]]
-    assert ran[1][ran[1].index("--role") + 1] == "verifier"
-    assert ran[1][ran[1].index("--carry-slip") + 1] == "0.0"
+    assert [type(o).command for _, o in ran] == ["init", "init-role"]
+    assert ran[1][1].role == "verifier" and ran[1][1].carry_slip == 0.0
+    assert [d for d, _ in ran] == [str(tmp_path / "solver"), str(tmp_path / "verifier")]
     ran.clear()
     assert _write_models(topo) is False and ran == []  # nothing changed
 
     data["policies"]["verifier"]["warm_start"] = {"steps": 200, "levels": "1"}
     assert _write_models(parse_topology(data)) is True
-    assert ran == [model_init_command(parse_topology(data).policies["verifier"])]
+    verifier = parse_topology(data).policies["verifier"]
+    assert ran == [(verifier.model, init_options(verifier))]
+    assert recipe(ran[0][1]) == _cli_recipe(model_init_command(verifier))
     ran.clear()
 
     # a model without a recipe is never rewritten; a missing one up may not write is an error
@@ -178,15 +208,14 @@ def test_up_writes_every_policys_model_the_same_way(tmp_path, monkeypatch):
 
 def test_an_imported_policy_never_starts_from_a_tiny_model_left_at_its_path(tmp_path,
                                                                           monkeypatch):
-    ran: list[list[str]] = []
-    monkeypatch.setattr(launcher.subprocess, "run",
-                        lambda cmd: ran.append(cmd) or launcher.subprocess.CompletedProcess(
-                            cmd, 0))
+    ran: list[tuple] = []
+    monkeypatch.setattr(provision, "import_source",
+                        lambda source, out, gguf=None: ran.append((source, out, gguf)))
     spec = parse_topology({"run": "r", "policies": {"solver": {
         "model": str(tmp_path / "solver"), "init_tiny": False,
         "import_from": "smollm2"}}}).policies["solver"]
     assert write_policy_model("solver", spec) is True  # nothing there: imported
-    assert ran[0][3:5] == ["model", "import"]
+    assert ran == [("smollm2", str(tmp_path / "solver"), None)]
     (tmp_path / "solver").mkdir()
     (tmp_path / "solver" / "config.json").write_text("{}")
     assert write_policy_model("solver", spec) is False  # a model there: kept
@@ -194,6 +223,24 @@ def test_an_imported_policy_never_starts_from_a_tiny_model_left_at_its_path(tmp_
     with pytest.raises(MissingModel, match="solver: .* holds a tiny model .* smollm2"):
         write_policy_model("solver", spec)
     assert len(ran) == 1
+
+
+def test_a_failed_import_or_init_is_a_missing_model_with_the_commands_line(tmp_path, capsys):
+    """Run in `up`'s process, a refused import or init reports as the command did (one
+    `astraflow: ...` line) and `up` names the policy (MissingModel)."""
+    spec = parse_topology({"run": "r", "policies": {"solver": {
+        "model": str(tmp_path / "solver"), "init_tiny": False,
+        "import_from": str(tmp_path / "absent.gguf")}}}).policies["solver"]
+    with pytest.raises(MissingModel, match="solver: importing .*absent.gguf failed"):
+        write_policy_model("solver", spec)
+    assert capsys.readouterr().err.startswith("astraflow: ")
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")  # not a model: never replaced
+    with pytest.raises(MissingModel, match="solver: writing its tiny model .* failed"):
+        write_policy_model("solver", PolicySpec(model=str(other)))
+    assert "holds no model" in capsys.readouterr().err
+    assert (other / "todo.txt").read_text() == "keep me"
 
 
 # --- the plan: each component with the file and its identity; the file its settings ------
@@ -235,8 +282,8 @@ def test_the_default_plan_runs_the_configuration_it_ran_before_the_typed_topolog
     plan = launcher.plan_processes(topo, path)
     trainer = _run(plan["trainer-actor"], topo)
     assert (trainer.model_path, trainer.trainer.lr, trainer.anchor_interval,
-            trainer.trainer.temperature, trainer.trainer.top_p,
-            trainer.trainer.max_staleness) == ("runs/default/model", 1e-4, 10, 1.0, 1.0, 4)
+            trainer.temperature, trainer.top_p,
+            trainer.max_staleness) == ("runs/default/model", 1e-4, 10, 1.0, 1.0, 4)
     node = _run(plan["raas-local-0"], topo)
     assert (node.options.pool, node.options.instance, node.options.n_samples) == (
         "local", "local-0", 8)
@@ -255,7 +302,7 @@ def test_max_staleness_is_set_once_per_policy():
     topo = load_topology(REPO / "topology" / "solver-verifier.yaml")
     plan = launcher.plan_processes(topo, "t.yaml")
     for policy in ("solver", "verifier"):
-        assert _run(plan[f"trainer-{policy}"], topo).trainer.max_staleness == 16
+        assert _run(plan[f"trainer-{policy}"], topo).max_staleness == 16
         assert topo.processors[f"batcher-{policy}"].options["max_staleness"] == 16
     assert topo.processors["staleness"].options["max_staleness"] == 16
     data = _solver_verifier_data()
@@ -263,7 +310,7 @@ def test_max_staleness_is_set_once_per_policy():
     data["policies"]["verifier"]["max_staleness"] = 3
     topo = parse_topology(data)
     assert _run(launcher.plan_processes(topo, "t")["trainer-solver"],
-                topo).trainer.max_staleness == 3
+                topo).max_staleness == 3
     assert topo.processors["batcher-verifier"].options["max_staleness"] == 3
     del data["policies"]["solver"]["max_staleness"]  # the one default
     with pytest.raises(Exception, match=r"processors.staleness: .*solver 4, verifier 3"):
@@ -275,16 +322,16 @@ def _solver_verifier_data() -> dict:
 
 
 # TrainerSpec field -> where the trainer process holds it: (ServiceOptions attribute) or
-# ("trainer", TrainerConfig attribute) or ("spec", the handler reads it: torch settings)
+# ("trainer", the TrainerSpec the step takes) or ("spec", the handler reads it: torch
+# settings)
 TRAINER_FIELDS = {
     **{f: ("trainer", f) for f in (
         "lr", "lr_warmup_steps", "lr_decay", "lr_final", "lr_decay_steps", "weight_decay",
         "adam_eps", "max_grad_norm", "adam_impl", "loss", "clip_low",
         "clip_high", "tis_cap", "tis_mask", "m2_threshold", "minibatches", "micro_batch_size",
         "micro_batch_tokens", "dtype", "publish_dtype", "autocast", "gradient_checkpointing",
-        "share_prompt", "forward_on", "forward_dtype", "device", "backend", "group_unit")},
-    "adam_beta1": ("trainer", "betas", 0), "adam_beta2": ("trainer", "betas", 1),
-    "std_normalize": ("trainer", "normalize_std"),
+        "share_prompt", "forward_on", "forward_dtype", "device", "backend", "group_unit",
+        "adam_beta1", "adam_beta2", "std_normalize")},
     **{f: ("options", f) for f in ("anchor_interval", "state_interval", "state_max_lag",
                                    "keep_optimizer", "keep_versions", "max_steps",
                                    "blob_store", "state_dir", "publish_overlap",
@@ -295,9 +342,8 @@ TRAINER_FIELDS = {
 
 def _held(opts, spec, field: str):
     """Where the trainer process holds TrainerSpec ``field`` (``TRAINER_FIELDS``)."""
-    where, name, *index = TRAINER_FIELDS[field]
-    value = getattr({"trainer": opts.trainer, "options": opts, "spec": spec}[where], name)
-    return value[index[0]] if index else value
+    where, name = TRAINER_FIELDS[field]
+    return getattr({"trainer": opts.trainer, "options": opts, "spec": spec}[where], name)
 
 
 def test_every_typed_trainer_field_reaches_the_trainer():

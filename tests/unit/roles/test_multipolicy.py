@@ -2,15 +2,13 @@
 
 Without Kafka: the solve_verify and solve_select workflows against scripted engines
 (rewards, roles, prompts, metrics), the role formats and warm-start examples, the router
-split, the launcher's plan and progress. On the broker: router + one batcher per policy,
-where each policy's batches hold only its own sequences, and a RaaS node that follows two
-weight streams independently.
+split, the launcher's plan and progress. On the broker:
+tests/integration/roles/test_multipolicy.py.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -29,8 +27,8 @@ from astraflow.roles.formats import (
 )
 from astraflow.roles.scoring import role_eval_examples
 from astraflow.roles.teacher import retry_examples, selector_examples, verifier_examples
-from astraflow.wire.records import Batch, ComponentStatus, Task, TrajectoryGroup
-from tests.conftest import REPO, running, wait_for
+from astraflow.wire.records import ComponentStatus, Task, TrajectoryGroup
+from tests.conftest import REPO
 from tests.fakes import ScriptedEngine
 
 
@@ -401,7 +399,6 @@ def test_role_eval_examples_are_held_out_and_balanced():
 
 def test_init_role_cli_writes_a_role_model(tmp_path):
     from astraflow.cli.main import build_parser, main
-    from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
     from astraflow.launch.provision import model_init_command, tiny_model_outdated
     from astraflow.models.loading import load_policy
@@ -415,7 +412,7 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
     d.mkdir()
     (d / INIT_RECIPE).write_text(json.dumps({"model_command": "init"}))
     (d / OLD_ROLE_RECIPE).write_text("{}")
-    assert tiny_model_outdated(spec, recipe_of).startswith("the topology changed")
+    assert tiny_model_outdated(spec).startswith("the topology changed")
     # the very command `astraflow up` runs
     cmd = model_init_command(spec)
     assert main(cmd) == 0
@@ -425,11 +422,11 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
     assert recipe["role"] == "verifier" and recipe["model_command"] == "init-role"
     assert recipe["label_noise"] == 0.02 and recipe["levels"] == "1" and recipe["seed"] == 0
     assert recipe["warm_start_steps"] == 3 and recipe["carry_slip"] == 0.5
-    assert tiny_model_outdated(spec, recipe_of) == ""
+    assert tiny_model_outdated(spec) == ""
     assert "role verifier -> selector" in tiny_model_outdated(
-        spec.model_copy(update={"role": "selector"}), recipe_of)
+        spec.model_copy(update={"role": "selector"}))
     assert "warm_start_steps 3 -> 4" in tiny_model_outdated(spec.model_copy(update={
-        "warm_start": spec.warm_start.model_copy(update={"steps": 4})}), recipe_of)
+        "warm_start": spec.warm_start.model_copy(update={"steps": 4})}))
     model, tok = load_policy(d)  # loads (how well it verifies is a bench's question)
     assert model.config.vocab_size == len(tok)
     with pytest.raises(SystemExit):
@@ -438,7 +435,6 @@ def test_init_role_cli_writes_a_role_model(tmp_path):
 
 def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
     from astraflow.cli.main import main
-    from astraflow.cli.up import recipe_of
     from astraflow.config.topology import PolicySpec
     from astraflow.launch.provision import model_init_command, tiny_model_outdated
     from astraflow.models.loading import load_policy
@@ -451,10 +447,10 @@ def test_init_role_blind_writes_and_scores_a_two_turn_verifier(tmp_path):
         "levels": "1"})
     assert main(model_init_command(spec)) == 0
     assert json.loads((d / INIT_RECIPE).read_text())["blind"] is True
-    assert tiny_model_outdated(spec, recipe_of) == ""
+    assert tiny_model_outdated(spec) == ""
     # the seen-format recipe is another model
     assert "blind True -> False" in tiny_model_outdated(spec.model_copy(update={
-        "warm_start": spec.warm_start.model_copy(update={"blind": False})}), recipe_of)
+        "warm_start": spec.warm_start.model_copy(update={"blind": False})}))
     model, tok = load_policy(d)
     examples = role_eval_examples("verifier", (1,), 6)
     out = blind_verdicts(model, tok, examples)
@@ -653,103 +649,6 @@ def test_node_puts_workflow_metrics_into_the_group_and_status():
     st = node.status().metrics  # averaged over the two groups since the last status
     assert st["verify/solver_final_accuracy"] == pytest.approx(0.5)
     assert node.status().metrics["verify/solver_final_accuracy"] == pytest.approx(0.5)
-
-
-# --- on the broker ------------------------------------------------------------------------
-def test_each_policy_trainer_sees_only_its_own_sequences(kafka_config, make_topology):
-    """trajectories -> router -> samples.<policy> -> batcher per policy -> batches.<policy>."""
-    from astraflow.dataflow.runtime import ProcessorRuntime
-    from astraflow.kafka.clients import RecordProducer, read_all
-
-    topo, _ = make_topology(
-        topics={"trajectories": {}, "samples.solver": {}, "samples.verifier": {},
-                "batches.solver": {"partitions": 1}, "batches.verifier": {"partitions": 1}},
-        processors={
-            "route": {"kind": "router", "inputs": ["trajectories"],
-                      "outputs": ["samples.solver", "samples.verifier"], "poll_timeout_s": 0.2},
-            "batch-solver": {"kind": "batcher", "inputs": ["samples.solver"],
-                             "outputs": ["batches.solver"], "poll_timeout_s": 0.2,
-                             "options": {"policy": "solver", "batch_size": 3}},
-            "batch-verifier": {"kind": "batcher", "inputs": ["samples.verifier"],
-                               "outputs": ["batches.verifier"], "poll_timeout_s": 0.2,
-                               "options": {"policy": "verifier", "batch_size": 2}},
-        })
-    producer = RecordProducer(kafka_config)
-    groups = [verify_group(f"g{i}", 4) for i in range(6)]
-    for g in groups:
-        producer.produce(topo.full_name("trajectories"), g, key=g.group_id)
-    producer.flush()
-    runtimes = [ProcessorRuntime(topo, name, instance="t")
-                for name in ("route", "batch-solver", "batch-verifier")]
-    threads = [threading.Thread(target=rt.run, daemon=True) for rt in runtimes]
-    for t in threads:
-        t.start()
-
-    def batches(policy):
-        return [r.record for r in read_all(kafka_config, topo.full_name(f"batches.{policy}"),
-                                           idle_s=0.3, expect=Batch)]
-    try:
-        wait_for(lambda: len(batches("solver")) == 2 and len(batches("verifier")) == 3, 60,
-                 "2 solver and 3 verifier batches")
-    finally:
-        for rt in runtimes:
-            rt.stop()
-        for t in threads:
-            t.join(30)
-    for policy, roles in (("solver", {"solver", "solver_retry"}), ("verifier", {"verifier"})):
-        got = batches(policy)
-        assert all(b.policy == policy for b in got)
-        seqs = [s for b in got for g in b.groups for s in g.sequences]
-        assert {s.policy for s in seqs} == {policy} and {s.role for s in seqs} == roles
-        ids = sorted(g.group_id for b in got for g in b.groups)
-        assert ids == sorted(f"g{i}/{policy}" for i in range(6))
-    # every sequence arrived exactly once, at its own policy's trainer
-    total = sum(len(g.sequences) for b in batches("solver") + batches("verifier")
-                for g in b.groups)
-    assert total == sum(len(g.sequences) for g in groups)
-
-
-@pytest.mark.slow
-def test_node_follows_each_policy_weights_independently(kafka_config, make_topology, tmp_path):
-    import torch
-
-    from astraflow.kafka.clients import RecordProducer, read_all
-    from astraflow.raas.engine import TorchEngine
-    from astraflow.raas.node import NodeOptions, RaaSNode
-    from astraflow.weights import FileBlobStore, WeightPublisher
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
-
-    topo, _ = make_topology(topics={
-        "tasks": {"partitions": 1}, "trajectories.raw": {"partitions": 1},
-        "weights.solver": {"partitions": 1}, "weights.verifier": {"partitions": 1}})
-    engines = {p: TorchEngine(tiny_model(seed), tiny_tokenizer(), policy=p)
-               for p, seed in (("solver", 0), ("verifier", 1))}
-    producer = RecordProducer(kafka_config)
-    published: dict[str, dict] = {}
-    for policy, versions in (("solver", 3), ("verifier", 2)):
-        pub = WeightPublisher(FileBlobStore(str(tmp_path / policy)), policy, anchor_interval=10)
-        state = {k: v.clone() for k, v in engines[policy].model.state_dict().items()}
-        for _ in range(versions):
-            for m in pub.publish(state):
-                producer.produce(topo.full_name(f"weights.{policy}"), m, key=policy)
-            published[policy] = state
-            state = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}
-    producer.produce(topo.full_name("tasks"), task("1+2=", "3"), key="p")
-    producer.flush()
-    node = RaaSNode(topo, dict(engines), NodeOptions(
-        instance="mp", n_samples=2, poll_timeout_s=0.2,
-        workflow_options={"solve_verify": {"max_new_tokens": 3}}))
-    with running(node):
-        out = topo.full_name("trajectories.raw")
-        wait_for(lambda: read_all(kafka_config, out, idle_s=0.3), 60, "a trajectory group")
-        (g,) = [r.record for r in read_all(kafka_config, out, idle_s=0.3, expect=TrajectoryGroup)]
-    assert set(node._watchers) == {"solver", "verifier"}
-    assert node.status().weight_versions == {"solver": 2, "verifier": 1}
-    for policy, version in (("solver", 2), ("verifier", 1)):
-        assert {s.min_version for s in g.sequences if s.policy == policy} == {version}
-        for k, t in engines[policy].model.state_dict().items():
-            assert torch.equal(t, published[policy][k]), (policy, k)
-    assert "verify/verifier_accuracy" in g.metrics
 
 
 def test_readme_documents_multi_policy_runs():
