@@ -2,14 +2,23 @@
 
 Processors, RaaS nodes and trainers differ only in their ``Work``: what they make of the
 records they consumed. The loop owns everything else, once: the clients, the consumer
-group, pause/resume, the ``Checkpoint`` (the records of one transaction and the consumer
-offsets committed with them, ``send_offsets_to_transaction``), the status record, a
-graceful stop, and surviving broker outages.
+group, a graceful stop, the status record, and surviving broker outages. It is made of
+objects of one concern each, which it drives round by round:
+
+- ``Intake`` (``consuming.py``): how many records a round takes and whether it waits for
+  them, and the positions (next offsets to commit) of the partitions read;
+- ``Pauses`` (``pausing.py``): the paused topics and partitions, asked for from any thread
+  and applied to the consumer before each poll and after each rebalance;
+- ``Checkpoint`` and ``CommitPolicy`` (``checkpoint.py``): the records of one transaction
+  and the inputs they were made of, and when it is due to commit;
+- ``Transactions`` (``transactions.py``): the transactional producer, the open transaction,
+  its commit (waited for or in flight) with the consumer offsets
+  (``send_offsets_to_transaction``), and what a failed one leaves to do.
 
 Records become one transaction per poll, or (``LoopSpec.commit_interval_s``, processors) a
 transaction stays open over several polls and commits when it is full, old enough, or a poll
 finds nothing more; its records go to the broker as they are made, and the next ones are
-made while the broker completes the commit (``_commit_in_flight``, settled before anything
+made while the broker completes the commit (a commit in flight, settled before anything
 else touches the transaction, the group or the offsets).
 
 A transaction that fails is aborted. A work that can start over (processors, RaaS nodes)
@@ -27,38 +36,30 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from astraflow.kafka.access import AUTHORIZATION, KafkaAccessError, refusal, without_write
-from astraflow.kafka.checkpoint import Checkpoint, RecordTooLarge
+from astraflow.kafka.access import refusal
+from astraflow.kafka.checkpoint import Checkpoint, CommitPolicy, RecordTooLarge
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
+from astraflow.kafka.consuming import Intake
 from astraflow.kafka.outage import BrokerUnreachable, Outage, kafka_error, transient
+from astraflow.kafka.pausing import Pauses
+from astraflow.kafka.spec import LoopSpec, RuntimeCounters
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
+from astraflow.kafka.transactions import Transactions, Worker
 from astraflow.metrics import PrometheusExporter, exporter_from_env
 from astraflow.wire.codec import Codec
-from astraflow.wire.records import ComponentStatus, now_ms
+from astraflow.wire.records import ComponentStatus
 
 log = logging.getLogger("astraflow.loop")
 
 
-# the transactional producer's defaults (the config's producer_options win): a transaction
-# that begins while the broker still completes the previous one gets CONCURRENT_TRANSACTIONS
-# from AddPartitionsToTxn/AddOffsetsToTxn, retried after retry.backoff.ms (100 ms by
-# default, doubling up to retry.backoff.max.ms): back-to-back transactions would pay it
-# every time. Retries of requests only: reconnecting to a broker that is away keeps its own
-# backoff.
-_TXN_PRODUCER = {"retry.backoff.ms": 1, "retry.backoff.max.ms": 20}
-# records handed to the work at a time while a transaction stays open: each such round's
-# outputs go to the broker while the next round is made (commit_interval_s)
-_CHUNK = 500
 # reads of the group's committed offsets a rewind tries before it asks whether the broker
 # answers at all, and if it does gives the consumer up for a new one (each read waits up to
 # the call timeout): a CI run saw a processor's consumer time out on every read for 300 s
@@ -73,88 +74,6 @@ class _Stopping(Exception):
 
 class _NoAnswer(Exception):
     """A call retried ``tries`` times without an answer (``_retrying``)."""
-
-
-@dataclass
-class RuntimeCounters:
-    consumed: int = 0
-    produced: int = 0
-    dead_lettered: int = 0
-    transactions: int = 0
-    aborted: int = 0
-    busy_s: float = 0.0
-    waiting_s: float = 0.0
-    started_at_ms: int = field(default_factory=now_ms)
-
-
-@dataclass
-class LoopSpec:
-    """Who the loop runs as and what it reads and writes (full topic names)."""
-
-    component_id: str
-    group: str
-    transactional_id: str
-    inputs: list[str]
-    outputs: list[str]
-    dlq: str
-    status_topic: str
-    max_batch: int = 1  # inputs per transaction, at most
-    poll_timeout_s: float = 0.5
-    # None: each poll waits up to poll_timeout_s for max_batch records, and each poll's
-    # records make one transaction. A number (in seconds): a poll returns as soon as records
-    # arrive, and the transaction stays open across polls (its records sent to the broker
-    # meanwhile) until it holds max_batch inputs, its first input is this old, or a poll
-    # finds nothing more: low latency at light load, the commit's cost shared at high load.
-    # Unless keeps_position, the next records are made while the broker completes a commit.
-    commit_interval_s: float | None = None
-    status_interval_s: float = 5.0
-    consumer_options: dict[str, object] = field(default_factory=dict)
-    producer_options: dict[str, object] = field(default_factory=dict)
-    # the work's state has consumed up to its positions and cannot be rolled back: after an
-    # abort the same checkpoint is sent again; after a rebalance it resumes at its positions
-    keeps_position: bool = False
-    max_bytes: dict[str, int] = field(default_factory=dict)  # topic -> max.message.bytes
-    topology_source: str = "<topology>"
-
-
-@dataclass
-class _InFlight:
-    """A commit running on a helper thread: its checkpoint, offsets and outcome."""
-
-    cp: Checkpoint
-    tps: list[TopicPartition]
-    meta: object | None  # the consumer's group metadata, taken on the loop's thread
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-class _Worker:
-    """One long-lived thread that runs the calls handed to it, in turn: a transaction's
-    calls leave the loop's thread without a thread started per call."""
-
-    def __init__(self, name: str):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, daemon=True, name=name).start()
-
-    def _serve(self) -> None:
-        while (item := self._calls.get()) is not None:
-            call, box, done = item
-            try:
-                box["value"] = call()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                box["error"] = e
-            done.set()
-
-    def submit(self, call: Callable[[], object]) -> tuple[threading.Event, dict[str, object]]:
-        """Run ``call`` after those before it; set the event once it returned or raised."""
-        box: dict[str, object] = {}
-        done = threading.Event()
-        self._calls.put((call, box, done))
-        return done, box
-
-    def close(self) -> None:
-        """End the thread once it is done with what it was handed."""
-        self._calls.put(None)
 
 
 class Work(Protocol):
@@ -188,33 +107,47 @@ class TransactionalLoop:
         self.work = work
         self.config = config
         self.codec = codec
-        self.before_commit = before_commit
         self.counters = work.counters
-        self.positions: dict[tuple[str, int], int] = {}  # next offset to commit
         self.outage = Outage(spec.component_id, config.bootstrap_servers or "?",
                              config.outage_limit_s, config.outage_log_interval_s)
         self.running = threading.Event()
         self._stop = threading.Event()
-        self._requests: queue.Queue[tuple[str, str, list[int] | None]] = queue.Queue()
-        self.paused: dict[str, set[int] | None] = {}  # full topic -> partitions (None: all)
-        self._assignment_changed = True
-        self._call_timeout_s = 10.0
-        self.producer: RecordProducer | None = None
+        self.intake = Intake(spec, self._on_read_error)
+        self.pauses = Pauses()
+        self.policy = CommitPolicy(spec.max_batch, spec.commit_interval_s)
+        self.txn = Transactions(spec, config, codec, self.counters, self.outage,
+                                self._retrying, self._on_client_error, self._committed_anyway,
+                                before_commit)
         self.consumer: Consumer | None = None
-        self._tainted = False  # the producer saw the broker go away
-        self._stuck = False  # a call on the producer never returned
-        self._open = False  # a transaction is begun on the producer (commit_interval_s)
         self._revoked = False  # partitions were revoked during this round's poll
-        self._inflight: _InFlight | None = None  # a commit the loop does not wait for
-        self._caller: _Worker | None = None  # runs _bounded's calls
-        self._committer: _Worker | None = None  # runs the commits in flight
-        self._stage = "producing"  # how far the last transaction got
         # a work that starts over after an abort may have its next records made while the
         # broker completes a commit (a work that keeps its position waits for each one)
         self._pipelined = spec.commit_interval_s is not None and not spec.keeps_position
-        self._abandoned: list[RecordProducer] = []
-        self._refused_writes: list[tuple[str, KafkaError]] = []  # topic, error
         self.exporter: PrometheusExporter | None = None  # $ASTRAFLOW_METRICS_PORT
+
+    @property
+    def positions(self) -> dict[tuple[str, int], int]:
+        """Per input partition, the next offset to commit (``Intake.positions``)."""
+        return self.intake.positions
+
+    @property
+    def producer(self) -> RecordProducer | None:
+        """The transactional producer (``Transactions.producer``)."""
+        return self.txn.producer
+
+    @property
+    def paused(self) -> dict[str, set[int] | None]:
+        """Paused input topics (full names) -> partitions (None: all)."""
+        return self.pauses.paused
+
+    @property
+    def _call_timeout_s(self) -> float:
+        """How long one call to the broker may take (producer and consumer alike)."""
+        return self.txn.call_timeout_s
+
+    @_call_timeout_s.setter
+    def _call_timeout_s(self, seconds: float) -> None:
+        self.txn.call_timeout_s = seconds
 
     # --- control, callable from any thread -------------------------------------------
     def stop(self) -> None:
@@ -227,10 +160,10 @@ class TransactionalLoop:
 
     def pause(self, topic: str, partitions: list[int] | None = None) -> None:
         """Stop fetching from ``topic`` (full name), all or some partitions."""
-        self._requests.put(("pause", topic, partitions))
+        self.pauses.pause(topic, partitions)
 
     def resume(self, topic: str, partitions: list[int] | None = None) -> None:
-        self._requests.put(("resume", topic, partitions))
+        self.pauses.resume(topic, partitions)
 
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(self.codec, self.spec.dlq, self.spec.max_bytes)
@@ -239,7 +172,7 @@ class TransactionalLoop:
     def run(self) -> None:
         s = self.spec
         self._check_topics()
-        self.producer = self._new_producer()
+        self.txn.start()
         # a bad or busy $ASTRAFLOW_METRICS_PORT fails here, at start; the series appear
         # with the first status (which names the component's kind)
         self.exporter = exporter_from_env(s.component_id, None, self.counters)
@@ -258,64 +191,51 @@ class TransactionalLoop:
             log.info("%s: leaving group %s", s.component_id, s.group)
             if self.consumer is not None:
                 self.consumer.close()
-            for worker in (self._caller, self._committer):
-                if worker is not None:
-                    worker.close()
-            self._caller = self._committer = None
+            self.txn.close()
             if self.exporter is not None:
                 self.exporter.close()
             self.work.close()
 
     def _rounds(self) -> None:
         last_status = 0.0
-        cp, first, inputs = self.checkpoint(), None, 0  # open checkpoint, its first input
+        cp = self.checkpoint()  # the open checkpoint
         while not self._stop.is_set():
-            self._apply_pauses()
+            self.pauses.apply(self.consumer)
             t0 = time.monotonic()
             self._revoked = False
-            if self._committed_meanwhile() is False:  # aborted: the inputs come again
-                cp, first, inputs = self.checkpoint(), None, 0
-            msgs = self._consume(self.spec.max_batch - inputs, wait=first is None)
+            if self.txn.finished() and not self._settle():  # aborted: the inputs come again
+                cp = self.checkpoint()
+            msgs = self._consume(self.spec.max_batch - cp.inputs, wait=cp.first_at is None)
             t1 = time.monotonic()
-            if self._revoked and self._pipelined and (first is not None or msgs):
+            if self._revoked and self._pipelined and (cp.first_at is not None or msgs):
                 # the open checkpoint, or records polled before the revocation in this
                 # round, may be of partitions that went to another member: none of it may
                 # commit, and every partition goes back to its committed offset
                 self._drop_open()
-                cp, first, inputs = self.checkpoint(), None, 0
+                cp = self.checkpoint()
                 continue
             if not self._handle(msgs, cp):
-                cp, first, inputs = self.checkpoint(), None, 0
+                cp = self.checkpoint()
                 continue
             now = time.monotonic()
             if msgs:
                 self.counters.busy_s += now - t1
-                first = t1 if first is None else first
-                inputs += len(msgs)
+                cp.took(len(msgs), t1)
             else:
                 self.counters.waiting_s += t1 - t0
             status_due = now - last_status >= self.spec.status_interval_s
-            if not status_due and not self._commit_due(cp, bool(msgs), first, inputs, now):
+            if not status_due and not self.policy.due(cp, bool(msgs), now):
                 if cp:
-                    self._send_early(cp)
+                    self.txn.send_early(cp)
                 continue
             if self._pipelined and not status_due:
                 self._commit_in_flight(cp)
             else:
                 self.commit(cp, status=status_due)
-            cp, first, inputs = self.checkpoint(), None, 0
+            cp = self.checkpoint()
             if status_due:
                 last_status = time.monotonic()
         self.commit(cp, status=True)  # what is open, and a last status: the final state
-
-    def _commit_due(self, cp: Checkpoint, got: bool, first: float | None, inputs: int,
-                    now: float) -> bool:
-        """Whether to commit the open checkpoint now (see ``LoopSpec.commit_interval_s``)."""
-        interval = self.spec.commit_interval_s
-        if first is None:  # no input: commit what timers made, if anything
-            return bool(cp)
-        return (interval is None or not got or inputs >= self.spec.max_batch
-                or now - first >= interval)
 
     def _handle(self, msgs: list[Message], cp: Checkpoint) -> bool:
         """``work.handle``; False when a side read of a work that can start over hit a
@@ -329,47 +249,22 @@ class TransactionalLoop:
                 raise
             self.outage.failed(f"handling records: {err.str()}")
             self._settle()
-            if self._open:  # its records go with the round: the next producer fences it
-                self._open, self._tainted = False, True
+            self.txn.forsake_open()  # its records go with the round: the next producer fences it
             self._rewind()
             return False
 
     def _consume(self, limit: int, wait: bool) -> list[Message]:
-        """Up to ``limit`` records: waiting for them up to the poll timeout when ``wait``,
-        else only those already fetched."""
-        # serve the producer's events too: its error_cb is how an idle producer learns that
-        # the broker went away (and must be replaced before its next transaction)
-        if self._inflight is None:  # else the commit's own flush serves them
-            self.producer.producer.poll(0)
-        s = self.spec
-        if s.commit_interval_s is None:
-            got = self.consumer.consume(s.max_batch, s.poll_timeout_s)
-        elif not wait:
-            got = self.consumer.consume(min(limit, _CHUNK), 0)
-        else:
-            got = self.consumer.consume(min(limit, _CHUNK), 0) if self._inflight else []
-            if not got:
-                self._settle()  # nothing to make meanwhile: take the commit's outcome now
-                # consume(n, t) waits for all n: take the first record as soon as it comes
-                got = self.consumer.consume(1, s.poll_timeout_s)
-                if got and limit > 1:
-                    got += self.consumer.consume(min(limit, _CHUNK) - 1, 0)
-        out = []
-        positions = self.positions
-        for m in got:
-            err = m.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.fatal():
-                    raise KafkaException(err)
-                self._refuse_read(err, m.topic())
-                self._on_client_error(err)
-                continue
-            positions[(m.topic(), m.partition())] = m.offset() + 1
-            out.append(m)
-        self.counters.consumed += len(out)
-        return out
+        """Up to ``limit`` records (``Intake.take``), the producer's events served first."""
+        self.txn.serve()
+        got = self.intake.take(self.consumer, limit, wait, self.txn.inflight is not None,
+                               self._settle)
+        self.counters.consumed += len(got)
+        return got
+
+    def _on_read_error(self, err: KafkaError, topic: str | None) -> None:
+        """An error the consumer handed out in place of a record."""
+        self._refuse_read(err, topic)
+        self._on_client_error(err)
 
     def _refuse_read(self, err: KafkaError, topic: str | None) -> None:
         """Stop on a denied read (no retrying): one line naming the principal, the
@@ -381,41 +276,11 @@ class TransactionalLoop:
         if denied is not None:
             raise denied
 
-    def _denied(self, err: KafkaError | None, stage: str) -> KafkaAccessError | None:
-        """The refusal behind a failed transaction, if it was one: a record refused by a
-        topic (from the delivery reports), the transactional id, the group's offsets."""
-        code = err.code() if err is not None else None
-        if code not in AUTHORIZATION and code != KafkaError._INCONSISTENT:
-            return None  # not a denial (a refused record makes the commit inconsistent)
-        deadline = time.monotonic() + 2.0  # serve the delivery reports that name the topic
-        while not self._refused_writes and time.monotonic() < deadline:
-            self.producer.producer.poll(0.1)
-        principal = self.config.principal()
-        if self._refused_writes:
-            topic, topic_err = self._refused_writes[0]
-            return refusal(topic_err, principal, "WRITE", f"topic {topic}")
-        if code == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
-            return refusal(err, principal, "WRITE",
-                           f"transactional id {self.spec.transactional_id}")
-        if code == KafkaError.GROUP_AUTHORIZATION_FAILED:
-            return refusal(err, principal, "READ", f"group {self.spec.group}")
-        produced = [*self.spec.outputs, self.spec.dlq, self.spec.status_topic]
-        if code == KafkaError.TOPIC_AUTHORIZATION_FAILED:  # which topic: ask the broker
-            refused = without_write(self.config.admin_conf(), produced)
-            if refused:
-                return refusal(err, principal, "WRITE", f"topic {refused[0]}")
-        return refusal(err, principal, "WRITE", f"one of topics {', '.join(produced)}")
-
-    def _on_refused_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        """Delivery reports of errors only: remember the topics that refused a record."""
-        if err is not None and err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
-            self._refused_writes.append((msg.topic(), err))
-
     def _on_client_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
             self._refuse_read(err, None)  # raises out of the consume that served it
         if transient(err):
-            self._tainted = True
+            self.txn.tainted = True
             self.outage.failed(err.str())
         else:
             log.warning("%s: Kafka client error: %s", self.spec.component_id, err)
@@ -426,9 +291,13 @@ class TransactionalLoop:
         transaction; after an abort, rewind (or, ``keeps_position``, send it again)."""
         if not self._settle():  # the commit in flight was aborted: cp's inputs come again
             cp = self.checkpoint()
+
+        def tps() -> list[TopicPartition]:
+            return self._offsets() if offsets and self.consumer is not None else []
+
         while True:
-            if self._transaction(cp, status, offsets):
-                self._committed(cp)
+            if self.txn.attempt(cp, tps, self._produce_status if status else None,
+                                self._group_metadata):
                 return
             self.counters.aborted += 1
             if not self.spec.keeps_position:
@@ -436,155 +305,34 @@ class TransactionalLoop:
                 return
             self._serve_group()  # e.g. "unknown member": rejoin before sending it again
 
-    def _committed(self, cp: Checkpoint) -> None:
-        self.counters.transactions += 1
-        self.counters.produced += cp.outputs
-        self.counters.dead_lettered += cp.dead
-        for done in cp.after_commit:
-            done()
-
-    def _transaction(self, cp: Checkpoint, status: bool, offsets: bool) -> bool:
-        """One try; False when it was aborted."""
-        if self._tainted:
-            # a producer that lost the broker can hang in send_offsets_to_transaction on a
-            # stale coordinator (librdkafka #5456, #5511): start from a fresh one
-            self._replace_producer("Kafka went away since the last transaction")
-        tps = self._offsets() if offsets and self.consumer is not None else []
-        self._stage = "producing"
-        try:
-            self._send(cp)
-            if status:
-                st = self.work.status()
-                self.producer.produce(self.spec.status_topic, st, st.component_id)
-                self._export(st)
-            self._finish(cp, tps, self._group_metadata(tps))
-        except KafkaException as e:
-            self._open = False
-            return self._failed(e, self._stage, tps)
-        except BaseException:
-            self._open = False
-            self._abort_quietly()
-            raise
-        self._open = False
-        self.producer.errors.clear()
-        self.outage.ok()
-        return True
+    def _produce_status(self) -> None:
+        """The work's status record, into the open transaction (and to the exporter)."""
+        st = self.work.status()
+        self.txn.producer.produce(self.spec.status_topic, st, st.component_id)
+        self._export(st)
 
     def _group_metadata(self, tps: list[TopicPartition]) -> object | None:
         """On the loop's thread only: elsewhere it would wait for a rebalance callback that
         may itself wait for the commit in flight."""
         return self.consumer.consumer_group_metadata() if tps else None
 
-    def _finish(self, cp: Checkpoint, tps: list[TopicPartition], meta: object | None) -> None:
-        """Send the offsets and commit: the part of a transaction that waits on the broker
-        (on a helper thread for a commit in flight)."""
-        p = self.producer.producer
-        if tps:
-            self._stage = "sending offsets"
-            self._bounded(lambda: p.send_offsets_to_transaction(
-                tps, meta, self._call_timeout_s))
-        if self.before_commit is not None:
-            self.before_commit(cp)
-        self._stage = "committing"
-        self._retrying("committing", lambda: self._bounded(
-            lambda: p.commit_transaction(self._call_timeout_s)))
-
     def _commit_in_flight(self, cp: Checkpoint) -> None:
-        """Commit ``cp`` while the loop goes on: its records are sent here, the offsets and
-        the commit wait on a helper thread, and ``_settle`` (before anything else touches
-        the transaction) takes the outcome. Meanwhile the next records are made but not
-        sent: a producer has one transaction at a time."""
+        """Commit ``cp`` while the loop goes on (``Transactions.start_commit``), once the
+        commit before it is settled; rewind if it was aborted."""
         if not self._settle():
             return  # the previous one was aborted: cp's inputs come again
-        if self._tainted:
-            self._replace_producer("Kafka went away since the last transaction")
-        tps = self._offsets()
-        self._stage = "producing"
-        try:
-            self._send(cp)
-        except KafkaException as e:
-            self._open = False
-            if not self._failed(e, self._stage, tps):
-                self.counters.aborted += 1
-                self._rewind()
-            return
-        flight = _InFlight(cp, tps, self._group_metadata(tps))
-        if self._committer is None:
-            self._committer = _Worker("kafka-commit")
-        self._inflight = flight
-        self._committer.submit(lambda: self._finish_in_flight(flight))
-
-    def _finish_in_flight(self, flight: _InFlight) -> None:
-        try:
-            self._finish(flight.cp, flight.tps, flight.meta)
-        except BaseException as e:  # noqa: BLE001 - taken by _settle on the loop's thread
-            flight.error = e
-        finally:
-            flight.done.set()
-
-    def _committed_meanwhile(self) -> bool | None:
-        """``_settle`` if the commit in flight is done (None while it is not)."""
-        flight = self._inflight
-        if flight is None or not flight.done.is_set():
-            return None
-        return self._settle()
+        if not self.txn.start_commit(cp, self._offsets, self._group_metadata):
+            self.counters.aborted += 1
+            self._rewind()
 
     def _settle(self) -> bool:
         """Wait for the commit in flight, if any, and take its outcome; False when it was
         aborted (the loop then rewound: what was consumed since comes again)."""
-        flight, self._inflight = self._inflight, None
-        if flight is None:
-            return True
-        flight.done.wait()  # _finish's calls are _bounded: it ends
-        self._open = False
-        e = flight.error
-        if e is None:
-            self.producer.errors.clear()
-            self.outage.ok()
-            self._committed(flight.cp)
-            return True
-        if not isinstance(e, KafkaException):
-            self._abort_quietly()
-            raise e
-        if self._failed(e, self._stage, flight.tps):
-            self._committed(flight.cp)
+        if self.txn.settle():
             return True
         self.counters.aborted += 1
         self._rewind()
         return False
-
-    def _send(self, cp: Checkpoint) -> None:
-        """Begin a transaction unless one is open, and hand the producer the records of
-        ``cp`` it does not hold yet (a new transaction gets them all)."""
-        if not self._open:
-            self.producer.producer.begin_transaction()
-            self._open = True
-            cp.sent = 0
-        # no delivery callback per record: the commit fails if a record does
-        produce, records, sent = self.producer.producer.produce, cp.records, cp.sent
-        try:
-            for topic, value, key, partition, ts in itertools.islice(records, sent, None):
-                try:
-                    if ts:
-                        produce(topic, value, key, -1 if partition is None else partition,
-                                timestamp=ts)
-                    else:
-                        produce(topic, value, key, -1 if partition is None else partition)
-                except BufferError:  # the local queue is full: this one waits for room
-                    self.producer.produce_raw(topic, value, key, partition, ts)
-                sent += 1
-        finally:
-            cp.sent = sent
-
-    def _send_early(self, cp: Checkpoint) -> None:
-        """``_send`` while the transaction stays open, so that the broker takes its records
-        while the next ones are made; a failure is left for the commit to meet again."""
-        if self._tainted or self._inflight is not None:
-            return  # the commit replaces the producer first / one transaction at a time
-        try:
-            self._send(cp)
-        except KafkaException as e:
-            log.debug("%s: sending ahead of the commit failed: %s", self.spec.component_id, e)
 
     def _drop_open(self) -> None:
         """Abort the open transaction (what was sent of it) and go back to the committed
@@ -592,68 +340,8 @@ class TransactionalLoop:
         log.info("%s: dropping what is uncommitted after a rebalance",
                  self.spec.component_id)
         self._settle()
-        if self._open:
-            self._open = False
-            try:
-                self._bounded(lambda: self.producer.producer.abort_transaction(
-                    self._call_timeout_s))
-            except KafkaException as e:
-                log.warning("%s: abort failed (%s); a new producer fences the transaction",
-                            self.spec.component_id, e)
-                self._tainted = True
+        self.txn.abort_open()
         self._rewind()
-
-    def _failed(self, e: KafkaException, stage: str, tps: list[TopicPartition]) -> bool:
-        """After a failed transaction: True if it committed after all, False once it is
-        aborted; raises what cannot be recovered from."""
-        err = kafka_error(e)
-        cid = self.spec.component_id
-        denied = self._denied(err, stage)
-        if denied is not None:  # aborted, its offsets not committed: nothing is lost
-            log.debug("%s: aborting the transaction (%s) after a denial", cid, stage)
-            self._abort_quietly()
-            raise denied
-        if err is not None and err.txn_requires_abort() and not transient(err):
-            self.outage.ok()  # the broker answered, if with an abort (e.g. a rebalance)
-            log.warning("%s: aborting the transaction (%s): %s", cid, stage, err.str())
-            try:
-                self.producer.producer.abort_transaction(self._call_timeout_s)
-                self.producer.errors.clear()
-            except KafkaException:
-                self._replace_producer("the abort failed")
-            return False
-        if err is not None and (transient(err) or err.txn_requires_abort()
-                                or (err.fatal() and self.outage.recent())):
-            if transient(err):
-                self.outage.failed(f"{stage}: {err.str()}")
-            # a new producer (same transactional id) aborts what the old one left open
-            self._replace_producer(f"{stage} failed: {err.str()}")
-            return stage == "committing" and self._committed_anyway(tps)
-        if err is not None and err.fatal():
-            raise RuntimeError(
-                f"{cid}: fatal producer error ({err.str()}); if it says fenced, another copy "
-                f"runs with transactional id {self.spec.transactional_id}: give each copy "
-                f"its own --instance") from e
-        self._abort_quietly()
-        raise e
-
-    def _bounded(self, call: Callable[[], object]) -> object:
-        """``call()`` on a helper thread, given up after a few call timeouts: librdkafka's
-        transactional calls can block past their timeout when the broker goes away in the
-        middle of one (librdkafka #5456, #5511). A call given up on leaves its producer
-        stuck: it is abandoned, not closed, and replaced."""
-        if self._caller is None:
-            self._caller = _Worker("kafka-call")
-        done, box = self._caller.submit(call)
-        if not done.wait(self._call_timeout_s * 3):
-            self._stuck = True
-            self._caller.close()  # it ends if the call ever returns; the next call gets a new one
-            self._caller = None
-            raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
-                                            "no answer from the transactional call"))
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        return box.get("value")
 
     def _serve_group(self) -> None:
         """Let the consumer rejoin its group (rebalance callbacks run inside ``consume``)
@@ -670,7 +358,7 @@ class TransactionalLoop:
                 first.setdefault((m.topic(), m.partition()), m.offset())
         for (topic, part), off in first.items():
             self.consumer.seek(TopicPartition(topic, part, off))
-        self._assignment_changed = True  # the next round resumes what is not paused
+        self.pauses.assignment_changed()  # the next round resumes what is not paused
 
     def _committed_anyway(self, tps: list[TopicPartition]) -> bool:
         """Whether a commit whose answer was lost went through: the group's committed
@@ -685,23 +373,6 @@ class TransactionalLoop:
             log.warning("%s: the commit whose answer was lost went through",
                         self.spec.component_id)
         return done
-
-    def _replace_producer(self, why: str) -> None:
-        log.warning("%s: starting a new producer (%s)", self.spec.component_id, why)
-        old, self.producer = self.producer, None
-        stuck, self._stuck = self._stuck, False
-        self._open = False
-        self.producer = self._new_producer()
-        if old is not None and not stuck:  # a stuck one would block here too
-            old.producer.purge()  # its records belong to the aborted transaction
-        elif old is not None:
-            self._abandoned.append(old)  # never closed: its call never returns
-
-    def _abort_quietly(self) -> None:
-        try:
-            self.producer.producer.abort_transaction(self._call_timeout_s)
-        except KafkaException as e:
-            log.debug("%s: abort after an error failed too: %s", self.spec.component_id, e)
 
     def _export(self, status: ComponentStatus) -> None:
         """Hand ``status`` and the lag to the Prometheus exporter; never fails the caller."""
@@ -743,19 +414,14 @@ class TransactionalLoop:
             return {}
 
     def _offsets(self) -> list[TopicPartition]:
-        held = self.work.held_offsets()
-        out = []
-        for (topic, part), pos in sorted(self.positions.items()):
-            h = held.get((topic, part))
-            out.append(TopicPartition(topic, part, min(pos, h) if h is not None else pos))
-        return out
+        return self.intake.offsets(self.work.held_offsets())
 
     def _rewind(self) -> None:
         """After an abort: drop held state and go back to the committed offsets."""
         self._settle()  # those offsets must be final: no commit in flight
         assigned = self.consumer.assignment()
         self.work.on_revoke([(tp.topic, tp.partition) for tp in assigned])
-        self.positions.clear()
+        self.intake.positions.clear()
         committed = self._committed_offsets(assigned)
         if committed is None:
             return  # a new consumer: its assignment starts at the committed offsets
@@ -776,7 +442,7 @@ class TransactionalLoop:
                 return call()
             except KafkaException as e:
                 err = kafka_error(e)
-                if not transient(err) or err.txn_requires_abort() or self._stuck:
+                if not transient(err) or err.txn_requires_abort() or self.txn.stuck:
                     raise
                 self.outage.failed(f"{what}: {err.str()}")
                 if self._stop.is_set():
@@ -825,35 +491,15 @@ class TransactionalLoop:
         the group on a helper thread, given up after a few call timeouts."""
         log.warning("%s: starting a new consumer (%s)", self.spec.component_id, why)
         old, self.consumer = self.consumer, None
-        closer = _Worker("kafka-close")
+        closer = Worker("kafka-close")
         done, _ = closer.submit(old.close)
         if not done.wait(self._call_timeout_s * 3):
             log.warning("%s: the old consumer did not close; left behind",
                         self.spec.component_id)
         closer.close()
-        self.positions.clear()  # whatever its revocation left: nothing is consumed yet
+        self.intake.positions.clear()  # whatever its revocation left: nothing is consumed yet
         self.consumer = self._new_consumer()
-        self._assignment_changed = True
-
-    def _new_producer(self) -> RecordProducer:
-        tuned = {k: v for k, v in _TXN_PRODUCER.items() if k not in self.config.producer_options}
-        producer = RecordProducer(
-            self.config, self.codec, transactional_id=self.spec.transactional_id, init=False,
-            error_cb=self._on_client_error, on_delivery=self._on_refused_delivery,
-            **{**tuned, "transaction.timeout.ms": self.config.transaction_timeout_ms,
-               "delivery.report.only.error": True, **self.spec.producer_options})
-        try:
-            self._retrying("initialising transactions",
-                           lambda: producer.producer.init_transactions(self._call_timeout_s))
-        except KafkaException as e:
-            denied = refusal(kafka_error(e), self.config.principal(), "WRITE",
-                             f"transactional id {self.spec.transactional_id}")
-            if denied is not None:
-                raise denied from None
-            raise
-        self._tainted = False
-        self.outage.ok()
-        return producer
+        self.pauses.assignment_changed()
 
     def _check_topics(self) -> None:
         s = self.spec
@@ -879,12 +525,12 @@ class TransactionalLoop:
             if denied is not None:
                 raise denied
 
-    # --- rebalance and pause bookkeeping (run on the loop's thread, inside consume) ------
+    # --- rebalances (run on the loop's thread, inside consume) ------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._assignment_changed = True
+        self.pauses.assignment_changed()
         if self.spec.keeps_position:
             for tp in partitions:
-                pos = self.positions.get((tp.topic, tp.partition))
+                pos = self.intake.positions.get((tp.topic, tp.partition))
                 if pos is not None:
                     tp.offset = pos
             consumer.assign(partitions)
@@ -893,53 +539,15 @@ class TransactionalLoop:
                            for p in partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._assignment_changed = True
+        self.pauses.assignment_changed()
         self._revoked = True
-        if self._inflight is not None:  # its offsets commit before the partitions move on
-            self._inflight.done.wait()
+        self.txn.wait()  # the commit in flight: its offsets commit before the partitions move on
         log.info("%s: revoked %s", self.spec.component_id,
                  ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
         if self.spec.keeps_position:
             return
         self.work.on_revoke([(p.topic, p.partition) for p in partitions])
-        for p in partitions:
-            self.positions.pop((p.topic, p.partition), None)
-
-    def _apply_pauses(self) -> None:
-        changed = self._assignment_changed
-        while True:
-            try:
-                op, topic, parts = self._requests.get_nowait()
-            except queue.Empty:
-                break
-            changed = True
-            self._note_request(op, topic, parts)
-        if not changed:
-            return
-        self.paused = {t: p for t, p in self.paused.items() if p is None or p}
-        self._assignment_changed = False
-        to_pause, to_resume = [], []
-        for tp in self.consumer.assignment():
-            paused = self.paused.get(tp.topic, set())
-            (to_pause if paused is None or tp.partition in paused else to_resume).append(tp)
-        if to_pause:
-            self.consumer.pause(to_pause)
-        if to_resume:
-            self.consumer.resume(to_resume)
-
-    def _note_request(self, op: str, topic: str, parts: list[int] | None) -> None:
-        if op == "pause":
-            if parts is None:
-                self.paused[topic] = None
-            elif (current := self.paused.get(topic, set())) is not None:
-                self.paused[topic] = current | set(parts)
-        elif parts is None:
-            self.paused.pop(topic, None)
-        elif self.paused.get(topic) is not None:
-            self.paused[topic] -= set(parts)
-        else:  # resume some of an all-partitions pause: keep the rest paused
-            assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == topic}
-            self.paused[topic] = assigned - set(parts)
+        self.intake.forget((p.topic, p.partition) for p in partitions)
 
 
 __all__ = [
@@ -951,4 +559,6 @@ __all__ = [
     "RuntimeCounters",
     "TransactionalLoop",
     "Work",
+    "kafka_error",
+    "transient",
 ]

@@ -161,9 +161,9 @@ def _loop(monkeypatch, committed=None):
     spec = LoopSpec(component_id="c/0", group="g", transactional_id="g.0", inputs=["in"],
                     outputs=["out"], dlq="dlq", status_topic="status")
     loop = TransactionalLoop(spec, Work(), KafkaConfig(bootstrap_servers="x:1"), make_codec())
-    loop.producer = StubProducer()
+    loop.txn.producer = StubProducer()
     made: list[StubProducer] = []
-    monkeypatch.setattr(loop, "_new_producer", lambda: made.append(StubProducer()) or made[-1])
+    monkeypatch.setattr(loop.txn, "_new_producer", lambda: made.append(StubProducer()) or made[-1])
     loop.consumer = StubConsumer(committed or {})
     return loop, made
 
@@ -183,30 +183,30 @@ def test_a_failed_transaction_is_aborted_or_its_producer_replaced(monkeypatch):
     first = loop.producer
     loop.outage.failed("1/1 brokers are down")  # a stale report from before: it answered
     e = _exc(KafkaError.ILLEGAL_GENERATION, txn_requires_abort=True)
-    assert loop._failed(e, "sending offsets", tps) is False
+    assert loop.txn.failed(e, "sending offsets", tps) is False
     assert first.calls == ["abort"] and not made and loop.outage.since is None
 
     # the broker went away mid-transaction: a new producer (it aborts the old epoch's
     # transaction), the old one's records purged
     loop, made = _loop(monkeypatch)
     first = loop.producer
-    assert loop._failed(_exc(KafkaError._TRANSPORT), "sending offsets", tps) is False
+    assert loop.txn.failed(_exc(KafkaError._TRANSPORT), "sending offsets", tps) is False
     assert first.calls == ["purge"] and loop.producer is made[0]
 
     # the answer to the commit was lost: the group's offsets say whether it went through
     loop, made = _loop(monkeypatch, committed={("in", 0): 42})
-    assert loop._failed(_exc(KafkaError._TIMED_OUT, retriable=True), "committing", tps)
+    assert loop.txn.failed(_exc(KafkaError._TIMED_OUT, retriable=True), "committing", tps)
     loop, made = _loop(monkeypatch, committed={("in", 0): 40})
-    assert not loop._failed(_exc(KafkaError._TIMED_OUT, retriable=True), "committing", tps)
+    assert not loop.txn.failed(_exc(KafkaError._TIMED_OUT, retriable=True), "committing", tps)
 
     # fenced with no outage in sight: another copy with this transactional id
     loop, made = _loop(monkeypatch)
     with pytest.raises(RuntimeError, match="fatal producer error.*give each copy its own"):
-        loop._failed(_exc(KafkaError._FENCED, fatal=True), "committing", tps)
+        loop.txn.failed(_exc(KafkaError._FENCED, fatal=True), "committing", tps)
     # ... but right after an outage, a producer timed out by the coordinator is replaced
     loop.outage.failed("down")
     loop.outage.ok()
-    assert loop._failed(_exc(KafkaError._FENCED, fatal=True), "committing", []) is False
+    assert loop.txn.failed(_exc(KafkaError._FENCED, fatal=True), "committing", []) is False
     assert len(made) == 1
 
 
@@ -223,15 +223,15 @@ def test_a_transactional_call_that_never_returns_is_given_up_and_its_producer_ab
     loop._call_timeout_s = 0.05
     release = threading.Event()
     with pytest.raises(KafkaException, match="no answer from the transactional call"):
-        loop._retrying("committing", lambda: loop._bounded(lambda: release.wait(5)))
-    assert loop._stuck
+        loop._retrying("committing", lambda: loop.txn.bounded(lambda: release.wait(5)))
+    assert loop.txn.stuck
     stuck = loop.producer
-    assert loop._failed(_exc(KafkaError._TIMED_OUT, retriable=True), "sending offsets",
+    assert loop.txn.failed(_exc(KafkaError._TIMED_OUT, retriable=True), "sending offsets",
                         []) is False
-    assert loop.producer is made[0] and stuck.calls == [] and loop._abandoned == [stuck]
-    assert not loop._stuck
+    assert loop.producer is made[0] and stuck.calls == [] and loop.txn.abandoned == [stuck]
+    assert not loop.txn.stuck
     release.set()
-    assert loop._bounded(lambda: 7) == 7
+    assert loop.txn.bounded(lambda: 7) == 7
 
 
 class ScriptedMessage:
@@ -347,7 +347,7 @@ def test_a_rebalance_drops_the_open_transaction_and_rewinds(monkeypatch):
                     commit_interval_s=60.0)
     work = Forward()
     loop = TransactionalLoop(spec, work, KafkaConfig(bootstrap_servers="x:1"), make_codec())
-    loop.producer = TxnProducer()
+    loop.txn.producer = TxnProducer()
 
     def revoke_then_more():
         loop._on_revoke(loop.consumer, [loop.consumer.parts[0]])
@@ -417,7 +417,8 @@ def test_a_rewind_whose_committed_offsets_never_come_starts_a_new_consumer(monke
         loop.work.held_offsets = lambda: {}
         loop._call_timeout_s = 0.05
         fresh = SilentGroupConsumer()
-        loop.consumer, loop.positions = consumer, {("in", 0): 12}
+        loop.consumer = consumer
+        loop.positions.update({("in", 0): 12})
         monkeypatch.setattr(loop, "_new_consumer", lambda: fresh)
         loop._rewind()
         return loop, fresh
@@ -437,18 +438,21 @@ def test_a_rewind_whose_committed_offsets_never_come_starts_a_new_consumer(monke
     assert loop.consumer is old and not old.closed and old.seeks == [("in", 0, 7)]
 
 
-def test_when_an_open_transaction_commits(monkeypatch):
+def test_when_an_open_transaction_commits():
     """commit_interval_s: at once when a poll finds nothing more (light load), at max_batch
     inputs, or once its first input is commit_interval_s old; None: every round."""
-    loop, _ = _loop(monkeypatch)
-    loop.spec.max_batch, loop.spec.commit_interval_s = 100, 0.1
-    cp = loop.checkpoint()
-    assert not loop._commit_due(cp, False, None, 0, 5.0)  # nothing at all
+    from astraflow.kafka.checkpoint import CommitPolicy
+
+    policy = CommitPolicy(max_batch=100, interval_s=0.1)
+    cp = Checkpoint(make_codec(), "dlq", {})
+    assert not policy.due(cp, False, 5.0)  # nothing at all
     cp.add("out", None, raw=b"x")
-    assert loop._commit_due(cp, False, None, 0, 5.0)  # a timer's output, no input
-    assert not loop._commit_due(cp, True, 5.0, 10, 5.05)  # records keep coming
-    assert loop._commit_due(cp, False, 5.0, 10, 5.05)  # the poll found nothing more
-    assert loop._commit_due(cp, True, 5.0, 100, 5.05)  # full
-    assert loop._commit_due(cp, True, 5.0, 10, 5.2)  # old enough
-    loop.spec.commit_interval_s = None
-    assert loop._commit_due(cp, True, 5.0, 1, 5.0)
+    assert policy.due(cp, False, 5.0)  # a timer's output, no input
+    cp.took(10, 5.0)
+    assert not policy.due(cp, True, 5.05)  # records keep coming
+    assert policy.due(cp, False, 5.05)  # the poll found nothing more
+    assert policy.due(cp, True, 5.2)  # old enough
+    cp.took(90, 5.04)  # the first input's time stays
+    assert (cp.inputs, cp.first_at) == (100, 5.0)
+    assert policy.due(cp, True, 5.05)  # full
+    assert CommitPolicy(max_batch=100).due(cp, True, 5.0)  # no interval: every round
