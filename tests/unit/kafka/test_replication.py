@@ -1,18 +1,13 @@
-"""A topic's replication from the cluster's size: the decision alone (no broker), and
-what `topics apply` does with it on the test broker (one node)."""
+"""A topic's replication from the cluster's size: the decision alone, no broker (what
+`topics apply` does with it on the test broker: tests/integration/kafka/test_replication.py)."""
 
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from astraflow.cli.main import main
 from astraflow.config.topology import parse_topology
-from astraflow.kafka.clients import make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.replication import ReplicationError, replication
-from astraflow.kafka.topics import describe_topic
-from tests.conftest import random_name
 
 
 @pytest.mark.parametrize("brokers,replicas,min_isr", [(1, 1, "1"), (2, 2, "1"), (3, 3, "2"),
@@ -86,23 +81,3 @@ def test_a_producer_setting_other_than_acks_all_fails_at_load_naming_the_key():
                         "kafka": {"producer_options": {"acks": 1}}})
     with pytest.raises(ValueError, match=r"\.options\.acks"):
         KafkaConfig(options={"acks": "0"})
-
-
-def test_topics_apply_on_one_broker_refuses_a_factor_of_three_naming_the_key(
-        kafka_bootstrap, tmp_path, capsys):
-    run = random_name("rf")
-    path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump({"run": run, "topics": {"tasks": {}, "dlq": {
-        "replication_factor": 3}}, "processors": {}}))
-    assert main(["topics", "apply", "-t", str(path), "--bootstrap", kafka_bootstrap]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "astraflow: topics.dlq.replication_factor: replication factor 3 needs 3 brokers, the "
-        "cluster has 1 (leave it unset: the default is min(3, brokers))")
-    data = yaml.safe_load(path.read_text())
-    del data["topics"]["dlq"]
-    path.write_text(yaml.safe_dump(data))
-    assert main(["topics", "apply", "-t", str(path), "--bootstrap", kafka_bootstrap]) == 0
-    from astraflow.kafka.config import KafkaConfig
-    desc = describe_topic(make_admin(KafkaConfig(bootstrap_servers=kafka_bootstrap)),
-                          f"{run}.tasks")
-    assert all(len(p["replicas"]) == 1 for p in desc["partitions"].values())

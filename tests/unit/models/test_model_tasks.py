@@ -1,14 +1,11 @@
-"""The tiny policy model, the task sources, the answer checker and the task feeder."""
+"""The tiny policy model, the task sources and the answer checker."""
 
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
-from astraflow.dataflow.feeder import TaskFeeder, iter_tasks, load_payloads
-from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.tasks import (
     ArithProblem,
     arithmetic_problems,
@@ -25,7 +22,6 @@ from astraflow.tasks import (
 )
 from astraflow.tasks.datasets import DatasetError
 from astraflow.wire.records import Task
-from tests.conftest import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -261,130 +257,6 @@ def test_dataset_loader_jsonl(tmp_path):
     bad.write_text("a,b\n")
     with pytest.raises(DatasetError, match="unknown dataset format"):
         load_dataset_file(bad)
-
-
-def test_iter_tasks_epochs_and_ids():
-    payloads = load_payloads(levels="1,2", size=20)
-    items = list(iter_tasks(payloads, epochs=2, seed=5, run="r"))
-    assert len(items) == 40
-    assert [e for e, _ in items] == [0] * 20 + [1] * 20
-    first = [t.prompt_id for _, t in items[:20]]
-    second = [t.prompt_id for _, t in items[20:]]
-    assert sorted(first) == sorted(second) and first != second  # reshuffled per epoch
-    assert len({t.task_id for _, t in items}) == 40
-    assert all(t.task_id.startswith("r.") for _, t in items)
-
-
-class _ListProducer:
-    def __init__(self):
-        self.sent: list[tuple[str, Task, str]] = []
-        self.flushes = 0
-
-    def produce(self, topic, record, key=None):
-        self.sent.append((topic, record, key))
-
-    def flush(self, timeout=60.0):
-        self.flushes += 1
-
-
-def test_feeder_count_rate_and_pause_without_kafka():
-    payloads = load_payloads(levels="1", size=10)
-    prod = _ListProducer()
-    paused = {"n": 0}
-
-    def should_pause():
-        paused["n"] += 1
-        return paused["n"] <= 2  # pause twice before the first task, then never
-
-    feeder = TaskFeeder(
-        prod,
-        "t",
-        iter_tasks(payloads, epochs=None),
-        count=25,
-        rate=500.0,
-        should_pause=should_pause,
-        pause_poll_s=0.01,
-    )
-    st = feeder.run()
-    assert st.produced == 25 and len(prod.sent) == 25 and prod.flushes >= 1
-    assert st.paused_s > 0 and st.epochs_done == 2
-    assert all(key == rec.prompt_id for _, rec, key in prod.sent)
-
-    stop = threading.Event()
-    stop.set()
-    assert TaskFeeder(prod, "t", iter_tasks(payloads)).run(stop).produced == 0
-
-
-def _read_until(config, topic: str, n: int, timeout: float = 30.0) -> list:
-    """Read the topic until it holds ``n`` records (a fresh broker can be slow to serve)."""
-
-    def enough() -> list | None:
-        got = read_all(config, topic, expect=Task, idle_s=2.0, timeout_s=timeout)
-        return got if len(got) >= n else None
-
-    return wait_for(enough, timeout, f"{n} tasks on {topic}", step=0.5)
-
-
-@pytest.mark.kafka
-def test_feeder_writes_tasks_that_read_back(kafka_config, make_topology):
-    topo, _path = make_topology(topics={"tasks.source": {"partitions": 2}})
-    topic = topo.full_name("tasks.source")
-    payloads = load_payloads(levels="1,2", size=15)
-    producer = RecordProducer(kafka_config)
-    feeder = TaskFeeder(producer, topic, iter_tasks(payloads, epochs=2, run=topo.run), count=24)
-    st = feeder.run()
-    assert st.produced == 24
-    got = _read_until(kafka_config, topic, 24)
-    assert len(got) == 24
-    assert all(r.key.decode() == r.record.prompt_id for r in got)
-    assert len({r.record.task_id for r in got}) == 24
-    by_prompt = {p["prompt_id"]: p for p in payloads}
-    for r in got:
-        payload = json.loads(r.record.payload)
-        assert by_prompt[r.record.prompt_id]["answer"] == payload["answer"]
-
-
-@pytest.mark.kafka
-def test_feeder_cli_run(kafka_config, make_topology, capsys):
-    from astraflow.cli.main import main
-
-    topo, path = make_topology(topics={"tasks.source": {}})
-    rc = main(["feeder", "run", "--topology", str(path), "--count", "7", "--levels", "2"])
-    assert rc == 0
-    assert '"produced": 7' in capsys.readouterr().out
-    got = _read_until(kafka_config, topo.full_name("tasks.source"), 7)
-    assert len(got) == 7 and {r.record.source for r in got} == {"arith-L2"}
-    assert main(["feeder", "run", "--topology", str(path), "--dataset", "/nope.jsonl"]) == 2
-
-
-@pytest.mark.kafka
-def test_feeder_restart_resumes_without_feeding_a_task_twice(kafka_config, make_topology,
-                                                             capsys):
-    from astraflow.cli.main import main
-
-    topo, path = make_topology(topics={"tasks.source": {}})
-    args = ["feeder", "run", "--topology", str(path), "--levels", "2"]
-    assert main([*args, "--count", "5"]) == 0
-    assert main([*args, "--count", "8"]) == 0  # the same command, run on: 3 more
-    out = capsys.readouterr().out
-    assert "resuming: 5 tasks already on" in out and '"produced": 3' in out
-    got = _read_until(kafka_config, topo.full_name("tasks.source"), 8)
-    ids = [r.record.task_id for r in got]
-    assert len(ids) == 8 and len(set(ids)) == 8
-    assert main([*args, "--count", "2", "--from-start"]) == 0
-    got = _read_until(kafka_config, topo.full_name("tasks.source"), 10)
-    assert len(got) == 10 and {r.record.task_id for r in got} == set(ids)
-
-
-def test_resume_tasks_skips_fed_ids_and_counts_them():
-    from astraflow.dataflow.feeder import resume_tasks
-
-    items = list(iter_tasks([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)],
-                            shuffle=False))
-    fed = {items[0][1].task_id, items[2][1].task_id}
-    assert [t.task_id for _, t in resume_tasks(iter(items), fed, 4)] == \
-        [items[1][1].task_id, items[3][1].task_id]
-    assert len(list(resume_tasks(iter(items), set(), None))) == 6
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """VLLMEngine on a tiny random Llama (tied embeddings): weight sync in place, log-probs,
-versions, prefix cache, and a RaaS node on a real broker following published weights.
+versions, prefix cache (a RaaS node with it on a real broker, following published weights:
+tests/integration/raas/test_vllm_engine.py).
 
 The vLLM tests run where vLLM imports (``bash scripts/vllm-env``, then
 ``.venv-vllm/bin/python -m pytest -m vllm``); elsewhere they skip with that reason. The
@@ -9,7 +10,6 @@ checks on bad input before vLLM starts run everywhere.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from astraflow.raas.engine import SamplingParams
-from tests.conftest import REPO, running, wait_for
+from tests.conftest import REPO, wait_for
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 SKIP_REASON = ("vLLM not installed: bash scripts/vllm-env, then "
@@ -332,53 +332,6 @@ def test_prefix_cache_serves_no_stale_keys_after_an_update(fresh, hf):
     assert g.token_ids == hf_greedy(hf, prompt, 8)
     ref = hf_logprobs(hf, prompt, g.token_ids, 0.0)
     assert max(abs(a - b) for a, b in zip(ref, g.logprobs)) < LOGPROB_TOL
-
-
-# --- a RaaS node with the vLLM engine ------------------------------------------------------
-@needs_vllm
-@pytest.mark.kafka
-def test_node_with_vllm_follows_published_weights(kafka_config, make_topology, fresh, hf,
-                                                  tmp_path):
-    from astraflow.kafka.clients import RecordProducer, read_all
-    from astraflow.raas.node import NodeOptions, RaaSNode
-    from astraflow.weights import FileBlobStore, WeightPublisher
-    from astraflow.wire.records import Task, TrajectoryGroup
-
-    eng = fresh
-    topo, _ = make_topology({"tasks": {"partitions": 1}, "trajectories.raw": {"partitions": 1},
-                             "dlq": {"partitions": 1}, "status": {"partitions": 1},
-                             "weights.actor": {"partitions": 1}})
-    pub = WeightPublisher(FileBlobStore(str(tmp_path / "blobs")), "actor", anchor_interval=10)
-    v0 = {k: v.clone() for k, v in hf.state_dict().items()}
-    v1 = trained(hf, seed=3)
-    producer = RecordProducer(kafka_config)
-    for state in (v0, v1):
-        for m in pub.publish(state):
-            producer.produce(topo.full_name("weights.actor"), m, key="actor")
-    task = Task(task_id="t0", prompt_id="p-t0", workflow="single_turn",
-                payload=json.dumps({"prompt": "12+34=", "answer": "46"}), source="test",
-                policies=["actor"])
-    producer.produce(topo.full_name("tasks"), task, key="p-t0")
-    producer.flush()
-
-    node = RaaSNode(topo, {"actor": eng}, NodeOptions(
-        instance="v", n_samples=2, poll_timeout_s=0.2,
-        workflow_options={"single_turn": {"max_new_tokens": 6, "temperature": 1.0}}))
-    out = topo.full_name("trajectories.raw")
-    with running(node) as thread:
-        wait_for(lambda: read_all(kafka_config, out, idle_s=0.3), 120, "a trajectory group")
-    assert not thread.is_alive()
-    (g,) = [r.record for r in read_all(kafka_config, out, idle_s=0.3, expect=TrajectoryGroup)]
-    assert len(g.sequences) == 2 and eng.version == 1
-    for s in g.sequences:
-        gen = [v for v, m in zip(s.versions, s.loss_mask) if m]
-        assert gen and all(v == 1 for v in gen)
-        prompt_len = s.loss_mask.index(1)
-        toks = s.token_ids[prompt_len:]
-        ref = hf_logprobs(hf, s.token_ids[:prompt_len], toks, 1.0)
-        lps = [lp for lp, m in zip(s.logprobs, s.loss_mask) if m]
-        assert max(abs(a - b) for a, b in zip(ref, lps)) < LOGPROB_TOL
-    assert node.status().weight_versions == {"actor": 1}
 
 
 # --- the OpenAI-compatible engine against a real `vllm serve` --------------------------------

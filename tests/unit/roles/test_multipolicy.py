@@ -236,7 +236,7 @@ def test_solve_verify_options_and_errors():
     m = SolveVerify.group_metrics(seqs)
     assert m["verify/retry_rate"] == 0.0 and m["verify/approval_rate"] == 0.0
     # the verifier's sampling defaults to 8 new tokens (own answer, verdict, end)
-    assert wf.judge_sampling["max_new_tokens"] == 8
+    assert wf.judge_sampling.max_new_tokens == 8
     with pytest.raises(TaskError, match="verifier policy 'verifier'"):
         make_workflow("solve_verify").run(task(), {"solver": ScriptedEngine("solver", ["1"])}, 1)
     with pytest.raises(TaskError):
