@@ -259,7 +259,7 @@ class _States:
 def _follow(fid: int, store, inbox: queue.Queue, states: _States, slots: threading.Semaphore,
             apply: bool, results) -> None:
     """One follower: for each manifest, fetch and verify the blob, then apply it."""
-    from astraflow.weights.delta import apply_delta
+    from astraflow.weights.apply import apply_delta
 
     while (item := inbox.get()) is not None:
         m, t_seen = item
@@ -476,8 +476,8 @@ def publish_versions(phase: Phase, brokers: Brokers, topics: tuple[str, str], ba
     from confluent_kafka import Producer
 
     from astraflow.kafka.config import KafkaConfig
-    from astraflow.weights.delta import apply_delta
-    from astraflow.weights.history import WeightPublisher
+    from astraflow.weights.apply import apply_delta
+    from astraflow.weights.publisher import WeightPublisher
     from astraflow.weights.stores.kafka import KafkaBlobStore
     from astraflow.wire.codec import make_codec
 

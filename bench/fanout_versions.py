@@ -5,7 +5,7 @@ trainer's master weights), takes one AdamW step per version on batches of next-t
 prediction over the project's own docs, and keeps each version as the bf16 cast the
 trainer would publish. Versions are stored once, under ``runs/fanout/``, as the base bf16
 state (safetensors) and one delta blob a version, encoded with the project's codec
-(``astraflow.weights.delta``): later runs only read them.
+(``astraflow.weights.encode``): later runs only read them.
 
 The learning rate decides the sparsity: an fp32 step of about ``lr`` per element moves a
 bf16 value only when it crosses a rounding boundary; ``lr`` 1e-6 to 3e-6 gives the
@@ -60,7 +60,7 @@ def make_versions(model_dir: Path, out: Path, versions: int, lr: float, seed: in
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from astraflow.weights.delta import encode_delta
+    from astraflow.weights.encode import encode_delta
 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,7 @@ except ImportError:  # running from a checkout without an install
 
 from astraflow.trainer.state import StateWriter, write_state
 from astraflow.trainer.trainer import Trainer, TrainerConfig
-from astraflow.weights.delta import EncodeStats, iter_encode_delta
+from astraflow.weights.encode import EncodeStats, iter_encode_delta
 from astraflow.weights.stores import FileBlobStore
 from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
 

@@ -395,8 +395,8 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
     """Build the trainer, train ``steps + 1`` batches publishing every version, then save
     the state; every phase recorded as it ends."""
     from astraflow.trainer.trainer import Trainer, TrainerConfig
-    from astraflow.weights.delta import Rows
-    from astraflow.weights.history import WeightPublisher
+    from astraflow.weights.blob import Rows
+    from astraflow.weights.publisher import WeightPublisher
     from astraflow.weights.stores import FileBlobStore
 
     baseline = group is None

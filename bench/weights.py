@@ -58,17 +58,16 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astraflow.weights.delta import (
+from astraflow.weights.apply import apply_delta, decode_full
+from astraflow.weights.bits import state_bytes_equal
+from astraflow.weights.encode import (
     EncodeStats,
-    apply_delta,
-    decode_full,
-    default_threads,
     encode_delta,
     encode_full,
     iter_encode_delta,
     iter_encode_full,
-    state_bytes_equal,
 )
+from astraflow.weights.pipeline import default_threads
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

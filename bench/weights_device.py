@@ -45,8 +45,8 @@ except ImportError:  # running from a checkout without an install
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import run_meta  # noqa: E402  (bench/report.py: command, commit, machine, date)
 
-from astraflow.weights.delta import default_threads
-from astraflow.weights.history import WeightPublisher
+from astraflow.weights.pipeline import default_threads
+from astraflow.weights.publisher import WeightPublisher
 from astraflow.weights.stores.base import pieces
 from astraflow.wire.records import BlobRef
 

@@ -135,7 +135,7 @@ def _kafka_config(args: argparse.Namespace) -> Any:
 
 
 def _read_manifests(sources: list[str], args: argparse.Namespace) -> list[WeightManifest]:
-    from astraflow.weights.history import load_manifests
+    from astraflow.weights.manifests import load_manifests
 
     out: list[WeightManifest] = []
     for src in sources:
@@ -153,7 +153,7 @@ def _read_manifests(sources: list[str], args: argparse.Namespace) -> list[Weight
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from astraflow.weights.history import collect_garbage, retained_manifests
+    from astraflow.weights.retention import collect_garbage, retained_manifests
     from astraflow.weights.stores import open_store
 
     manifests = _read_manifests(args.manifests, args)
@@ -203,7 +203,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from astraflow.models.gguf import sha256_of
-    from astraflow.weights.delta import inspect_blob
+    from astraflow.weights.blob import inspect_blob
 
     digest = sha256_of(Path(args.blob))
     if args.sha256 and digest != args.sha256.lower():
@@ -259,7 +259,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from astraflow.weights.history import plan_bytes, plan_update
+    from astraflow.weights.planning import plan_bytes, plan_update
 
     manifests = _read_manifests(args.manifests, args)
     if args.policy:

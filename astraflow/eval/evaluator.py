@@ -232,7 +232,7 @@ def _follow(s: EvalSettings, once: bool, topo, config, stop, model, score, n_pro
     from astraflow.kafka.loop import Outage
     from astraflow.kafka.table import TopicTable
     from astraflow.weights import WeightFollower
-    from astraflow.weights.history import manifest_key
+    from astraflow.weights.manifests import manifest_key
     from astraflow.wire.records import WeightManifest
 
     follower = WeightFollower(policy=s.policy, kafka_config=config, verifier=verifier)

@@ -55,7 +55,7 @@ def published(config: KafkaConfig, topic: str, policy: str,
               verifier: Any = None) -> tuple[Any, list[WeightManifest]]:
     """A ``WeightFollower`` that has observed the policy's trusted manifests on ``topic``
     (not yet updated), and those manifests; ``ExportError`` when there are none."""
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
     follower = WeightFollower(policy=policy, kafka_config=config, inplace=False,

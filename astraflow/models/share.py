@@ -77,7 +77,7 @@ def fetch_model(config: KafkaConfig, weights_topic: str, policy: str, dest: str 
     the weights of the newest reachable version (or of ``version`` and the newest files up
     to it). Waits up to ``wait_s`` for a trainer to publish its first version. With a
     ``verifier`` (signed weights) only trusted manifests, and the files they name, are used."""
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.follower import WeightFollower
 
     published = _published_manifests(config, weights_topic, policy, wait_s)
     follower = WeightFollower(policy=policy, kafka_config=config, inplace=False,
@@ -117,7 +117,7 @@ def _published_manifests(config: KafkaConfig, weights_topic: str, policy: str,
     """The manifests of ``policy`` on ``weights_topic`` (read to its end), once one of them
     carries the model files; ``ModelNotPublished`` after ``wait_s`` without."""
     from astraflow.kafka.table import TopicTable
-    from astraflow.weights.history import manifest_key
+    from astraflow.weights.manifests import manifest_key
 
     start = time.monotonic()
     with TopicTable.open(config, weights_topic, WeightManifest, client_id="model-fetch",

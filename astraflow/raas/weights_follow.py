@@ -88,7 +88,7 @@ class WeightWatcher:
 
     def _key(self, entry: Any) -> Any:
         """The table key of a manifest (its identity); its place is noted when verifying."""
-        from astraflow.weights.history import manifest_key
+        from astraflow.weights.manifests import manifest_key
 
         m = entry.value
         if m is None:
@@ -99,7 +99,7 @@ class WeightWatcher:
 
     def dead_letters(self, component_id: str) -> list[DeadLetter]:
         """A ``DeadLetter`` for each manifest refused since the last call, with the reason."""
-        from astraflow.weights.history import manifest_key
+        from astraflow.weights.manifests import manifest_key
 
         out = []
         with self._lock:

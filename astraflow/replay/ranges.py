@@ -248,7 +248,7 @@ def digest_at(config: KafkaConfig, weights_topic: str, policy: str, version: int
               verifier: Any = None) -> str:
     """The ``weights_digest`` of ``policy``'s published weights at ``version`` (from the
     manifests ``verifier`` trusts, when one is given)."""
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
     follower = WeightFollower(policy=policy, kafka_config=config, inplace=False,

@@ -22,7 +22,7 @@ collectives keep their short timeout, which finds a rank that hangs.
 
 A rank's part of a sharded tensor is rows ``start..stop`` of its dim 0 (FSDP2 shards every
 parameter along dim 0): ``shard_rows`` says which, ``rows`` makes the blob format's ``Rows``
-(``astraflow.weights.delta``) for them.
+(``astraflow.weights.blob``) for them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from astraflow.trainer.processes import RANK_ENV, free_port, rank_env
 
 if TYPE_CHECKING:
-    from astraflow.weights.delta import Rows
+    from astraflow.weights.blob import Rows
 
 # the environment torchrun gives each process
 DEFAULT_TIMEOUT_S = 600.0
@@ -54,9 +54,9 @@ CONTROL_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def rows(start: int, stop: int, shape: tuple[int, ...]) -> Rows:
-    """``Rows(start, stop, shape)`` of the blob format (``astraflow.weights.delta``,
+    """``Rows(start, stop, shape)`` of the blob format (``astraflow.weights.blob``,
     imported here only when a part is made)."""
-    from astraflow.weights.delta import Rows
+    from astraflow.weights.blob import Rows
 
     return Rows(start, stop, tuple(shape))
 

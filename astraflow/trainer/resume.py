@@ -33,7 +33,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from astraflow.kafka.config import TRAINER_REPLAY_GROUP_PREFIX, KafkaConfig
 from astraflow.trainer.state import STATE_FILES_KEY, recorded_state_version
-from astraflow.weights.delta import state_bytes_equal
+from astraflow.weights.bits import state_bytes_equal
 from astraflow.wire.records import Batch, BlobRef, WeightManifest
 
 log = logging.getLogger("astraflow.trainer")

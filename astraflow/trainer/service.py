@@ -318,7 +318,7 @@ class TrainerService:
         return manifests
 
     def _restore(self) -> None:
-        from astraflow.weights.history import WeightFollower
+        from astraflow.weights.follower import WeightFollower
 
         manifests = self._read_manifests()
         self._history = list(manifests)
@@ -448,7 +448,7 @@ class TrainerService:
         """This process's ``WeightPublisher``: of the whole state, or in a group of this
         rank's rows of it (``state``, the published weights of ``version``, is cut to
         them)."""
-        from astraflow.weights.history import WeightPublisher
+        from astraflow.weights.publisher import WeightPublisher
 
         rows = None
         if self.dist is not None:
@@ -505,7 +505,7 @@ class TrainerService:
     def _finish_publish(self, written: Future) -> list[WeightManifest] | None:
         """The manifests of a started publish once written (rank 0 of a group: every
         rank's parts merged; the other ranks: None)."""
-        from astraflow.weights.history import merge_parts
+        from astraflow.weights.merge import merge_parts
 
         mine = written.result()
         if self.dist is None:
@@ -1025,7 +1025,7 @@ class TrainerService:
         """Remove the weight blobs no reader needs: those of versions before the newest full
         checkpoint at or below ``newest - keep_versions`` (recorded trainer states stay)."""
         from astraflow.models.share import files_ref
-        from astraflow.weights.history import retained_manifests
+        from astraflow.weights.retention import retained_manifests
 
         if not self.options.keep_versions:
             return

@@ -106,7 +106,7 @@ from astraflow.wire.records import Batch, Sequence
 if TYPE_CHECKING:  # the step imports no configuration: a spec is only read here
     from astraflow.config.sections import PolicySpec
     from astraflow.trainer.parallel import Group
-    from astraflow.weights.delta import Rows
+    from astraflow.weights.blob import Rows
 
 log = logging.getLogger("astraflow.trainer")
 
@@ -605,7 +605,7 @@ class Trainer:
     def published_part(self) -> tuple[dict[str, torch.Tensor], dict[str, Rows]]:
         """This rank's part of the published weights, by Hugging Face name (cast to
         ``publish_dtype``, contiguous, on the device; the tensors themselves where nothing
-        is cast), and the rows (``astraflow.weights.delta.Rows``) of those that are parts
+        is cast), and the rows (``astraflow.weights.blob.Rows``) of those that are parts
         of a sharded tensor; a name without rows is a whole tensor (``WeightPublisher``'s
         convention). Under a group every parameter is sharded along dim 0: a rank holding no
         row of one leaves it out; tensors that are not sharded (buffers, if any) are whole

@@ -1,14 +1,20 @@
 """Bit-exact sparse weight deltas, versioned manifests, and blob stores.
 
-Codec (``delta``): ``encode_delta(old, new) -> (blob, stats)``, ``apply_delta(state, blob)``,
-``encode_full(state)``, ``decode_full(blob)``, ``apply_blob``, ``inspect_blob``; parts of
-tensors (rows of dim 0: ``Rows``, ``apply_parts``, ``empty_state``); deltas found on the
-tensors' device (``extract_delta``, ``iter_encode_extracted``).
+The blob codec: the container format (``blob``: ``read_header``, ``inspect_blob``,
+``Rows`` for parts of tensors, ``CODEC_NAME``); tensors as bit patterns (``bits``:
+``state_bytes_equal``); its integer streams (``packing``) and segment checksums
+(``checksums``); encoding on the CPU (``encode``: ``encode_delta``, ``encode_full``,
+``iter_encode_delta``, ``iter_encode_full``) or finding the delta on the tensors' device
+(``extract``: ``extract_delta``, ``iter_encode_extracted``); applying blobs (``apply``:
+``apply_delta``, ``decode_full``, ``apply_blob``, ``apply_parts``, ``empty_state``), whose
+parts must cover a state exactly (``coverage``).
 Digest (``digest``): ``state_digest``, which lets a follower take the weights its engine
 loaded from disk as version 0 (``WeightFollower.adopt``).
-History (``history``): ``plan_update``, ``WeightPublisher`` (``prepare`` ->
-``PreparedVersion.write``), ``WeightFollower``, ``merge_parts``, ``retained_manifests``,
-``collect_garbage``.
+Versions: manifests' identity and JSON files (``manifests``), update plans (``planning``:
+``plan_update``), publishing (``publisher``: ``WeightPublisher``, ``prepare`` ->
+``PreparedVersion.write``), one manifest from a group's parts (``merge``:
+``merge_parts``), following (``follower``: ``WeightFollower``), retention and GC
+(``retention``: ``retained_manifests``, ``collect_garbage``).
 Stores (``stores``: ``base``, ``filesystem``, ``kafka``): ``BlobStore``, ``FileBlobStore``,
 ``KafkaBlobStore``, ``open_store``.
 """
@@ -19,50 +25,50 @@ from typing import Any
 # Lazy exports: the codec imports torch, which takes seconds; `import astraflow.weights`
 # (e.g. by the CLI) stays cheap until a name is used.
 _EXPORTS = {
-    "CODEC_NAME": "delta",
+    "CODEC_NAME": "blob",
     "BaseMismatchError": "errors",
     "BlobError": "errors",
-    "BlobInfo": "delta",
+    "BlobInfo": "blob",
     "BlobStore": "stores.base",
     "CorruptBlobError": "errors",
-    "EncodeStats": "delta",
-    "ExtractedDelta": "delta",
+    "EncodeStats": "encode",
+    "ExtractedDelta": "extract",
     "FileBlobStore": "stores.filesystem",
-    "GcResult": "history",
+    "GcResult": "retention",
     "KafkaBlobStore": "stores.kafka",
     "MissingBlobError": "errors",
     "NoPlanError": "errors",
-    "PreparedVersion": "history",
-    "Rows": "delta",
+    "PreparedVersion": "publisher",
+    "Rows": "blob",
     "StoredBlob": "stores.base",
     "UnsupportedFormatError": "errors",
-    "UpdateResult": "history",
-    "WeightFollower": "history",
-    "WeightPublisher": "history",
+    "UpdateResult": "follower",
+    "WeightFollower": "follower",
+    "WeightPublisher": "publisher",
     "WeightsError": "errors",
-    "apply_blob": "delta",
-    "apply_delta": "delta",
-    "apply_parts": "delta",
-    "collect_garbage": "history",
+    "apply_blob": "apply",
+    "apply_delta": "apply",
+    "apply_parts": "apply",
+    "collect_garbage": "retention",
     "create_blob_topic": "stores.kafka",
-    "decode_full": "delta",
-    "empty_state": "delta",
-    "encode_delta": "delta",
-    "encode_full": "delta",
-    "extract_delta": "delta",
-    "inspect_blob": "delta",
-    "iter_encode_delta": "delta",
-    "iter_encode_extracted": "delta",
-    "iter_encode_full": "delta",
-    "load_manifests": "history",
-    "merge_parts": "history",
+    "decode_full": "apply",
+    "empty_state": "apply",
+    "encode_delta": "encode",
+    "encode_full": "encode",
+    "extract_delta": "extract",
+    "inspect_blob": "blob",
+    "iter_encode_delta": "encode",
+    "iter_encode_extracted": "extract",
+    "iter_encode_full": "encode",
+    "load_manifests": "manifests",
+    "merge_parts": "merge",
     "open_store": "stores",
-    "plan_bytes": "history",
-    "plan_update": "history",
+    "plan_bytes": "planning",
+    "plan_update": "planning",
     "read_manifests": "stores.kafka",
-    "retained_manifests": "history",
-    "save_manifest": "history",
-    "state_bytes_equal": "delta",
+    "retained_manifests": "retention",
+    "save_manifest": "manifests",
+    "state_bytes_equal": "bits",
     "state_digest": "digest",
 }
 

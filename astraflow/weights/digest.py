@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from astraflow.weights.delta import dtype_name
+from astraflow.weights.bits import dtype_name
 from astraflow.wire.records import TensorInfo
 
 STATE_DIGEST = "state_sha256"  # the manifest meta key

@@ -46,7 +46,7 @@ def exported_tokens(path) -> list[list[int]]:
 
 
 def _state_at(kafka_config, topic: str, version: int) -> dict:
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.follower import WeightFollower
 
     follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
     follower.observe(read_manifests(kafka_config, topic))

@@ -62,8 +62,8 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     from astraflow.trainer import checkpoint
     from astraflow.trainer.state import STATE_DIR_KEY
     from astraflow.trainer.trainer import Trainer, TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.bits import state_bytes_equal
+    from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
     topo, path = make_topology(

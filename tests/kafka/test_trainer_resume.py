@@ -34,7 +34,7 @@ def _options(tiny_model, tmp_path, **trainer):
 
 def _follow(kafka_config, manifests, upto: int) -> dict[int, dict]:
     """The published weights of every version 0..upto, as a follower applies them."""
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.follower import WeightFollower
 
     follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
     follower.observe(manifests)
@@ -56,7 +56,7 @@ def test_the_schedule_counts_published_versions_across_a_skip_and_a_resume(
     from astraflow.trainer.schedule import LrSchedule
     from astraflow.trainer.service import TrainerService
     from astraflow.trainer.trainer import Trainer
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.stores.kafka import read_manifests
 
     torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def test_a_recompute_that_differs_is_published_as_a_rebase_and_training_goes_on(
     from astraflow.trainer.resume import PERTURB_ENV, REBASE_KEY, REBASE_REASON_KEY
     from astraflow.trainer.service import TrainerService
     from astraflow.trainer.state import recorded_state_version
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.stores.kafka import read_manifests
 
     torch.set_num_threads(1)

@@ -69,7 +69,7 @@ def test_a_dcp_resume_places_the_optimizer_state_and_steps_on(tiny_model, tmp_pa
                                                               adam_impl):
     """On the CPU: after a load every state tensor follows the rule, and the next step
     equals the uninterrupted trainer's bit for bit."""
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     placement, a, b = _resumed_step(tiny_model, tmp_path, "cpu", adam_impl)
     assert placement
@@ -83,7 +83,7 @@ def test_a_dcp_resume_places_the_optimizer_state_and_steps_on(tiny_model, tmp_pa
 def test_fused_adamw_on_cuda_steps_after_a_dcp_resume(tiny_model, tmp_path):
     """Fused AdamW on CUDA after a DCP resume: step is on the GPU, and the next step
     runs and equals the uninterrupted trainer's."""
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     placement, a, b = _resumed_step(tiny_model, tmp_path, "cuda", "fused")
     steps = [v for _, _, k, v in placement if k == "step"]

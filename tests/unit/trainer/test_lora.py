@@ -174,8 +174,8 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
     from astraflow.raas.engine import SamplingParams
     from astraflow.raas.weights_follow import WeightWatcher
     from astraflow.trainer.trainer import TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.bits import state_bytes_equal
+    from astraflow.weights.follower import WeightFollower
     from astraflow.wire.codec import SingleObjectCodec
     from tests.unit.trainer.test_trainer import _crash_then_resume, _reference
 

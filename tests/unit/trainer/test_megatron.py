@@ -277,7 +277,7 @@ def test_megatron_trains_bf16_weights_on_cpu(llama_dir):
 
 
 def test_megatron_trainer_resumes_bit_exactly(llama_dir):
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
     from tests.unit.trainer.test_trainer import make_batch
 
     a = _trainer(llama_dir, "megatron")

@@ -23,7 +23,7 @@ import torch
 from astraflow.trainer import checkpoint
 from astraflow.trainer.parallel import Group, join, shard_rows, spawn_local
 from astraflow.trainer.trainer import Trainer, TrainerConfig, _Row, deal_groups
-from astraflow.weights.delta import Rows
+from astraflow.weights.blob import Rows
 from astraflow.wire.records import Batch
 from tests.unit.trainer import parallel_workers as workers
 from tests.unit.trainer.test_trainer import VOCAB, make_batch

@@ -252,7 +252,7 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
 
 def test_published_state_rounds_fp32_master_weights(tiny_model):
     from astraflow.trainer.trainer import Trainer, TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     torch.set_num_threads(1)
     tr = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
@@ -332,7 +332,7 @@ def test_bf16_held_weights_compute_as_the_engine_and_step_the_fp32_master(tiny_m
     from transformers import AutoModelForCausalLM
 
     from astraflow.trainer.trainer import Trainer, TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     torch.set_num_threads(1)
     cfg = TrainerConfig(lr=1e-4, micro_batch_size=3, forward_dtype="bf16")
@@ -656,7 +656,7 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny_d
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
     from astraflow.trainer.trainer import Trainer, TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     torch.set_num_threads(1)
     batch = make_batch(2)
@@ -932,8 +932,8 @@ def _reference(tiny_model, sent, config) -> dict[str, dict]:
 def _check_history(kafka_config, manifests, sent, ref, batches_topic: str) -> None:
     """Versions 1..n contiguous, version v trained on batch v-1 (each batch once), and
     every published version equal to the uninterrupted run's bit for bit."""
-    from astraflow.weights.delta import state_bytes_equal
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.bits import state_bytes_equal
+    from astraflow.weights.follower import WeightFollower
 
     n = len(sent)
     assert sorted(m.version for m in manifests if m.kind == "delta") == list(range(1, n + 1))
@@ -970,7 +970,7 @@ def _check_state_blobs(store, manifest, ref, version: int, master: bool) -> None
     """The state blobs a manifest records equal the uninterrupted run's at ``version``."""
     import io
 
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     opt = torch.load(io.BytesIO(store.get(_meta_ref(manifest.meta, "optimizer"))),
                      weights_only=True)
@@ -1147,7 +1147,7 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     (sha256) is refused; other settings are published as a rebase version."""
     from astraflow.trainer.service import ServiceOptions, TrainerService
     from astraflow.trainer.trainer import TrainerConfig
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.stores.kafka import read_manifests
 
     topo, _ = make_topology(
@@ -1353,7 +1353,7 @@ def test_trainer_prunes_blobs_older_than_the_kept_versions(kafka_config, make_to
 
     from astraflow.trainer.service import ServiceOptions, TrainerService
     from astraflow.trainer.trainer import TrainerConfig
-    from astraflow.weights.history import WeightFollower
+    from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
     topics = {"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}}

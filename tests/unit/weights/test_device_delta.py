@@ -20,19 +20,14 @@ from astraflow.weights import (
     WeightsError,
     apply_blob,
     apply_delta,
-    delta,
     encode_delta,
+    extract,
     extract_delta,
     inspect_blob,
     iter_encode_extracted,
 )
-from astraflow.weights.delta import (
-    _SUM_MULT,
-    _SUM_MULT_I64,
-    _sum64,
-    _torch_weighted,
-    state_bytes_equal,
-)
+from astraflow.weights.bits import state_bytes_equal
+from astraflow.weights.checksums import _SUM_MULT, _SUM_MULT_I64, _sum64, _torch_weighted
 from tests.conftest import load_bench
 
 DTYPES = {
@@ -136,7 +131,7 @@ def test_passes_of_any_size_give_the_same_blob(monkeypatch, pass_elems):
     vs = chain(3, DTYPES["mixed"])
     want = {seg: b"".join(iter_encode_extracted(extract_delta(vs[1], vs[2], segment_elems=seg)))
             for seg in (100, 7)}
-    monkeypatch.setattr(delta, "_DEVICE_CHUNK", pass_elems)
+    monkeypatch.setattr(extract, "_DEVICE_CHUNK", pass_elems)
     for seg, blob in want.items():
         ext = extract_delta(vs[1], vs[2], segment_elems=seg)
         assert b"".join(iter_encode_extracted(ext)) == blob

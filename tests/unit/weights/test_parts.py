@@ -25,7 +25,8 @@ from astraflow.weights import (
     inspect_blob,
     merge_parts,
 )
-from astraflow.weights.delta import dtype_name, read_header, state_bytes_equal
+from astraflow.weights.bits import dtype_name, state_bytes_equal
+from astraflow.weights.blob import read_header
 from astraflow.wire.records import PartitionOffset, TensorInfo
 
 # Written by the codec before parts and sum64 existed (format version 1, segment_elems 8):

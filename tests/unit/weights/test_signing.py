@@ -168,7 +168,7 @@ def _states():
 
 def test_the_follower_refuses_unsigned_and_forged_manifests(keys, tmp_path):
     from astraflow.weights import FileBlobStore, WeightFollower, WeightPublisher
-    from astraflow.weights.delta import state_bytes_equal
+    from astraflow.weights.bits import state_bytes_equal
 
     signer, verifier, _, _ = keys
     s0, s1, s2 = _states()

@@ -37,7 +37,7 @@ from astraflow.weights import (
     retained_manifests,
     save_manifest,
 )
-from astraflow.weights.history import manifest_key
+from astraflow.weights.manifests import manifest_key
 from astraflow.wire.records import BlobRef, WeightManifest
 
 REPO = Path(__file__).resolve().parents[3]
