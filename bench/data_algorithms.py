@@ -289,17 +289,15 @@ def eval_version(topo, model_dir: Path, manifests: list, version: int | None) ->
     of the topology's evaluator (``eval:``) as ``astraflow eval run`` scores it."""
     import torch
 
-    from astraflow.cli.components import configuration
-    from astraflow.launch.plan import eval_args
+    from astraflow.config.components import eval_settings
     from astraflow.models.evaluation import evaluate
     from astraflow.models.loading import load_policy
     from astraflow.tasks.arithmetic import eval_problems
     from astraflow.weights import WeightFollower
 
     policy = next(iter(topo.policies))
-    command = (eval_args(topo, "-", policy) if topo.eval is not None
-               else ["eval", "run", "--topology", "-", "--policy", policy])
-    ev = configuration([*command, "--model", str(model_dir)], topo)  # EvalSettings
+    # as `eval run --policy POLICY --model MODEL_DIR` on the topology
+    ev = eval_settings(topo, policy, {"model": str(model_dir)})
     torch.set_num_threads(1)
     model, tokenizer = load_policy(model_dir)
     if version is not None:

@@ -1249,14 +1249,12 @@ def policy_eval_settings(topology: Path, doc: dict[str, Any], policy: str,
     """The ``EvalSettings`` of ``policy``'s evaluator: the ``eval run`` command ``astraflow
     up`` would start for it on ``doc`` (its role's metric), ``size`` (``--size``) overriding
     the held-out size."""
-    from astraflow.cli.components import configuration
     from astraflow.config.topology import parse_topology
-    from astraflow.launch.plan import eval_args
+    from astraflow.launch.components import component_configuration
 
     topo = parse_topology(doc, source=str(topology))
-    command = eval_args(topo, str(topology), policy)
-    return configuration([*command, *(["--size", str(size)] if size is not None else [])],
-                         topo)
+    return component_configuration(topo, f"eval-{policy}",
+                                   {"size": size} if size is not None else None)
 
 
 def policy_scorer(topology: Path, doc: dict[str, Any], policy: str,

@@ -10,7 +10,7 @@ like one node each), waits for the whole batch, builds each policy's GRPO batch 
 the post-rollout processors do (``split_by_policy``, ``split_by_role`` when the router
 splits roles, ``class_balance`` where the topology balances a policy), takes one
 optimizer step per policy with the trainer the topology configures (``Trainer`` with the
-``TrainerConfig`` that ``astraflow trainer run`` builds from the same file), loads the
+policy's ``TrainerSpec`` that ``astraflow trainer run`` reads from the same file), loads the
 new published weights into every slot's engines, and repeats. Nothing goes through Kafka.
 
 B is the batch size of the first policy's batcher (the groups a version of it trains on
@@ -65,13 +65,11 @@ class Iteration:
 
 def launched(topo: Topology, path: str, name: str) -> Any:
     """The configuration of process ``name`` of ``astraflow up PATH`` (``trainer-<policy>``,
-    ``raas-<pool>-<i>``, ``eval-<policy>``, ``feeder``): its command line in up's plan, as
-    the command would build it (``astraflow.cli.components.configuration``)."""
-    from astraflow.cli.components import configuration
-    from astraflow.launch.plan import plan_processes
+    ``raas-<pool>-<i>``, ``eval-<policy>``, ``feeder``), as its command in up's plan builds
+    it (``astraflow.launch.components.component_configuration``)."""
+    from astraflow.launch.components import component_configuration
 
-    command = plan_processes(topo, path)[name]
-    return configuration(command[3:], topo)  # after `python -m astraflow.cli.main`
+    return component_configuration(topo, name)
 
 
 def feeder_tasks(topo: Topology, path: str) -> Iterator[Task]:
@@ -120,7 +118,6 @@ def build_slots(topo: Topology, path: str, pool: str, slots: int) -> list[Any]:
 def build_trainers(topo: Topology, path: str) -> dict[str, Any]:
     """Policy -> the ``Trainer`` that ``astraflow trainer run`` would build for it."""
     from astraflow.config.components import trainer_spec
-    from astraflow.trainer.trainer import Trainer
 
     out = {}
     for policy in topo.policies:
@@ -128,7 +125,7 @@ def build_trainers(topo: Topology, path: str) -> dict[str, Any]:
         if policy == next(iter(topo.policies)):
             # what `trainer run` seeds torch with: its policy's trainer seed
             torch.manual_seed(trainer_spec(topo, policy).trainer.seed)
-        out[policy] = Trainer(opts.model_path, opts.trainer, policy)
+        out[policy] = opts.make_trainer()
     return out
 
 

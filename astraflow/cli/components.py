@@ -4,23 +4,16 @@
 as the command does and builds the typed configuration its handler builds: the
 component's section of the topology file with the flags of ``argv`` applied. A command
 started by hand, by ``astraflow up`` (``astraflow.launch.plan.plan_processes``) or by a
-compose service is compared by its configuration; benches build their components'
-settings with it.
+compose service is compared by its configuration. (The configuration of a process of
+``up``'s plan without its command line: ``astraflow.launch.components``.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass
-class NodeConfiguration:
-    """A RaaS node's: its settings (``NodeSettings``) and what the node runs with."""
-
-    settings: Any  # astraflow.config.components.NodeSettings
-    options: Any  # astraflow.raas.node.NodeOptions
+from astraflow.launch.components import NodeConfiguration
 
 
 def configuration(argv: Sequence[str], topo: Any = None) -> Any:
