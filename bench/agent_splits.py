@@ -67,16 +67,18 @@ def worker(code: Path, example: str, model: str, rows: list[dict[str, Any]], epi
     import astraflow
     from astraflow.raas.engine import load_torch_engine
     from astraflow.raas.workflows.agent import AgentWorkflow
+    from astraflow.raas.workflows.registry import make_workflow
     from astraflow.wire.records import Task
 
     assert Path(astraflow.__file__).resolve().is_relative_to(code.resolve()), astraflow.__file__
     topo = yaml.safe_load((code / "topology" / f"{example}.yaml").read_text())
     options = {**topo["pools"]["local"]["workflows"]["agent"], "env": SMOLLM2_ENV,
                "max_new_tokens": max_new_tokens, "seed": seed, "timeout_s": TIMEOUT_S}
-    if "reward" not in options and "trusted" in inspect.signature(AgentWorkflow).parameters:
+    if "reward" not in options and (hasattr(AgentWorkflow, "Options") or
+                                    "trusted" in inspect.signature(AgentWorkflow).parameters):
         options["trusted"] = True  # the program prints its own rewards
     policies = sorted(topo["policies"])
-    wf = AgentWorkflow(**options)
+    wf = make_workflow("agent", **options)
     torch.set_num_threads(1)  # on shared cores, more threads spin against each other
     engine = load_torch_engine(model, policies[0], dtype="best", prefix_cache_bytes=0)
     engines = {p: engine for p in policies}

@@ -1,22 +1,36 @@
 """Typed options of a pool's workflows and engines, as a topology writes them.
 
-The workflows (``astraflow.raas.workflows`` and the modules that register more) and the
-engines keep parsing their own keyword options; these models check a topology's
-``pools.<pool>.workflows`` and ``pools.<pool>.engine_options`` at load, so a misspelt or
-ill-typed option fails with the file and key instead of on the RaaS node. The launcher
-passes on only the keys the file sets (``model_dump(exclude_unset=True)``), so each
-component's own defaults stay the defaults.
+Each workflow option is declared here once: its one default and its checks, beside it.
+A topology's ``pools.<pool>.workflows`` is checked against these models at load, so a
+misspelt or ill-typed option fails with the file and key instead of on the RaaS node; the
+node builds each workflow from the same model (``astraflow.raas.workflows.make_workflow``),
+and the workflow reads its options as the model's attributes. The launcher passes on only
+the keys the file sets (``given()``), so a default is applied in one place, where the
+workflow is made. The engines keep parsing their own keyword options (``ENGINE_OPTIONS``
+checks them at load).
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from astraflow.tasks.mutants import MAX_MUTANTS
+
 
 class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A key written as null takes its option's default (where null is no value)."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                or type(None) in typing.get_args(cls.model_fields[k].annotation)}
 
     def given(self) -> dict[str, Any]:
         """The options the file sets, as the component's keyword arguments."""
@@ -37,7 +51,9 @@ def check_reward(value: Any) -> Any:
 
 
 class LatencyOptions(_Options):
-    """A seeded delay (``astraflow.raas.workflows.Latency``)."""
+    """A seeded delay (``astraflow.raas.workflows.Latency``): ``const`` (``median_s``),
+    ``lognormal`` (median ``median_s``, shape ``sigma``) or ``pareto`` (minimum
+    ``scale_s``, tail index ``alpha``), every draw capped at ``max_s``."""
 
     dist: Literal["const", "lognormal", "pareto"] = "lognormal"
     median_s: float = Field(default=0.05, ge=0)
@@ -50,18 +66,56 @@ class LatencyOptions(_Options):
         default=False, description="each task's delay a function of (seed, task id) alone")
 
 
+PromptFormat = Literal["auto", "compact", "chat"]
+
+
 class SamplingOptions(_Options):
     """How a workflow samples (every workflow takes these)."""
 
-    max_new_tokens: int | None = Field(default=None, ge=1, description="default 64")
-    temperature: float | None = Field(
-        default=None, ge=0, description="default: the policies' temperature, else 1.0")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="default 1.0")
+    max_new_tokens: int = Field(default=64, ge=1, description="tokens generated per sample "
+                                "(per turn)")
+    temperature: float = Field(
+        default=1.0, ge=0, description="1.0; the policies' temperature where they share one "
+        "(the topology passes it to every workflow that sets none)")
+    top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = Field(default=None, description="seeds sampling: single_turn draws "
                              "each sample from (seed, task id, sample index, weight version), "
                              "so a run repeats; other workflows seed each generate call alike; "
                              "unset: fresh entropy")
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="unset: the engine's end of sequence")
+
+    def sampling_given(self) -> dict[str, Any]:
+        """The sampling options set here (and not null): what another sampler built over
+        these (a judge's, an agent's request) takes from them."""
+        return {k: getattr(self, k) for k in SamplingOptions.model_fields
+                if k in self.model_fields_set and getattr(self, k) is not None}
+
+
+class _DerivedSampling(SamplingOptions):
+    """The sampling of a second role of a workflow (a judge, a test generator): each option
+    it does not set is the first role's, but ``max_new_tokens``, which has its own
+    default."""
+
+    @classmethod
+    def over(cls, own: SamplingOptions | None, base: SamplingOptions) -> typing.Self:
+        """``own`` (None: nothing set) over ``base``'s set options, ``max_new_tokens``
+        aside."""
+        inherited = {k: v for k, v in base.sampling_given().items() if k != "max_new_tokens"}
+        return cls(**{**inherited, **(own.given() if own is not None else {})})
+
+
+class JudgeSamplingOptions(_DerivedSampling):
+    """A judge's sampling (``verifier_sampling``, ``selector_sampling``)."""
+
+    max_new_tokens: int = Field(default=8, ge=1, description="per turn: its own answer, "
+                                "verdict (pick), end of sequence")
+
+
+class GeneratorSamplingOptions(_DerivedSampling):
+    """``code_tests``'s test generator's sampling (``generator_sampling``)."""
+
+    max_new_tokens: int = Field(default=48, ge=1)
 
 
 class SingleTurnOptions(SamplingOptions):
@@ -81,120 +135,148 @@ class SingleTurnOptions(SamplingOptions):
 class ToolCalcOptions(SingleTurnOptions):
     """``tool_calc``: multi-turn use of a calculator tool."""
 
-    max_turns: int | None = Field(default=None, ge=1, description="default 4")
-    tool_latency: float | LatencyOptions | None = None
+    max_turns: int = Field(default=4, ge=1, description="model turns at most")
+    tool_latency: float | LatencyOptions | None = Field(
+        default=None, description="delay of a turn's tool calls (the slowest draw)")
 
 
-class SolveVerifyOptions(SamplingOptions):
+class TwoPolicyOptions(SamplingOptions):
+    """What ``solve_verify`` and ``solve_select`` share: the solver, how much of an answer
+    the judge sees, the prompt format and the rewards."""
+
+    solver_policy: str = "solver"
+    max_answer_chars: int = Field(default=12, ge=1, description="how much of an answer the "
+                                  "judge is shown")
+    prompt_format: PromptFormat = Field(default="auto",
+                                        description="auto: chat on a chat model")
+    reward: str | dict[str, Any] | None = Field(
+        default=None, description="the solver's reward spec; default 1 right, 0 wrong")
+    judge_reward: str | dict[str, Any] | None = Field(
+        default=None, description="the reward spec of the judge's own answers (blind, "
+        "corrective); default the solver's reward")
+    corrective: bool = Field(
+        default=False, description="the chat judge replies with the correct answer; its "
+        "verdict (pick) is agreement with the candidates")
+    blind: bool = Field(default=False, description="the judge answers the problem itself "
+                        "before (without) seeing the candidates")
+
+    @field_validator("reward", "judge_reward")
+    @classmethod
+    def _reward(cls, v: Any) -> Any:
+        return check_reward(v)
+
+
+class SolveVerifyOptions(TwoPolicyOptions):
     """``solve_verify``: a solver answers, a verifier judges, one retry on rejection."""
 
-    solver_policy: str | None = Field(default=None, description="default solver")
-    verifier_policy: str | None = Field(default=None, description="default verifier")
-    retry: bool | None = Field(default=None, description="default true")
-    verifier_sampling: SamplingOptions | None = None
-    max_answer_chars: int | None = Field(default=None, ge=1, description="default 12")
-    blind: bool | None = Field(default=None, description="default false")
-    corrective: bool | None = Field(
-        default=None, description="default false: the chat verifier replies with the "
-        "correct answer; its verdict is agreement with the candidate")
-    agreement: bool | None = Field(
-        default=None, description="default false: with blind in chat, the verdict is the "
-        "agreement of the verifier's own answer with the candidate (no second turn)")
-    judge_reward: str | dict[str, Any] | None = Field(
-        default=None, description="the reward spec of the judge's own answers (blind, "
-        "corrective); default the solver's reward")
-    verdicts_per_prompt: int | None = Field(default=None, ge=1, description="default: all")
+    verifier_policy: str = "verifier"
+    retry: bool = True
+    verifier_sampling: JudgeSamplingOptions | None = Field(
+        default=None, description="over the solver's sampling")
+    agreement: bool = Field(
+        default=False, description="with blind in chat, the verdict is the agreement of the "
+        "verifier's own answer with the candidate (no second turn)")
+    verdicts_per_prompt: int | None = Field(default=None, ge=1, description="unset: all")
     env_latency: float | LatencyOptions | None = Field(
         default=None, description="extra delay per rollout (seconds or a latency mapping)")
-    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
-        default=None, description="default auto: chat on a chat model")
-    reward: str | dict[str, Any] | None = Field(
-        default=None, description="the solver's reward spec; default 1 right, 0 wrong")
-    verdict_weight: float | None = Field(
-        default=None, ge=0, le=1, description="default 0: the verdict's share of the "
-        "solver's reward")
-    reference_candidates: int | None = Field(
-        default=None, ge=0, description="default 0: answers per prompt the verifier also "
-        "judges that are not the solver's (the right one and a wrong one in turn)")
+    verdict_weight: float = Field(default=0.0, ge=0, le=1, description="the verdict's share "
+                                  "of the solver's reward")
+    reference_candidates: int = Field(
+        default=0, ge=0, description="answers per prompt the verifier also judges that are "
+        "not the solver's (the right one and a wrong one in turn)")
 
-    @field_validator("reward", "judge_reward")
-    @classmethod
-    def _reward(cls, v: Any) -> Any:
-        return check_reward(v)
+    @model_validator(mode="after")
+    def _formats(self) -> SolveVerifyOptions:
+        compact = self.prompt_format == "compact"
+        if self.corrective and (self.blind or compact):
+            raise ValueError("corrective: a chat verifier's format, not with blind or the "
+                             "compact format")
+        if self.agreement and (not self.blind or compact):
+            raise ValueError("agreement: the blind chat verifier's verdict, needs blind: true "
+                             "and the chat format")
+        if self.blind and self.reference_candidates and compact:
+            raise ValueError("reference_candidates: not with the compact blind format")
+        return self
 
 
-class SolveSelectOptions(SamplingOptions):
-    """``solve_select``: two solver answers per sample, a selector picks one."""
+class SolveSelectOptions(TwoPolicyOptions):
+    """``solve_select``: solver answers per sample, a selector picks one."""
 
-    solver_policy: str | None = Field(default=None, description="default solver")
-    selector_policy: str | None = Field(default=None, description="default selector")
-    ties: Literal["skip", "outcome"] | None = Field(default=None, description="default skip")
-    selector_sampling: SamplingOptions | None = None
-    max_answer_chars: int | None = Field(default=None, ge=1, description="default 12")
-    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
-        default=None, description="default auto: chat on a chat model")
-    reward: str | dict[str, Any] | None = Field(
-        default=None, description="the solver's reward spec; default 1 right, 0 wrong")
-    candidates: int | None = Field(default=None, ge=2, description="default 2 (chat: any)")
-    corrective: bool | None = Field(
-        default=None, description="default false: the chat selector replies with the "
-        "correct answer; its pick is the answer it repeats")
-    blind: bool | None = Field(
-        default=None, description="default false: the chat selector answers the problem, "
-        "not shown the answers; its pick is the answer its own agrees with (else the "
-        "first)")
-    judge_reward: str | dict[str, Any] | None = Field(
-        default=None, description="the reward spec of the judge's own answers (blind, "
-        "corrective); default the solver's reward")
+    selector_policy: str = "selector"
+    ties: Literal["skip", "outcome"] = "skip"
+    selector_sampling: JudgeSamplingOptions | None = Field(
+        default=None, description="over the solver's sampling")
+    candidates: int = Field(default=2, ge=2, description="answers per pick (more than 2: "
+                            "the chat format only)")
 
-    @field_validator("reward", "judge_reward")
-    @classmethod
-    def _reward(cls, v: Any) -> Any:
-        return check_reward(v)
+    @model_validator(mode="after")
+    def _formats(self) -> SolveSelectOptions:
+        compact = self.prompt_format == "compact"
+        if self.candidates != 2 and compact:
+            raise ValueError("candidates: the compact format shows 2 answers")
+        if (self.corrective or self.blind) and compact:
+            raise ValueError("corrective, blind: a chat selector's formats, not the compact "
+                             "one")
+        if self.corrective and self.blind:
+            raise ValueError("corrective or blind, not both")
+        return self
 
 
 class SandboxOptions(_Options):
-    """Limits of the code sandbox (``astraflow.sandbox.runner``); unset: its defaults."""
+    """Limits of the code sandbox (``astraflow.sandbox.run_function``); unset: the
+    sandbox's own."""
 
-    cpu_s: float | None = Field(default=None, gt=0)
-    mem_mb: int | None = Field(default=None, ge=1)
-    timeout_s: float | None = Field(default=None, gt=0)
-    max_output: int | None = Field(default=None, ge=1)
+    cpu_s: float = Field(default=1.0, gt=0)
+    mem_mb: int = Field(default=256, ge=1)
+    timeout_s: float = Field(default=5.0, gt=0)
+    max_output: int = Field(default=64 * 1024, ge=1)
     fsize_mb: int | None = Field(default=None, ge=0)
     nofile: int | None = Field(default=None, ge=1)
-    max_procs: int | None = Field(default=None, ge=1, description="default 32")
+    max_procs: int | None = Field(default=None, ge=1)
     namespaces: bool | None = None
     audit: bool | None = None
     python: str | None = None
     drop_user: bool | None = None
 
+    def limits(self) -> dict[str, Any]:
+        """The keyword arguments of ``run_function``: the options set or with a default."""
+        return self.model_dump(exclude_none=True)
+
 
 class CodeTestsOptions(SamplingOptions):
     """``code_tests``: a solver writes code, a generator writes tests, a sandbox judges."""
 
-    solver_policy: str | None = Field(default=None, description="default solver")
-    generator_policy: str | None = Field(default=None, description="default generator")
-    self_play: bool | None = Field(default=None, description="default true")
-    n_solver: int | None = Field(default=None, ge=1)
-    n_generator: int | None = Field(default=None, ge=0)
-    solver_reward: Literal["fraction", "all"] | None = Field(
-        default=None, description="default fraction")
-    no_failures_reward: float | None = Field(default=None, description="default 0.0")
-    max_tests: int | None = Field(default=None, ge=1, description="default 8")
-    generator_sampling: SamplingOptions | None = None
-    sandbox: SandboxOptions | None = None
-    sandbox_workers: int | None = Field(default=None, ge=1, description="default 2")
-    prompt_format: Literal["auto", "compact", "chat"] | None = Field(
-        default=None, description="default auto: chat on a chat model")
-    generator_reward: Literal["discriminating", "mutation"] | None = Field(
-        default=None, description="default discriminating")
-    max_mutants: int | None = Field(default=None, ge=0, description="default 6")
-    format_weight: float | None = Field(
-        default=None, ge=0, le=1, description="default 0: the mutation reward's share for "
-        "well-formed asserts")
-    value_weight: float | None = Field(
-        default=None, ge=0, le=1, description="default 0: the mutation reward's share for "
-        "asserted values near the reference's")
+    max_new_tokens: int = Field(default=32, ge=1, description="the solver's")
+    solver_policy: str = "solver"
+    generator_policy: str = "generator"
+    self_play: bool = Field(default=True, description="one engine alone plays both roles")
+    n_solver: int | None = Field(default=None, ge=1, description="unset: the node's n")
+    n_generator: int | None = Field(default=None, ge=0, description="unset: the node's n")
+    solver_reward: Literal["fraction", "all"] = "fraction"
+    no_failures_reward: float = 0.0
+    max_tests: int = Field(default=8, ge=1, description="items read per generator "
+                           "completion")
+    generator_sampling: GeneratorSamplingOptions | None = Field(
+        default=None, description="over the solver's sampling")
+    sandbox: SandboxOptions = Field(default_factory=SandboxOptions)
+    sandbox_workers: int = Field(default=2, ge=1)
+    prompt_format: PromptFormat = Field(default="auto",
+                                        description="auto: chat on a chat model")
+    generator_reward: Literal["discriminating", "mutation"] = "discriminating"
+    max_mutants: int = Field(default=MAX_MUTANTS, ge=0)
+    format_weight: float = Field(
+        default=0.0, ge=0, le=1, description="the mutation reward's share for well-formed "
+        "asserts")
+    value_weight: float = Field(
+        default=0.0, ge=0, le=1, description="the mutation reward's share for asserted "
+        "values near the reference's")
+
+    @model_validator(mode="after")
+    def _shares(self) -> CodeTestsOptions:
+        if self.format_weight + self.value_weight > 1.0:
+            raise ValueError(f"format_weight + value_weight must be at most 1, not "
+                             f"{self.format_weight} + {self.value_weight}")
+        return self
 
 
 class AgentLimitsOptions(_Options):
@@ -207,46 +289,49 @@ class AgentLimitsOptions(_Options):
     network: bool | None = Field(
         default=None, description="true: the node's network; unset or false: a network "
         "namespace that reaches nothing but the endpoint")
-    isolate: bool | None = Field(
-        default=None, description="default true: its own PID, mount and network namespaces "
-        "and uid; false: the node's user and files (trusted programs only)")
+    isolate: bool = Field(
+        default=True, description="its own PID, mount and network namespaces and uid; "
+        "false: the node's user and files (trusted programs only)")
 
 
 class AgentEndpointOptions(_Options):
     """What one call and one episode may ask of the node's endpoint
     (``astraflow.raas.agent.server.EndpointLimits``)."""
 
-    max_body_mb: float | None = Field(default=None, gt=0, description="default 8")
-    max_n: int | None = Field(default=None, ge=1, description="default 16")
-    max_tokens: int | None = Field(default=None, ge=1, description="default 4096")
-    max_calls: int | None = Field(default=None, ge=1, description="concurrent calls of an "
-                                  "episode, default 8")
-    max_connections: int | None = Field(default=None, ge=1, description="default 256")
+    max_body_mb: float = Field(default=8.0, gt=0, description="a request's body")
+    max_n: int = Field(default=16, ge=1, description="choices per call")
+    max_tokens: int = Field(default=4096, ge=1, description="tokens a call may ask for")
+    max_calls: int = Field(default=8, ge=1, description="concurrent calls of an episode")
+    max_connections: int = Field(default=256, ge=1, description="connections served at "
+                                 "once (others: 503)")
+
+
+SHOWN = ["prompt", "messages", "tools"]  # what an untrusted agent program gets of a payload
 
 
 class AgentOptions(SamplingOptions):
     """``agent``: a user's agent program against the node's OpenAI-compatible endpoint
-    (``astraflow.raas.workflows.agent``); the sampling options are a request's defaults."""
+    (``astraflow.raas.workflows.agent``); the sampling options set are a request's
+    defaults."""
 
     command: str | list[str] | None = Field(
         default=None, description="the program as a command (python: the node's own)")
     function: str | None = Field(default=None, description="or as package.module:function")
-    timeout_s: float | None = Field(default=None, gt=0, description="default 120")
-    attempts: int | None = Field(default=None, ge=1, description="default 2")
+    timeout_s: float = Field(default=120.0, gt=0)
+    attempts: int = Field(default=2, ge=1)
     reward: str | dict[str, Any] | None = Field(
         default=None, description="scores the last assistant message of an untrusted "
         "program's episode (needed then), a trusted one's answer when it gives no reward")
-    trusted: bool | None = Field(
-        default=None, description="default false; true: the program sees the whole payload "
-        "and the reward it reports for its episode counts")
-    show: list[str] | None = Field(
-        default=None, description="the payload keys an untrusted program gets, default "
-        "prompt, messages, tools")
-    limits: AgentLimitsOptions | None = None
-    endpoint: AgentEndpointOptions | None = None
-    resume: Literal["replay", "restart"] | None = Field(
-        default=None, description="default replay: with an episodes topic, a task taken over "
-        "from a node that died replays its episodes' logged calls; restart: starts them again")
+    trusted: bool = Field(
+        default=False, description="true: the program sees the whole payload and the "
+        "reward it reports for its episode counts")
+    show: list[str] = Field(default_factory=lambda: list(SHOWN),
+                            description="the payload keys an untrusted program gets")
+    limits: AgentLimitsOptions = Field(default_factory=AgentLimitsOptions)
+    endpoint: AgentEndpointOptions = Field(default_factory=AgentEndpointOptions)
+    resume: Literal["replay", "restart"] = Field(
+        default="replay", description="with an episodes topic, a task taken over from a node "
+        "that died replays its episodes' logged calls; restart: starts them again")
     env: dict[str, str] | None = None
 
     @field_validator("reward")
@@ -323,39 +408,42 @@ ENGINE_OPTIONS: dict[str, type[_Options]] = {
 
 class VerifiersOptions(SamplingOptions):
     """``verifiers``: a verifiers environment's own rollout and rubric
-    (``astraflow.raas.workflows.verifiers_env``); the sampling options are a request's
+    (``astraflow.raas.workflows.verifiers_env``); the sampling options set are a request's
     defaults."""
 
     environment: str = Field(min_length=1, description="an installed environment's id or "
                              "package.module:function")
     args: dict[str, Any] | None = Field(default=None, description="the environment's "
                                         "arguments")
-    timeout_s: float | None = Field(default=None, gt=0, description="default 300")
-    attempts: int | None = Field(default=None, ge=1, description="default 2")
-    endpoint: AgentEndpointOptions | None = None
+    timeout_s: float = Field(default=300.0, gt=0)
+    attempts: int = Field(default=2, ge=1)
+    endpoint: AgentEndpointOptions = Field(default_factory=AgentEndpointOptions)
 
 
 class OpenEnvOptions(SamplingOptions):
     """``openenv``: an OpenEnv environment stepped by the policy
-    (``astraflow.raas.workflows.openenv_env``)."""
+    (``astraflow.raas.workflows.openenv_env``); the sampling options set are a request's
+    defaults."""
 
     base_url: str | None = Field(default=None, min_length=1, description="a running "
                                  "environment server, e.g. http://host:8000")
     app: str | None = Field(default=None, min_length=1, description="or package.module:attr, "
                             "an OpenEnv app the node serves on localhost")
     reset: dict[str, Any] | None = Field(default=None, description="reset() arguments")
-    action_field: str | None = Field(default=None, description="default message")
-    observation_field: str | None = Field(default=None, description="default prompt")
+    action_field: str = "message"
+    observation_field: str = "prompt"
     system_prompt: str | None = None
-    max_turns: int | None = Field(default=None, ge=1, description="default 8")
-    timeout_s: float | None = Field(default=None, gt=0, description="default 300")
-    attempts: int | None = Field(default=None, ge=1, description="default 2")
-    endpoint: AgentEndpointOptions | None = None
+    max_turns: int = Field(default=8, ge=1)
+    timeout_s: float = Field(default=300.0, gt=0)
+    attempts: int = Field(default=2, ge=1)
+    endpoint: AgentEndpointOptions = Field(default_factory=AgentEndpointOptions)
 
     @model_validator(mode="after")
     def _one_server(self) -> OpenEnvOptions:
         if (self.base_url is None) == (self.app is None):
-            raise ValueError("openenv: name the server as base_url or app, one of them")
+            raise ValueError("openenv: name the environment server as base_url (one that "
+                             "runs) or app ('package.module:attr', served by the node), one "
+                             "of them")
         return self
 
 

@@ -210,8 +210,8 @@ class Topology(_Strict):
         for pool, spec in self.pools.items():
             for name, options in spec.workflows.items():
                 for where, sampling in _samplings(options, f"pools.{pool}.workflows.{name}"):
-                    t = temperature if sampling.temperature is None else sampling.temperature
-                    p = top_p if sampling.top_p is None else sampling.top_p
+                    given = sampling.sampling_given()  # unset: the policies' (shared)
+                    t, p = given.get("temperature", temperature), given.get("top_p", top_p)
                     if (t, p) != (temperature, top_p) and not (
                             t == 0 and (temperature, top_p) == (1.0, 1.0)):
                         raise ValueError(

@@ -42,6 +42,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from pydantic import ConfigDict
+
+from astraflow.config.options import AgentEndpointOptions
 from astraflow.models.chat import engine_chat
 from astraflow.raas.agent.batching import Coalescer
 from astraflow.raas.agent.chat import (
@@ -64,26 +67,20 @@ class EpisodeEnded(Exception):
     """A request to an episode that has ended."""
 
 
-@dataclass(frozen=True)
-class EndpointLimits:
+class EndpointLimits(AgentEndpointOptions):
     """What one call and one episode may ask of the endpoint (the workflow's
-    ``endpoint:`` settings)."""
+    ``endpoint:`` settings, declared with their defaults and checks in
+    ``AgentEndpointOptions``)."""
 
-    max_body_mb: float = 8.0  # a request's body
-    max_n: int = 16  # choices per call
-    max_tokens: int = 4096  # tokens a call may ask to generate
-    max_calls: int = 8  # calls of one episode at once
-    max_connections: int = 256  # connections the endpoint serves at once (others: 503)
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_mb", "max_n", "max_tokens", "max_calls", "max_connections"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"agent endpoint.{name} must be positive")
+    model_config = ConfigDict(**AgentEndpointOptions.model_config, frozen=True)
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> EndpointLimits:
+    def from_options(cls, options: AgentEndpointOptions | Mapping[str, Any] | None
+                     ) -> EndpointLimits:
         """The limits a workflow's ``endpoint`` option sets (unset keys: the defaults)."""
-        return cls(**{k: v for k, v in dict(options or {}).items() if v is not None})
+        if isinstance(options, AgentEndpointOptions):
+            return cls(**options.model_dump())
+        return cls(**dict(options or {}))
 
     @property
     def max_body_bytes(self) -> int:

@@ -23,10 +23,11 @@ all; a task with an episode that still fails goes to the dead-letter topic with 
 reasons, and the node goes on. The failures of attempts that were retried are counted in
 the group's metrics (``agent/failed_attempts``, by kind).
 
-Options: ``command`` (a list, or a string split as a shell would; ``python`` means the
-node's interpreter) or ``function`` (``"package.module:function"``), ``timeout_s`` (120),
-``attempts`` (2), ``reward`` (a reward spec of ``astraflow.tasks.rewards``; needed for an
-untrusted program), ``trusted`` (false), ``show`` (the payload keys an untrusted program
+Options (``astraflow.config.options.AgentOptions``, where each has its default):
+``command`` (a list, or a string split as a shell would; ``python`` means the node's
+interpreter) or ``function`` (``"package.module:function"``), ``timeout_s``,
+``attempts``, ``reward`` (a reward spec of ``astraflow.tasks.rewards``; needed for an
+untrusted program), ``trusted``, ``show`` (the payload keys an untrusted program
 gets), ``limits`` (``{cpu_s, mem_mb, max_procs, network, isolate}`` for a command's jail),
 ``endpoint`` (``EndpointLimits``), ``resume`` (``replay``: with an ``episodes`` topic,
 every call is logged and a task taken over from a node that died replays its episodes'
@@ -44,6 +45,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from astraflow.config.options import AgentOptions
 from astraflow.raas.agent.journal import EpisodeJournal, EpisodeLog
 from astraflow.raas.agent.program import AgentProgram, Outcome
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
@@ -56,10 +58,8 @@ from astraflow.raas.workflows.scoring import Scorer
 from astraflow.wire.records import EpisodeCall, Sequence, Task
 
 log = logging.getLogger("astraflow.raas.agent")
-RESUMES = ("replay", "restart")
 
 FAILURE_KINDS = ("timeout", "exit", "malformed", "no_request", "no_reward", "other")
-SHOWN = ("prompt", "messages", "tools")  # what an untrusted program gets of a payload
 
 
 @register_workflow("agent")
@@ -68,32 +68,28 @@ class AgentWorkflow:
 
     name = "agent"
 
-    def __init__(self, command: str | list[str] | None = None, function: str | None = None,
-                 timeout_s: float = 120.0, attempts: int = 2, reward: Any = None,
-                 checker: Checker | None = None, limits: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, trusted: bool = False,
-                 show: list[str] | tuple[str, ...] = SHOWN,
-                 endpoint: dict[str, Any] | None = None, resume: str = "replay",
-                 **sampling: Any):
-        if timeout_s <= 0 or attempts < 1:
-            raise ValueError("agent: timeout_s must be positive and attempts at least 1")
-        if resume not in RESUMES:
-            raise ValueError(f"agent resume: {resume!r} is not one of {', '.join(RESUMES)}")
-        self.resume = resume
+    Options = AgentOptions
+
+    def __init__(self, options: AgentOptions, checker: Checker | None = None):
+        self.options = options
+        self.resume = options.resume
         self.journal: EpisodeJournal | None = None  # attach() opens it
-        self.program = AgentProgram.from_options(command, function, limits, env)
+        self.program = AgentProgram.from_options(options.command, options.function,
+                                                 options.limits.model_dump(), options.env)
         self.program.resolve()  # a function that does not import fails at start
-        self.trusted = bool(trusted) or function is not None  # a function is the node's
-        self.show = tuple(str(k) for k in show)
-        self.timeout_s = float(timeout_s)
-        self.attempts = int(attempts)
-        self.score = Scorer(reward, checker) if reward is not None or checker else None
+        # a function is the node's own code
+        self.trusted = options.trusted or options.function is not None
+        self.show = tuple(options.show)
+        self.timeout_s = options.timeout_s
+        self.attempts = options.attempts
+        self.score = (Scorer(options.reward, checker)
+                      if options.reward is not None or checker else None)
         if not self.trusted and self.score is None:
             raise ValueError("agent reward: an untrusted program's episodes are scored by the "
                              "workflow's reward; set reward: (e.g. exact_match), or trusted: "
                              "true for a program whose own reward is to be used")
-        self.endpoint = EndpointLimits.from_options(endpoint)
-        self.defaults = {k: v for k, v in sampling.items() if v is not None}
+        self.endpoint = EndpointLimits.from_options(options.endpoint)
+        self.defaults = options.sampling_given()
         self._server: AgentServer | None = None
         self._server_lock = threading.Lock()
 

@@ -45,8 +45,8 @@ Mutation reward (``generator_reward: mutation``) for the generator, instead of t
 programs* that fail at least one of the valid tests. The wrong programs are the
 reference expression's mutants (``astraflow.tasks.mutants``; those the hidden tests tell
 apart from the reference, all run in one sandboxed process) and the group's catchable
-failing attempts. Options ``max_mutants`` (6) and ``format_weight`` (0).
-``value_weight`` (0) pays part of it for asserted values near the reference's:
+failing attempts. Options ``max_mutants`` and ``format_weight``.
+``value_weight`` pays part of it for asserted values near the reference's:
 ``format_weight * formed + value_weight * near + (1 - both) * valid * caught``, where
 ``near`` is the mean over its test items of ``1 - |expected - f(args)| / max(|f(args)|,
 1)`` (at least 0; 1 for a right value of any type, 0 for a wrong one that is not a
@@ -72,14 +72,15 @@ some valid test set fails; only when there are such attempts), ``code/solver_rew
 ``code/generator_reward_mean``, ``code/sandbox_runs``, ``code/sandbox_seconds``,
 ``code/self_play``.
 
-Options: ``solver_policy``, ``generator_policy``, ``self_play``; ``n_solver`` /
-``n_generator`` (samples per role; default the node's ``n``; ``n_generator: 0`` runs the
-solver alone); the sampling options of ``single_turn`` for the solver (default
-``max_new_tokens`` 32) and ``generator_sampling`` overrides for the generator (default
-``max_new_tokens`` 48); ``solver_reward`` (``fraction``/``all``), ``no_failures_reward``,
-``max_tests`` (items read per generator completion, default 8; more are ignored);
-``sandbox`` (keyword arguments of ``astraflow.sandbox.run_function``: ``cpu_s`` default 1,
-``mem_mb`` 256, ``timeout_s`` 5, ``max_procs`` 32, ...); ``sandbox_workers`` (default 2).
+Options (``astraflow.config.options.CodeTestsOptions``, where each has its default):
+``solver_policy``, ``generator_policy``, ``self_play``; ``n_solver`` / ``n_generator``
+(samples per role; default the node's ``n``; ``n_generator: 0`` runs the solver alone);
+the sampling options of ``single_turn`` for the solver (its own ``max_new_tokens``
+default) and ``generator_sampling`` for the generator (over the solver's);
+``solver_reward`` (``fraction``/``all``), ``no_failures_reward``, ``max_tests`` (items read
+per generator completion; more are ignored); ``sandbox`` (keyword arguments of
+``astraflow.sandbox.run_function``: ``cpu_s``, ``mem_mb``, ``timeout_s``, ``max_procs``,
+...); ``sandbox_workers``.
 
 The tasks of one transaction (``--tasks-per-transaction``) are sampled together
 (``run_batch``): one ``generate`` call for every task's solver samples, one for the
@@ -97,11 +98,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from astraflow.config.options import CodeTestsOptions, GeneratorSamplingOptions
 from astraflow.raas.engine import Engine, Generation
 from astraflow.raas.workflows.base import TaskError
 from astraflow.raas.workflows.inputs import (
     chat_ids,
-    check_prompt_format,
     encode_prompt,
     parse_payload,
     sampling_params,
@@ -124,32 +125,15 @@ from astraflow.tasks.code_parsing import (
     parse_tests,
     solver_expression,
 )
-from astraflow.tasks.mutants import MAX_MUTANTS, mutants, mutants_source
+from astraflow.tasks.mutants import mutants, mutants_source
 from astraflow.tasks.rewards import nearness
 from astraflow.wire.records import Sequence, Task
 
 ROLE_SOLVER = "solver"
 ROLE_GENERATOR = "generator"
-SOLVER_SAMPLING = {"max_new_tokens": 32}
-GENERATOR_SAMPLING = {"max_new_tokens": 48}
-SANDBOX_DEFAULTS = {"cpu_s": 1.0, "mem_mb": 256, "timeout_s": 5.0, "max_output": 64 * 1024}
-SANDBOX_KEYS = {
-    "cpu_s",
-    "mem_mb",
-    "timeout_s",
-    "max_output",
-    "fsize_mb",
-    "nofile",
-    "max_procs",
-    "namespaces",
-    "audit",
-    "python",
-    "drop_user",
-}
 # a run that hit the process/thread limit earns nothing for the calls before the bomb
 ZERO_REWARD_STATUSES = frozenset({"limit"})
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-GENERATOR_REWARDS = ("discriminating", "mutation")
 
 
 def _key(args: list[Any]) -> str:
@@ -264,17 +248,6 @@ class _Judged:
             self.mutation.append(killed / wrong if wrong else 1.0)
 
 
-def _shares(format_weight: float, value_weight: float) -> tuple[float, float]:
-    """The mutation reward's weights, checked: each in [0, 1], together at most 1."""
-    for name, w in (("format_weight", format_weight), ("value_weight", value_weight)):
-        if not 0.0 <= w <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], not {w}")
-    if format_weight + value_weight > 1.0:
-        raise ValueError(f"format_weight + value_weight must be at most 1, not "
-                         f"{format_weight} + {value_weight}")
-    return float(format_weight), float(value_weight)
-
-
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -309,64 +282,27 @@ class CodeTests:
 
     name = "code_tests"
 
-    def __init__(
-        self,
-        solver_policy: str = ROLE_SOLVER,
-        generator_policy: str = ROLE_GENERATOR,
-        self_play: bool = True,
-        n_solver: int | None = None,
-        n_generator: int | None = None,
-        solver_reward: str = "fraction",
-        no_failures_reward: float = 0.0,
-        max_tests: int = 8,
-        generator_sampling: Mapping[str, Any] | None = None,
-        sandbox: Mapping[str, Any] | None = None,
-        sandbox_workers: int = 2,
-        prompt_format: str = "auto",
-        generator_reward: str = "discriminating",
-        max_mutants: int = MAX_MUTANTS,
-        format_weight: float = 0.0,
-        value_weight: float = 0.0,
-        **sampling: Any,
-    ):
-        self.format_weight, self.value_weight = _shares(format_weight, value_weight)
-        if generator_reward not in GENERATOR_REWARDS:
-            raise ValueError(f"generator_reward must be one of {', '.join(GENERATOR_REWARDS)}, "
-                             f"not {generator_reward!r}")
-        if max_mutants < 0:
-            raise ValueError("max_mutants must be >= 0")
-        self.prompt_format = check_prompt_format(prompt_format)
-        self.generator_reward = generator_reward
-        self.max_mutants = int(max_mutants)
-        if solver_reward not in ("fraction", "all"):
-            raise ValueError(f"solver_reward must be 'fraction' or 'all', not {solver_reward!r}")
-        if n_solver is not None and n_solver < 1:
-            raise ValueError("n_solver must be at least 1")
-        if n_generator is not None and n_generator < 0:
-            raise ValueError("n_generator must be >= 0")
-        if max_tests < 1 or sandbox_workers < 1:
-            raise ValueError("max_tests and sandbox_workers must be at least 1")
-        unknown = set(sandbox or {}) - SANDBOX_KEYS
-        if unknown:
-            raise ValueError(
-                f"unknown sandbox options {sorted(unknown)} (known: {sorted(SANDBOX_KEYS)})"
-            )
-        self.solver_policy = solver_policy
-        self.generator_policy = generator_policy
-        self.self_play = bool(self_play)
-        self.n_solver = n_solver
-        self.n_generator = n_generator
-        self.solver_reward = solver_reward
-        self.no_failures_reward = float(no_failures_reward)
-        self.max_tests = int(max_tests)
-        self.sampling = {**SOLVER_SAMPLING, **sampling}
-        self.generator_sampling = {
-            **sampling,
-            **GENERATOR_SAMPLING,
-            **dict(generator_sampling or {}),
-        }
-        self.sandbox = {**SANDBOX_DEFAULTS, **dict(sandbox or {})}
-        self.sandbox_workers = int(sandbox_workers)
+    Options = CodeTestsOptions
+
+    def __init__(self, options: CodeTestsOptions | None = None):
+        self.options = options = options or CodeTestsOptions()
+        self.format_weight, self.value_weight = options.format_weight, options.value_weight
+        self.prompt_format = options.prompt_format
+        self.generator_reward = options.generator_reward
+        self.max_mutants = options.max_mutants
+        self.solver_policy = options.solver_policy
+        self.generator_policy = options.generator_policy
+        self.self_play = options.self_play
+        self.n_solver = options.n_solver
+        self.n_generator = options.n_generator
+        self.solver_reward = options.solver_reward
+        self.no_failures_reward = options.no_failures_reward
+        self.max_tests = options.max_tests
+        self.sampling = options
+        self.generator_sampling = GeneratorSamplingOptions.over(options.generator_sampling,
+                                                                options)
+        self.sandbox = options.sandbox.limits()
+        self.sandbox_workers = options.sandbox_workers
 
     # --- setup ---------------------------------------------------------------------------
     def engines_for(self, engines: Mapping[str, Engine]) -> tuple[str, Engine, str, Engine]:
@@ -676,5 +612,5 @@ class CodeTests:
         return out
 
 
-__all__ = ["GENERATOR_REWARDS", "ROLE_GENERATOR", "ROLE_SOLVER", "CodeTests", "parse_tests",
+__all__ = ["ROLE_GENERATOR", "ROLE_SOLVER", "CodeTests", "parse_tests",
            "solver_expression"]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from astraflow.config.options import AgentEndpointOptions
 from astraflow.raas.agent.program import API_KEY, Access
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
 from astraflow.raas.engine import Engine
@@ -26,7 +27,7 @@ from astraflow.wire.records import Sequence
 class EpisodeEndpoint:
     """The node's agent endpoint for an in-process harness (module docstring)."""
 
-    def __init__(self, limits: Mapping[str, Any] | None = None):
+    def __init__(self, limits: AgentEndpointOptions | None = None):
         self.limits = EndpointLimits.from_options(limits)
         self._server: AgentServer | None = None
         self._lock = threading.Lock()

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from astraflow.config.options import SamplingOptions
 from astraflow.models.chat import PromptError, engine_chat
 from astraflow.raas.engine import Engine, SamplingParams
 from astraflow.raas.workflows.base import TaskError
@@ -43,23 +44,17 @@ def pick_engine(task: Task, engines: Mapping[str, Engine], index: int = 0) -> En
     raise TaskError(f"task names no policy and this node has {len(engines)} engines")
 
 
-def sampling_params(options: Mapping[str, Any], engine: Engine, n: int,
+def sampling_params(options: SamplingOptions, engine: Engine, n: int,
                     **extra: Any) -> SamplingParams:
-    """``SamplingParams`` from a workflow's sampling options (``max_new_tokens``,
-    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``; default stop: the engine's
-    end of sequence) for ``n`` samples."""
-    stop_ids = tuple(options.get("stop_token_ids") or ())
+    """``SamplingParams`` from a workflow's sampling options for ``n`` samples (no
+    ``stop_token_ids``: the engine's end of sequence); ``extra`` over them."""
+    stop_ids = tuple(options.stop_token_ids or ())
     if not stop_ids and engine.eos_token_id is not None:
         stop_ids = (engine.eos_token_id,)
-    return SamplingParams(
-        max_new_tokens=int(options.get("max_new_tokens", 64)),
-        temperature=float(options.get("temperature", 1.0)),
-        top_p=float(options.get("top_p", 1.0)),
-        n=n,
-        stop_token_ids=stop_ids,
-        seed=options.get("seed"),
-        **extra,
-    )
+    fields: dict[str, Any] = {"max_new_tokens": options.max_new_tokens,
+                              "temperature": options.temperature, "top_p": options.top_p,
+                              "n": n, "stop_token_ids": stop_ids, "seed": options.seed}
+    return SamplingParams(**{**fields, **extra})
 
 
 def prompt_task(
@@ -74,17 +69,6 @@ def prompt_task(
     except PromptError as e:
         raise TaskError(str(e)) from None
     return payload, engine, prompt_ids
-
-
-PROMPT_FORMATS = ("auto", "compact", "chat")
-
-
-def check_prompt_format(value: str) -> str:
-    """``value`` if it is a workflow's ``prompt_format``, else ValueError naming it."""
-    if value not in PROMPT_FORMATS:
-        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
-                         f"not {value!r}")
-    return value
 
 
 def speaks_chat(prompt_format: str, engine: Engine) -> bool:
@@ -140,6 +124,6 @@ def encode_prompt(engine: Engine, text: str) -> list[int]:
     return ids
 
 
-__all__ = ["PROMPT_FORMATS", "chat_ids", "check_prompt_format", "encode_prompt",
+__all__ = ["chat_ids", "encode_prompt",
            "engine_tokenizer", "speaks_chat", "parse_payload", "pick_engine",
            "policy_engine", "prompt_task", "sampling_params"]

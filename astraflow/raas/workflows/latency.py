@@ -6,16 +6,16 @@ import math
 import random
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from pydantic import PrivateAttr
 
-@dataclass
-class Latency:
-    """A seeded, possibly long-tailed delay: ``const``, ``lognormal`` or ``pareto``.
+from astraflow.config.options import LatencyOptions
 
-    ``lognormal``: median ``median_s``, shape ``sigma``. ``pareto``: minimum ``scale_s``,
-    tail index ``alpha`` (smaller: heavier tail). Every draw is capped at ``max_s``.
+
+class Latency(LatencyOptions):
+    """A seeded, possibly long-tailed delay: the options of ``LatencyOptions`` (their
+    defaults and checks), drawn.
 
     ``per_task``: a task's delay is a function of ``seed`` and the task's key (its id) alone,
     drawn from its own generator (``for_task``), so the same task waits the same in every
@@ -23,28 +23,22 @@ class Latency:
     another from one generator seeded with ``seed`` (``draw``).
     """
 
-    dist: str = "lognormal"
-    median_s: float = 0.05
-    sigma: float = 1.0
-    scale_s: float = 0.02
-    alpha: float = 1.5
-    max_s: float = 30.0
-    seed: int | None = None
-    per_task: bool = False
+    _rng: random.Random = PrivateAttr()
 
-    def __post_init__(self) -> None:
-        if self.dist not in ("const", "lognormal", "pareto"):
-            raise ValueError(f"latency dist must be const, lognormal or pareto, not {self.dist!r}")
+    def model_post_init(self, context: Any) -> None:
         self._rng = random.Random(self.seed)
 
     @classmethod
-    def from_option(cls, value: Any) -> Latency | None:
-        """A ``Latency`` from a workflow option: seconds (constant), a mapping of the fields,
-        a ``Latency``, or None (no delay)."""
+    def from_option(cls, value: float | LatencyOptions | Mapping[str, Any] | None
+                    ) -> Latency | None:
+        """A ``Latency`` from a workflow option: seconds (constant), the options (or a
+        mapping of them), or None (no delay)."""
         if value is None or isinstance(value, Latency):
             return value
         if isinstance(value, int | float):
             return cls(dist="const", median_s=float(value))
+        if isinstance(value, LatencyOptions):
+            return cls(**value.model_dump())
         if isinstance(value, Mapping):
             return cls(**value)
         raise ValueError(f"latency must be seconds or a mapping, not {value!r}")

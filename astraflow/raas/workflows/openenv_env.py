@@ -24,9 +24,10 @@ its own process.
 An episode that fails (the server refuses, a malformed call, ``timeout_s``) runs the group
 again, up to ``attempts`` times in all; then the task is dead-lettered with the reasons.
 
-Options: ``base_url`` or ``app``, ``reset`` (a mapping), ``action_field``,
-``observation_field``, ``system_prompt``, ``max_turns`` (8), ``timeout_s`` (300),
-``attempts`` (2), ``endpoint`` (``EndpointLimits``), and the sampling defaults
+Options (``astraflow.config.options.OpenEnvOptions``, where each has its default):
+``base_url`` or ``app``, ``reset`` (a mapping), ``action_field``, ``observation_field``,
+``system_prompt``, ``max_turns``, ``timeout_s``, ``attempts``, ``endpoint``
+(``EndpointLimits``), and the sampling defaults
 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``).
 """
 
@@ -40,6 +41,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from astraflow.config.options import OpenEnvOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import TaskError
 from astraflow.raas.workflows.episodes import EpisodeEndpoint, GroupFailed, with_attempts
@@ -56,35 +58,28 @@ class OpenEnvWorkflow:
 
     name = "openenv"
 
-    def __init__(self, base_url: str | None = None, app: str | None = None,
-                 reset: dict[str, Any] | None = None, action_field: str = "message",
-                 observation_field: str = "prompt", system_prompt: str | None = None,
-                 max_turns: int = 8, timeout_s: float = 300.0, attempts: int = 2,
-                 endpoint: dict[str, Any] | None = None, **sampling: Any):
-        if (base_url is None) == (app is None):
-            raise ValueError("openenv: name the environment server as base_url (one that "
-                             "runs) or app ('package.module:attr', served by the node), one "
-                             "of them")
-        if max_turns < 1 or timeout_s <= 0 or attempts < 1:
-            raise ValueError("openenv: max_turns and attempts must be at least 1, timeout_s "
-                             "positive")
+    Options = OpenEnvOptions
+
+    def __init__(self, options: OpenEnvOptions):
         try:
             from openenv.core import GenericEnvClient
         except ImportError:
             raise ValueError(f"openenv: the workflow needs the openenv package: {INSTALL}") \
                 from None
+        self.options = options
         self._client_cls = GenericEnvClient
-        self._server: _LocalServer | None = _LocalServer(app) if app is not None else None
-        self.base_url = base_url or self._server.base_url  # type: ignore[union-attr]
-        self.reset = dict(reset or {})
-        self.action_field = action_field
-        self.observation_field = observation_field
-        self.system_prompt = system_prompt
-        self.max_turns = int(max_turns)
-        self.timeout_s = float(timeout_s)
-        self.attempts = int(attempts)
-        self.endpoint = EpisodeEndpoint(endpoint)
-        self.defaults = {k: v for k, v in sampling.items() if v is not None}
+        self._server: _LocalServer | None = (_LocalServer(options.app)
+                                             if options.app is not None else None)
+        self.base_url = options.base_url or self._server.base_url  # type: ignore[union-attr]
+        self.reset = dict(options.reset or {})
+        self.action_field = options.action_field
+        self.observation_field = options.observation_field
+        self.system_prompt = options.system_prompt
+        self.max_turns = options.max_turns
+        self.timeout_s = options.timeout_s
+        self.attempts = options.attempts
+        self.endpoint = EpisodeEndpoint(options.endpoint)
+        self.defaults = options.sampling_given()
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload = parse_payload(task)

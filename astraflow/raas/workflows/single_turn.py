@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from astraflow.config.options import SingleTurnOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker
 from astraflow.raas.workflows.inputs import prompt_task, sampling_params
@@ -19,21 +20,23 @@ class SingleTurn:
     """One prompt (``payload["prompt"]`` or ``payload["messages"]``, formatted by the
     engine's chat format), ``n`` samples, reward = the ``reward`` spec or the checker.
 
-    Options: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed`` (each sample drawn
-    from its own stream of (seed, task id, sample index, weight version)), ``reward`` (a name
-    or mapping from ``astraflow.tasks.rewards``), ``checker`` (a callable ``(completion,
-    answer)``; default ``astraflow.tasks.check_answer``), ``env_latency`` (seconds or a
+    Options (``SingleTurnOptions``): the sampling options (``seed``: each sample drawn
+    from its own stream of (seed, task id, sample index, weight version)), ``reward`` (a
+    name or mapping from ``astraflow.tasks.rewards``), ``env_latency`` (seconds or a
     ``Latency`` mapping: extra delay per rollout, to mimic a slow environment; with
-    ``per_task: true`` each task's delay depends on its id alone).
+    ``per_task: true`` each task's delay depends on its id alone). ``checker``: a callable
+    ``(completion, answer)`` (default ``astraflow.tasks.check_answer``).
     """
 
     name = "single_turn"
+    Options = SingleTurnOptions
 
-    def __init__(self, checker: Checker | None = None, env_latency: Any = None,
-                 reward: Any = None, **sampling: Any):
-        self.score = Scorer(reward, checker)
-        self.env_latency = Latency.from_option(env_latency)
-        self.sampling = sampling
+    def __init__(self, options: SingleTurnOptions | None = None,
+                 checker: Checker | None = None):
+        self.options = options = options or SingleTurnOptions()
+        self.score = Scorer(options.reward, checker)
+        self.env_latency = Latency.from_option(options.env_latency)
+        self.sampling = options
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         return unbatched(self.run_batch([task], engines, n))

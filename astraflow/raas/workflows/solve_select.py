@@ -35,15 +35,13 @@ as the solver's answers are (``meta`` ``own``, ``correct``). The selector then p
 solving the problem independently, the one way of picking an untrained 135M model learnt
 in 30 minutes on two cores (docs/multi-policy.md, "Why the judges solve").
 
-Options: those of ``astraflow.raas.workflows.two_policy``, and ``ties``, ``candidates``
-(chat only where not 2), ``corrective``, ``blind``.
+Options (``SolveSelectOptions``): those of ``astraflow.raas.workflows.two_policy``, and
+``ties``, ``candidates`` (chat only where not 2), ``corrective``, ``blind``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
+from astraflow.config.options import SolveSelectOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker, TaskError
 from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
@@ -69,40 +67,17 @@ class SolveSelect(TwoPolicyWorkflow):
     name = "solve_select"
     judge_role = ROLE_SELECTOR
 
-    def __init__(
-        self,
-        solver_policy: str = "solver",
-        selector_policy: str = "selector",
-        ties: str = "skip",
-        checker: Checker | None = None,
-        selector_sampling: Mapping[str, Any] | None = None,
-        max_answer_chars: int = 12,
-        prompt_format: str = "auto",
-        reward: Any = None,
-        candidates: int = 2,
-        corrective: bool = False,
-        blind: bool = False,
-        judge_reward: Any = None,
-        **sampling: Any,
-    ):
-        if ties not in ("skip", "outcome"):
-            raise ValueError(f"ties must be 'skip' or 'outcome', not {ties!r}")
-        if candidates < 2:
-            raise ValueError(f"candidates must be at least 2, not {candidates}")
-        if candidates != 2 and prompt_format == "compact":
-            raise ValueError("candidates: the compact format shows 2 answers")
-        if (corrective or blind) and prompt_format == "compact":
-            raise ValueError("corrective, blind: a chat selector's formats, not the compact "
-                             "one")
-        if corrective and blind:
-            raise ValueError("corrective or blind, not both")
-        super().__init__(solver_policy, selector_policy, checker, selector_sampling,
-                         max_answer_chars, sampling, prompt_format, reward)
-        self.ties = ties
-        self.candidates = int(candidates)
-        self.corrective = bool(corrective)
-        self.blind = bool(blind)
-        self.set_judge_reward(judge_reward, checker)
+    Options = SolveSelectOptions
+
+    def __init__(self, options: SolveSelectOptions | None = None,
+                 checker: Checker | None = None):
+        options = options or SolveSelectOptions()
+        super().__init__(options, options.selector_policy, options.selector_sampling,
+                         checker)
+        self.ties = options.ties
+        self.candidates = options.candidates
+        self.corrective = options.corrective
+        self.blind = options.blind
 
     @property
     def selector_policy(self) -> str:

@@ -66,12 +66,13 @@ Metrics (``group_metrics``, put into ``TrajectoryGroup.metrics`` by the RaaS nod
 ``verify/unparseable_rate`` (approval and unparseable rates per verdict, retry rate per
 answer).
 
-Options: those of ``astraflow.raas.workflows.two_policy``, and ``verdict_weight`` (default
-0), ``retry``, ``blind``, ``agreement``, ``corrective``, ``reference_candidates`` (default
-0), ``verdicts_per_prompt`` (only the first m of the n answers are judged, and so can be
-retried; default all n -- the answers are independent samples, so the first m are a random
-subset) and ``env_latency`` (seconds or a ``Latency`` mapping: an extra delay per rollout
-after its three phases, the time the task's environment takes, as ``single_turn``'s).
+Options (``SolveVerifyOptions``): those of ``astraflow.raas.workflows.two_policy``, and
+``verdict_weight``, ``retry``, ``blind``, ``agreement``, ``corrective``,
+``reference_candidates``, ``verdicts_per_prompt`` (only the first m of the n answers are
+judged, and so can be retried; default all n -- the answers are independent samples, so
+the first m are a random subset) and ``env_latency`` (seconds or a ``Latency`` mapping:
+an extra delay per rollout after its three phases, the time the task's environment takes,
+as ``single_turn``'s).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from astraflow.config.options import SolveVerifyOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker, TaskError
 from astraflow.raas.workflows.inputs import encode_prompt, sampling_params
@@ -134,52 +136,21 @@ class SolveVerify(TwoPolicyWorkflow):
     name = "solve_verify"
     judge_role = ROLE_VERIFIER
 
-    def __init__(
-        self,
-        solver_policy: str = "solver",
-        verifier_policy: str = "verifier",
-        retry: bool = True,
-        checker: Checker | None = None,
-        verifier_sampling: Mapping[str, Any] | None = None,
-        max_answer_chars: int = 12,
-        blind: bool = False,
-        verdicts_per_prompt: int | None = None,
-        env_latency: Any = None,
-        prompt_format: str = "auto",
-        reward: Any = None,
-        verdict_weight: float = 0.0,
-        reference_candidates: int = 0,
-        corrective: bool = False,
-        agreement: bool = False,
-        judge_reward: Any = None,
-        **sampling: Any,
-    ):
-        super().__init__(solver_policy, verifier_policy, checker, verifier_sampling,
-                         max_answer_chars, sampling, prompt_format, reward)
-        if verdicts_per_prompt is not None and verdicts_per_prompt < 1:
-            raise ValueError("verdicts_per_prompt must be at least 1")
-        if not 0.0 <= verdict_weight <= 1.0:
-            raise ValueError(f"verdict_weight must be in [0, 1], not {verdict_weight}")
-        if reference_candidates < 0:
-            raise ValueError("reference_candidates must be 0 or more, not "
-                             f"{reference_candidates}")
-        if corrective and (blind or prompt_format == "compact"):
-            raise ValueError("corrective: a chat verifier's format, not with blind or the "
-                             "compact format")
-        if agreement and (not blind or prompt_format == "compact"):
-            raise ValueError("agreement: the blind chat verifier's verdict, needs blind: true "
-                             "and the chat format")
-        if blind and reference_candidates and prompt_format == "compact":
-            raise ValueError("reference_candidates: not with the compact blind format")
-        self.verdict_weight = float(verdict_weight)
-        self.retry = bool(retry)
-        self.blind = bool(blind)
-        self.corrective = bool(corrective)
-        self.agreement = bool(agreement)
-        self.set_judge_reward(judge_reward, checker)
-        self.verdicts_per_prompt = verdicts_per_prompt
-        self.reference_candidates = int(reference_candidates)
-        self.env_latency = Latency.from_option(env_latency)
+    Options = SolveVerifyOptions
+
+    def __init__(self, options: SolveVerifyOptions | None = None,
+                 checker: Checker | None = None):
+        options = options or SolveVerifyOptions()
+        super().__init__(options, options.verifier_policy, options.verifier_sampling,
+                         checker)
+        self.verdict_weight = options.verdict_weight
+        self.retry = options.retry
+        self.blind = options.blind
+        self.corrective = options.corrective
+        self.agreement = options.agreement
+        self.verdicts_per_prompt = options.verdicts_per_prompt
+        self.reference_candidates = options.reference_candidates
+        self.env_latency = Latency.from_option(options.env_latency)
 
     @property
     def verifier_policy(self) -> str:
@@ -432,8 +403,8 @@ class SolveVerify(TwoPolicyWorkflow):
                 row.append((b, own))
             builders.append(row)
         # the verdict is the turn's first token: nothing after it is read or worth a step
-        answers = (verifier.generate(ask_ids, sampling_params({**self.judge_sampling,
-                                                         "max_new_tokens": 1}, verifier, 1))
+        answers = (verifier.generate(ask_ids, sampling_params(self.judge_sampling, verifier, 1,
+                                                         max_new_tokens=1))
                    if ask_ids else [])
         verdict_gen = dict(zip(asked, (gs[0] for gs in answers)))
         out = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
 
+from astraflow.config.options import ToolCalcOptions
 from astraflow.raas.calc import CalcError, calculate
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker
@@ -31,30 +31,23 @@ class ToolCalc:
     answer). The ``n`` samples run as one batch per turn; a turn's tool calls run
     concurrently, so the turn waits for the slowest ``tool_latency`` draw.
 
-    Options: as ``single_turn`` plus ``max_turns`` (default 4) and ``tool_latency``
-    (seconds or a ``Latency`` mapping, e.g. ``{"dist": "pareto", "scale_s": 0.05,
-    "alpha": 1.2, "seed": 0}``).
+    Options (``ToolCalcOptions``): as ``single_turn`` plus ``max_turns`` and
+    ``tool_latency`` (seconds or a ``Latency`` mapping, e.g. ``{"dist": "pareto",
+    "scale_s": 0.05, "alpha": 1.2, "seed": 0}``).
     """
 
     name = "tool_calc"
     open_tag, close_tag = "<calc>", "</calc>"
+    Options = ToolCalcOptions
 
-    def __init__(
-        self,
-        checker: Checker | None = None,
-        max_turns: int = 4,
-        tool_latency: Any = None,
-        env_latency: Any = None,
-        reward: Any = None,
-        **sampling: Any,
-    ):
-        if max_turns < 1:
-            raise ValueError("max_turns must be at least 1")
-        self.score = Scorer(reward, checker)
-        self.max_turns = max_turns
-        self.tool_latency = Latency.from_option(tool_latency)
-        self.env_latency = Latency.from_option(env_latency)
-        self.sampling = sampling
+    def __init__(self, options: ToolCalcOptions | None = None,
+                 checker: Checker | None = None):
+        self.options = options = options or ToolCalcOptions()
+        self.score = Scorer(options.reward, checker)
+        self.max_turns = options.max_turns
+        self.tool_latency = Latency.from_option(options.tool_latency)
+        self.env_latency = Latency.from_option(options.env_latency)
+        self.sampling = options
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload, engine, prompt_ids = prompt_task(task, engines)

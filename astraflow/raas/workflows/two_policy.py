@@ -15,14 +15,14 @@ repeats a mistake) still carries signal. A run that wants strict per-role groups
 tries apart from retries, or one policy playing both solver and verifier) sets the
 router's ``split_roles: true``: each (policy, role) becomes its own group.
 
-Options (both workflows): ``solver_policy`` (default ``solver``), ``verifier_policy``
-(``verifier``) or ``selector_policy`` (``selector``), the sampling options of
-``single_turn`` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``) for the solver,
-``verifier_sampling`` / ``selector_sampling`` (overrides for the judge; default
-``{"max_new_tokens": 8}``, per turn), ``checker``, ``max_answer_chars`` (12: how much of an
-answer the judge is shown), ``reward`` (a reward spec of ``astraflow.tasks.rewards`` for the
-solver's answers; default: 1 when the checker says right, else 0; an answer is *right*
-when the checker says so, whatever the reward) and ``prompt_format``:
+Options (both workflows, ``astraflow.config.options.TwoPolicyOptions``, where each has its
+default): ``solver_policy``, ``verifier_policy`` or ``selector_policy``, the sampling
+options of ``single_turn`` for the solver, ``verifier_sampling`` / ``selector_sampling``
+(the judge's, over the solver's; ``max_new_tokens`` per turn), ``max_answer_chars`` (how
+much of an answer the judge is shown), ``reward`` (a reward spec of
+``astraflow.tasks.rewards`` for the solver's answers; default: 1 when the checker says
+right, else 0; an answer is *right* when the checker (``checker``, a callable) says so,
+whatever the reward) and ``prompt_format``:
 
 * ``compact``: the tiny model's one-line formats (``astraflow.roles.formats``);
 * ``chat``: natural instructions as chat messages, built by each policy's chat template
@@ -38,11 +38,11 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from astraflow.config.options import JudgeSamplingOptions, TwoPolicyOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import Checker
 from astraflow.raas.workflows.inputs import (
     chat_ids,
-    check_prompt_format,
     encode_prompt,
     parse_payload,
     policy_engine,
@@ -54,7 +54,6 @@ from astraflow.roles.formats import candidate_answer
 from astraflow.wire.records import Task
 
 ROLE_SOLVER = "solver"
-JUDGE_SAMPLING = {"max_new_tokens": 8}  # own answer, verdict (pick), end of sequence
 
 
 def flag(x: bool) -> str:
@@ -69,24 +68,24 @@ def mean(xs: list[float]) -> float:
 
 class TwoPolicyWorkflow:
     """The common part of a solver and a judge (verifier or selector) on arithmetic tasks:
-    their engines by policy name, the checker, and the judge's sampling options."""
+    their engines by policy name, the checker, the rewards (``judge_reward``: the judge's
+    own answers') and the judge's sampling options."""
 
     judge_role = ""
-    judge_score: Scorer | None = None  # ``judge_reward``: its own answers' reward spec
 
-    def __init__(self, solver_policy: str, judge_policy: str, checker: Checker | None,
-                 judge_sampling: Mapping[str, Any] | None, max_answer_chars: int,
-                 sampling: dict[str, Any], prompt_format: str = "auto", reward: Any = None):
-        if max_answer_chars < 1:
-            raise ValueError("max_answer_chars must be at least 1")
-        self.prompt_format = check_prompt_format(prompt_format)
-        self.score = Scorer(reward, checker) if reward is not None else None
-        self.solver_policy = solver_policy
+    def __init__(self, options: TwoPolicyOptions, judge_policy: str,
+                 judge_sampling: JudgeSamplingOptions | None, checker: Checker | None):
+        self.options = options
+        self.prompt_format = options.prompt_format
+        self.score = Scorer(options.reward, checker) if options.reward is not None else None
+        self.judge_score = (Scorer(options.judge_reward, checker)
+                            if options.judge_reward is not None else None)
+        self.solver_policy = options.solver_policy
         self.judge_policy = judge_policy
         self.checker = checker
-        self.max_answer_chars = max_answer_chars
-        self.sampling = sampling
-        self.judge_sampling = {**sampling, **JUDGE_SAMPLING, **dict(judge_sampling or {})}
+        self.max_answer_chars = options.max_answer_chars
+        self.sampling = options
+        self.judge_sampling = JudgeSamplingOptions.over(judge_sampling, options)
 
     def _start(self, task: Task, engines: Mapping[str, Engine]):
         """``(payload, solver engine, judge engine, checker)`` of ``task`` (its payload has
@@ -119,11 +118,6 @@ class TwoPolicyWorkflow:
         """The solver's reward for ``text``: the ``reward`` spec, else its rightness."""
         return float(right) if self.score is None else float(self.score(text, payload))
 
-    def set_judge_reward(self, spec: Any, checker: Checker | None) -> None:
-        """``judge_reward``: the reward spec of the judge's own answers (a blind or
-        corrective judge's); None: the solver's (``answer_reward``)."""
-        self.judge_score = Scorer(spec, checker) if spec is not None else None
-
     def judge_answer_reward(self, text: str, payload: Mapping[str, Any], right: bool) -> float:
         """The reward of the judge's own answer ``text``: ``judge_reward``, else the
         solver's."""
@@ -132,4 +126,4 @@ class TwoPolicyWorkflow:
         return float(self.judge_score(text, payload))
 
 
-__all__ = ["JUDGE_SAMPLING", "ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]
+__all__ = ["ROLE_SOLVER", "TwoPolicyWorkflow", "flag", "mean"]

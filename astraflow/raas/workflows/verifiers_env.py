@@ -21,8 +21,9 @@ A group whose rollout raises, times out (``timeout_s``), ends with an error in i
 or makes a malformed call is run again, up to ``attempts`` times in all; then the task goes
 to the dead-letter topic with the reasons.
 
-Options: ``environment``, ``args``, ``timeout_s`` (300), ``attempts`` (2), ``endpoint``
-(``EndpointLimits``), and the sampling defaults of a request that sets none
+Options (``astraflow.config.options.VerifiersOptions``, where each has its default):
+``environment``, ``args``, ``timeout_s``, ``attempts``, ``endpoint`` (``EndpointLimits``),
+and the sampling defaults of a request that sets none
 (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``). The environment's own
 ``sampling_args`` are sent with each request (but ``n``: one choice per rollout).
 """
@@ -36,6 +37,7 @@ import threading
 from contextlib import ExitStack
 from typing import Any
 
+from astraflow.config.options import VerifiersOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import TaskError
 from astraflow.raas.workflows.episodes import EpisodeEndpoint, GroupFailed, with_attempts
@@ -53,21 +55,17 @@ class VerifiersWorkflow:
 
     name = "verifiers"
 
-    def __init__(self, environment: str | None = None, args: dict[str, Any] | None = None,
-                 timeout_s: float = 300.0, attempts: int = 2,
-                 endpoint: dict[str, Any] | None = None, **sampling: Any):
-        if not environment:
-            raise ValueError("verifiers environment: name the environment (an installed "
-                             "environment's id or 'package.module:function')")
-        if timeout_s <= 0 or attempts < 1:
-            raise ValueError("verifiers: timeout_s must be positive and attempts at least 1")
-        self.environment = environment
-        self.args = dict(args or {})
-        self.env = load_environment(environment, self.args)  # fails at start, not per task
-        self.timeout_s = float(timeout_s)
-        self.attempts = int(attempts)
-        self.endpoint = EpisodeEndpoint(endpoint)
-        self.defaults = {k: v for k, v in sampling.items() if v is not None}
+    Options = VerifiersOptions
+
+    def __init__(self, options: VerifiersOptions):
+        self.options = options
+        self.environment = options.environment
+        self.args = dict(options.args or {})
+        self.env = load_environment(self.environment, self.args)  # fails at start, not per task
+        self.timeout_s = options.timeout_s
+        self.attempts = options.attempts
+        self.endpoint = EpisodeEndpoint(options.endpoint)
+        self.defaults = options.sampling_given()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -246,12 +245,10 @@ def test_typed_fields_are_checked_with_file_and_key(tmp_path, change, key):
 def test_losses_of_the_topology_are_the_trainers():
     from astraflow.config.topology import LOSS_HYPERPARAMETERS, TrainerSpec
     from astraflow.trainer.loss import BATCH_STATS, LOSSES
-    from astraflow.trainer.trainer import TrainerConfig
 
     assert set(LOSS_HYPERPARAMETERS) == {k for k in LOSSES if not k.startswith("test_")}
-    for names in LOSS_HYPERPARAMETERS.values():  # each a TrainerSpec and trainer setting
-        assert set(names) <= set(TrainerSpec.model_fields) & {
-            f.name for f in dataclasses.fields(TrainerConfig)}
+    for names in LOSS_HYPERPARAMETERS.values():  # each a TrainerSpec setting
+        assert set(names) <= set(TrainerSpec.model_fields)
     assert set(BATCH_STATS) == {"m2po"}
     # each loss takes its own hyperparameters; decoupled_ppo has no tis_cap > 1 + clip_high
     for loss, extra in (("decoupled_ppo", {"tis_cap": 1.2, "clip_high": 0.3,
@@ -269,7 +266,7 @@ def test_top_p_reaches_the_trainer_and_the_workflows():
     data = typed(policies={"actor": {"model": "m", "temperature": 0.7, "top_p": 0.9}},
                  pools={"local": {"workflows": {"single_turn": {"max_new_tokens": 8}}}})
     topo = parse_topology(data)
-    trainer = ServiceOptions.from_spec("actor", trainer_spec(topo, "actor")).trainer
+    trainer = ServiceOptions.from_spec("actor", trainer_spec(topo, "actor"))
     assert (trainer.temperature, trainer.top_p) == (0.7, 0.9)
     node = node_settings(topo, "local")
     assert node.workflow_options == {
@@ -290,20 +287,41 @@ def test_typed_workflow_and_engine_options_keep_only_what_the_file_sets():
     assert pool.engine_settings().given() == {"cpus": "0-3"}
 
 
-def test_every_shipped_workflow_has_typed_options_the_workflow_takes():
-    import inspect
-
-    from astraflow.config.options import WORKFLOW_OPTIONS, SamplingOptions
+def test_every_shipped_workflow_is_made_from_the_typed_options_the_topology_checks():
+    from astraflow.config.options import WORKFLOW_OPTIONS
     from astraflow.raas.workflows import load_builtin_workflows
 
     workflows = load_builtin_workflows()
     assert set(workflows) == set(WORKFLOW_OPTIONS)
     for name, cls in workflows.items():
-        params = inspect.signature(cls.__init__).parameters
-        takes_sampling = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        for option in WORKFLOW_OPTIONS[name].model_fields:
-            assert option in params or (takes_sampling and option in
-                                        SamplingOptions.model_fields), (name, option)
+        assert cls.Options is WORKFLOW_OPTIONS[name], name
+
+
+def test_a_workflow_reads_its_options_typed_with_their_one_default():
+    """The defaults are the options model's, given keys over them, and a bad key fails
+    naming it, as at topology load."""
+    from astraflow.config.options import JudgeSamplingOptions, SolveVerifyOptions
+    from astraflow.raas.workflows import make_workflow
+
+    st = make_workflow("single_turn")
+    assert (st.sampling.max_new_tokens, st.sampling.temperature, st.sampling.top_p) == (
+        64, 1.0, 1.0)
+    sv = make_workflow("solve_verify", temperature=0.5, max_new_tokens=4,
+                       verifier_sampling={"top_p": 0.9})
+    assert isinstance(sv.options, SolveVerifyOptions)
+    # the judge: its own keys over the solver's, but max_new_tokens its own default
+    assert sv.judge_sampling == JudgeSamplingOptions(temperature=0.5, top_p=0.9)
+    assert sv.judge_sampling.max_new_tokens == 8
+    ct = make_workflow("code_tests", sandbox={"mem_mb": 512})
+    assert ct.sampling.max_new_tokens == 32 and ct.generator_sampling.max_new_tokens == 48
+    assert ct.sandbox == {"cpu_s": 1.0, "mem_mb": 512, "timeout_s": 5.0,
+                          "max_output": 64 * 1024}
+    # null is the default, as a key left out
+    assert make_workflow("tool_calc", max_turns=None).max_turns == 4
+    with pytest.raises(ValueError, match=r"^max_turns: Input should be greater"):
+        make_workflow("tool_calc", max_turns=0)
+    with pytest.raises(ValueError, match=r"^verifier_sampling\.nope: Extra inputs"):
+        make_workflow("solve_verify", verifier_sampling={"nope": 1})
 
 
 def test_typed_engine_options_are_the_engines_own():

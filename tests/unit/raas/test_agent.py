@@ -283,6 +283,7 @@ def _task(answer: str = "82") -> Task:
 
 
 def test_the_workflow_runs_n_episodes_and_scores_their_answers(engine, tmp_path):
+    from astraflow.config.options import AgentOptions
     from astraflow.raas.workflows.agent import AgentWorkflow
 
     program = _script(tmp_path, """
@@ -293,8 +294,8 @@ def test_the_workflow_runs_n_episodes_and_scores_their_answers(engine, tmp_path)
             model="actor", messages=[{"role": "user", "content": task["prompt"]}])
         print(json.dumps({"answer": r.choices[0].message.content}))
     """)
-    wf = AgentWorkflow(command=list(program), reward="exact_match", max_new_tokens=4,
-                       temperature=1.0, timeout_s=60)
+    wf = AgentWorkflow(AgentOptions(command=list(program), reward="exact_match",
+                                    max_new_tokens=4, temperature=1.0, timeout_s=60))
     seqs = wf.run(_task(), {"actor": engine}, 3)
     assert len(seqs) == 3 and sorted(s.sample_index for s in seqs) == [0, 1, 2]
     for s in seqs:
@@ -310,9 +311,11 @@ def test_episodes_that_start_together_share_one_endpoint(tmp_path):
     and one that opened its episode on an endpoint must be served by that endpoint."""
     import threading
 
+    from astraflow.config.options import AgentOptions
     from astraflow.raas.workflows.agent import AgentWorkflow
 
-    wf = AgentWorkflow(command=list(_script(tmp_path, "print(1)")), reward="exact_match")
+    wf = AgentWorkflow(AgentOptions(command=list(_script(tmp_path, "print(1)")),
+                                    reward="exact_match"))
     barrier = threading.Barrier(8)
     seen = []
 
@@ -345,10 +348,12 @@ def test_a_long_failure_reason_keeps_its_kind_and_its_last_line():
 
 def test_an_episode_that_keeps_failing_sends_its_task_to_the_dlq_with_the_reasons(
         engine, tmp_path):
+    from astraflow.config.options import AgentOptions
     from astraflow.raas.workflows.agent import AgentWorkflow
 
-    wf = AgentWorkflow(command=list(_script(tmp_path, "print('no call, no reward')")),
-                       attempts=2, reward="exact_match")
+    wf = AgentWorkflow(AgentOptions(
+        command=list(_script(tmp_path, "print('no call, no reward')")), attempts=2,
+        reward="exact_match"))
     with pytest.raises(TaskError, match=r"3 of 3 episodes failed after 2 attempt\(s\): "
                        r"attempt 1: no_request.*attempt 2: no_request"):
         wf.run(_task(), {"actor": engine}, 3)

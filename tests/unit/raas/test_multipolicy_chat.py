@@ -452,7 +452,7 @@ def test_code_tests_value_weight_pays_for_asserted_values_near_the_references():
         assert _nearness(CaseResult(True, 25), odd) == 0.0
     assert _nearness(CaseResult(True, "ab"), "ab") == 1.0  # right, of any type
     assert _nearness(CaseResult(False, None, "boom"), 25) == 0.0
-    with pytest.raises(ValueError, match="value_weight must be in"):
+    with pytest.raises(ValueError, match="value_weight: "):
         make_workflow("code_tests", value_weight=-0.1)
     with pytest.raises(ValueError, match="format_weight \\+ value_weight"):
         make_workflow("code_tests", format_weight=0.6, value_weight=0.5)

@@ -139,7 +139,7 @@ def test_single_turn_uses_the_reward_spec_and_the_engines_chat_format():
     seqs = wf.run(make_task({"prompt": "Q", "answer": "82"}), {"actor": eng}, 2)
     assert [s.reward for s in seqs] == [1.0, 0.0]
     assert eng.prompts == ["<system>S</system><user>Q</user><assistant>"]
-    with pytest.raises(RewardError, match="unknown reward"):
+    with pytest.raises(ValueError, match="reward: .*unknown reward"):  # the key named
         make_workflow("single_turn", reward="nope")
 
 
@@ -216,7 +216,7 @@ def test_smollm2_topology_maps_to_component_settings():
     assert procs["trainer-actor"].trainer.autocast == "best"
     assert raas.options.tasks_per_transaction == 4
     assert wf["single_turn"]["temperature"] == 1.0  # the policy's
-    assert procs["trainer-actor"].trainer.temperature == 1.0
+    assert procs["trainer-actor"].temperature == 1.0
     ev = procs["eval-actor"]
     assert ev.dataset.path == "data/addition.eval.jsonl" and ev.reward == "exact_match"
     assert procs["feeder"].dataset.path == "data/addition.train.jsonl"

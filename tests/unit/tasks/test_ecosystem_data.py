@@ -99,7 +99,7 @@ def test_the_verifiers_workflow_runs_only_its_own_environment():
     from astraflow.wire.records import Task
     from tests.fakes import ScriptedEngine
 
-    with pytest.raises(ValueError, match="name the environment"):
+    with pytest.raises(ValueError, match="environment: Field required"):
         make_workflow("verifiers")
     wf = make_workflow("verifiers", environment=ENV, args={"size": 4})
     (p, *_) = verifiers_payloads(f"verifiers:{ENV}:train?size=3")  # other arguments
