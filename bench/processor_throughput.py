@@ -10,8 +10,12 @@ Prints, from one run on one broker:
   forwarder (plain consume + decode + produce, auto-committed offsets, no transactions) and
   by a passthrough processor (decode + check, exactly once) at ``--max-batch`` (the
   topology default: the 100 ms commit interval governs) and at ``--small-batch`` inputs per
-  transaction, ``--rounds`` times in turn (throughput first: it also warms the broker's JVM
-  up);
+  transaction, in ``--rounds`` (at least 5) interleaved rounds: raw, processor, raw,
+  processor, ... (each round also runs the bytes-only forwarder and the small batch after
+  that pair). Each round's raw and processor rates are printed with their ratio, and the
+  ratio reported is the median of the rounds' ratios, so that load from other jobs on a
+  shared machine hits both sides of a ratio alike (throughput first: it also warms the
+  broker's JVM up);
 - per-hop latency p50/p99 at light load: both hops side by side, one record to each every
   ``--interval-ms``, from the source producer to a ``read_committed`` reader of the output.
 
@@ -19,7 +23,7 @@ Runs against ASTRAFLOW_BOOTSTRAP if set, else the running embedded broker, else 
 temporary embedded broker it starts and removes; a few minutes at most. Usage:
 
     python bench/processor_throughput.py [--records 100000] [--record-bytes 1024]
-        [--partitions 3] [--max-batch 100000] [--small-batch 1000] [--rounds 3]
+        [--partitions 3] [--max-batch 100000] [--small-batch 1000] [--rounds 5]
         [--light 200] [--interval-ms 20] [--codec-rounds 7] [--out FILE.json]
 
 ``--out`` writes the printed figures as JSON, with the command, commit, machine and date
@@ -82,13 +86,16 @@ def main() -> None:
                     help="inputs per transaction, at most (default: the topology's)")
     ap.add_argument("--small-batch", type=int, default=1000,
                     help="a second max_batch, at which each commit's cost shows")
-    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved throughput rounds (raw, processor, ...), at least 5")
     ap.add_argument("--light", type=int, default=200, help="records for latency")
     ap.add_argument("--interval-ms", type=float, default=20.0, help="light load: one per")
     ap.add_argument("--codec-rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None,
                     help="write the figures as JSON here (for bench/report.py)")
     args = ap.parse_args()
+    if args.rounds < 5:
+        ap.error(f"--rounds {args.rounds}: at least 5 (the ratio is a median of rounds)")
     print("$ python " + " ".join(shlex.quote(a) for a in sys.argv))
     meta = run_meta("processor_throughput", ["python", *sys.argv])  # before the run: its commit
     codec = codec_table(args)  # first: the broker is idle then
@@ -405,14 +412,20 @@ def measure(config: KafkaConfig, topo: Topology, args: argparse.Namespace) -> di
           f"{args.records} records, {args.rounds} rounds")
     # throughput first: it warms the broker's JVM up, which a cold one's latency would show
     produce_rate = preload(config, full("tp.in"), args.records, pad)
-    rates: dict[str, list[float]] = {"raw": [], "bytes": [], "tp": [], "small": []}
-    for r in range(args.rounds):  # in turn, so that noise on a shared machine hits each
-        for kind in ("raw", "bytes"):
-            rates[kind].append(raw_throughput(
-                config, f"{topo.run}.{kind}{r}", full("tp.in"), full("tp.raw.out"),
-                args.records, args.max_batch, decode=kind == "raw"))
-        for kind in ("tp", "small"):
-            rates[kind].append(processor_throughput(topo, config, f"{kind}{r}", args.records))
+    rates: dict[str, list[float]] = {"raw": [], "tp": [], "bytes": [], "small": []}
+    print(f"\n{'round':>5} {'raw c+p':>9} {'processor':>10} {'ratio':>6}   (max_batch "
+          f"{args.max_batch}, records/s)")
+    for r in range(args.rounds):  # raw and processor back to back: noise hits both alike
+        for kind in rates:
+            if kind in ("raw", "bytes"):
+                rate = raw_throughput(config, f"{topo.run}.{kind}{r}", full("tp.in"),
+                                      full("tp.raw.out"), args.records, args.max_batch,
+                                      decode=kind == "raw")
+            else:
+                rate = processor_throughput(topo, config, f"{kind}{r}", args.records)
+            rates[kind].append(rate)
+        print(f"{r + 1:5d} {rates['raw'][-1]:9.0f} {rates['tp'][-1]:10.0f} "
+              f"{rates['tp'][-1] / rates['raw'][-1]:6.2f}", flush=True)
     raw = RawForwarder(config, f"{topo.run}.raw-lat", full("lat.raw.in"), full("lat.raw.out"),
                        args.max_batch)
     proc = start_processor(topo, config, "lat")
@@ -458,17 +471,31 @@ def report(lat: dict[str, list[float]], rates: dict[str, list[float]], produce_r
         rows.append({"one hop": label, "raw c+p": round(raw, 2), "processor": round(proc, 2),
                      "processor / raw": round(proc / raw, 3)})
     med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"\n{'throughput, records/s':28} " + " ".join(f"{'round ' + str(i + 1):>9}"
+                                                      for i in range(len(rates['raw'])))
+          + f" {'median':>9}")
+    for kind, label in (("raw", "raw c+p"), ("tp", f"processor, max_batch {args.max_batch}"),
+                        ("small", f"processor, max_batch {args.small_batch}")):
+        print(f"{label:28} " + " ".join(f"{r:9.0f}" for r in rates[kind])
+              + f" {med[kind]:9.0f}")
+    for kind, label in (("tp", f"ratio, max_batch {args.max_batch}"),
+                        ("small", f"ratio, max_batch {args.small_batch}")):
+        ratios = [p / r for p, r in zip(rates[kind], rates["raw"])]
+        print(f"{label:28} " + " ".join(f"{r:9.2f}" for r in ratios)
+              + f" {statistics.median(ratios):9.2f}")
     for kind, batch in (("tp", args.max_batch), ("small", args.small_batch)):
         ratios = [p / r for p, r in zip(rates[kind], rates["raw"])]
         label = f"throughput (records/s), max_batch {batch}"
         print(f"{label:44} {med['raw']:9.0f} {med[kind]:10.0f} {statistics.median(ratios):6.2f}")
         rows.append({"one hop": label, "raw c+p": round(med["raw"]), "processor": round(med[kind]),
                      "processor / raw": round(statistics.median(ratios), 3)})
-    print(f"(medians of {args.rounds} rounds, ratio: median of the rounds' ratios; raw c+p "
-          f"without decoding: {med['bytes']:.0f} records/s; plain produce of the backlog: "
-          f"{produce_rate:.0f} records/s)")
+    print(f"(medians of {args.rounds} interleaved rounds, ratio: median of the rounds' "
+          f"ratios; raw c+p without decoding: {med['bytes']:.0f} records/s; plain produce of "
+          f"the backlog: {produce_rate:.0f} records/s)")
     return {"hop": rows,
             "rounds_records_per_s": {k: [round(r) for r in v] for k, v in rates.items()},
+            "rounds_processor_over_raw": [round(p / r, 3)
+                                          for p, r in zip(rates["tp"], rates["raw"])],
             "raw_bytes_only_records_per_s": round(med["bytes"]),
             "produce_records_per_s": round(produce_rate)}
 
