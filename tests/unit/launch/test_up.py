@@ -541,3 +541,36 @@ def test_up_gives_up_past_the_outage_limit_and_at_once_on_other_errors(monkeypat
     missing = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, "topic run.status does not exist")
     with pytest.raises(KafkaException, match="does not exist"):
         launcher.OnceAnswering(_opener([missing]), "progress", limit_s=60).poll(0)
+
+
+@pytest.mark.slow  # two tiny models written and warm-started
+def test_up_writes_a_tiny_model_in_its_process_as_the_command_writes_it(tmp_path, capsys):
+    """The model `up` writes in its own process is the one `astraflow model init` writes
+    with `model_init_command`'s flags: the same files, recipe and weights, and the same
+    lines printed (timings aside)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from astraflow.cli.main import main
+
+    def run(spec: PolicySpec, write) -> list[str]:
+        write(spec)
+        out = capsys.readouterr().out
+        out = out.replace(spec.model, "DIR")
+        return [re.sub(r"\d+\.\d+s", "Ts", line) for line in out.splitlines()
+                if not line.startswith("writing the tiny")]
+
+    ws = {"steps": 2, "slip": 0.3, "levels": "1", "train_size": 64, "eval_size": 4,
+          "batch_size": 8}
+    ours = PolicySpec(model=str(tmp_path / "up"), warm_start=ws)
+    theirs = ours.model_copy(update={"model": str(tmp_path / "cli")})
+    printed = run(ours, lambda s: write_policy_model("solver", s))
+    assert run(theirs, lambda s: main(model_init_command(s))) == printed
+    assert any(line.startswith("warm start: 2 steps") for line in printed), printed
+    up, cli = Path(ours.model), Path(theirs.model)
+    assert sorted(p.name for p in up.iterdir()) == sorted(p.name for p in cli.iterdir())
+    assert (up / INIT_RECIPE).read_text() == (cli / INIT_RECIPE).read_text()
+    a, b = load_file(up / "model.safetensors"), load_file(cli / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert tiny_model_outdated(ours) == "" and tiny_model_outdated(theirs) == ""
