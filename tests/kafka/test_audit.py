@@ -10,7 +10,7 @@ from __future__ import annotations
 from confluent_kafka import Consumer, TopicPartition
 
 from astraflow.kafka.clients import RecordProducer
-from astraflow.launch.audit import Audit, audit_run
+from astraflow.launch.audit import audit_run
 from astraflow.wire.records import Task
 
 TOPICS = ["tasks.source", "tasks", "trajectories.raw", "trajectories", "samples.actor",
@@ -59,9 +59,3 @@ def test_the_books_balance_then_break_on_a_duplicate_and_a_lost_input(
     assert "admission: 1 inputs lost, e.g. ['t3']" in broken.problems, broken.problems
     assert broken.verdict().startswith("BROKEN: admission: ")
     assert broken.verdict().endswith("(+1 more)"), broken.verdict()
-
-
-def test_the_verdict_names_the_first_problem_and_counts_the_rest():
-    assert Audit().verdict() == "exactly once"
-    assert Audit({}, ["x broke"]).verdict() == "BROKEN: x broke"
-    assert Audit({}, ["x", "y", "z"]).verdict() == "BROKEN: x (+2 more)"

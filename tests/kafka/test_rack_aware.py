@@ -248,7 +248,8 @@ def test_a_racked_pools_node_reads_tasks_and_weights_from_its_racks_replica(
     from astraflow.weights.stores.kafka import KafkaBlobStore
     from astraflow.wire.records import TrajectoryGroup
     from tests.conftest import running
-    from tests.kafka.test_raas import task_of, tiny_model, tiny_tokenizer
+    from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
+    from tests.unit.raas.test_workflows import task_of
 
     run = random_name("rack")
     config = KafkaConfig(bootstrap_servers=embedded_cluster.bootstrap, client_id="rack-test")

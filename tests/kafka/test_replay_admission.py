@@ -396,7 +396,8 @@ def test_admission_in_front_of_a_real_raas_node(kafka_config, kafka_bootstrap, m
     """The group naming end to end: a real node of pool ``local`` commits its tasks in the
     run's RaaS group, and admission keeps no more in flight than its target (2, 1 node x 1
     task x 2, until the node's throughput is measured)."""
-    from tests.kafka.test_raas import start_node, tiny_model, tiny_tokenizer
+    from tests.kafka.test_raas import start_node
+    from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 
     model_dir = tmp_path / "model"
     tiny_model().save_pretrained(model_dir)

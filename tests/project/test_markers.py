@@ -38,11 +38,11 @@ NO_BROKER_AFTER_ALL = {  # test -> why its broker never starts
         "only the port choice runs, refused, which is the test",
     "tests/unit/broker/test_ports.py::test_the_default_port_taken_gives_way_and_says_so":
         "only the port choice runs, no broker starts",
-    "tests/kafka/test_cluster.py::test_racks_must_name_one_rack_a_node":
+    "tests/unit/broker/test_cluster.py::test_racks_must_name_one_rack_a_node":
         "the racks are refused in the constructor, which is the test",
-    "tests/kafka/test_cluster.py::test_a_state_of_another_size_is_refused_before_anything_starts":
+    "tests/unit/broker/test_cluster.py::test_a_state_of_another_size_is_refused_before_anything_starts":
         "the recorded size is refused before any node starts, which is the test",
-    "tests/kafka/test_cluster.py::test_cluster_options_that_cannot_apply_are_one_line_errors":
+    "tests/unit/broker/test_cluster.py::test_cluster_options_that_cannot_apply_are_one_line_errors":
         "every `broker start` there is refused before anything starts, which is the test",
 }
 

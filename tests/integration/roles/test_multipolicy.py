@@ -74,7 +74,7 @@ def test_node_follows_each_policy_weights_independently(kafka_config, make_topol
     from astraflow.raas.engine import TorchEngine
     from astraflow.raas.node import NodeOptions, RaaSNode
     from astraflow.weights import FileBlobStore, WeightPublisher
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
+    from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 
     topo, _ = make_topology(topics={
         "tasks": {"partitions": 1}, "trajectories.raw": {"partitions": 1},

@@ -11,7 +11,7 @@ from astraflow.raas.agent.server import AgentServer
 def engine():
     """A torch engine of the tiny model as policy ``actor`` (no prefix cache)."""
     from astraflow.raas.engine import TorchEngine
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
+    from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 
     return TorchEngine(tiny_model(), tiny_tokenizer(), policy="actor", prefix_cache_bytes=0)
 

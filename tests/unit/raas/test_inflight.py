@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from astraflow.config.sections import PoolSpec
 from astraflow.raas.engine import Generation, SamplingParams, TorchEngine
 from astraflow.raas.node import NodeOptions
-from tests.kafka.test_raas import nucleus_logprob, tiny_model, tiny_tokenizer
+from tests.unit.raas.test_engine import nucleus_logprob, tiny_model, tiny_tokenizer
 
 
 class Offers:

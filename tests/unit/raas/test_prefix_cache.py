@@ -8,7 +8,7 @@ import torch
 
 from astraflow.raas.engine import SamplingParams, TorchEngine
 from astraflow.raas.prefix_cache import PrefixCache
-from tests.kafka.test_raas import teacher_forced, tiny_model, tiny_tokenizer
+from tests.unit.raas.test_engine import teacher_forced, tiny_model, tiny_tokenizer
 
 
 def engine(prefix_cache_bytes: int) -> TorchEngine:

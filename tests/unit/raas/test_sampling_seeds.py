@@ -9,7 +9,7 @@ import torch
 
 from astraflow.models.sampling import sampling_logprobs
 from astraflow.raas.engine import SamplingParams, TorchEngine, _pick, sample_seed
-from tests.kafka.test_raas import tiny_model, tiny_tokenizer
+from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 
 PARAMS = {"max_new_tokens": 8, "temperature": 1.0, "n": 3, "seed": 7}
 
