@@ -122,9 +122,6 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["cmd_model_init", "register"]
-
-
 def cmd_model_import(args: argparse.Namespace) -> int:
     """``astraflow model import {smollm2 DIR | --gguf FILE DIR}``
     (``astraflow.models.gguf.import_source``)."""
@@ -137,3 +134,6 @@ def cmd_model_import(args: argparse.Namespace) -> int:
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+__all__ = ["cmd_model_import", "cmd_model_init", "register"]
