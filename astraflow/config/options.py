@@ -118,6 +118,19 @@ class GeneratorSamplingOptions(_DerivedSampling):
     max_new_tokens: int = Field(default=48, ge=1)
 
 
+class RequestSamplingOptions(SamplingOptions):
+    """The sampling of a request to the node's agent endpoint that sets none of its own
+    (the ``agent``, ``verifiers`` and ``openenv`` workflows' sampling options)."""
+
+    max_new_tokens: int = Field(default=256, ge=1, description="of a request that sets no "
+                                "max_tokens")
+
+    @classmethod
+    def of(cls, options: SamplingOptions) -> RequestSamplingOptions:
+        """The sampling options ``options`` sets, over these defaults."""
+        return cls(**options.sampling_given())
+
+
 class SingleTurnOptions(SamplingOptions):
     """``single_turn``: one prompt, ``n`` samples, one reward each."""
 
@@ -309,7 +322,7 @@ class AgentEndpointOptions(_Options):
 SHOWN = ["prompt", "messages", "tools"]  # what an untrusted agent program gets of a payload
 
 
-class AgentOptions(SamplingOptions):
+class AgentOptions(RequestSamplingOptions):
     """``agent``: a user's agent program against the node's OpenAI-compatible endpoint
     (``astraflow.raas.workflows.agent``); the sampling options set are a request's
     defaults."""
@@ -406,7 +419,7 @@ ENGINE_OPTIONS: dict[str, type[_Options]] = {
 }
 
 
-class VerifiersOptions(SamplingOptions):
+class VerifiersOptions(RequestSamplingOptions):
     """``verifiers``: a verifiers environment's own rollout and rubric
     (``astraflow.raas.workflows.verifiers_env``); the sampling options set are a request's
     defaults."""
@@ -420,7 +433,7 @@ class VerifiersOptions(SamplingOptions):
     endpoint: AgentEndpointOptions = Field(default_factory=AgentEndpointOptions)
 
 
-class OpenEnvOptions(SamplingOptions):
+class OpenEnvOptions(RequestSamplingOptions):
     """``openenv``: an OpenEnv environment stepped by the policy
     (``astraflow.raas.workflows.openenv_env``); the sampling options set are a request's
     defaults."""

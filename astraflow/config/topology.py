@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 from pydantic import (
+    BaseModel,
     Field,
     ValidationError,
     field_validator,
@@ -140,6 +141,11 @@ class ProcessorSpec(_Strict):
     max_batch: int = Field(default=100_000, ge=1)
     poll_timeout_s: float = Field(default=0.5, gt=0)
     options: dict[str, Any] = Field(default_factory=dict)
+
+    def typed_options(self) -> BaseModel:
+        """``options`` as its kind's model (``PROCESSOR_OPTIONS``): the keys set, over the
+        model's defaults (``model_fields_set`` tells the two apart)."""
+        return PROCESSOR_OPTIONS[self.kind](**self.options)
 
 
 # topics every run has, whether or not the file lists them
@@ -281,9 +287,9 @@ class Topology(_Strict):
         old-format checks reject the others)."""
         for pname, p in self.processors.items():
             if p.kind == "staleness_filter":
-                named = p.options.get("policies") or ["actor"]
+                named = list(p.typed_options().policies)
             elif p.kind == "batcher":
-                named = [p.options.get("policy", "actor")]
+                named = [p.typed_options().policy]
             else:
                 continue
             bounds = {n: self.policies[n].max_staleness for n in named if n in self.policies}

@@ -246,13 +246,16 @@ def max_staleness_of(topology: Any, policy: str) -> int | None:
         return topology.policies[policy].max_staleness
     found = None
     for spec in topology.processors.values():
-        opts = spec.options
-        if spec.kind == "batcher" and opts.get("policy", "actor") == policy and \
-                opts.get("max_staleness") is not None:
-            return int(opts["max_staleness"])
-        if spec.kind == "staleness_filter" and opts.get("max_staleness") is not None and \
-                policy in opts.get("policies", ["actor"]):
-            found = int(opts["max_staleness"])
+        if spec.kind == "batcher":
+            batcher = spec.typed_options()
+            if batcher.policy == policy and batcher.max_staleness is not None:
+                return batcher.max_staleness
+        elif spec.kind == "staleness_filter":
+            # a filter's bound counts where the file (or the policy) sets it: the filter's
+            # own default bounds the filter, not the policy's admission
+            filt = spec.typed_options()
+            if "max_staleness" in filt.model_fields_set and policy in filt.policies:
+                found = filt.max_staleness
     return found
 
 
@@ -265,11 +268,14 @@ def trainer_batches(topology: Any, options: AdmissionOptions) -> dict[str, int]:
         return {}
     out = {}
     for spec in topology.processors.values():
-        opts = spec.options
-        if spec.kind == "batcher" and opts.get("batch_size"):
-            size = int(opts["batch_size"])
-            replayed = math.floor(float(opts.get("replay_ratio", 0.0)) * size + 1e-9)
-            out[opts.get("policy", "actor")] = max(1, size - replayed)
+        if spec.kind != "batcher":
+            continue
+        batcher = spec.typed_options()
+        # a batcher whose batch_size the file leaves unset keeps its policy on the queue
+        # bound alone
+        if "batch_size" in batcher.model_fields_set:
+            replayed = math.floor(batcher.replay_ratio * batcher.batch_size + 1e-9)
+            out[batcher.policy] = max(1, batcher.batch_size - replayed)
     return out
 
 

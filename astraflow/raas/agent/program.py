@@ -45,6 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import ConfigDict
+
+from astraflow.config.options import AgentLimitsOptions
 from astraflow.raas.agent import jail
 
 API_KEY = "astraflow"  # a function's placeholder: the openai client insists on one
@@ -53,16 +56,13 @@ _UID_BASE = (1 << 30) | ((os.getpid() & 0xFFFF) << 10)
 _UID_SLOTS = 1 << 10
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(AgentLimitsOptions):
     """A command's resource limits (None: unlimited), its network (None or False: none
-    but its endpoint; True: the node's) and whether it is jailed at all (``isolate``)."""
+    but its endpoint; True: the node's) and whether it is jailed at all (``isolate``):
+    the workflow's ``limits:`` options, declared with their defaults in
+    ``AgentLimitsOptions``."""
 
-    cpu_s: float | None = None
-    mem_mb: int | None = None
-    max_procs: int | None = None
-    network: bool | None = None
-    isolate: bool = True
+    model_config = ConfigDict(**AgentLimitsOptions.model_config, frozen=True)
 
     def rlimits(self) -> dict[str, Any]:
         return {"cpu_s": self.cpu_s, "mem_mb": self.mem_mb, "max_procs": self.max_procs}
@@ -116,12 +116,13 @@ class AgentProgram:
 
     @classmethod
     def from_options(cls, command: str | list[str] | None = None, function: str | None = None,
-                     limits: Mapping[str, Any] | None = None,
+                     limits: AgentLimitsOptions | Mapping[str, Any] | None = None,
                      env: Mapping[str, str] | None = None) -> AgentProgram:
         cmd = shlex.split(command) if isinstance(command, str) else command
         return cls(command=tuple(str(c) for c in cmd) if cmd is not None else None,
-                   function=function, limits=Limits(**{k: v for k, v in dict(limits or {}).items()
-                                                    if v is not None}),
+                   function=function, limits=Limits(**(
+                       limits.model_dump() if isinstance(limits, AgentLimitsOptions)
+                       else dict(limits or {}))),
                    env={str(k): str(v) for k, v in (env or {}).items()})
 
     def resolve(self) -> Callable[..., Any] | None:

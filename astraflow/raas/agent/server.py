@@ -44,7 +44,7 @@ from typing import Any
 
 from pydantic import ConfigDict
 
-from astraflow.config.options import AgentEndpointOptions
+from astraflow.config.options import AgentEndpointOptions, RequestSamplingOptions, SamplingOptions
 from astraflow.models.chat import engine_chat
 from astraflow.raas.agent.batching import Coalescer
 from astraflow.raas.agent.chat import (
@@ -94,8 +94,9 @@ class Episode:
     id: str
     engines: dict[str, Engine]
     trajectory: EpisodeTrajectory
-    # the workflow's sampling defaults: max_new_tokens, temperature, top_p, seed
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # the workflow's sampling: what a request that sets no max_tokens, temperature, top_p
+    # samples with, and its seed
+    defaults: RequestSamplingOptions = field(default_factory=RequestSamplingOptions)
     reward: float | dict[str, float] | None = None
     failure: str | None = None  # why the episode ended early (a malformed call ...)
     ended: bool = False
@@ -152,8 +153,7 @@ def _sampling(ep: Episode, body: Mapping[str, Any], engine: Engine) -> SamplingP
         key = f"{ep.key or ep.id}:{ep.requests}"
     try:
         n = int(body["n"]) if body.get("n") is not None else 1
-        new_tokens = int(max_tokens if max_tokens is not None
-                         else d.get("max_new_tokens", 256))
+        new_tokens = int(max_tokens if max_tokens is not None else d.max_new_tokens)
     except (TypeError, ValueError) as e:
         raise CallError(400, f"bad sampling parameter: {e}") from None
     lim = ep.limits
@@ -167,13 +167,12 @@ def _sampling(ep: Episode, body: Mapping[str, Any], engine: Engine) -> SamplingP
             n=n,
             max_new_tokens=new_tokens,
             temperature=float(body["temperature"] if body.get("temperature") is not None
-                              else d.get("temperature", 1.0)),
-            top_p=float(body["top_p"] if body.get("top_p") is not None
-                        else d.get("top_p", 1.0)),
+                              else d.temperature),
+            top_p=float(body["top_p"] if body.get("top_p") is not None else d.top_p),
             stop=tuple(str(s) for s in stop),
             stop_token_ids=(eos,) if eos is not None else (),
-            seed=d.get("seed"),
-            keys=(key,) if d.get("seed") is not None else None,
+            seed=d.seed,
+            keys=(key,) if d.seed is not None else None,
         )
     except (TypeError, ValueError) as e:
         raise CallError(400, f"bad sampling parameter: {e}") from None
@@ -361,10 +360,11 @@ class AgentServer:
         log.info("agent endpoint on http://%s:%d", self.host, self.port)
 
     def open(self, engines: dict[str, Engine], sample_index: int,
-             defaults: Mapping[str, Any] | None = None, key: str = "", *,
+             defaults: SamplingOptions | Mapping[str, Any] | None = None, key: str = "", *,
              keyed: bool = False, trusted: bool = False) -> Episode:
         """A new episode (sample ``sample_index`` of its task; ``key`` names it in seeded
-        sampling) served by ``engines`` with the sampling ``defaults``; ``keyed``: its
+        sampling) served by ``engines`` with the sampling ``defaults`` (the options set, or
+        a mapping of them, over ``RequestSamplingOptions``'s defaults); ``keyed``: its
         calls must carry a key of its own (``access``); ``trusted``: it may post its
         reward."""
         with self._lock:
@@ -373,7 +373,10 @@ class AgentServer:
             for c in set(coalescers.values()):
                 c.episodes += 1
         ep = Episode(id=uuid.uuid4().hex, engines=dict(engines),
-                     trajectory=EpisodeTrajectory(sample_index), defaults=dict(defaults or {}),
+                     trajectory=EpisodeTrajectory(sample_index),
+                     defaults=(RequestSamplingOptions.of(defaults)
+                               if isinstance(defaults, SamplingOptions)
+                               else RequestSamplingOptions(**dict(defaults or {}))),
                      key=key, coalescers=coalescers, trusted=trusted, limits=self.limits,
                      api_key=secrets.token_urlsafe(32) if keyed else None)
         with self._lock:

@@ -45,7 +45,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from astraflow.config.options import AgentOptions
+from astraflow.config.options import AgentOptions, RequestSamplingOptions
 from astraflow.raas.agent.journal import EpisodeJournal, EpisodeLog
 from astraflow.raas.agent.program import AgentProgram, Outcome
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
@@ -75,7 +75,7 @@ class AgentWorkflow:
         self.resume = options.resume
         self.journal: EpisodeJournal | None = None  # attach() opens it
         self.program = AgentProgram.from_options(options.command, options.function,
-                                                 options.limits.model_dump(), options.env)
+                                                 options.limits, options.env)
         self.program.resolve()  # a function that does not import fails at start
         # a function is the node's own code
         self.trusted = options.trusted or options.function is not None
@@ -89,7 +89,7 @@ class AgentWorkflow:
                              "workflow's reward; set reward: (e.g. exact_match), or trusted: "
                              "true for a program whose own reward is to be used")
         self.endpoint = EndpointLimits.from_options(options.endpoint)
-        self.defaults = options.sampling_given()
+        self.defaults = RequestSamplingOptions.of(options)
         self._server: AgentServer | None = None
         self._server_lock = threading.Lock()
 

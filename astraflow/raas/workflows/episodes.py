@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
-from astraflow.config.options import AgentEndpointOptions
+from astraflow.config.options import AgentEndpointOptions, SamplingOptions
 from astraflow.raas.agent.program import API_KEY, Access
 from astraflow.raas.agent.server import AgentServer, EndpointLimits, Episode
 from astraflow.raas.engine import Engine
@@ -46,13 +45,13 @@ class EpisodeEndpoint:
 
     @contextmanager
     def episode(self, engines: dict[str, Engine], sample_index: int,
-                defaults: Mapping[str, Any], key: str) -> Iterator[tuple[Episode, Access]]:
+                defaults: SamplingOptions, key: str) -> Iterator[tuple[Episode, Access]]:
         """An open episode of sample ``sample_index`` and how to reach it (its key the
         placeholder the ``openai`` client insists on: an in-process harness needs none);
         closed on exit. ``defaults``: the sampling defaults of a request that sets none;
         ``key``: what seeds its requests (task, sample, attempt)."""
         server = self.server
-        ep = server.open(engines, sample_index, dict(defaults), key=key, keyed=False,
+        ep = server.open(engines, sample_index, defaults, key=key, keyed=False,
                          trusted=True)
         try:
             access = server.access(ep)

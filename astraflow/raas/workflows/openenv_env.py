@@ -41,7 +41,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from astraflow.config.options import OpenEnvOptions
+from astraflow.config.options import OpenEnvOptions, RequestSamplingOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import TaskError
 from astraflow.raas.workflows.episodes import EpisodeEndpoint, GroupFailed, with_attempts
@@ -79,7 +79,7 @@ class OpenEnvWorkflow:
         self.timeout_s = options.timeout_s
         self.attempts = options.attempts
         self.endpoint = EpisodeEndpoint(options.endpoint)
-        self.defaults = options.sampling_given()
+        self.defaults = RequestSamplingOptions.of(options)
 
     def run(self, task: Task, engines: dict[str, Engine], n: int) -> list[Sequence]:
         payload = parse_payload(task)

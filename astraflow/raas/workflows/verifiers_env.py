@@ -37,7 +37,7 @@ import threading
 from contextlib import ExitStack
 from typing import Any
 
-from astraflow.config.options import VerifiersOptions
+from astraflow.config.options import RequestSamplingOptions, VerifiersOptions
 from astraflow.raas.engine import Engine
 from astraflow.raas.workflows.base import TaskError
 from astraflow.raas.workflows.episodes import EpisodeEndpoint, GroupFailed, with_attempts
@@ -65,7 +65,7 @@ class VerifiersWorkflow:
         self.timeout_s = options.timeout_s
         self.attempts = options.attempts
         self.endpoint = EpisodeEndpoint(options.endpoint)
-        self.defaults = options.sampling_given()
+        self.defaults = RequestSamplingOptions.of(options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
 
