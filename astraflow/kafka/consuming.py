@@ -34,6 +34,10 @@ class Intake:
         self.spec = spec
         self.on_error = on_error
         self.positions: dict[tuple[str, int], int] = {}  # next offset to commit
+        # one input topic (not a pattern): every record is of it, so a batch's last
+        # offsets are found per partition alone
+        one = spec.inputs[0] if len(spec.inputs) == 1 else None
+        self._only_topic = one if one is not None and not one.startswith("^") else None
 
     def take(self, consumer: _Consuming, limit: int, wait: bool, committing: bool,
              settle: Callable[[], object]) -> list[Message]:
@@ -60,13 +64,19 @@ class Intake:
         their partitions' positions moved past them."""
         # the hot path (every input passes here): one pass to find errors, which are rare,
         # and one to take the last offset of each partition (a batch is in offset order
-        # within a partition), both as comprehensions
-        if any([m.error() is not None for m in got]):
-            got = self._without_errors(got)
-        if got:
-            last = {(m.topic(), m.partition()): m.offset() for m in got}
-            positions = self.positions
-            for tp, offset in last.items():
+        # within a partition) in a comprehension
+        for m in got:
+            if m.error() is not None:
+                got = self._without_errors(got)
+                break
+        if not got:
+            return got
+        positions, topic = self.positions, self._only_topic
+        if topic is not None:
+            for part, offset in {m.partition(): m.offset() for m in got}.items():
+                positions[(topic, part)] = offset + 1
+        else:
+            for tp, offset in {(m.topic(), m.partition()): m.offset() for m in got}.items():
                 positions[tp] = offset + 1
         return got
 

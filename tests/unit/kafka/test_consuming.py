@@ -40,8 +40,8 @@ class Polls:
         return self.batches.pop(0) if self.batches else []
 
 
-def spec(**kw) -> LoopSpec:
-    return LoopSpec(component_id="c/0", group="g", transactional_id="g.0", inputs=["in"],
+def spec(inputs: tuple[str, ...] = ("in",), **kw) -> LoopSpec:
+    return LoopSpec(component_id="c/0", group="g", transactional_id="g.0", inputs=list(inputs),
                     outputs=["out"], dlq="dlq", status_topic="status", **kw)
 
 
@@ -104,8 +104,18 @@ def test_errors_in_place_of_records():
                                                                fatal=True))])
 
 
+def test_positions_of_one_input_topic_or_several():
+    batch = [Msg("in", 0, 3), Msg("in", 2, 40), Msg("in", 0, 4), Msg("in", 2, 41)]
+    for inputs in (("in",), ("in", "other"), ("^in.*",)):
+        it, _ = intake(inputs=inputs)
+        it.positions[("in", 1)] = 7  # read before, none in this batch
+        assert it.accept(batch) == batch
+        assert it.positions == {("in", 0): 5, ("in", 1): 7, ("in", 2): 42}, inputs
+        assert it.accept([]) == [] and len(it.positions) == 3
+
+
 def test_the_offsets_committed_are_held_back_where_the_work_holds_a_record():
-    it, _ = intake()
+    it, _ = intake(inputs=("a", "b"))
     it.accept([Msg("b", 0, 19), Msg("a", 1, 4), Msg("a", 0, 10), Msg("a", 0, 11)])
     assert it.positions == {("b", 0): 20, ("a", 1): 5, ("a", 0): 12}
     tps = it.offsets({("a", 0): 7, ("b", 0): 30})
