@@ -72,5 +72,5 @@ def test_every_test_that_uses_the_broker_is_marked_kafka():
     assert not own, f"tests that start their own broker but are not marked kafka: {own}"
     # and the check can see a broker test: a marked one does use the fixture (one
     # module's collection is enough to show that the parsing finds it)
-    marked = _fixtures_per_test("-m", "kafka", where="tests/unit/kafka/test_replication.py")
+    marked = _fixtures_per_test("-m", "kafka", where="tests/integration/kafka/test_replication.py")
     assert any(BROKER_FIXTURE in fixtures for fixtures in marked.values()), sorted(marked)

@@ -78,9 +78,9 @@ def _acls_of_run(path: Path) -> dict[str, list[tuple]]:
     "source", ["smollm2.yaml", "smollm2-vllm.yaml", "smollm2-gsm8k.yaml"])
 def test_the_real_model_topologies_need_exactly_the_defaults_acls(source):
     """The SmolLM2 topologies wire the default's components and topics, so the secured
-    run of the default (tests/kafka/test_secure.py, ``up --secure``, every component as its own
-    principal with exactly these ACLs and nothing denied) covers theirs; when they diverge,
-    this fails and they need a secured run of their own."""
+    run of the default (``up --secure``, every component as its own principal with exactly
+    these ACLs and nothing denied: tests/kafka/test_secure.py) covers theirs; when they
+    diverge, this fails and they need a secured run of their own."""
     assert _acls_of_run(REPO / "topology" / source) == _acls_of_run(
         REPO / "topology" / "default.yaml")
 
