@@ -316,6 +316,11 @@ def test_a_workflow_reads_its_options_typed_with_their_one_default():
     assert ct.sampling.max_new_tokens == 32 and ct.generator_sampling.max_new_tokens == 48
     assert ct.sandbox == {"cpu_s": 1.0, "mem_mb": 512, "timeout_s": 5.0,
                           "max_output": 64 * 1024}
+    # the agent endpoint's request: the options set over its own defaults (256 tokens)
+    from astraflow.config.options import AgentOptions, RequestSamplingOptions
+
+    req = RequestSamplingOptions.of(AgentOptions(function="pkg.mod:f", temperature=0.5))
+    assert (req.max_new_tokens, req.temperature, req.top_p) == (256, 0.5, 1.0)
     # null is the default, as a key left out
     assert make_workflow("tool_calc", max_turns=None).max_turns == 4
     with pytest.raises(ValueError, match=r"^max_turns: Input should be greater"):
