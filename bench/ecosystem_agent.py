@@ -155,14 +155,16 @@ class Scorer:
         self.workflows: dict[str, Any] = {}
 
     def workflow(self, system: str, args: dict[str, Any]) -> Any:
+        from astraflow.config.options import VerifiersOptions
         from astraflow.raas.workflows.registry import make_workflow
 
         key = json.dumps([system, args], sort_keys=True)
         if key not in self.workflows:
+            # the topology's turn length and timeout, typed (unset: the options' defaults)
+            given = VerifiersOptions(**self.options)
             self.workflows[key] = make_workflow(
                 "verifiers", environment=SYSTEMS[system], args=args, temperature=0.0,
-                max_new_tokens=self.options.get("max_new_tokens", 96),
-                timeout_s=self.options.get("timeout_s", 600))
+                max_new_tokens=given.max_new_tokens, timeout_s=given.timeout_s)
         return self.workflows[key]
 
     def __call__(self, system: str, state: dict[str, Any] | None, version: int,
