@@ -7,7 +7,9 @@
   ``solve_verify``, ``solve_select`` (``two_policy``: the common part of the last two).
 
 A new workflow is a module here with a class decorated ``@register_workflow("name")``,
-named in ``registry.BUILTIN_MODULES`` and imported below.
+named in ``registry.BUILTIN_MODULES`` and imported below; its ``Options`` is the model of
+its options in ``astraflow.config.options`` (named in ``WORKFLOW_OPTIONS``), which its
+``__init__`` receives, checked, with every default applied.
 """
 
 # the shipped workflows register themselves on import: WORKFLOWS is complete once the
