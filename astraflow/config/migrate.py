@@ -28,6 +28,7 @@ from astraflow.config.overrides import (
     parse_argv,
     settings_value,
 )
+from astraflow.config.processors import BatcherOptions, StalenessOptions
 from astraflow.config.sections import (
     EvalSpec,
     FeederSpec,
@@ -132,8 +133,11 @@ def _processor_errors(data: dict[str, Any]) -> list[str]:
         opts = p["options"]
         if "max_staleness" not in opts or p.get("kind") not in ("staleness_filter", "batcher"):
             continue
-        named = (opts.get("policies") or ["actor"] if p["kind"] == "staleness_filter"
-                 else [opts.get("policy", "actor")])
+        # the file is not valid yet: its keys read raw, an unset one at its model's default
+        if p["kind"] == "staleness_filter":
+            named = opts.get("policies") or StalenessOptions().policies
+        else:
+            named = [opts.get("policy", BatcherOptions.model_fields["policy"].default)]
         declared = [n for n in named if n in policies]
         if declared:
             where = " and ".join(f"policies.{n}.max_staleness: {opts['max_staleness']}"
