@@ -251,6 +251,28 @@ def test_the_pipeline_budget_takes_each_policys_batch_size_from_its_batcher():
     assert trainer_batches(topo, AdmissionOptions(staleness_budget="queue")) == {}
 
 
+def test_the_admission_reads_the_processors_options_typed_as_the_file_sets_them():
+    """Each processor's options through its model: a batcher's batch size and a filter's
+    bound count where the file sets them; the models' defaults fill the rest."""
+    from types import SimpleNamespace
+
+    from astraflow.config.topology import ProcessorSpec
+    from astraflow.dataflow.admission import max_staleness_of
+
+    topo = SimpleNamespace(processors={
+        "b1": ProcessorSpec(kind="batcher", inputs=["s"], options={
+            "policy": "a", "batch_size": 10, "replay_ratio": 0.2}),
+        "b2": ProcessorSpec(kind="batcher", inputs=["s"], options={"policy": "b"}),
+        "f": ProcessorSpec(kind="staleness_filter", inputs=["t"], options={
+            "policies": ["b"], "max_staleness": 3}),
+        "g": ProcessorSpec(kind="staleness_filter", inputs=["t"]),  # actor, bound unset
+    })
+    assert trainer_batches(topo, AdmissionOptions()) == {"a": 8}  # b: the queue bound alone
+    assert max_staleness_of(topo, "b") == 3
+    assert max_staleness_of(topo, "actor") is None
+    assert topo.processors["g"].typed_options().policies == ["actor"]
+
+
 @pytest.mark.parametrize("budget", ["pipeline", "in_flight"])
 def test_only_the_pipeline_budget_reads_the_lag_on_the_way_to_the_batchers(budget):
     topo = load_topology(REPO / "topology" / "smollm2.yaml")
