@@ -16,9 +16,9 @@ import zstandard
 from astraflow.weights.bits import _UINT_NP, _as_bytes
 from astraflow.weights.errors import CorruptBlobError
 
-DEFAULT_LEVEL = 1
+DEFAULT_LEVEL = 1  # zstd level of the streams (level 1 is tuned: see _cctx)
 
-_MIN_COMPRESS = 32
+_MIN_COMPRESS = 32  # shorter streams are stored raw without trying zstd
 
 
 class _Local(threading.local):
