@@ -54,13 +54,14 @@ SETTINGS = {"master": ("bf16", "master"), "published": ("bf16", "published"),
 def run_setting(name: str, args: argparse.Namespace, rows: list[dict]) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.raas.engine import SamplingParams, TorchEngine
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     publish, forward_on = SETTINGS[name]
     tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    trainer = Trainer(args.model, TrainerConfig(lr=args.lr, temperature=1.0,
-                                                publish_dtype=publish, forward_on=forward_on))
+    trainer = Trainer(args.model, TrainerSpec(lr=args.lr, publish_dtype=publish,
+                                              forward_on=forward_on), temperature=1.0)
     engine = TorchEngine(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
                          tok, prefix_cache_bytes=0)
     engine.load_state_dict(trainer.published_state(), 0)

@@ -52,13 +52,14 @@ def batches(vocab: int) -> list[Batch]:
 
 def child(phase: str, model: str, device: str, work: Path) -> None:
     """One phase in this process (a group of 1: the DCP path)."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer import checkpoint
     from astraflow.trainer.parallel import join
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     group = join(device)
-    tr = Trainer(model, TrainerConfig(lr=1e-5, autocast="bf16" if device == "cuda" else
-                                      "none", micro_batch_size=4, device=device),
+    tr = Trainer(model, TrainerSpec(lr=1e-5, autocast="bf16" if device == "cuda" else
+                                    "none", micro_batch_size=4, device=device),
                  policy="actor", group=group)
     data = batches(int(tr.model.config.vocab_size))
     if phase == "train":

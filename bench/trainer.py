@@ -80,8 +80,9 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from astraflow.config.sections import TrainerSpec
 from astraflow.trainer.state import StateWriter, write_state
-from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.trainer.trainer import Trainer
 from astraflow.weights.encode import EncodeStats, iter_encode_delta
 from astraflow.weights.stores import FileBlobStore
 from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
@@ -248,7 +249,7 @@ def runnable(name: str, backend: str, device: str = "cpu") -> bool:
     """Whether the trainer takes setting ``name`` under ``backend`` on ``device``
     (megatron: no autocast on a CPU); says why not."""
     try:
-        TrainerConfig(backend=backend, device=device, **SETTINGS[name]).validate()
+        TrainerSpec(backend=backend, device=device, **SETTINGS[name])
     except ValueError as e:
         print(f"# {name} ({backend}) skipped: {e}")
         return False
@@ -256,7 +257,7 @@ def runnable(name: str, backend: str, device: str = "cpu") -> bool:
 
 
 def open_setting(model_dir: str, name: str, backend: str, args, root: str) -> Setting:
-    cfg = TrainerConfig(lr=args.lr, backend=backend, device=args.device, **SETTINGS[name])
+    cfg = TrainerSpec(lr=args.lr, backend=backend, device=args.device, **SETTINGS[name])
     trainer = Trainer(model_dir, cfg, policy="actor")
     store = FileBlobStore(os.path.join(root, f"{name}-{backend}"))
     st = Setting(trainer, store, StateWriter(store, "actor"), Row(name, backend))
@@ -319,7 +320,7 @@ def logprob_error(model_dir: str, batch: Batch, device: str = "cpu") -> str:
     """bf16 autocast against fp32 token log-probs on the batch's completion tokens."""
     out = {}
     for ac in ("none", "bf16"):
-        tr = Trainer(model_dir, TrainerConfig(autocast=ac, device=device), policy="actor")
+        tr = Trainer(model_dir, TrainerSpec(autocast=ac, device=device), policy="actor")
         rows = tr._rows(batch)
         ids, attn, behaviour, mask, _ = tr._tensors(rows)
         with torch.no_grad():

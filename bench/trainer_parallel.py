@@ -394,7 +394,8 @@ def worker(spec_path: str) -> int:
 def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
     """Build the trainer, train ``steps + 1`` batches publishing every version, then save
     the state; every phase recorded as it ends."""
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
     from astraflow.weights.blob import Rows
     from astraflow.weights.publisher import WeightPublisher
     from astraflow.weights.stores import FileBlobStore
@@ -424,10 +425,10 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
         from astraflow.trainer.backend import load_hf_model
 
         model = load_hf_model(spec["model"], torch.float32)
-    cfg = TrainerConfig(lr=spec["lr"], autocast=spec["autocast"],
-                        gradient_checkpointing=spec["gradient_checkpointing"],
-                        micro_batch_size=spec["micro_batch_size"], share_prompt=False,
-                        device=device.type if baseline else str(device))
+    cfg = TrainerSpec(lr=spec["lr"], autocast=spec["autocast"],
+                      gradient_checkpointing=spec["gradient_checkpointing"],
+                      micro_batch_size=spec["micro_batch_size"], share_prompt=False,
+                      device=device.type if baseline else str(device))
     t0 = time.perf_counter()
     trainer = Trainer(spec["model"] or spec["shape"], cfg, policy="actor", model=model,
                       group=group)

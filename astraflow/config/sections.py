@@ -318,6 +318,32 @@ class TrainerSpec(_Section):
                              "of steps it takes")
         return self
 
+    @model_validator(mode="after")
+    def _forward_dtype(self) -> TrainerSpec:
+        """bf16 forward weights are the published rounding itself (a policy's LoRA is
+        checked by ``PolicySpec``)."""
+        if self.forward_dtype != "bf16":
+            return self
+        needs = [("forward_on", "published"), ("publish_dtype", "bf16"), ("dtype", "fp32"),
+                 ("backend", "torch")]
+        for name, value in needs:
+            if getattr(self, name) != value:
+                raise ValueError(f".forward_dtype: bf16 holds the published weights: needs "
+                                 f"{name} {value}, not {getattr(self, name)}")
+        if self.parallel.processes > 1:
+            raise ValueError(".forward_dtype: bf16 holds the weights in one process, not "
+                             "over a process group (parallel.processes 1): fp32 or best")
+        return self
+
+    @model_validator(mode="after")
+    def _megatron_autocast(self) -> TrainerSpec:
+        # megatron's linear layers keep only CUDA's autocast state for their backward
+        if (self.autocast == "bf16" and self.backend == "megatron"
+                and self.device.startswith("cpu")):
+            raise ValueError(".autocast: bf16 with backend megatron needs a GPU (on a CPU: "
+                             "autocast none, or dtype bf16 to train bf16 weights)")
+        return self
+
     @field_validator("loss")
     @classmethod
     def _loss(cls, v: str) -> str:
@@ -456,6 +482,9 @@ class PolicySpec(_Strict):
     def _lora_fits(self) -> PolicySpec:
         if self.lora is None:
             return self
+        if self.trainer.forward_dtype == "bf16":
+            raise ValueError("trainer.forward_dtype: bf16 holds the published weights of "
+                             "the whole model, not adapters (lora): fp32 or best")
         if self.trainer.backend != "torch":
             raise ValueError("lora: trains with peft on the torch backend (trainer.backend: "
                              "torch); megatron-core would need its own adapter layers")

@@ -92,7 +92,7 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
 
 
 def _meta(trainer: Trainer, version: int) -> dict[str, Any]:
-    c = trainer.config
+    c = trainer.spec
     return {"format": FORMAT, "version": int(version), "steps": int(trainer.steps),
             "world": trainer.group.world if trainer.group is not None else 1,
             "dtype": str(trainer.dtype).removeprefix("torch."),

@@ -179,7 +179,7 @@ SUM_KEYS = (
 
 
 class PolicyLoss(Protocol):
-    """A policy loss the trainer can be told to use by name (``TrainerConfig.loss``).
+    """A policy loss the trainer can be told to use by name (``TrainerSpec.loss``).
 
     Per-token tensors of one (micro-)batch in; the loss divided by ``num_tokens`` (the loss
     tokens of the whole batch) and its metric ``sums`` out (the trainer reports each sum

@@ -82,7 +82,7 @@ from astraflow.trainer.resume import (
     trained_batches,
 )
 from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY, StateWriter, WrittenState
-from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.trainer.trainer import Trainer
 from astraflow.weights.errors import BlobError
 from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
 from astraflow.wire.codec import RecordDecodeError
@@ -113,6 +113,7 @@ def default_blob_store(topology: Topology, state_dir: Path) -> str:
 
 
 _SPEC = TrainerSpec()  # the one declaration of the trainer's defaults
+_POLICY = PolicySpec(model="")  # and of the policy's sampling
 
 
 @dataclass
@@ -145,7 +146,14 @@ class ServiceOptions:
     session_timeout_ms: int = 10_000
     max_poll_interval_ms: int = 3_600_000  # a step may take long on a big model
     commit_retries: int = 3
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # the policy's trainer: section, validated where it was built
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    # the policy's own settings the step reads (Trainer's keywords): its sampling, whose
+    # log-probs the trainer takes, its staleness bound (None: none) and its LoRA adapters
+    temperature: float = _POLICY.temperature
+    top_p: float = _POLICY.top_p
+    max_staleness: int | None = None
+    lora: LoraSettings | None = None
 
     @classmethod
     def from_spec(cls, policy: str, spec: PolicySpec,
@@ -159,7 +167,10 @@ class ServiceOptions:
                    state_interval=t.state_interval,
                    state_max_lag=t.state_max_lag, keep_optimizer=t.keep_optimizer,
                    keep_versions=t.keep_versions, max_steps=t.max_steps,
-                   checkpoint_dir=t.checkpoint_dir, trainer=TrainerConfig.from_spec(spec))
+                   checkpoint_dir=t.checkpoint_dir, trainer=t, temperature=spec.temperature,
+                   top_p=spec.top_p, max_staleness=spec.max_staleness,
+                   lora=(LoraSettings.from_mapping(spec.lora.model_dump())
+                         if spec.lora is not None else None))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option (and its CLI flag) of a bad setting."""
@@ -177,7 +188,13 @@ class ServiceOptions:
                 raise ValueError(
                     f"{name} ({flag}) must be at least {minimum}, got {getattr(self, name)!r}"
                 )
-        self.trainer.validate()
+
+    def make_trainer(self, group: Group | None = None) -> Trainer:
+        """The step these options declare: the policy's ``trainer:`` section with its
+        sampling, staleness bound and LoRA adapters (``group``: sharded over it)."""
+        return Trainer(self.model_path, self.trainer, self.policy, group=group,
+                       temperature=self.temperature, top_p=self.top_p,
+                       max_staleness=self.max_staleness, lora=self.lora)
 
     @property
     def state_lag(self) -> int:
@@ -292,8 +309,7 @@ class TrainerService:
 
         self.store = open_store(self.blob_uri, self.config)
         if self.trainer is None:
-            self.trainer = Trainer(self.options.model_path, self.options.trainer, self.policy,
-                                   group=self.dist)
+            self.trainer = self.options.make_trainer(self.dist)
         self.writer: StateWriter | CheckpointWriter
         if self.checkpoint_dir is None:
             self.writer = StateWriter(self.store, self.policy)
@@ -465,8 +481,7 @@ class TrainerService:
                                meta={LORA_META: lora.to_json()} if lora is not None else None)
 
     def _lora(self) -> LoraSettings | None:
-        lora = self.options.trainer.lora
-        return LoraSettings.from_mapping(lora) if lora is not None else None
+        return self.options.lora
 
     def _check_lora(self, manifests: list[WeightManifest]) -> None:
         """Refuse, in one line, to resume a policy whose published versions are another

@@ -71,7 +71,7 @@ import inspect
 import io
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +82,6 @@ from astraflow.models.lora import LoraSettings
 from astraflow.models.precision import best_precision
 from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
 from astraflow.trainer.backend import (
-    BACKENDS,
     LoraPolicy,
     PolicyModel,
     TorchPolicy,
@@ -90,9 +89,7 @@ from astraflow.trainer.backend import (
 )
 from astraflow.trainer.loss import (
     BATCH_STATS,
-    DEFAULT_LOSS,
     EPISODE_META,
-    LOSSES,
     SUM_KEYS,
     get_loss,
     unit_advantages,
@@ -103,8 +100,8 @@ from astraflow.trainer.schedule import LrSchedule
 from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
-if TYPE_CHECKING:  # the step imports no configuration: a spec is only read here
-    from astraflow.config.sections import PolicySpec
+if TYPE_CHECKING:  # the step imports no configuration: it reads the spec it is given
+    from astraflow.config.sections import PolicySpec, TrainerSpec
     from astraflow.trainer.parallel import Group
     from astraflow.weights.blob import Rows
 
@@ -120,221 +117,53 @@ DTYPES = {
 }
 
 
-@dataclass
-class TrainerConfig:
-    """Hyper-parameters of the step. A trainer process builds them from its policy's
-    typed section of the topology (``from_spec``: ``astraflow.config.sections``, where
-    each one is declared with its default and its ``trainer run`` flag); the defaults
-    here are the same (a test keeps them equal), for a step built in code."""
-
-    lr: float = 1e-5
-    # the rate of each step (astraflow.trainer.schedule.LrSchedule): a linear warm-up of
-    # lr_warmup_steps, then lr_decay ("constant", "linear", "cosine") to lr_final over
-    # lr_decay_steps
-    lr_warmup_steps: int = 0
-    lr_decay: str = "constant"
-    lr_final: float = 0.0
-    lr_decay_steps: int | None = None
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    # AdamW's implementation (adam_impl below): "auto", "fused", "foreach" or "for-loop"
-    adam_impl: str = "auto"
-    # the policy loss, by its name in astraflow.trainer.loss.LOSSES
-    loss: str = DEFAULT_LOSS
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    # truncation of the importance weight against the behaviour policy (clipped_tis,
-    # decoupled_ppo)
-    tis_cap: float = 2.0
-    # decoupled_ppo: a token whose weight is above tis_cap is masked, not truncated
-    tis_mask: bool = False
-    # m2po: the most the mean (log pi_theta/mu)^2 of the trained tokens may be
-    m2_threshold: float = 0.04
-    normalize_std: bool = True
-    # what one member of a group's statistics is (loss.unit_advantages): "episode" (the
-    # sequences of one agent episode, Sequence.meta["episode"], count once) or "sequence"
-    group_unit: str = "episode"
-    micro_batch_size: int = 8  # sequences per forward/backward
-    # optimizer steps per batch: its groups are cut into this many parts, one AdamW step
-    # each (AReaL's ppo_n_minibatches); the proximal policy of decoupled_ppo is the policy
-    # before the first of them, so its clip binds from the second on
-    minibatches: int = 1
-    # padded tokens per forward/backward (sequences sorted by length); replaces
-    # micro_batch_size when set
-    micro_batch_tokens: int | None = None
-    dtype: str = "fp32"  # the trained (master) weights
-    # the published weights: the master weights rounded to this ("same": as trained)
-    publish_dtype: str = "bf16"
-    # "bf16": forward/backward under torch.autocast(bfloat16), master weights, gradients,
-    # optimizer and the log-softmax/loss in fp32 (recommended for real models); "best":
-    # bf16 where the device computes bf16 natively (astraflow.models.precision), else none
-    autocast: str = "none"
-    # "bf16": the forward/backward's weights are held in bf16, the published rounding
-    # itself, so every op computes in bf16 as the engines do, with no cast of every weight
-    # per pass (autocast's cost: a step 1.4x as long on 2 AVX512-BF16 cores); their
-    # gradients are summed into the fp32 masters. "best": bf16 where the device computes it
-    # natively and the rest allows it (forward_on published, publish_dtype bf16, backend
-    # torch, no LoRA, no group), else "fp32": the weights in ``dtype``, autocast as set
-    forward_dtype: str = "fp32"
-    gradient_checkpointing: bool = False
-    # sequences that share a prompt (a group's samples) run it through the model once: its
-    # keys/values are repeated for their completions, and gradients flow back through them
-    # (off with gradient checkpointing, whose recomputation would repeat the cache update)
-    share_prompt: bool = True
-    # "published": forward and backward run on the weights exactly as published (the
-    # master rounded to publish_dtype), so the trainer's log-probs are the rollouts' own
-    # policy; the optimizer steps a separate fp32 master copy. "master": on the master
-    # weights, whose small AdamW steps the published rounding mostly drops: the trainer
-    # then drifts from the policy the engines sample (a steady KL, many clipped tokens)
-    forward_on: str = "published"
-    # the sampling temperature and top-p of the rollouts: log-probs are those of the
-    # distribution sampled from (astraflow.models.sampling), as the engines record them;
-    # temperature 0 (greedy) means 1, as the engines report greedy tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
-    device: str = "cpu"
-    # the model implementation (astraflow.trainer.backend): "torch" (transformers) or
-    # "megatron" (megatron-core GPTModel, Llama-family models)
-    backend: str = "torch"
-    pad_token_id: int = 0
-    # train LoRA adapters (astraflow.models.lora: rank, alpha, dropout, target_modules) on
-    # the frozen model instead of the model; None: the whole model
-    lora: dict[str, Any] | None = None
-    # drop groups whose oldest generated token is more than this many versions behind the
-    # version being trained (the last guard of the staleness bound); None: keep all
-    max_staleness: int | None = None
-
-    @classmethod
-    def from_spec(cls, spec: PolicySpec) -> TrainerConfig:
-        """The step of a policy's trainer as its typed section ``spec`` declares it (its
-        ``trainer:`` and the policy's sampling and ``max_staleness``)."""
-        t = spec.trainer
-        return cls(
-            lr=t.lr, lr_warmup_steps=t.lr_warmup_steps, lr_decay=t.lr_decay,
-            lr_final=t.lr_final, lr_decay_steps=t.lr_decay_steps,
-            betas=(t.adam_beta1, t.adam_beta2), adam_eps=t.adam_eps,
-            weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-            adam_impl=t.adam_impl, loss=t.loss,
-            clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap,
-            tis_mask=t.tis_mask, m2_threshold=t.m2_threshold, normalize_std=t.std_normalize,
-            group_unit=t.group_unit,
-            micro_batch_size=t.micro_batch_size, minibatches=t.minibatches,
-            micro_batch_tokens=t.micro_batch_tokens, dtype=t.dtype,
-            publish_dtype=t.publish_dtype, autocast=t.autocast, forward_dtype=t.forward_dtype,
-            gradient_checkpointing=t.gradient_checkpointing, share_prompt=t.share_prompt,
-            forward_on=t.forward_on, temperature=spec.temperature, top_p=spec.top_p,
-            device=t.device, backend=t.backend, max_staleness=spec.max_staleness,
-            lora=spec.lora.model_dump() if spec.lora is not None else None,
-        )
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the field (and its CLI flag) of a bad setting."""
-        blocker = self.bf16_forward_blocker() if self.forward_dtype == "bf16" else None
-        checks = [
-            ("lr", "--lr", self.lr > 0, "must be > 0"),
-            ("lr_warmup_steps", "--lr-warmup-steps", self.lr_warmup_steps >= 0,
-             "must be >= 0"),
-            ("lr_final", "--lr-final", self.lr_final >= 0, "must be >= 0"),
-            ("loss", "--loss", self.loss in LOSSES, f"must be one of {sorted(LOSSES)}"),
-            ("micro_batch_size", "--micro-batch-size", self.micro_batch_size >= 1,
-             "must be at least 1"),
-            ("minibatches", "--minibatches", self.minibatches >= 1, "must be at least 1"),
-            ("micro_batch_tokens", "--micro-batch-tokens",
-             self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
-             "must be at least 1"),
-            ("temperature", "--temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", "--top-p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("clip_low", "--clip-low", self.clip_low >= 0, "must be >= 0"),
-            ("clip_high", "--clip-high", self.clip_high >= 0, "must be >= 0"),
-            ("tis_cap", "--tis-cap", self.tis_cap > 0, "must be > 0"),
-            ("tis_cap", "--tis-cap",
-             self.loss != DEFAULT_LOSS or self.tis_cap > 1 + self.clip_high,
-             f"must be > 1 + clip_high ({1 + self.clip_high:g}) with loss {DEFAULT_LOSS}"),
-            ("m2_threshold", "--m2-threshold", self.m2_threshold > 0, "must be > 0"),
-            ("max_grad_norm", "--max-grad-norm", self.max_grad_norm > 0, "must be > 0"),
-            ("adam_impl", "--adam-impl", self.adam_impl in ADAM_IMPLS,
-             f"must be one of {ADAM_IMPLS}"),
-            ("group_unit", "--group-unit", self.group_unit in GROUP_UNITS,
-             f"must be one of {GROUP_UNITS}"),
-            ("max_staleness", "--max-staleness",
-             self.max_staleness is None or self.max_staleness >= 0, "must be >= 0"),
-            ("dtype", "--dtype", self.dtype in DTYPES, f"must be one of {sorted(DTYPES)}"),
-            ("publish_dtype", "--publish-dtype",
-             self.publish_dtype == "same" or self.publish_dtype in DTYPES,
-             f"must be 'same' or one of {sorted(DTYPES)}"),
-            ("autocast", "--autocast", self.autocast in AUTOCAST, f"must be one of {AUTOCAST}"),
-            ("forward_on", "--forward-on", self.forward_on in FORWARD_ON,
-             f"must be one of {FORWARD_ON}"),
-            ("forward_dtype", "--forward-dtype", self.forward_dtype in FORWARD_DTYPES,
-             f"must be one of {FORWARD_DTYPES}"),
-            ("forward_dtype", "--forward-dtype",
-             blocker is None, f"bf16 holds the published weights: {blocker}"),
-            ("backend", "--backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
-            ("lora", "lora:", self.lora is None or self.backend == "torch",
-             "trains with peft on backend torch only"),
-            # megatron's linear layers keep only CUDA's autocast state for their backward
-            ("autocast", "--autocast",
-             not (self.autocast == "bf16" and self.backend == "megatron"
-                  and self.device.startswith("cpu")),
-             "bf16 with backend megatron needs a GPU (on a CPU: --autocast none, or "
-             "--dtype bf16 to train bf16 weights)"),
-        ]
-        for name, flag, ok, what in checks:
-            if not ok:
-                raise ValueError(f"{name} ({flag}) {what}, got {getattr(self, name)!r}")
-        self.lr_schedule()  # lr_decay and lr_decay_steps: the schedule's own checks
-
-    def lr_schedule(self) -> LrSchedule:
-        """The learning rate of each step."""
-        return LrSchedule(lr=self.lr, warmup_steps=self.lr_warmup_steps, decay=self.lr_decay,
-                          final=self.lr_final, decay_steps=self.lr_decay_steps)
-
-    def chosen_autocast(self) -> tuple[str, str]:
-        """``(autocast, why)``: ``autocast`` as set, or for ``best`` what this machine's
-        device computes fastest (megatron's CPU path takes no autocast: none there)."""
-        if self.autocast != "best":
-            return self.autocast, "as configured"
-        if self.backend == "megatron" and self.device.startswith("cpu"):
-            return "none", "megatron on a CPU takes no autocast"
-        p = best_precision(self.device)
-        return ("bf16" if p.bf16 else "none"), p.reason
-
-    def bf16_forward_blocker(self, grouped: bool = False) -> str | None:
-        """Why the forward's weights cannot be held in bf16 (``forward_dtype``), or None;
-        ``grouped``: the trainer is one rank of a process group."""
-        if grouped:
-            return "needs one process, not a process group"
-        needs = [("forward_on", "published"), ("publish_dtype", "bf16"), ("dtype", "fp32"),
-                 ("backend", "torch")]
-        for name, value in needs:
-            if getattr(self, name) != value:
-                return f"needs {name} {value}, not {getattr(self, name)}"
-        return "needs no LoRA (lora: trains adapters)" if self.lora is not None else None
-
-    def chosen_forward_dtype(self, grouped: bool = False) -> tuple[str, str]:
-        """``(forward_dtype, why)``: as set, or for ``best`` bf16 where the device computes
-        it natively and ``bf16_forward_blocker`` finds nothing, else fp32."""
-        if self.forward_dtype != "best":
-            return self.forward_dtype, "as configured"
-        blocker = self.bf16_forward_blocker(grouped)
-        if blocker is not None:
-            return "fp32", f"bf16 {blocker}"
-        p = best_precision(self.device)
-        return ("bf16" if p.bf16 else "fp32"), p.reason
-
-    @property
-    def logit_temperature(self) -> float:
-        """What the logits are divided by: ``temperature``, 1 for greedy (0)."""
-        return self.temperature if self.temperature > 0 else 1.0
+# the id the padding positions of a pass hold: they are masked out of every pass and loss
+PAD_TOKEN_ID = 0
 
 
-AUTOCAST = ("none", "bf16", "best")
-ADAM_IMPLS = ("auto", "fused", "foreach", "for-loop")
-FORWARD_ON = ("published", "master")
-GROUP_UNITS = ("episode", "sequence")
-FORWARD_DTYPES = ("fp32", "bf16", "best")
+def lr_schedule(spec: TrainerSpec) -> LrSchedule:
+    """The learning rate of each step, as ``spec`` declares it."""
+    return LrSchedule(lr=spec.lr, warmup_steps=spec.lr_warmup_steps, decay=spec.lr_decay,
+                      final=spec.lr_final, decay_steps=spec.lr_decay_steps)
+
+
+def chosen_autocast(spec: TrainerSpec) -> tuple[str, str]:
+    """``(autocast, why)``: ``spec.autocast`` as set, or for ``best`` what this machine's
+    device computes fastest (megatron's CPU path takes no autocast: none there)."""
+    if spec.autocast != "best":
+        return spec.autocast, "as configured"
+    if spec.backend == "megatron" and spec.device.startswith("cpu"):
+        return "none", "megatron on a CPU takes no autocast"
+    p = best_precision(spec.device)
+    return ("bf16" if p.bf16 else "none"), p.reason
+
+
+def bf16_forward_blocker(spec: TrainerSpec, *, lora: bool = False,
+                         grouped: bool = False) -> str | None:
+    """Why the forward's weights cannot be held in bf16 (``forward_dtype``), or None;
+    ``lora``: the trainer trains adapters; ``grouped``: it is one rank of a process group
+    of several. ``TrainerSpec`` refuses ``forward_dtype: bf16`` on the same grounds."""
+    if grouped:
+        return "needs one process, not a process group"
+    needs = [("forward_on", "published"), ("publish_dtype", "bf16"), ("dtype", "fp32"),
+             ("backend", "torch")]
+    for name, value in needs:
+        if getattr(spec, name) != value:
+            return f"needs {name} {value}, not {getattr(spec, name)}"
+    return "needs no LoRA (lora: trains adapters)" if lora else None
+
+
+def chosen_forward_dtype(spec: TrainerSpec, *, lora: bool = False,
+                         grouped: bool = False) -> tuple[str, str]:
+    """``(forward_dtype, why)``: as set, or for ``best`` bf16 where the device computes it
+    natively and ``bf16_forward_blocker`` finds nothing, else fp32."""
+    if spec.forward_dtype != "best":
+        return spec.forward_dtype, "as configured"
+    blocker = bf16_forward_blocker(spec, lora=lora, grouped=grouped)
+    if blocker is not None:
+        return "fp32", f"bf16 {blocker}"
+    p = best_precision(spec.device)
+    return ("bf16" if p.bf16 else "fp32"), p.reason
 
 
 @dataclass
@@ -357,30 +186,49 @@ class Trainer:
     def __init__(
         self,
         model_path: str,
-        config: TrainerConfig | None = None,
+        spec: TrainerSpec,
         policy: str | None = None,
         model: Any = None,
         group: Group | None = None,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_staleness: int | None = None,
+        lora: LoraSettings | Mapping[str, Any] | None = None,
     ):
-        """``model``: a ``PolicyModel`` or a transformers model to train instead of the
-        one in ``model_path`` (loaded by ``config.backend``). ``group``: the processes
-        (``astraflow.trainer.parallel.join``) the model is sharded over with FSDP2; it then
-        trains on ``group.device`` (see the module docstring). Every rank of a group must
-        make the same calls (``train_step``, ``published_state``, ...) in the same order."""
-        self.config = config or TrainerConfig()
+        """``spec``: the policy's typed ``trainer:`` section (``astraflow.config.sections.
+        TrainerSpec``), validated where it was built; the keywords are the policy's own
+        settings the step reads (``for_policy`` takes them from its ``PolicySpec``), here
+        with the values that change nothing: log-probs of the unscaled, untruncated
+        distribution (``temperature`` 0, greedy, counts as 1), no staleness bound, the
+        whole model trained rather than LoRA adapters. ``model``: a ``PolicyModel`` or a
+        transformers model to train instead of the one in ``model_path`` (loaded by
+        ``spec.backend``). ``group``: the processes (``astraflow.trainer.parallel.join``)
+        the model is sharded over with FSDP2; it then trains on ``group.device`` (see the
+        module docstring). Every rank of a group must make the same calls
+        (``train_step``, ``published_state``, ...) in the same order."""
+        self.spec = c = spec
         self.policy = policy
-        c = self.config
-        c.validate()
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.top_p = top_p
+        self.max_staleness = max_staleness
+        self.lora = LoraSettings.from_mapping(lora) if isinstance(lora, Mapping) else lora
         self.group = group
         if group is not None:
-            _check_group(c, group)
+            _check_group(self, group)
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
-        self.forward_dtype, why = c.chosen_forward_dtype(grouped=group is not None)
+        grouped, lora_on = group is not None, self.lora is not None
+        if c.forward_dtype == "bf16":  # what the spec could not see: adapters, a group
+            blocker = bf16_forward_blocker(c, lora=lora_on, grouped=grouped)
+            if blocker is not None:
+                raise ValueError(f"forward_dtype (--forward-dtype) bf16 holds the published "
+                                 f"weights: {blocker}")
+        self.forward_dtype, why = chosen_forward_dtype(c, lora=lora_on, grouped=grouped)
         if c.forward_dtype == "best":
             log.info("%s: forward weights %s (%s)", policy or "trainer", self.forward_dtype,
                      why)
-        self.autocast, why = c.chosen_autocast()
+        self.autocast, why = chosen_autocast(c)
         if self.forward_dtype == "bf16":
             self.autocast, why = "none", "the forward's weights are bf16 themselves"
         if c.autocast == "best":
@@ -393,8 +241,8 @@ class Trainer:
         self.backend: PolicyModel = (
             make_policy_model(c.backend, model_path, self.dtype, str(self.device), model)
             if files is None else TorchPolicy(_meta_model(model_path, self.dtype)))
-        if c.lora is not None:
-            self.backend = LoraPolicy(self.backend.module, LoraSettings.from_mapping(c.lora))
+        if self.lora is not None:
+            self.backend = LoraPolicy(self.backend.module, self.lora)
         self.model = self.backend.module
         if c.gradient_checkpointing:
             self.backend.enable_checkpointing()
@@ -421,16 +269,27 @@ class Trainer:
         trained = ([m for _, m in self._masters] or
                    [p for p in self.model.parameters() if p.requires_grad])
         self.optimizer = torch.optim.AdamW(
-            trained, lr=c.lr, betas=c.betas, eps=c.adam_eps, weight_decay=c.weight_decay,
-            **adam_kwargs(c.adam_impl, trained))
+            trained, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
+            weight_decay=c.weight_decay, **adam_kwargs(c.adam_impl, trained))
         self.steps = 0
-        self.schedule = c.lr_schedule()
+        self.schedule = lr_schedule(c)
         # blocks until a checkpoint's copy of the trained tensors is done (hold_updates)
         self._update_guard: Callable[[], Any] | None = None
         # the loss reads a proximal policy apart from this step's (decoupled_ppo): with
         # several minibatches, its log-probs are taken before the first step
         self._reads_proximal = "logprobs_proximal" in inspect.signature(
             get_loss(c.loss)).parameters
+
+    @classmethod
+    def for_policy(cls, spec: PolicySpec, policy: str | None = None, model: Any = None,
+                   group: Group | None = None) -> Trainer:
+        """The trainer of a policy as its typed section ``spec`` declares it: its
+        ``trainer:``, and the policy's model, sampling, ``max_staleness`` and ``lora``."""
+        lora = (LoraSettings.from_mapping(spec.lora.model_dump())
+                if spec.lora is not None else None)
+        return cls(spec.model, spec.trainer, policy, model, group,
+                   temperature=spec.temperature, top_p=spec.top_p,
+                   max_staleness=spec.max_staleness, lora=lora)
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -456,7 +315,7 @@ class Trainer:
         (megatron's names are not Hugging Face's)."""
         if not isinstance(self.backend, TorchPolicy):
             raise ValueError(f"trained_state needs backend 'torch', this trainer runs "
-                             f"{self.config.backend!r}")
+                             f"{self.spec.backend!r}")
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for k, v in self.backend.named_state(keep_vars=True).items():
@@ -727,7 +586,7 @@ class Trainer:
             if not seqs:
                 continue
             adv = unit_advantages([s.reward for s in seqs], self._units(seqs),
-                                  self.config.normalize_std)
+                                  self.spec.std_normalize)
             for s, a in zip(seqs, adv.tolist()):
                 n = len(s.token_ids)
                 if len(s.loss_mask) != n or len(s.logprobs) != n:
@@ -745,7 +604,7 @@ class Trainer:
         one (a workflow names a sequence's episode in ``meta["episode"]``, as the agent
         workflow does; a sequence without it is an episode of its own); with
         ``sequence``, each sequence is one."""
-        if self.config.group_unit == "sequence":
+        if self.spec.group_unit == "sequence":
             return [("sequence", i) for i in range(len(seqs))]
         return [("episode", s.meta[EPISODE_META]) if EPISODE_META in s.meta
                 else ("sequence", i) for i, s in enumerate(seqs)]
@@ -754,7 +613,7 @@ class Trainer:
         """``rows`` cut into forward/backward passes: ``micro_batch_size`` sequences in
         order, or, with ``micro_batch_tokens``, sorted longest first and packed while the
         padded size (sequences x longest) stays within the budget (a longer one alone)."""
-        c = self.config
+        c = self.spec
         if c.micro_batch_tokens is None:
             size = max(1, c.micro_batch_size)
             return [rows[i : i + size] for i in range(0, len(rows), size)]
@@ -783,7 +642,7 @@ class Trainer:
 
         Under a group: the passes of this rank's share of ``rows`` (``share``), never a
         shared prompt."""
-        c = self.config
+        c = self.spec
         if self.group is not None:
             return [(False, part) for part in self.micro_batches(self.share(rows))]
         if not c.share_prompt or c.gradient_checkpointing or not self.backend.shares_prompt:
@@ -821,13 +680,13 @@ class Trainer:
         owner = [index.setdefault(tuple(ids[i, :p].tolist()), len(index))
                  for i, p in enumerate(prompt_lens)]
         width = max(prompt_lens)
-        prompts = torch.full((len(index), width), self.config.pad_token_id, dtype=torch.long)
+        prompts = torch.full((len(index), width), PAD_TOKEN_ID, dtype=torch.long)
         prompt_attn = torch.zeros((len(index), width), dtype=torch.long)
         for g, prompt in enumerate(index):  # in the order of their indices
             prompts[g, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
             prompt_attn[g, :len(prompt)] = 1
         span = max(m - p for p, m in zip(prompt_lens, lengths))
-        tails = torch.full((k, span), self.config.pad_token_id, dtype=torch.long)
+        tails = torch.full((k, span), PAD_TOKEN_ID, dtype=torch.long)
         tail_attn = torch.zeros((k, span), dtype=torch.long)
         for i, (p, m) in enumerate(zip(prompt_lens, lengths)):
             tails[i, :m - p] = ids[i, p:m]
@@ -848,7 +707,7 @@ class Trainer:
         """Right-padded ids, attention mask, behaviour log-probs, loss mask, advantages."""
         n = max(len(r.seq.token_ids) for r in rows)
         b = len(rows)
-        ids = torch.full((b, n), self.config.pad_token_id, dtype=torch.long)
+        ids = torch.full((b, n), PAD_TOKEN_ID, dtype=torch.long)
         attn = torch.zeros((b, n), dtype=torch.long)
         behaviour = torch.zeros((b, n), dtype=torch.float32)
         mask = torch.zeros((b, n), dtype=torch.float32)
@@ -885,8 +744,7 @@ class Trainer:
     def _picked_logprobs(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The sampling distribution's log-prob at ``target`` (temperature, top-p; see the
         module doc), in float32 (the loss side stays in float32, outside autocast)."""
-        c = self.config
-        return picked_logprobs(logits, target, c.logit_temperature, c.top_p)
+        return picked_logprobs(logits, target, self.temperature, self.top_p)
 
     def _pass_logprobs(self, shared: bool, part: list[_Row],
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -934,7 +792,7 @@ class Trainer:
     def _dummy_pass(self, backward: bool) -> None:
         """A forward (and backward) pass that changes nothing: two pad tokens, loss 0 times
         their logits (a zero gradient), for the collectives of the other ranks' pass."""
-        ids = torch.full((1, 2), self.config.pad_token_id, dtype=torch.long, device=self.device)
+        ids = torch.full((1, 2), PAD_TOKEN_ID, dtype=torch.long, device=self.device)
         with self._autocast():
             logits = self.backend.logits(ids, torch.ones_like(ids), 0)
         if backward:
@@ -945,7 +803,7 @@ class Trainer:
         loss's ``batch_stats`` computes from the whole batch (``m2po``'s cut). That takes a
         no-grad forward pass over ``live`` first: the gradient of the first micro-batch
         already depends on the tokens of all of them."""
-        c = self.config
+        c = self.spec
         options = {"clip_low": c.clip_low, "clip_high": c.clip_high, "tis_cap": c.tis_cap,
                    "m2_threshold": c.m2_threshold, "tis_mask": c.tis_mask}
         stats = BATCH_STATS.get(c.loss)
@@ -965,7 +823,7 @@ class Trainer:
         """Forward/backward of every micro-batch of ``live``, gradients summed.
         ``proximal``: per pass of ``passes(live)``, the proximal policy's log-probs (a loss
         that reads ``logprobs_proximal``); None: the policy of this step itself."""
-        loss_fn = get_loss(self.config.loss)
+        loss_fn = get_loss(self.spec.loss)
         options = self._loss_options(live)
         acc = _new_acc()
         for i, (new, behaviour, mask, adv) in self._each_pass(self.passes(live), backward=True):
@@ -995,13 +853,13 @@ class Trainer:
         return acc
 
     def minibatches(self, rows: list[_Row]) -> list[list[_Row]]:
-        """``rows`` cut into ``config.minibatches`` parts of whole groups, in order, as
+        """``rows`` cut into ``spec.minibatches`` parts of whole groups, in order, as
         even in groups as they divide (fewer parts when the batch has fewer groups)."""
         groups: dict[int, list[_Row]] = {}
         for r in rows:
             groups.setdefault(r.group, []).append(r)
         parts = list(groups.values())
-        k = min(self.config.minibatches, len(parts))
+        k = min(self.spec.minibatches, len(parts))
         if k <= 1:
             return [rows]
         return [[r for g in parts[i * len(parts) // k:(i + 1) * len(parts) // k] for r in g]
@@ -1037,7 +895,7 @@ class Trainer:
             for p in params:  # a step on zero gradients still moves Adam's moments
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.spec.max_grad_norm)
             # DTensor gradients (a group): the norm of the whole gradient, on every rank
             grad_norm = float(norm.full_tensor() if _is_dtensor(norm) else norm)
             self._before_update()
@@ -1064,18 +922,17 @@ class Trainer:
         return time.perf_counter()
 
     def train_step(self, batch: Batch, current_version: int | None = None) -> dict[str, float]:
-        """One batch: ``config.minibatches`` optimizer steps (one by default); returns
+        """One batch: ``spec.minibatches`` optimizer steps (one by default); returns
         ``trainer/*`` metrics.
 
         ``current_version``: the weight version being trained from (only for the staleness
         metrics: how many versions behind it the batch's generated tokens are).
         """
         t0 = time.perf_counter()
-        c = self.config
         stale_dropped = 0
-        if c.max_staleness is not None and current_version is not None:
+        if self.max_staleness is not None and current_version is not None:
             kept = [g for g in batch.groups
-                    if _group_staleness(g, self.policy, current_version) <= c.max_staleness]
+                    if _group_staleness(g, self.policy, current_version) <= self.max_staleness]
             stale_dropped = len(batch.groups) - len(kept)
             batch = dataclasses.replace(batch, groups=kept)
         rows = self._rows(batch)
@@ -1113,7 +970,7 @@ class Trainer:
         """With LoRA dropout, the step's random draws come from torch's generator seeded by
         the step number (restored after): a resumed or replayed step drops the same
         units, so it trains the same adapter bit for bit. Nothing without dropout."""
-        if not (self.config.lora and float(self.config.lora.get("dropout", 0.0)) > 0):
+        if self.lora is None or self.lora.dropout <= 0:
             yield
             return
         cuda = [self.device] if self.device.type == "cuda" else []
@@ -1208,9 +1065,11 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _check_group(c: TrainerConfig, group: Group) -> None:
+def _check_group(trainer: Trainer, group: Group) -> None:
     """``ValueError`` (one line) for a configuration that cannot be sharded over ``group``."""
     from astraflow.trainer.parallel import Group
+
+    c = trainer.spec
 
     if not isinstance(group, Group):
         raise TypeError(f"group must be an astraflow.trainer.parallel.Group (join()), got "
@@ -1218,7 +1077,7 @@ def _check_group(c: TrainerConfig, group: Group) -> None:
     if c.backend != "torch":
         raise ValueError(f"backend (--backend) must be 'torch' with a process group (FSDP2 "
                          f"shards transformers models), got {c.backend!r}")
-    if c.lora is not None:
+    if trainer.lora is not None:
         raise ValueError("lora: an adapter trains in one process, not over a process group")
     if c.forward_dtype == "bf16":
         raise ValueError("forward_dtype (--forward-dtype) bf16 holds the weights in one "
@@ -1350,4 +1209,5 @@ def _group_staleness(group, policy: str, current_version: int) -> int:
     return current_version - min(versions) if versions else 0
 
 
-__all__ = ["DTYPES", "Trainer", "TrainerConfig", "deal_groups"]
+__all__ = ["DTYPES", "PAD_TOKEN_ID", "Trainer", "bf16_forward_blocker", "chosen_autocast",
+           "chosen_forward_dtype", "deal_groups", "lr_schedule"]

@@ -19,11 +19,16 @@ BASES = {name: yaml.safe_load((REPO / "topology" / name).read_text())
          for name in ("default.yaml", "smollm2.yaml")}
 
 
-def _trainer_config(topo):
-    """The ``TrainerConfig`` the trainer that ``astraflow up`` starts for ``topo`` runs
-    with (its command line in up's plan, as ``trainer run`` builds it)."""
+def _trainer_options(topo):
+    """The options the trainer that ``astraflow up`` starts for ``topo`` runs with (its
+    command line in up's plan, as ``trainer run`` builds them)."""
     cmd = launcher.plan_processes(topo, "t.yaml")["trainer-actor"]
-    return configuration(cmd[3:], topo).trainer
+    return configuration(cmd[3:], topo)
+
+
+def _trainer_config(topo):
+    """The ``TrainerSpec`` that trainer's step takes."""
+    return _trainer_options(topo).trainer
 
 
 @pytest.mark.parametrize("base", sorted(BASES))
@@ -44,7 +49,7 @@ def test_every_cell_is_a_valid_topology_with_its_bound_and_objective(base, objec
     assert topo.processors["staleness"].options["max_staleness"] == staleness
     assert topo.processors["batcher"].options["max_staleness"] == staleness
     trainer = _trainer_config(topo)
-    assert (trainer.loss, trainer.max_staleness) == (objective, staleness)
+    assert (trainer.loss, _trainer_options(topo).max_staleness) == (objective, staleness)
     assert trainer.m2_threshold == (0.02 if objective == "m2po" else 0.04)
     if topo.feeder.dataset is not None:
         assert Path(topo.feeder.dataset.path).is_absolute()

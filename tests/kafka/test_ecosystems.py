@@ -67,10 +67,11 @@ def _rewards(group) -> dict[int, float]:
 
 
 def _train_one_step(model_dir: str, group) -> dict[str, float]:
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
     from astraflow.wire.records import Batch
 
-    trainer = Trainer(model_dir, TrainerConfig(), policy="actor")
+    trainer = Trainer(model_dir, TrainerSpec(), policy="actor")
     metrics = trainer.train_step(Batch(policy="actor", batch_id="b0", groups=[group]))
     assert math.isfinite(metrics["trainer/loss"]), metrics
     return metrics

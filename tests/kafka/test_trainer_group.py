@@ -59,9 +59,10 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     from the same batches (within the rounding of a different reduction order); the last
     recorded state, loaded into a one-process trainer, publishes exactly the followed
     weights; versions are contiguous and each batch was trained once, in order."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer import checkpoint
     from astraflow.trainer.state import STATE_DIR_KEY
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
     from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
@@ -98,7 +99,7 @@ def test_processes_publish_parts_and_resume_on_other_counts(
             assert ms[0].meta["batch_id"] == f"batch-{v - 1}"
 
     torch.set_num_threads(1)
-    ref = Trainer(tied_llama, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    ref = Trainer(tied_llama, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
     follower.observe(manifests)
     for v in range(10):
@@ -115,7 +116,7 @@ def test_processes_publish_parts_and_resume_on_other_counts(
 
     last = by_version[9][0]
     assert last.meta["state_version"] == "9" and STATE_DIR_KEY in last.meta
-    resumed = Trainer(tied_llama, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    resumed = Trainer(tied_llama, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     checkpoint.load(resumed, last.meta[STATE_DIR_KEY])
     assert state_bytes_equal(resumed.published_state(), follower.state)
 

@@ -19,16 +19,16 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 tiny_model = test_trainer.tiny_model  # the fixture: a tiny random Qwen2
 
 
-def _options(tiny_model, tmp_path, **trainer):
+def _options(tiny_model, tmp_path, max_staleness=None, **trainer):
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.service import ServiceOptions
-    from astraflow.trainer.trainer import TrainerConfig
 
     def options(**kw) -> ServiceOptions:
         return ServiceOptions(policy="actor", model_path=tiny_model,
                               state_dir=str(tmp_path / "state"), poll_timeout_s=0.2,
                               state_interval=2, anchor_interval=4,
-                              trainer=TrainerConfig(lr=1e-3, micro_batch_size=3, **trainer),
-                              **kw)
+                              trainer=TrainerSpec(lr=1e-3, micro_batch_size=3, **trainer),
+                              max_staleness=max_staleness, **kw)
     return options
 
 

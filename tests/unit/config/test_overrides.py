@@ -3,8 +3,6 @@ astraflow.config.components: derived from the typed sections, with one default e
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from astraflow.config.components import eval_settings, feeder_spec, node_settings, trainer_spec
@@ -52,17 +50,15 @@ def test_the_warm_start_flags_are_model_inits():
 
 
 def test_the_defaults_of_the_processes_are_the_typed_sections():
-    """TrainerConfig, ServiceOptions and NodeOptions keep defaults for code that builds
-    them by hand; they are the typed sections' own."""
+    """ServiceOptions and NodeOptions keep defaults for code that builds them by hand;
+    they are the typed sections' own (the trainer takes its TrainerSpec itself)."""
     from astraflow.raas.node import NodeOptions
     from astraflow.trainer.service import ServiceOptions
-    from astraflow.trainer.trainer import TrainerConfig
 
     spec = PolicySpec(model="m")
     built = ServiceOptions.from_spec("p", spec)
-    assert built == ServiceOptions(policy="p", model_path="m", trainer=dataclasses.replace(
-        TrainerConfig(), max_staleness=spec.max_staleness))
-    assert TrainerConfig().lr == TrainerSpec().lr
+    assert built == ServiceOptions(policy="p", model_path="m", trainer=TrainerSpec(),
+                                   max_staleness=spec.max_staleness)
     node = NodeOptions.from_settings(node_settings(_topo(policies={"a": {"model": "m"}}), "p"))
     assert node == NodeOptions(pool="p")
     assert NodeOptions().n_samples == PoolSpec().n_samples == 8

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astraflow.config.sections import TrainerSpec
 from astraflow.models import precision
 from astraflow.models.precision import choose, cpu_flags
-from astraflow.trainer.trainer import TrainerConfig
+from astraflow.trainer.trainer import chosen_autocast
 
 
 @pytest.mark.parametrize("flags,bf16,why", [
@@ -45,11 +46,11 @@ def native(request, monkeypatch) -> bool:
 
 
 def test_trainer_autocast_best_follows_the_cpu(native):
-    autocast, why = TrainerConfig(autocast="best").chosen_autocast()
+    autocast, why = chosen_autocast(TrainerSpec(autocast="best"))
     assert autocast == ("bf16" if native else "none") and "CPU has" in why
     # megatron's CPU path takes no autocast whatever the CPU
-    assert TrainerConfig(autocast="best", backend="megatron").chosen_autocast()[0] == "none"
-    assert TrainerConfig(autocast="bf16").chosen_autocast() == ("bf16", "as configured")
+    assert chosen_autocast(TrainerSpec(autocast="best", backend="megatron"))[0] == "none"
+    assert chosen_autocast(TrainerSpec(autocast="bf16")) == ("bf16", "as configured")
 
 
 def test_a_policy_loaded_with_dtype_best_follows_the_cpu(native, tmp_path):

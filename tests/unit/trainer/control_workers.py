@@ -21,12 +21,13 @@ def idle_then_train(model_path: str, config: dict, timeout_s: float, idle_s: flo
     (as while it has no batch) before its command while the others wait for it on the
     control channel; then every rank trains one step (training's collectives). The command
     received, how long the others waited, and the trained state."""
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     group = join("cpu", timeout_s=timeout_s)
     try:
-        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
         group.wait_for_all()  # the idle starts on every rank together
         t0 = time.monotonic()
         if group.rank == 0:

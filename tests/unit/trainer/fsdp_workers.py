@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.config.sections import TrainerSpec
+from astraflow.trainer.trainer import Trainer
 from tests.unit.trainer.parallel_workers import cpu, steps
 
 
@@ -36,7 +37,7 @@ def collectives(model_path: str, config: dict, batches: list[tuple]) -> dict[str
     fc.DefaultAllGather.__call__ = all_gather
     fc.DefaultReduceScatter.__call__ = reduce_scatter
     try:
-        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
         per_step = []
         for b in batches:
             seen.clear()
@@ -59,7 +60,7 @@ def loaded(model_path: str, config: dict, batches: list[tuple]) -> dict[str, Any
     torch.set_num_threads(1)
     group = join("cpu")
     try:
-        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
         out = {"rows_read": tr.load_seconds > 0, "weights": cpu(tr.state_dict()),
                "buffers": cpu({k: v for k, v in tr.model.named_buffers()})}
         out["metrics"] = steps(tr, batches)
@@ -78,7 +79,7 @@ def checks(model_path: str, config: dict, batches: list[tuple]) -> dict[str, Any
     torch.set_num_threads(1)
     group = join("cpu")
     try:
-        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
         steps(tr, batches)
         published = tr.published_state()  # gathered: the reference, for the test only
         name = next(k for k, v in published.items() if v.dim() == 2)

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.config.sections import TrainerSpec
+from astraflow.trainer.trainer import Trainer
 from astraflow.wire.records import Batch
 from tests.unit.trainer.test_trainer import make_batch
 
@@ -52,7 +53,7 @@ def run(model_path: str, config: dict, batches: list[tuple], group: Any = None,
     """A fresh trainer (on ``group``, or alone), given the weights ``load`` (full tensors)
     if any, trained on ``batches``: its metrics, full state, published state and published
     part."""
-    tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+    tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
     if load is not None:
         tr.load_weights(load)
     metrics = steps(tr, batches)
@@ -87,7 +88,7 @@ def checkpoints(model_path: str, config: dict, batches: list[tuple], save_after:
     group = join("cpu")
     out: dict[str, Any] = {"rank": group.rank}
     try:
-        tr = Trainer(model_path, TrainerConfig(**config), policy="actor", group=group)
+        tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
         out["metrics"] = steps(tr, batches[:save_after])
         out["saved"] = full_state(tr)
         handle = None

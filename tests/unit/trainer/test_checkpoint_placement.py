@@ -46,11 +46,12 @@ def _resumed_step(tiny_model, tmp_path, device: str, adam_impl: str):
     """A trainer trains 2 batches, saves through DCP, trains a third; a fresh trainer
     loads the save and trains the third: the fresh one's state placement before that
     step, both results."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer import checkpoint
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=3, device=device, adam_impl=adam_impl)
+    cfg = TrainerSpec(lr=1e-3, micro_batch_size=3, device=device, adam_impl=adam_impl)
     a = Trainer(tiny_model, cfg, policy="actor")
     for i in range(2):
         a.train_step(make_batch(i))

@@ -60,9 +60,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def trainer(path: str, unit: str | None = None):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
-    cfg = TrainerConfig() if unit is None else TrainerConfig(group_unit=unit)
+    cfg = TrainerSpec() if unit is None else TrainerSpec(group_unit=unit)
     return Trainer(path, cfg, policy="actor")
 
 
@@ -136,10 +137,7 @@ def test_other_workflows_sequences_are_their_own_episodes(tiny_model):
 
 def test_the_setting_is_declared_once_and_checked(tiny_model):
     from astraflow.config.sections import TrainerSpec
-    from astraflow.trainer.trainer import TrainerConfig
 
-    assert TrainerSpec().group_unit == "episode" == TrainerConfig().group_unit
+    assert TrainerSpec().group_unit == "episode"
     with pytest.raises(ValidationError, match="group_unit"):
         TrainerSpec(group_unit="turn")
-    with pytest.raises(ValueError, match=r"group_unit \(--group-unit\) must be one of"):
-        TrainerConfig(group_unit="turn").validate()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astraflow.config.sections import TrainerSpec
 from astraflow.trainer.parallel import spawn_local
-from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.trainer.trainer import Trainer
 from tests.unit.trainer import fsdp_workers as workers
 from tests.unit.trainer.test_parallel import (  # noqa: F401 (fixtures)
     CONFIG,
@@ -56,7 +57,7 @@ def test_each_rank_reads_its_rows_and_loads_what_one_process_loads(tied_llama): 
     process does."""
     got = spawn_local(2, workers.loaded, (tied_llama, CONFIG, [(0,)]), timeout_s=TIMEOUT_S)
     torch.set_num_threads(1)
-    one = Trainer(tied_llama, TrainerConfig(**CONFIG), policy="actor")
+    one = Trainer(tied_llama, TrainerSpec(**CONFIG), policy="actor")
     want = {k: v.clone() for k, v in one.state_dict().items()}  # the step writes in place
     buffers = {k: v.clone() for k, v in one.model.named_buffers()}
     metrics = one.train_step(make_batch(0), 0)
@@ -85,7 +86,7 @@ def test_the_published_checks_run_on_each_ranks_rows(qwen):  # noqa: F811
 
 
 def test_the_published_checks_without_a_group(qwen):  # noqa: F811
-    tr = Trainer(qwen, TrainerConfig(**CONFIG), policy="actor")
+    tr = Trainer(qwen, TrainerSpec(**CONFIG), policy="actor")
     published = tr.published_state()
     assert tr.published_difference(published) is None
     assert tr.published_dtypes() == {k: v.dtype for k, v in published.items()}

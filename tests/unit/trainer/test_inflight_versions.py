@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astraflow.config.sections import TrainerSpec
 from astraflow.raas.engine import SamplingParams, TorchEngine
-from astraflow.trainer.trainer import Trainer, TrainerConfig, _Row
+from astraflow.trainer.trainer import Trainer, _Row
 from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
 from tests.kafka.test_raas import tiny_model, tiny_tokenizer
 from tests.unit.raas.test_inflight import Offers, perturbed
@@ -51,7 +52,7 @@ def test_each_tokens_behaviour_logprob_is_its_own_versions(model_dir, spanning):
     """The trainer on version 0's weights recomputes the first chunk's log-probs exactly
     and not the later chunks': the ratio of each token is taken to the version that
     sampled it, not to one version for the sequence."""
-    tr = Trainer(model_dir, TrainerConfig(publish_dtype="same"), policy="actor")
+    tr = Trainer(model_dir, TrainerSpec(publish_dtype="same"), policy="actor")
     rows = [_Row(s, 1.0) for s in spanning.sequences]
     ids, attn, behaviour, mask, _ = tr._tensors(rows)
     with torch.no_grad():
@@ -64,7 +65,7 @@ def test_each_tokens_behaviour_logprob_is_its_own_versions(model_dir, spanning):
 
 def test_staleness_is_counted_per_token_and_the_guard_judges_the_oldest(model_dir, spanning):
     batch = Batch(policy="actor", batch_id="b", groups=[spanning])
-    tr = Trainer(model_dir, TrainerConfig(lr=1e-4), policy="actor")
+    tr = Trainer(model_dir, TrainerSpec(lr=1e-4), policy="actor")
     m = tr.train_step(batch, current_version=3)
     # per token: 4 tokens 3 behind, 8 tokens 2 behind, 4 tokens 1 behind (a per-sequence
     # version would say 3, the oldest, or 1, the newest)
@@ -72,6 +73,6 @@ def test_staleness_is_counted_per_token_and_the_guard_judges_the_oldest(model_di
     assert m["trainer/staleness_max"] == 3.0
     assert m["trainer/loss_tokens"] == 4 * 16 and m["trainer/stale_dropped_groups"] == 0
     # the bound holds for every token: a group whose oldest token is past it is dropped
-    strict = Trainer(model_dir, TrainerConfig(lr=1e-4, max_staleness=2), policy="actor")
+    strict = Trainer(model_dir, TrainerSpec(lr=1e-4), policy="actor", max_staleness=2)
     m = strict.train_step(batch, current_version=3)
     assert m["trainer/stale_dropped_groups"] == 1 and m["trainer/sequences"] == 0

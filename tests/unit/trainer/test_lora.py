@@ -19,10 +19,11 @@ SETTINGS = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj"
 
 
 def _trainer(path: str, **lora_over):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    return Trainer(path, TrainerConfig(lr=1e-2, lora={**SETTINGS, **lora_over}), "actor")
+    return Trainer(path, TrainerSpec(lr=1e-2), "actor", lora={**SETTINGS, **lora_over})
 
 
 def test_the_trainer_trains_the_adapter_alone_and_publishes_it(tiny_model):  # noqa: F811
@@ -171,9 +172,9 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
     last version, both hold the newest adapter and sample what a peft model with it does;
     ``model export`` writes it as a peft adapter and merged, both generating the engine's
     tokens; ``replay train`` rebuilds the same adapters from the retained batches."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.raas.engine import SamplingParams
     from astraflow.raas.weights_follow import WeightWatcher
-    from astraflow.trainer.trainer import TrainerConfig
     from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.follower import WeightFollower
     from astraflow.wire.codec import SingleObjectCodec
@@ -196,7 +197,7 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
     s = lora.LoraSettings.from_mapping(SETTINGS)
     assert all(lora.settings_of(m.meta) == s for m in manifests)
     assert all("lora_" in t.name for m in manifests for t in m.tensors)
-    ref = _reference(tiny_model, sent, TrainerConfig(lr=1e-2, lora=SETTINGS))
+    ref = _reference(tiny_model, sent, TrainerSpec(lr=1e-2), lora=SETTINGS)
     follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
     follower.observe(manifests)
     for v in range(n + 1):
@@ -254,6 +255,7 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
 def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
     from types import SimpleNamespace
 
+    from astraflow.models.lora import LoraSettings
     from astraflow.trainer.service import TrainerService
     from astraflow.wire.records import WeightManifest
 
@@ -264,7 +266,8 @@ def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
                               meta=meta)
 
     def service(lora):
-        return SimpleNamespace(options=SimpleNamespace(trainer=SimpleNamespace(lora=lora)),
+        settings = LoraSettings.from_mapping(lora) if lora is not None else None
+        return SimpleNamespace(options=SimpleNamespace(lora=settings),
                                weights_topic="r.weights.actor",
                                _lora=lambda: TrainerService._lora(svc))
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astraflow.config.sections import TrainerSpec
 from astraflow.models import lora
-from astraflow.trainer.trainer import Trainer, TrainerConfig
+from astraflow.trainer.trainer import Trainer
 
 SETTINGS = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 TOL = 1e-5  # full fine-tuning's: test_trainer.py, the engine against the trainer
@@ -28,7 +29,7 @@ def trained(tmp_path_factory):
 
     path = str(init_model(tmp_path_factory.mktemp("tiny-llama")))
     torch.set_num_threads(1)
-    tr = Trainer(path, TrainerConfig(lr=1e-5, lora=SETTINGS), "actor")
+    tr = Trainer(path, TrainerSpec(lr=1e-5), "actor", lora=SETTINGS)
     tr.train_step(make_batch(0))
     return path, tr, tr.published_state()
 

@@ -191,9 +191,10 @@ def llama_dir(tmp_path_factory) -> str:
 
 
 def _trainer(path: str, backend: str, **kw):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
-    cfg = TrainerConfig(lr=STEP_LR, micro_batch_size=3, backend=backend, **kw)
+    cfg = TrainerSpec(lr=STEP_LR, micro_batch_size=3, backend=backend, **kw)
     return Trainer(path, cfg, policy="actor")
 
 
@@ -225,11 +226,12 @@ def test_one_step_same_loss_and_updates_under_both_backends(llama_dir, forward_o
 def test_megatron_trainer_from_a_transformers_model(llama_dir):
     from transformers import LlamaForCausalLM
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.backend import MegatronPolicy
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     hf = LlamaForCausalLM.from_pretrained(llama_dir)
-    tr = Trainer("", TrainerConfig(backend="megatron", publish_dtype="same"), model=hf)
+    tr = Trainer("", TrainerSpec(backend="megatron", publish_dtype="same"), model=hf)
     assert isinstance(tr.backend, MegatronPolicy)
     assert all(torch.equal(tr.state_dict()[k], v) for k, v in hf.state_dict().items())
 
@@ -315,9 +317,9 @@ def test_megatron_trainer_loads_published_weights(llama_dir):
 def test_megatron_backend_errors_at_start(llama_dir, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.backend import preflight
     from astraflow.trainer.megatron_model import UnsupportedArchitecture
-    from astraflow.trainer.trainer import TrainerConfig
 
     preflight("megatron", llama_dir)  # fine
     Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1,
@@ -326,10 +328,10 @@ def test_megatron_backend_errors_at_start(llama_dir, tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="model_type 'qwen2'"):
         preflight("megatron", str(tmp_path))
     with pytest.raises(ValueError, match="backend"):
-        TrainerConfig(backend="jax").validate()
-    with pytest.raises(ValueError, match="autocast.*needs a GPU"):
-        TrainerConfig(backend="megatron", autocast="bf16").validate()
-    TrainerConfig(backend="megatron", autocast="bf16", device="cuda").validate()
+        TrainerSpec(backend="jax")
+    with pytest.raises(ValueError, match="autocast: bf16 with backend megatron needs a GPU"):
+        TrainerSpec(backend="megatron", autocast="bf16")
+    TrainerSpec(backend="megatron", autocast="bf16", device="cuda")
 
 
 # --------------------------------------------------------------------------- astraflow up
@@ -408,7 +410,7 @@ def test_megatron_trainer_resumes_exactly_after_sigkill(kafka_config, kafka_boot
     transaction open and restarted: it recomputes version 2 from version 1's state,
     checks it against the published one, and goes on; every published version equals an
     uninterrupted megatron run's bit for bit (the resume logic is the torch backend's)."""
-    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.config.sections import TrainerSpec
     from tests.unit.trainer.test_trainer import _check_history, _crash_then_resume, _reference
 
     topo, path = make_topology(
@@ -419,7 +421,7 @@ def test_megatron_trainer_resumes_exactly_after_sigkill(kafka_config, kafka_boot
               "--backend", "megatron"])
     assert "resumed at version 2 from the state of version 1" in text, text[-3000:]
     assert "matches version 2's manifest" in text, text[-3000:]
-    cfg = TrainerConfig(lr=1e-4, micro_batch_size=3, backend="megatron")
+    cfg = TrainerSpec(lr=1e-4, micro_batch_size=3, backend="megatron")
     _check_history(kafka_config, manifests, sent, _reference(llama_dir, sent, cfg),
                    topo.full_name("batches.actor"))
 

@@ -20,9 +20,10 @@ import dataclasses
 import pytest
 import torch
 
+from astraflow.config.sections import TrainerSpec
 from astraflow.trainer import checkpoint
 from astraflow.trainer.parallel import Group, join, shard_rows, spawn_local
-from astraflow.trainer.trainer import Trainer, TrainerConfig, _Row, deal_groups
+from astraflow.trainer.trainer import Trainer, _Row, deal_groups
 from astraflow.weights.blob import Rows
 from astraflow.wire.records import Batch
 from tests.unit.trainer import parallel_workers as workers
@@ -172,9 +173,9 @@ def test_join_names_what_the_environment_lacks(monkeypatch):
 def test_a_group_refuses_what_fsdp_cannot_shard(qwen):
     group = Group(rank=0, world=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"backend \(--backend\) must be 'torch' with a "):
-        Trainer(qwen, TrainerConfig(backend="megatron"), group=group)
+        Trainer(qwen, TrainerSpec(backend="megatron"), group=group)
     with pytest.raises(ValueError, match=r"device \(--device\) 'cuda' does not match"):
-        Trainer(qwen, TrainerConfig(device="cuda"), group=group)
+        Trainer(qwen, TrainerSpec(device="cuda"), group=group)
 
 
 def test_groups_are_dealt_whole_and_balanced_by_tokens():
@@ -197,7 +198,7 @@ def test_a_trainer_without_group_saves_and_resumes_exactly(model, request, tmp_p
     path = request.getfixturevalue(model)
     torch.set_num_threads(1)
     batches = [make_batch(i) for i in range(3)]
-    a = Trainer(path, TrainerConfig(**CONFIG), policy="actor")
+    a = Trainer(path, TrainerSpec(**CONFIG), policy="actor")
     for b in batches[:2]:
         a.train_step(b)
     handle = checkpoint.save(a, tmp_path / "ckpt", async_=True, version=41)
@@ -210,7 +211,7 @@ def test_a_trainer_without_group_saves_and_resumes_exactly(model, request, tmp_p
     assert seen == [True]
     assert handle.result() == tmp_path / "ckpt" and handle.done()
     assert checkpoint.read_meta(tmp_path / "ckpt")["version"] == 41
-    b = Trainer(path, TrainerConfig(**CONFIG), policy="actor")
+    b = Trainer(path, TrainerSpec(**CONFIG), policy="actor")
     meta = checkpoint.load(b, tmp_path / "ckpt")
     assert meta["world"] == 1 and b.steps == 2
     loaded = workers.full_state(b)
@@ -222,7 +223,7 @@ def test_a_trainer_without_group_saves_and_resumes_exactly(model, request, tmp_p
     assert_equal_states(b.published_state(), a.published_state())
     with pytest.raises(ValueError, match="the trainer state is float32, the model trains in "
                                          "bfloat16"):
-        checkpoint.load(Trainer(path, TrainerConfig(dtype="bf16"), policy="actor"),
+        checkpoint.load(Trainer(path, TrainerSpec(dtype="bf16"), policy="actor"),
                         tmp_path / "ckpt")
     with pytest.raises(ValueError, match="no complete trainer checkpoint"):
         checkpoint.load(b, tmp_path / "none")
@@ -247,7 +248,7 @@ def test_full_weights_load_into_each_ranks_rows(qwen, one, runs):
     loaded = runs[1]
     assert_equal_states(loaded[0]["state"]["weights"], one["state"]["weights"])
     # the parameters are the masters rounded again: what one process publishes
-    tr = Trainer(qwen, TrainerConfig(**CONFIG), policy="actor")
+    tr = Trainer(qwen, TrainerSpec(**CONFIG), policy="actor")
     tr.load_weights(one["state"]["weights"])
     assert_equal_states(loaded[0]["published"], tr.published_state())
     assert_parts_cover(loaded, loaded[0]["published"])
@@ -309,7 +310,10 @@ def flat_first_group(i: int) -> Batch:
 
 @pytest.mark.slow
 def test_losses_and_options_on_two_processes_train_as_one(qwen):
-    runs = [({**CONFIG, **v}, [(0, 3), (1, 3)]) for v in VARIANTS.values()]
+    # a token budget replaces micro_batch_size (the spec takes one of the two)
+    runs = [({**{k: x for k, x in CONFIG.items()
+                 if not ("micro_batch_tokens" in v and k == "micro_batch_size")}, **v},
+             [(0, 3), (1, 3)]) for v in VARIANTS.values()]
     runs.append(({**CONFIG, "loss": "decoupled_ppo", "minibatches": 2},
                  [flat_first_group(0), flat_first_group(1)]))
     got = spawn_local(2, workers.train, (qwen, runs), timeout_s=TIMEOUT_S)[0]
@@ -356,7 +360,7 @@ def saved(qwen, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("checkpoints")
     out = {"one_dir": tmp / "one", "two_dir": tmp / "two"}
     torch.set_num_threads(1)
-    one = Trainer(qwen, TrainerConfig(**CONFIG), policy="actor")
+    one = Trainer(qwen, TrainerSpec(**CONFIG), policy="actor")
     workers.steps(one, BATCHES[:2])
     out["one_saved"] = workers.full_state(one)
     checkpoint.save(one, out["one_dir"], async_=False)
@@ -386,7 +390,7 @@ def test_a_checkpoint_of_one_process_loads_into_two(saved):
 
 def test_a_checkpoint_of_two_processes_loads_into_one_without_a_group(qwen, saved):
     torch.set_num_threads(1)
-    tr = Trainer(qwen, TrainerConfig(**CONFIG), policy="actor")
+    tr = Trainer(qwen, TrainerSpec(**CONFIG), policy="actor")
     assert checkpoint.load(tr, saved["two_dir"])["world"] == 2
     assert_equal_full_states(workers.full_state(tr), saved["two"]["saved"])
     assert_like_single(workers.steps(tr, BATCHES[2:]), saved["two"]["metrics"][2:])

@@ -128,10 +128,11 @@ def make_batch(i: int, groups: int = 2, samples: int = 4, seed: int = 0) -> Batc
 
 
 def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    tr = Trainer(tiny_model, TrainerConfig(lr=3e-3, micro_batch_size=3), policy="actor")
+    tr = Trainer(tiny_model, TrainerSpec(lr=3e-3, micro_batch_size=3), policy="actor")
     batch = make_batch(0)
     rows = tr._rows(batch)
 
@@ -159,8 +160,8 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
     assert pos and neg
     assert sum(pos) / len(pos) > 0 > sum(neg) / len(neg)
     # micro-batching gives the same step as one full pass
-    t1 = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=1), policy="actor")
-    t8 = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=8), policy="actor")
+    t1 = Trainer(tiny_model, TrainerSpec(lr=1e-3, micro_batch_size=1), policy="actor")
+    t8 = Trainer(tiny_model, TrainerSpec(lr=1e-3, micro_batch_size=8), policy="actor")
     t1.train_step(batch)
     t8.train_step(batch)
     # Adam divides by |gradient|: where it is ~0 (the key biases) summation-order noise
@@ -170,7 +171,8 @@ def test_train_step_raises_logprob_of_positive_advantage_tokens(tiny_model):
 
 
 def test_adamw_runs_fused_where_torch_has_it_and_steps_as_foreach_does(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig, adam_kwargs
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer, adam_kwargs
 
     assert adam_kwargs("auto", [torch.zeros(2)]) == {"fused": True}  # CPU has the kernel
     assert adam_kwargs("auto", [torch.zeros(2, dtype=torch.int64)]) == {}  # torch's default
@@ -178,7 +180,7 @@ def test_adamw_runs_fused_where_torch_has_it_and_steps_as_foreach_does(tiny_mode
     batch = make_batch(0)
     stepped = {}
     for impl in ("auto", "for-loop"):
-        tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, adam_impl=impl), policy="actor")
+        tr = Trainer(tiny_model, TrainerSpec(lr=1e-3, adam_impl=impl), policy="actor")
         assert tr.optimizer.defaults["fused"] is (True if impl == "auto" else None)
         tr.train_step(batch)
         stepped[impl] = tr.state_dict()
@@ -187,10 +189,11 @@ def test_adamw_runs_fused_where_torch_has_it_and_steps_as_foreach_does(tiny_mode
 
 
 def test_each_step_trains_at_its_scheduled_rate(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay="linear", lr_final=0.0,
+    cfg = TrainerSpec(lr=1e-3, lr_warmup_steps=2, lr_decay="linear", lr_final=0.0,
                         lr_decay_steps=2)
     tr = Trainer(tiny_model, cfg, policy="actor")
     seen = []
@@ -205,8 +208,9 @@ def test_each_step_trains_at_its_scheduled_rate(tiny_model):
 
 def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_model):
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.loss import policy_loss
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(5, groups=3)
@@ -215,7 +219,7 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
         dataclasses.replace(s, reward=1.0) for s in batch.groups[0].sequences])
     batch = dataclasses.replace(batch, groups=[flat, *batch.groups[1:]])
     # the reference steps the model's own parameters: no separate master copy
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, share_prompt=False, forward_on="master")
+    cfg = TrainerSpec(lr=1e-3, micro_batch_size=4, share_prompt=False, forward_on="master")
     tr = Trainer(tiny_model, cfg, policy="actor")
     calls: list[int] = []
     real = tr.token_logprobs
@@ -251,12 +255,13 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_update(tiny_m
 
 
 def test_published_state_rounds_fp32_master_weights(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
     from astraflow.weights.bits import state_bytes_equal
 
     torch.set_num_threads(1)
-    tr = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
-    assert tr.config.publish_dtype == "bf16" and tr.keeps_master  # the default
+    tr = Trainer(tiny_model, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
+    assert tr.spec.publish_dtype == "bf16" and tr.keeps_master  # the default
     tr.train_step(make_batch(0))
     master, published = tr.state_dict(), tr.published_state()
     assert {v.dtype for v in master.values()} == {torch.float32}
@@ -265,19 +270,19 @@ def test_published_state_rounds_fp32_master_weights(tiny_model):
         assert torch.equal(v, master[k].to(torch.bfloat16)), k
     # the master weights round-trip bit for bit; loading them into a bf16 model is refused
     data = tr.master_bytes()
-    other = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    other = Trainer(tiny_model, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     assert not state_bytes_equal(other.state_dict(), master)
     other.load_master_bytes(data)
     assert state_bytes_equal(other.state_dict(), master)
-    half = Trainer(tiny_model, TrainerConfig(dtype="bf16"), policy="actor")
+    half = Trainer(tiny_model, TrainerSpec(dtype="bf16"), policy="actor")
     assert not half.keeps_master  # trains in bf16: the published weights are the weights
     with pytest.raises(ValueError, match="--dtype"):
         half.load_master_bytes(data)
-    same = Trainer(tiny_model, TrainerConfig(publish_dtype="same"), policy="actor")
+    same = Trainer(tiny_model, TrainerSpec(publish_dtype="same"), policy="actor")
     assert not same.keeps_master
     assert {v.dtype for v in same.published_state().values()} == {torch.float32}
     with pytest.raises(ValueError, match="publish_dtype"):
-        Trainer(tiny_model, TrainerConfig(publish_dtype="int8"), policy="actor")
+        Trainer(tiny_model, TrainerSpec(publish_dtype="int8"), policy="actor")
 
 
 def _trainer_and_engine_logprobs(tr, engine, ids, attn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,12 +299,13 @@ def test_forward_runs_on_the_published_weights_and_the_master_keeps_small_steps(
     the optimizer's fp32 master keeps the steps the bf16 rounding drops."""
     from transformers import AutoModelForCausalLM
 
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(lr=1e-5, micro_batch_size=4)
+    cfg = TrainerSpec(lr=1e-5, micro_batch_size=4)
     tr = Trainer(tiny_model, cfg, policy="actor")
-    master_run = Trainer(tiny_model, dataclasses.replace(cfg, forward_on="master"),
+    master_run = Trainer(tiny_model, cfg.model_copy(update=dict(forward_on="master")),
                          policy="actor")
     engine = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True).eval()
     rows = [_Row(s, 1.0) for g in make_batch(9).groups for s in g.sequences]
@@ -331,14 +337,15 @@ def test_bf16_held_weights_compute_as_the_engine_and_step_the_fp32_master(tiny_m
     the fp32 masters, whose update follows bf16 autocast's, and a resume is exact."""
     from transformers import AutoModelForCausalLM
 
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
     from astraflow.weights.bits import state_bytes_equal
 
     torch.set_num_threads(1)
-    cfg = TrainerConfig(lr=1e-4, micro_batch_size=3, forward_dtype="bf16")
+    cfg = TrainerSpec(lr=1e-4, micro_batch_size=3, forward_dtype="bf16")
     tr = Trainer(tiny_model, cfg, policy="actor")
-    autocast = Trainer(tiny_model, dataclasses.replace(cfg, forward_dtype="fp32",
-                                                       autocast="bf16"), policy="actor")
+    autocast = Trainer(tiny_model, cfg.model_copy(update=dict(forward_dtype="fp32",
+                                                       autocast="bf16")), policy="actor")
     assert tr.autocast == "none" and tr.keeps_master
     assert {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
     engine = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
@@ -378,17 +385,26 @@ def test_bf16_held_weights_compute_as_the_engine_and_step_the_fp32_master(tiny_m
 
 
 def test_forward_dtype_settings_are_checked_and_best_says_why(monkeypatch):
+    from astraflow.config.sections import PolicySpec, TrainerSpec
     from astraflow.trainer import trainer as mod
-    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.trainer.trainer import chosen_forward_dtype
 
     for bad, named in (({"forward_on": "master"}, "forward_on"),
                        ({"publish_dtype": "same"}, "publish_dtype"),
-                       ({"dtype": "bf16"}, "dtype"), ({"lora": {"rank": 4}}, "LoRA")):
-        with pytest.raises(ValueError, match=f"forward_dtype .*{named}"):
-            TrainerConfig(forward_dtype="bf16", **bad).validate()
-        assert TrainerConfig(forward_dtype="best", **bad).chosen_forward_dtype()[0] == "fp32"
+                       ({"dtype": "bf16"}, "dtype"), ({"backend": "megatron"}, "backend"),
+                       ({"parallel": {"processes": 2}}, "process group")):
+        with pytest.raises(ValueError, match=f"forward_dtype: .*{named}"):
+            TrainerSpec(forward_dtype="bf16", **bad)
+        grouped = "parallel" in bad
+        spec = TrainerSpec(forward_dtype="best", **bad)
+        assert chosen_forward_dtype(spec, grouped=grouped)[0] == "fp32"
+    with pytest.raises(ValueError, match="trainer.forward_dtype: .*lora"):
+        PolicySpec(model="m", lora={"rank": 4}, trainer={"forward_dtype": "bf16"})
+    spec = TrainerSpec(forward_dtype="best")
+    assert chosen_forward_dtype(spec, lora=True) == ("fp32", "bf16 needs no LoRA (lora: "
+                                                     "trains adapters)")
     with pytest.raises(ValueError, match="forward_dtype"):
-        TrainerConfig(forward_dtype="fp16").validate()
+        TrainerSpec(forward_dtype="fp16")
 
     class Native:
         bf16, reason = True, "CPU has amx_bf16"
@@ -397,23 +413,22 @@ def test_forward_dtype_settings_are_checked_and_best_says_why(monkeypatch):
         bf16, reason = False, "CPU has no bf16 instructions"
 
     monkeypatch.setattr(mod, "best_precision", lambda device: Native)
-    assert TrainerConfig(forward_dtype="best").chosen_forward_dtype() == ("bf16",
-                                                                          "CPU has amx_bf16")
+    assert chosen_forward_dtype(spec) == ("bf16", "CPU has amx_bf16")
     monkeypatch.setattr(mod, "best_precision", lambda device: Not)
-    assert TrainerConfig(forward_dtype="best").chosen_forward_dtype() == (
-        "fp32", "CPU has no bf16 instructions")
-    assert TrainerConfig(forward_dtype="fp32").chosen_forward_dtype()[0] == "fp32"
+    assert chosen_forward_dtype(spec) == ("fp32", "CPU has no bf16 instructions")
+    assert chosen_forward_dtype(TrainerSpec(forward_dtype="fp32"))[0] == "fp32"
 
 
 def test_engine_computes_in_its_own_dtype_with_bf16_published_weights(tiny_model):
     """A RaaS engine (fp32 model) loads the published bf16 state: values cast, dtype kept."""
     from transformers import AutoModelForCausalLM
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.raas.engine import SamplingParams, TorchEngine
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=3), policy="actor")
+    tr = Trainer(tiny_model, TrainerSpec(lr=1e-3, micro_batch_size=3), policy="actor")
     tr.train_step(make_batch(0))
     published = tr.published_state()
     engine = TorchEngine(
@@ -448,8 +463,9 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_samplin
     trainer at another temperature or top-p does not."""
     from transformers import AutoModelForCausalLM
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.raas.engine import SamplingParams, TorchEngine
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     engine = TorchEngine(
@@ -472,9 +488,8 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_samplin
         for trained, same in (((temp, top_p), True), ((1.3, top_p), False),
                               ((temp, other_p), False)):
             # the engine runs the fp32 model itself: the trainer computes on it unrounded
-            config = TrainerConfig(temperature=trained[0], top_p=trained[1],
-                                   publish_dtype="same")
-            tr = Trainer(tiny_model, config, policy="actor")
+            tr = Trainer(tiny_model, TrainerSpec(publish_dtype="same"), policy="actor",
+                         temperature=trained[0], top_p=trained[1])
             rows = [_Row(s, 1.0) for s in seqs]
             ids, attn, behaviour, mask, _ = tr._tensors(rows)
             with torch.no_grad():
@@ -488,12 +503,13 @@ def test_behaviour_logprobs_of_the_engine_equal_the_trainers_at_the_same_samplin
 
 
 def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(3, groups=3, samples=4)
     budget = 30
-    tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_tokens=budget, share_prompt=False),
+    tr = Trainer(tiny_model, TrainerSpec(lr=1e-3, micro_batch_tokens=budget, share_prompt=False),
                  policy="actor")
     rows = tr._rows(batch)
     parts = tr.micro_batches(rows)
@@ -504,10 +520,10 @@ def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
         width = max(len(r.seq.token_ids) for r in p)
         assert len(p) * width <= budget or len(p) == 1, [len(r.seq.token_ids) for r in p]
     assert len(parts) > 2
-    alone = Trainer(tiny_model, TrainerConfig(micro_batch_tokens=1), policy="actor")
+    alone = Trainer(tiny_model, TrainerSpec(micro_batch_tokens=1), policy="actor")
     assert [len(p) for p in alone.micro_batches(rows)] == [1] * len(rows)
 
-    one = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=100), policy="actor")
+    one = Trainer(tiny_model, TrainerSpec(lr=1e-3, micro_batch_size=100), policy="actor")
     assert len(one.micro_batches(rows)) == 1
     assert _backward(tr, batch) == pytest.approx(_backward(one, batch), rel=1e-5)
     g_parts, g_one = _grads(tr), _grads(one)
@@ -527,12 +543,13 @@ def test_micro_batches_by_token_budget_give_the_full_batch_update(tiny_model):
 def test_off_policy_objectives_give_the_full_batch_update_in_micro_batches(tiny_model, loss):
     """m2po's mask is taken over the whole batch (a no-grad pass first), so micro-batching
     changes nothing; decoupled_ppo needs no extra pass (one step per batch)."""
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(5, groups=3, samples=4)
     extra = {"m2_threshold": 0.005} if loss == "m2po" else {}
-    small, one = (Trainer(tiny_model, TrainerConfig(lr=1e-3, loss=loss, micro_batch_size=n,
+    small, one = (Trainer(tiny_model, TrainerSpec(lr=1e-3, loss=loss, micro_batch_size=n,
                                                     share_prompt=False, **extra),
                           policy="actor") for n in (1, 100))
     assert _backward(small, batch) == pytest.approx(_backward(one, batch), rel=1e-5)
@@ -550,12 +567,13 @@ def test_minibatches_step_each_part_against_the_proximal_policy_of_the_batch(tin
     """minibatches=2: the batch's groups cut in two parts, one AdamW step each, each loss
     divided by its own part's tokens; decoupled_ppo's second step is clipped around the
     policy before the first (its log-probs taken before any step), not around its own."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.loss import decoupled_ppo_loss
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(7, groups=3, samples=4)
-    cfg = TrainerConfig(lr=3e-2, loss="decoupled_ppo", minibatches=2, share_prompt=False,
+    cfg = TrainerSpec(lr=3e-2, loss="decoupled_ppo", minibatches=2, share_prompt=False,
                         forward_on="master")
     tr = Trainer(tiny_model, cfg, policy="actor")
     parts = tr.minibatches(tr._rows(batch))
@@ -564,7 +582,7 @@ def test_minibatches_step_each_part_against_the_proximal_policy_of_the_batch(tin
     assert m["trainer/minibatches"] == 2.0
     losses: list[float] = []
 
-    ref = Trainer(tiny_model, dataclasses.replace(cfg, minibatches=1), policy="actor")
+    ref = Trainer(tiny_model, cfg.model_copy(update=dict(minibatches=1)), policy="actor")
     rows = ref._rows(batch)
     first, second = [r for r in rows if r.group == 0], [r for r in rows if r.group > 0]
     ids, attn, behaviour, mask, adv = ref._tensors(second)
@@ -589,22 +607,23 @@ def test_minibatches_step_each_part_against_the_proximal_policy_of_the_batch(tin
 
     # a loss without a proximal policy takes no extra forward pass
     calls: list[int] = []
-    plain = Trainer(tiny_model, dataclasses.replace(cfg, loss="clipped_tis"), policy="actor")
+    plain = Trainer(tiny_model, cfg.model_copy(update=dict(loss="clipped_tis")), policy="actor")
     real = plain.token_logprobs
     plain.token_logprobs = lambda i, a, **kw: calls.append(len(i)) or real(i, a, **kw)
     plain.train_step(batch)
     assert sum(calls) == len([r for r in rows if r.advantage != 0.0])
-    with pytest.raises(ValueError, match=r"minibatches \(--minibatches\)"):
-        TrainerConfig(minibatches=0).validate()
+    with pytest.raises(ValueError, match=r"minibatches\n.*greater than or equal to 1"):
+        TrainerSpec(minibatches=0)
 
 
 def test_tokens_outside_the_trainers_nucleus_keep_the_loss_finite(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(4)  # random tokens: many outside a top-0.3 nucleus
     for loss in ("clipped_tis", "decoupled_ppo", "m2po"):
-        tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, loss=loss, top_p=0.3), policy="actor")
+        tr = Trainer(tiny_model, TrainerSpec(lr=1e-3, loss=loss), policy="actor", top_p=0.3)
         m = tr.train_step(batch)
         assert 0 < m["trainer/outside_nucleus_frac"] < 1, loss
         assert all(math.isfinite(v) for v in m.values()), (loss, m)
@@ -626,14 +645,15 @@ def tiny_dropout_model(tmp_path_factory) -> str:
 
 
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny_dropout_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(4)
-    plain = Trainer(tiny_dropout_model, TrainerConfig(micro_batch_size=3, share_prompt=False),
+    plain = Trainer(tiny_dropout_model, TrainerSpec(micro_batch_size=3, share_prompt=False),
                     policy="actor")
     ckpt = Trainer(tiny_dropout_model,
-                   TrainerConfig(micro_batch_size=3, gradient_checkpointing=True),
+                   TrainerSpec(micro_batch_size=3, gradient_checkpointing=True),
                    policy="actor")
     assert not ckpt.model.model.layers[0].self_attn.training  # no dropout
     calls: list[str] = []
@@ -655,14 +675,15 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(tiny_d
 
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
     from astraflow.weights.bits import state_bytes_equal
 
     torch.set_num_threads(1)
     batch = make_batch(2)
-    cfg = TrainerConfig(lr=1e-4, micro_batch_size=3)
+    cfg = TrainerSpec(lr=1e-4, micro_batch_size=3)
     fp32 = Trainer(tiny_model, cfg, policy="actor")
-    bf16 = Trainer(tiny_model, dataclasses.replace(cfg, autocast="bf16"), policy="actor")
+    bf16 = Trainer(tiny_model, cfg.model_copy(update=dict(autocast="bf16")), policy="actor")
     rows = bf16._rows(batch)
     ids, attn, _, mask, _ = bf16._tensors(rows)
     with torch.no_grad():
@@ -682,7 +703,7 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
     snap = bf16.snapshot(1)
     before = {k: v.clone() for k, v in master.items()}
     bf16.train_step(make_batch(3))
-    other = Trainer(tiny_model, dataclasses.replace(cfg, autocast="bf16"), policy="actor")
+    other = Trainer(tiny_model, cfg.model_copy(update=dict(autocast="bf16")), policy="actor")
     other.load_master_bytes(b"".join(snap.master_bytes()))
     other.load_optimizer_bytes(b"".join(snap.optimizer_bytes()))
     assert state_bytes_equal(other.state_dict(), before)
@@ -692,14 +713,15 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_loss(tiny_model):
 
 
 def test_a_registered_loss_is_picked_by_name(tiny_model):
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.loss import LOSSES, LossOutput, get_loss, register_loss
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     assert get_loss("clipped_tis") is policy_loss
     with pytest.raises(ValueError, match="clipped_tis"):
         get_loss("nope")
-    with pytest.raises(ValueError, match="--loss"):
-        TrainerConfig(loss="nope").validate()
+    with pytest.raises(ValueError, match=r"loss\n.*unknown loss 'nope'"):
+        TrainerSpec(loss="nope")
     calls = []
 
     @register_loss("test_reinforce")
@@ -713,7 +735,9 @@ def test_a_registered_loss_is_picked_by_name(tiny_model):
 
     try:
         torch.set_num_threads(1)
-        tr = Trainer(tiny_model, TrainerConfig(lr=1e-3, loss="test_reinforce"), policy="actor")
+        # a loss registered in code, not a topology's: set on a built spec
+        spec = TrainerSpec(lr=1e-3).model_copy(update={"loss": "test_reinforce"})
+        tr = Trainer(tiny_model, spec, policy="actor")
         m = tr.train_step(make_batch(2))
         assert calls and calls[0] == ["clip_high", "clip_low", "m2_threshold", "tis_cap",
                                      "tis_mask"]
@@ -723,30 +747,62 @@ def test_a_registered_loss_is_picked_by_name(tiny_model):
         del LOSSES["test_reinforce"]
 
 
-def test_config_errors_name_the_flag(tiny_model):
-    from astraflow.trainer.service import ServiceOptions
-    from astraflow.trainer.trainer import TrainerConfig
+def test_a_policys_trainer_takes_its_typed_sections(tiny_model):
+    """``Trainer.for_policy``: the policy's ``trainer:`` section itself, and its sampling,
+    staleness bound and LoRA adapters; left out of a hand-built trainer, they change
+    nothing."""
+    from astraflow.config.sections import PolicySpec, TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
-    bad = [
-        (TrainerConfig(micro_batch_tokens=0), "--micro-batch-tokens"),
-        (TrainerConfig(micro_batch_size=0), "--micro-batch-size"),
-        (TrainerConfig(temperature=-1.0), "--temperature"),
-        (TrainerConfig(top_p=0.0), "--top-p"),
-        (TrainerConfig(top_p=1.5), "--top-p"),
-        (TrainerConfig(m2_threshold=0.0), "--m2-threshold"),
-        (TrainerConfig(tis_cap=1.2), "--tis-cap"),
-        (TrainerConfig(loss="decoupled_ppo", tis_cap=0.0), "--tis-cap"),
-        (TrainerConfig(autocast="fp16"), "--autocast"),
-        (TrainerConfig(adam_impl="apex"), "--adam-impl"),
-        (ServiceOptions(policy="a", model_path="m", state_interval=0), "--state-interval"),
-        (ServiceOptions(policy="a", model_path="m", keep_optimizer=0), "--keep-optimizer"),
-        (ServiceOptions(policy="a", model_path="m", state_max_lag=0), "--state-max-lag"),
+    spec = PolicySpec(model=tiny_model, temperature=0.7, top_p=0.9, max_staleness=2,
+                      trainer={"lr": 1e-3, "adam_beta2": 0.99, "std_normalize": False},
+                      lora={"rank": 4})
+    tr = Trainer.for_policy(spec, "actor")
+    assert tr.spec is spec.trainer and tr.optimizer.defaults["betas"] == (0.9, 0.99)
+    assert (tr.temperature, tr.top_p, tr.max_staleness) == (0.7, 0.9, 2)
+    assert tr.lora is not None and tr.lora.rank == 4
+    plain = Trainer(tiny_model, TrainerSpec(), "actor", temperature=0.0)
+    assert (plain.temperature, plain.top_p, plain.max_staleness, plain.lora) == (
+        1.0, 1.0, None, None)  # greedy's log-probs are at temperature 1
+
+
+def test_config_errors_name_the_key(tiny_model):
+    """The trainer's settings are checked where they are declared (``TrainerSpec``, the
+    policy's ``PolicySpec``): a bad one fails naming its key, and ``trainer run`` names
+    its flag."""
+    from pydantic import ValidationError
+
+    from astraflow.config.sections import PolicySpec, TrainerSpec
+    from astraflow.trainer.service import ServiceOptions
+
+    bad_trainer = [
+        ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"m2_threshold": 0.0, "loss": "m2po"}, "m2_threshold"),
+        ({"tis_cap": 1.2}, "tis_cap"),
+        ({"loss": "decoupled_ppo", "tis_cap": 0.0}, "tis_cap"),
+        ({"autocast": "fp16"}, "autocast"),
+        ({"adam_impl": "apex"}, "adam_impl"),
+        ({"lr": 0.0}, "lr"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"backend": "jax"}, "backend"),
     ]
-    for obj, flag in bad:
+    for kw, key in bad_trainer:
+        with pytest.raises(ValidationError, match=rf"(^|\.|\n){key}(\n|:)"):
+            TrainerSpec(**kw)
+    for kw, key in (({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                    ({"top_p": 1.5}, "top_p"), ({"max_staleness": -1}, "max_staleness")):
+        with pytest.raises(ValidationError, match=rf"\n{key}\n"):
+            PolicySpec(model="m", **kw)
+    for obj, flag in (
+            (ServiceOptions(policy="a", model_path="m", state_interval=0), "--state-interval"),
+            (ServiceOptions(policy="a", model_path="m", keep_optimizer=0), "--keep-optimizer"),
+            (ServiceOptions(policy="a", model_path="m", state_max_lag=0), "--state-max-lag")):
         with pytest.raises(ValueError, match=flag):
             obj.validate()
-    TrainerConfig(micro_batch_tokens=1, temperature=0.0).validate()
-    TrainerConfig(loss="decoupled_ppo", tis_cap=1.2).validate()  # no clip-higher bound there
+    TrainerSpec(micro_batch_tokens=1)
+    TrainerSpec(loss="decoupled_ppo", tis_cap=1.2)  # no clip-higher bound there
     cli = subprocess.run(
         [sys.executable, "-m", "astraflow.cli.main", "trainer", "run", "--topology",
          str(REPO / "topology" / "default.yaml"), "--policy", "actor", "--model", tiny_model,
@@ -785,11 +841,12 @@ class _SlowStore:
 
 
 def test_state_writer_writes_in_the_background_one_at_a_time(tiny_model):
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.state import StateWriter, recorded_state_version
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    tr = Trainer(tiny_model, TrainerConfig(lr=1e-4, micro_batch_size=3), policy="actor")
+    tr = Trainer(tiny_model, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     tr.train_step(make_batch(0))
     store = _SlowStore()
     writer = StateWriter(store, "actor")
@@ -906,15 +963,15 @@ def _crash_then_resume(kafka_config, kafka_bootstrap, topo, path, tiny_model, tm
     return sent, before, read_manifests(kafka_config, weights_topic), log.read_text()
 
 
-def _reference(tiny_model, sent, config) -> dict[str, dict]:
+def _reference(tiny_model, sent, spec, **policy) -> dict[str, dict]:
     """The uninterrupted run over the same (decoded) batches: per version its master
-    weights, published weights and optimizer state."""
+    weights, published weights and optimizer state (``policy``: the Trainer's keywords)."""
     import copy
 
     from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    ref = Trainer(tiny_model, config, policy="actor")
+    ref = Trainer(tiny_model, spec, policy="actor", **policy)
     out: dict[str, dict] = {"master": {}, "published": {}, "optimizer": {}}
 
     def keep(v: int) -> None:
@@ -993,7 +1050,7 @@ def test_trainer_resumes_exactly_after_sigkill(
     fp32 published. ``publish-overlap``: each version is written while the next batch
     trains and committed with the next step (its batch's offset held back until then):
     the SIGKILL then comes with batch 4 trained and version 3's transaction open."""
-    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.config.sections import TrainerSpec
     from astraflow.weights.stores import FileBlobStore
 
     topo, path = make_topology(
@@ -1026,7 +1083,7 @@ def test_trainer_resumes_exactly_after_sigkill(
     assert all("trainer/wait_fraction" in s.metrics for s in mine)
 
     assert sorted(m.version for m in manifests if m.kind == "full") == [0, 4]
-    cfg = TrainerConfig(lr=float(lr), micro_batch_size=3, publish_dtype=publish or "bf16")
+    cfg = TrainerSpec(lr=float(lr), micro_batch_size=3, publish_dtype=publish or "bf16")
     ref = _reference(tiny_model, sent, cfg)
     _check_history(kafka_config, manifests, sent, ref, topo.full_name("batches.actor"))
     dtype = "float32" if publish == "same" else "bfloat16"
@@ -1079,7 +1136,7 @@ def test_trainer_recomputes_the_versions_after_the_newest_state_on_resume(
     (checked against the published ones), then trains on. The real-model settings (bf16
     autocast, gradient checkpointing, token-budget micro-batches) and a learning-rate
     schedule that changes every step resume exactly too."""
-    from astraflow.trainer.trainer import TrainerConfig
+    from astraflow.config.sections import TrainerSpec
     from astraflow.weights.stores import FileBlobStore
 
     topo, path = make_topology(
@@ -1097,7 +1154,7 @@ def test_trainer_recomputes_the_versions_after_the_newest_state_on_resume(
     assert "resumed at version 5 from the state of version 3" in text, text[-3000:]
     assert "recomputed versions 4..5" in text, text[-3000:]
     assert "recomputed version 4 from batch batch-3" in text, text[-3000:]
-    cfg = TrainerConfig(lr=1e-4, micro_batch_tokens=40, autocast="bf16",
+    cfg = TrainerSpec(lr=1e-4, micro_batch_tokens=40, autocast="bf16",
                         gradient_checkpointing=True, lr_warmup_steps=2, lr_decay="cosine",
                         lr_final=2e-5, lr_decay_steps=5)
     ref = _reference(tiny_model, sent, cfg)
@@ -1145,8 +1202,8 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     latest by the next state's version; a restart recomputes the versions after the newest
     state and then equals the trainer that wrote them; a master blob whose bytes changed
     (sha256) is refused; other settings are published as a rebase version."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.service import ServiceOptions, TrainerService
-    from astraflow.trainer.trainer import TrainerConfig
     from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.stores.kafka import read_manifests
 
@@ -1166,7 +1223,7 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
             state_dir=str(tmp_path / "state"),
             poll_timeout_s=0.2,
             state_interval=2,
-            trainer=TrainerConfig(lr=1e-4, micro_batch_size=3, temperature=temperature),
+            trainer=TrainerSpec(lr=1e-4, micro_batch_size=3), temperature=temperature,
             **kw,
         )
 
@@ -1228,16 +1285,17 @@ def test_shared_prompt_pass_gives_the_logprobs_and_gradients_of_separate_passes(
     """A pass runs each of its prompts once, their keys/values repeated for their samples:
     one prompt a pass, several (of unequal lengths), or groups cut across passes, the
     log-probs, the loss and every gradient equal those of one pass per sequence."""
-    from astraflow.trainer.trainer import Trainer, TrainerConfig
+    from astraflow.config.sections import TrainerSpec
+    from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
     batch = make_batch(7, groups=3, samples=4)
     prompts = {len(g.sequences[0].token_ids) - sum(g.sequences[0].loss_mask)
                for g in batch.groups}
     assert len(prompts) > 1  # of unequal lengths: padded in the shared pass
-    shared = Trainer(tiny_model, TrainerConfig(lr=1e-3, micro_batch_size=size),
+    shared = Trainer(tiny_model, TrainerSpec(lr=1e-3, micro_batch_size=size),
                      policy="actor")
-    plain = Trainer(tiny_model, TrainerConfig(lr=1e-3, share_prompt=False), policy="actor")
+    plain = Trainer(tiny_model, TrainerSpec(lr=1e-3, share_prompt=False), policy="actor")
     got = shared.passes(shared._rows(batch))
     assert [len(p) for _, p in got] == passes and all(s for s, _ in got)
     for _, part in got:
@@ -1307,8 +1365,8 @@ def test_trainer_dead_letters_a_batch_that_decodes_but_makes_no_sense(
     """A group whose sequence fields differ in length, a NaN reward, or a token of a version
     not yet published goes to dlq with the reason; the trainer trains the good batches
     around them instead of crash-looping."""
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.service import ServiceOptions, TrainerService
-    from astraflow.trainer.trainer import TrainerConfig
     from astraflow.wire.records import DeadLetter
 
     topo, _ = make_topology(topics={"batches.actor": {"partitions": 1},
@@ -1332,7 +1390,7 @@ def test_trainer_dead_letters_a_batch_that_decodes_but_makes_no_sense(
     svc = TrainerService(topo, ServiceOptions(
         policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
         poll_timeout_s=0.2, max_steps=2,
-        trainer=TrainerConfig(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+        trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)), config=kafka_config)
     svc.run()
     assert svc.version == 2 and svc.counters.dead_lettered == 3
     dead = [r.record for r in read_all(kafka_config, topo.full_name("dlq"), expect=DeadLetter)]
@@ -1351,8 +1409,8 @@ def test_trainer_prunes_blobs_older_than_the_kept_versions(kafka_config, make_to
     versions go (Kafka: DeleteRecords on weights.blobs; file: deleted), and a new reader
     still reaches the newest version; with keep_versions 0 everything stays."""
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.trainer.service import ServiceOptions, TrainerService
-    from astraflow.trainer.trainer import TrainerConfig
     from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
@@ -1370,7 +1428,7 @@ def test_trainer_prunes_blobs_older_than_the_kept_versions(kafka_config, make_to
         svc = TrainerService(topo, ServiceOptions(
             policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
             poll_timeout_s=0.2, max_steps=steps, anchor_interval=2, keep_versions=keep,
-            state_interval=100, trainer=TrainerConfig(lr=1e-4, micro_batch_size=3)),
+            state_interval=100, trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)),
             config=kafka_config)
         svc.run()
         return svc
@@ -1424,9 +1482,9 @@ def test_a_reader_without_the_model_builds_it_from_the_weight_stream(kafka_confi
     weights of the newest version, bit for bit what the trainer published."""
     from safetensors.torch import load_file
 
+    from astraflow.config.sections import TrainerSpec
     from astraflow.models.share import ensure_model, fetch_model, pack_model_files
     from astraflow.trainer.service import ServiceOptions, TrainerService
-    from astraflow.trainer.trainer import TrainerConfig
 
     topo, _ = make_topology(topics={"batches.actor": {"partitions": 1},
                                     "weights.actor": {"partitions": 1},
@@ -1440,7 +1498,7 @@ def test_a_reader_without_the_model_builds_it_from_the_weight_stream(kafka_confi
     svc = TrainerService(topo, ServiceOptions(
         policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
         poll_timeout_s=0.2, max_steps=3, anchor_interval=2,
-        trainer=TrainerConfig(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+        trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)), config=kafka_config)
     svc.run()
     assert svc.version == 3
 
