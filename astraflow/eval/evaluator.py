@@ -188,6 +188,8 @@ def _curve_so_far(path: str, every: int, run: str, policy: str) -> list[tuple[in
         old = json.loads(p.read_text())
     except (OSError, ValueError):  # none yet, or not a curve: start afresh
         return []
+    if not isinstance(old, dict):  # valid JSON, but not a curve either
+        return []
     if (old.get("every"), old.get("run"), old.get("policy")) != (every, run, policy):
         return []
     return [(c["version"], c["accuracy"]) for c in old.get("curve", [])]

@@ -48,7 +48,7 @@ def test_a_history_curve_resumes_only_for_the_same_run_policy_and_every(tmp_path
     assert _curve_so_far(str(out), 5, "r1", "critic") == []
 
 
-@pytest.mark.parametrize("content", [None, "{not json"])
+@pytest.mark.parametrize("content", [None, "{not json", "[1, 2]"])
 def test_a_missing_or_broken_curve_starts_afresh(tmp_path, content):
     out = tmp_path / "actor.json"
     if content is not None:
