@@ -226,7 +226,7 @@ def state_step(trainer: Trainer, writer: StateWriter, store, v: int, interval: i
     done = writer.poll()
     if v % interval == 0:
         done = done or writer.wait()
-        writer.start(trainer.snapshot(v))
+        writer.start(v)
     row.add("state_main", time.perf_counter() - t0)
     if done is not None:
         row.writes.append((done.snapshot_seconds, done.write_seconds))
@@ -260,7 +260,8 @@ def open_setting(model_dir: str, name: str, backend: str, args, root: str) -> Se
     cfg = TrainerSpec(lr=args.lr, backend=backend, device=args.device, **SETTINGS[name])
     trainer = Trainer(model_dir, cfg, policy="actor")
     store = FileBlobStore(os.path.join(root, f"{name}-{backend}"))
-    st = Setting(trainer, store, StateWriter(store, "actor"), Row(name, backend))
+    st = Setting(trainer, store, StateWriter(store, "actor", trainer),
+                 Row(name, backend))
     st.prev = publish(trainer, None, store, 0, st.row, args.threads)
     st.row.steps.clear()
     return st

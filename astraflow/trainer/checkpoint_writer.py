@@ -1,9 +1,9 @@
 """Trainer states through ``torch.distributed.checkpoint``, written in the background.
 
-``CheckpointWriter`` has ``StateWriter``'s interface (``astraflow.trainer.state``: ``start``,
-``poll``, ``wait``, ``in_flight``) for states that every process of a trainer group writes
-its own shards of (``astraflow.trainer.checkpoint``): ``start(version)`` only starts the
-copy on the training thread, the files are written by DCP's background thread, and the
+``CheckpointWriter`` is a ``TrainerStateWriter`` (``astraflow.trainer.state``: ``start``,
+``poll``, ``wait``, ``in_flight``, ``remove``) for states that every process of a trainer
+group writes its own shards of (``astraflow.trainer.checkpoint``): ``start(version)`` only
+starts the copy on the training thread, the files are written by DCP's background thread, and the
 finished write is recorded in a manifest's ``meta`` as ``state_version`` and the directory
 (``STATE_DIR_KEY``). Such a state loads into any number of processes (resharded).
 
@@ -42,13 +42,16 @@ def state_path(root: Path, policy: str, version: int) -> Path:
 class CheckpointWriter:
     """One background state write at a time, of ``trainer``'s shards, under ``root``;
     with ``store`` (given to rank 0 of processes on one host alone) its files then go to
-    the blob store."""
+    the blob store. ``owner``: this process removes the directories (``remove``), which
+    are the whole group's (rank 0)."""
 
-    def __init__(self, trainer: Any, root: Path, policy: str, store: Any = None):
+    def __init__(self, trainer: Any, root: Path, policy: str, store: Any = None,
+                 owner: bool = True):
         self.trainer = trainer
         self.root = root
         self.policy = policy
         self.store = store
+        self.owner = owner
         self._version: int | None = None
         self._handle: Any = None
         self._upload: Future | None = None
@@ -61,8 +64,9 @@ class CheckpointWriter:
         """The version being written (or written and not collected yet), None if none."""
         return self._version
 
-    def start(self, version: int) -> None:
-        """Start writing the state of ``version`` (the trainer's current state)."""
+    def start(self, version: int) -> float:
+        """Start writing the state of ``version`` (the trainer's current state); the
+        seconds the start (DCP's copy) took on the training thread."""
         if self._version is not None:
             raise RuntimeError(f"state of version {self._version} is still being written")
         where = state_path(self.root, self.policy, version)
@@ -73,6 +77,7 @@ class CheckpointWriter:
         self._version = version
         if self.store is not None:
             self._upload = self._pool.submit(self._put_files, self._handle, where, version)
+        return self._start_s
 
     def _put_files(self, handle: Any, where: Path, version: int) -> list[dict[str, Any]]:
         """Once DCP's write is complete (rank 0's handle: every rank's files): every file
@@ -124,9 +129,11 @@ class CheckpointWriter:
         return WrittenState(version, refs, meta, snapshot_seconds=self._start_s,
                             write_seconds=time.perf_counter() - self._t0)
 
-    def delete(self, version: int) -> None:
-        """Remove the state of ``version`` (no manifest records it, or it is superseded)."""
-        shutil.rmtree(state_path(self.root, self.policy, version), ignore_errors=True)
+    def remove(self, version: int) -> None:
+        """Remove the directory of ``version``'s state (no manifest records it, or it is
+        superseded), where this process owns it."""
+        if self.owner:
+            shutil.rmtree(state_path(self.root, self.policy, version), ignore_errors=True)
 
 
 def _chunks(path: Path) -> Iterator[bytes]:

@@ -53,7 +53,7 @@ import signal
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ from astraflow.models.lora import META_KEY as LORA_META
 from astraflow.models.lora import LoraSettings
 from astraflow.models.lora import settings_of as lora_settings_of
 from astraflow.trainer.checkpoint_writer import CheckpointWriter, fetch_state_files
+from astraflow.trainer.commands import Flush, RankCommand, Stop, TrainStep
 from astraflow.trainer.parallel import Group
 from astraflow.trainer.resume import (
     REBASE_KEY,
@@ -81,7 +82,13 @@ from astraflow.trainer.resume import (
     recorded_states,
     trained_batches,
 )
-from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY, StateWriter, WrittenState
+from astraflow.trainer.state import (
+    STATE_DIR_KEY,
+    STATE_FILES_KEY,
+    StateWriter,
+    TrainerStateWriter,
+    WrittenState,
+)
 from astraflow.trainer.trainer import Trainer
 from astraflow.weights.errors import BlobError
 from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
@@ -310,14 +317,14 @@ class TrainerService:
         self.store = open_store(self.blob_uri, self.config)
         if self.trainer is None:
             self.trainer = self.options.make_trainer(self.dist)
-        self.writer: StateWriter | CheckpointWriter
+        self.writer: TrainerStateWriter
         if self.checkpoint_dir is None:
-            self.writer = StateWriter(self.store, self.policy)
+            self.writer = StateWriter(self.store, self.policy, self.trainer)
         else:  # DCP; in the blob store after all when no checkpoint_dir was given
             into_store = self.store if (self.rank == 0 and not self.options.checkpoint_dir
                                         ) else None
             self.writer = CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy,
-                                           store=into_store)
+                                           store=into_store, owner=self.rank == 0)
 
     def _read_manifests(self) -> list[WeightManifest]:
         """Rank 0: the trusted manifests of the policy on ``weights.<policy>``, handed to
@@ -722,7 +729,7 @@ class TrainerService:
             # a clean stop (not an error: then this process fails and the group's
             # supervisor takes the others down) ends the other ranks too
             if self.dist is not None:
-                self.dist.command(("stop",))
+                self.dist.command(Stop())
         return self.counters
 
     def _follow(self) -> None:
@@ -735,13 +742,17 @@ class TrainerService:
         try:
             self._restore()
             while True:
-                what, *args = self.dist.command(None)
-                if what == "stop":
-                    break
-                if what == "flush":
-                    self.flush(None)
-                else:
-                    self._step(*args, cp=None)
+                command: RankCommand = self.dist.command(None)
+                match command:
+                    case TrainStep():
+                        self._step(command, cp=None)
+                    case Flush():
+                        self.flush(None)
+                    case Stop():
+                        break
+                    case _:
+                        raise RuntimeError(f"trainer rank {self.rank}: rank 0 sent "
+                                           f"{command!r}, not a RankCommand")
         finally:
             self.close()
 
@@ -757,22 +768,23 @@ class TrainerService:
 
     def handle(self, msgs: list[Message], cp: Checkpoint) -> None:
         for m in msgs:
-            batch = self._decode(m, cp)
-            if batch is None and self._pending is not None:
+            step = self._decode(m, cp)
+            if step is None and self._pending is not None:
                 # dead-lettered: its letter commits with the offsets past it, so the
                 # version held back before it commits in this transaction too (else a
                 # crash would read the batch, and dead-letter it, again)
                 self._flush_all(cp)
-            if batch is not None:
+            if step is not None:
                 # the last step of a stopping trainer whose states are DCP's records its
                 # own state (written synchronously): a clean stop resumes without
                 # recomputing, on any number of processes
                 final = self.checkpoint_dir is not None and (
                     self.loop.stopping or (self.options.max_steps is not None
                                            and self._steps + 1 >= self.options.max_steps))
+                step = replace(step, final=final)
                 if self.dist is not None:
-                    self.dist.command(("step", *batch, final))
-                self._step(*batch, final, cp=cp)
+                    self.dist.command(step)
+                self._step(step, cp=cp)
                 self._steps += 1
         if self.options.max_steps is not None and self._steps >= self.options.max_steps:
             self.loop.stop()
@@ -782,7 +794,7 @@ class TrainerService:
     def _flush_all(self, cp: Checkpoint) -> None:
         """Rank 0: ``flush`` on every rank of the group (their parts are gathered)."""
         if self.dist is not None:
-            self.dist.command(("flush",))
+            self.dist.command(Flush())
         self.flush(cp)
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
@@ -810,7 +822,7 @@ class TrainerService:
                         self._crash_at)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _decode(self, m: Message, cp: Checkpoint) -> tuple[Batch, str, int, int] | None:
+    def _decode(self, m: Message, cp: Checkpoint) -> TrainStep | None:
         topic, part, off = m.topic(), m.partition(), m.offset()
         try:
             rec = self.codec.decode(m.value(), topic, part, off, expect=Batch)
@@ -823,7 +835,7 @@ class TrainerService:
             )
             cp.dead_letter(dead_letter(m, self.component_id, reason))
             return None
-        return rec, topic, part, off
+        return TrainStep(rec, topic, part, off)
 
     def _check_versions(self, batch: Batch) -> None:
         """A token of this policy generated by a version not yet published cannot be."""
@@ -833,12 +845,13 @@ class TrainerService:
             raise InvalidRecord(f"Batch: a token of policy {self.policy} generated by version "
                                 f"{newest}, newer than the newest published ({self.version})")
 
-    def _step(self, batch: Batch, topic: str, part: int, off: int, final: bool = False, *,
-              cp: Checkpoint | None) -> None:
-        """Train on ``batch``; its version's manifests go into ``cp`` (rank 0; the other
-        ranks of a group train and publish their parts in step, with ``cp`` None), or,
-        with ``publish_overlap``, into the next step's. ``final``: the last step before a
-        clean stop records its own state and is committed at once."""
+    def _step(self, step: TrainStep, *, cp: Checkpoint | None) -> None:
+        """Train on ``step.batch``; its version's manifests go into ``cp`` (rank 0; the
+        other ranks of a group train and publish their parts in step, with ``cp`` None),
+        or, with ``publish_overlap``, into the next step's. ``step.final``: the last step
+        before a clean stop records its own state and is committed at once."""
+        batch, final = step.batch, step.final
+        topic, part, off = step.topic, step.partition, step.offset
         assert self.version is not None
         metrics = self.trainer.train_step(batch, current_version=self.version)
         self.flush(cp)  # the previous version, written while this batch trained
@@ -966,12 +979,9 @@ class TrainerService:
         t0 = time.perf_counter()
         if final:
             older = self.writer.wait()
-            for ref in older.refs if older is not None else []:
-                self._delete_blob(ref)
             if older is not None:
-                self._delete_checkpoint(older)
-            self.writer.start(self.trainer.snapshot(version) if self.checkpoint_dir is None
-                              else version)
+                self._discard_state(older)
+            self.writer.start(version)
             written = self.writer.wait()
             metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
             if self.dist is not None:
@@ -983,14 +993,8 @@ class TrainerService:
         if written is None and pending is not None and (due or version - pending >= o.state_lag):
             written = self.writer.wait()
         metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
-        if due and self.checkpoint_dir is not None:
-            t1 = time.perf_counter()
-            self.writer.start(version)  # the copy starts: written in the background
-            metrics["trainer/state_snapshot_seconds"] = time.perf_counter() - t1
-        elif due:
-            snap = self.trainer.snapshot(version)
-            metrics["trainer/state_snapshot_seconds"] = snap.seconds
-            self.writer.start(snap)
+        if due:  # the snapshot (or DCP's copy) now, written in the background
+            metrics["trainer/state_snapshot_seconds"] = self.writer.start(version)
         if written is not None:
             metrics["trainer/state_write_seconds"] = written.write_seconds
             metrics["trainer/state_bytes"] = float(written.bytes)
@@ -1014,9 +1018,7 @@ class TrainerService:
             return
         if written is None:
             return
-        for ref in written.refs:
-            self._delete_blob(ref)
-        self._delete_checkpoint(written)
+        self._discard_state(written)
         log.info(
             "%s: the state of version %d was written after the last committed version; no "
             "manifest records it, deleted (a restart resumes from the state of version %s "
@@ -1070,15 +1072,14 @@ class TrainerService:
             version, refs = self._state_refs.pop(0)
             for ref in refs:
                 self._delete_blob(ref)
-            if isinstance(self.writer, CheckpointWriter) and self.rank == 0:
-                self.writer.delete(version)
+            self.writer.remove(version)
 
-    def _delete_checkpoint(self, written: WrittenState) -> None:
-        """Rank 0 removes an unrecorded state written through DCP (its directory is the
-        whole group's)."""
-        if STATE_DIR_KEY in written.meta and self.rank == 0:
-            assert isinstance(self.writer, CheckpointWriter)
-            self.writer.delete(written.version)
+    def _discard_state(self, written: WrittenState) -> None:
+        """Delete a state no manifest records (or one superseded): its blobs, and what
+        the writer keeps of it elsewhere (a DCP directory)."""
+        for ref in written.refs:
+            self._delete_blob(ref)
+        self.writer.remove(written.version)
 
     def _delete_blob(self, ref: BlobRef) -> bool:
         try:

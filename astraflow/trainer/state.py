@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -211,18 +211,44 @@ def write_state(store: Any, policy: str, snap: StateSnapshot) -> WrittenState:
                         snapshot_seconds=snap.seconds, write_seconds=time.perf_counter() - t0)
 
 
+class TrainerStateWriter(Protocol):
+    """What the trainer service needs of a state writer, whatever its format: one write
+    of the trainer's state at a time, in the background.
+
+    ``start(version)`` begins writing the trainer's current state as ``version``'s (the
+    previous write must have been collected) and returns the seconds the training thread
+    spent on it (the snapshot or the copy it starts); ``poll`` returns a finished write
+    once (None while it runs or when none was started); ``wait`` blocks until the write
+    in flight is done and returns it; a failed write raises its error (``RuntimeError``)
+    from ``poll``/``wait``. ``remove(version)`` drops what the writer keeps of a state
+    beyond the blobs its ``WrittenState.refs`` name (those the service deletes from the
+    blob store itself): a state no manifest records, or one superseded.
+    ``StateWriter`` (the blob format) and ``astraflow.trainer.checkpoint_writer.
+    CheckpointWriter`` (``torch.distributed.checkpoint``) are the two."""
+
+    @property
+    def in_flight(self) -> int | None:
+        """The version being written (or written and not collected yet), None if none."""
+        ...
+
+    def start(self, version: int) -> float: ...
+
+    def poll(self) -> WrittenState | None: ...
+
+    def wait(self) -> WrittenState | None: ...
+
+    def remove(self, version: int) -> None: ...
+
+
 @dataclass
 class StateWriter:
-    """Writes snapshots in one background thread, one at a time.
-
-    ``start`` hands a snapshot over (the previous write must have been collected);
-    ``poll`` returns a finished write once (None while it runs or when none was started);
-    ``wait`` blocks until the write in flight is done and returns it. A failed write
-    raises its error from ``poll``/``wait``.
-    """
+    """The blob format's ``TrainerStateWriter``: snapshots of ``trainer`` (``Trainer.
+    snapshot``, CPU copies on the training thread) serialized into ``store`` by one
+    background thread, one at a time."""
 
     store: Any
     policy: str
+    trainer: Any
     _thread: threading.Thread | None = None
     _result: WrittenState | None = None
     _error: BaseException | None = None
@@ -234,15 +260,22 @@ class StateWriter:
         """The version being written (or written and not collected yet), None if none."""
         return self._version
 
-    def start(self, snap: StateSnapshot) -> None:
+    def start(self, version: int) -> float:
+        """Snapshot the trainer's state as ``version``'s and write it in the background;
+        the seconds the snapshot took."""
         if self._version is not None:
             raise RuntimeError(f"state of version {self._version} is still being written")
+        snap = self.trainer.snapshot(version)
         self._version, self._result, self._error = snap.version, None, None
         self._done.clear()
         self._thread = threading.Thread(
             target=self._run, args=(snap,), name=f"state-writer-v{snap.version}", daemon=True
         )
         self._thread.start()
+        return snap.seconds
+
+    def remove(self, version: int) -> None:
+        """Nothing: a state in the blob format is only its blobs (``WrittenState.refs``)."""
 
     def _run(self, snap: StateSnapshot) -> None:
         try:
@@ -281,6 +314,7 @@ __all__ = [
     "STATE_FILES_KEY",
     "StateSnapshot",
     "StateWriter",
+    "TrainerStateWriter",
     "WrittenState",
     "recorded_state_version",
     "state_meta",

@@ -849,11 +849,11 @@ def test_state_writer_writes_in_the_background_one_at_a_time(tiny_model):
     tr = Trainer(tiny_model, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     tr.train_step(make_batch(0))
     store = _SlowStore()
-    writer = StateWriter(store, "actor")
-    writer.start(tr.snapshot(1))
+    writer = StateWriter(store, "actor", tr)
+    assert writer.start(1) >= 0  # the snapshot's seconds, on this thread
     assert writer.in_flight == 1 and writer.poll() is None  # still writing
     with pytest.raises(RuntimeError, match="version 1 is still being written"):
-        writer.start(tr.snapshot(1))
+        writer.start(1)
     tr.train_step(make_batch(1))  # training goes on meanwhile
     store.release.set()
     done = writer.wait()
@@ -885,11 +885,57 @@ def test_state_writer_writes_in_the_background_one_at_a_time(tiny_model):
 
     failing = _SlowStore(fail=True)
     failing.release.set()
-    writer = StateWriter(failing, "actor")
-    writer.start(tr.snapshot(2))
+    writer = StateWriter(failing, "actor", tr)
+    writer.start(2)
     with pytest.raises(RuntimeError, match="state of version 2 failed: OSError: disk full"):
         writer.wait()
     assert writer.in_flight is None
+
+
+def test_the_state_writers_share_one_interface(tmp_path):
+    """The service tells its state writer apart by nothing: both formats are
+    ``TrainerStateWriter``s, and a DCP directory is removed by its owner (rank 0) alone."""
+    from astraflow.trainer.checkpoint_writer import CheckpointWriter, state_path
+    from astraflow.trainer.state import StateWriter, TrainerStateWriter
+
+    members = {n for n in dir(TrainerStateWriter) if not n.startswith("_")}
+    assert members == {"in_flight", "start", "poll", "wait", "remove"}
+    for cls in (StateWriter, CheckpointWriter):
+        assert members <= set(dir(cls)), cls
+    where = state_path(tmp_path, "actor", 3)
+    where.mkdir(parents=True)
+    CheckpointWriter(None, tmp_path, "actor", owner=False).remove(3)
+    assert where.exists()  # another rank's view of the group's directory
+    CheckpointWriter(None, tmp_path, "actor").remove(3)
+    assert not where.exists()
+
+
+def test_a_follower_does_what_rank_0_says_in_typed_records():
+    """A rank > 0 trains, flushes and stops on rank 0's typed records, in order, and
+    fails at once on anything else."""
+    from types import SimpleNamespace
+
+    from astraflow.trainer.commands import Flush, Stop, TrainStep
+    from astraflow.trainer.service import TrainerService
+
+    step = TrainStep(make_batch(0), "r.batches.actor", 0, 5, final=True)
+    done: list = []
+
+    def follower(commands):
+        said = iter(commands)
+        return SimpleNamespace(
+            rank=1, dist=SimpleNamespace(wait_for_all=lambda: None,
+                                         command=lambda obj: next(said)),
+            _open=lambda: None, _restore=lambda: done.append("restore"),
+            _step=lambda s, cp: done.append((s, cp)),
+            flush=lambda cp: done.append(("flush", cp)), close=lambda: done.append("close"))
+
+    TrainerService._follow(follower([step, Flush(), Stop(), step]))
+    assert done == ["restore", (step, None), ("flush", None), "close"]
+    done.clear()
+    with pytest.raises(RuntimeError, match=r"rank 0 sent \('step',\), not a RankCommand"):
+        TrainerService._follow(follower([("step",)]))
+    assert done == ["restore", "close"]
 
 
 def _optimizer_states_equal(a: dict, b: dict) -> bool:
