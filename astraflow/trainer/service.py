@@ -41,6 +41,12 @@ as an uninterrupted one would have (or, after a rebase, from weights that traine
 same batches). Version 0 (the initial weights) is published when
 ``weights.<policy>`` is empty; version ``k`` is the model after ``k`` batches (less one
 for each rebase at or before it: a manifest's ``trainer_step`` is the count).
+
+The service is the Kafka work around parts of their own: the restore (steps 2 and 3,
+``astraflow.trainer.restore``), the publishing of versions into the blob store
+(``astraflow.trainer.publishing``) and the background state writes (a
+``TrainerStateWriter``, ``astraflow.trainer.state``). In a group of processes rank 0 runs
+the loop and tells the others what to do in typed records (``astraflow.trainer.commands``).
 """
 
 from __future__ import annotations
@@ -48,16 +54,14 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import shutil
 import signal
 import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Message
 
 from astraflow.config.topology import PolicySpec, Topology, TrainerSpec
 from astraflow.dataflow.runtime import loop_spec
@@ -67,31 +71,24 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
-from astraflow.models.lora import META_KEY as LORA_META
 from astraflow.models.lora import LoraSettings
-from astraflow.models.lora import settings_of as lora_settings_of
-from astraflow.trainer.checkpoint_writer import CheckpointWriter, fetch_state_files
+from astraflow.trainer.checkpoint_writer import CheckpointWriter
 from astraflow.trainer.commands import Flush, RankCommand, Stop, TrainStep
 from astraflow.trainer.parallel import Group
+from astraflow.trainer.publishing import Publishing, delete_blob
+from astraflow.trainer.restore import Restorer, resume_positions
 from astraflow.trainer.resume import (
     REBASE_KEY,
     REBASE_REASON_KEY,
-    BatchReader,
-    newest_state,
-    recompute,
     recorded_states,
-    trained_batches,
 )
 from astraflow.trainer.state import (
-    STATE_DIR_KEY,
-    STATE_FILES_KEY,
     StateWriter,
     TrainerStateWriter,
     WrittenState,
 )
 from astraflow.trainer.trainer import Trainer
-from astraflow.weights.errors import BlobError
-from astraflow.weights.signing import refusal_letter, signer_from, split_trusted, verifier_from
+from astraflow.weights.signing import refusal_letter, signer_from, verifier_from
 from astraflow.wire.codec import RecordDecodeError
 from astraflow.wire.records import (
     Batch,
@@ -252,7 +249,6 @@ class TrainerService:
         self.signer = signer_from(topology.weight_signing)
         # ... and with a public key, a resume uses only manifests signed by its key
         self.verifier = verifier_from(topology.weight_signing)
-        self._refused: list[tuple[WeightManifest, str]] = []  # dead-lettered at start
         self.counters = ServiceCounters()
         self.trainer = trainer
         self.version: int | None = None
@@ -268,7 +264,6 @@ class TrainerService:
         self.state_version: int | None = None  # the newest recorded state
         self._loop_start = time.monotonic()
         self._steps = 0  # in this process
-        self._history: list[WeightManifest] = []  # the manifests whose blobs may be kept
         options.validate()
         crash = os.environ.get(CRASH_ENV)
         self._crash_at = int(crash) if crash else None
@@ -277,7 +272,6 @@ class TrainerService:
         # publish_overlap: the version whose blobs are being written while the next batch
         # trains; its batch's offset is held back from commits until it is committed
         self._pending: _Pending | None = None
-        self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
         dev = options.trainer.device
         self.overlap = (options.publish_overlap == "on"
                         or (options.publish_overlap == "auto" and dev.startswith("cuda")))
@@ -325,76 +319,55 @@ class TrainerService:
                                         ) else None
             self.writer = CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy,
                                            store=into_store, owner=self.rank == 0)
-
-    def _read_manifests(self) -> list[WeightManifest]:
-        """Rank 0: the trusted manifests of the policy on ``weights.<policy>``, handed to
-        every other rank (they restore from the same list)."""
-        from astraflow.weights.stores.kafka import read_manifests
-
-        manifests = None
-        if self.rank == 0:
-            manifests = self._trusted([
-                m for m in read_manifests(self.config, self.weights_topic)
-                if m.policy == self.policy])
-        if self.dist is not None:
-            manifests = self.dist.command(manifests)
-        return manifests
+        o = self.options
+        self.publishing = Publishing(
+            self.trainer, self.store, self.policy, anchor_interval=o.anchor_interval,
+            keep_versions=o.keep_versions, model_path=o.model_path, lora=o.lora,
+            group=self.dist, signer=self.signer, name=self.component_id)
+        self.restorer = Restorer(
+            self.trainer, self.store, self.config, self.codec, policy=self.policy,
+            weights_topic=self.weights_topic, batches_topic=self.batches_topic,
+            state_dir=self.state_dir, lora=o.lora, verifier=self.verifier, group=self.dist,
+            name=self.component_id)
 
     def _restore(self) -> None:
-        from astraflow.weights.follower import WeightFollower
-
-        manifests = self._read_manifests()
-        self._history = list(manifests)
+        """Steps 2 and 3 of a restart (the module docstring) by the ``Restorer``; then
+        the service takes up where it arrived: its version, positions and recorded states,
+        a rebase when the recompute differs, or version 0 on an empty topic."""
+        manifests = self.restorer.read_manifests()
+        self.publishing.history = list(manifests)
         if not manifests:
             self._publish_initial()
             return
-        self._check_lora(manifests)
         t0 = time.perf_counter()
-        latest = max(m.version for m in manifests)
-        start, meta = newest_state(manifests)
-        follower = WeightFollower(
-            policy=self.policy, stores=[self.store], kafka_config=self.config, inplace=False
-        )
-        follower.observe(manifests)
-        res = follower.update(start)
-        opt, master = self._load_state(follower, start, meta, manifests)
-        # the schedule's count: the batches version start has trained (not its number: a
-        # rebase version trained none of its own)
-        self.trainer.steps = trained_batches(manifests, start)
-        reader = BatchReader(self.config, self.batches_topic, self.codec)
-        try:
-            replayed = recompute(self.trainer, follower, manifests, start, latest, reader,
-                                 self.weights_topic)
-        finally:
-            reader.close()
-        replay_s = replayed.seconds
-        if replayed.differs is None:
-            assert follower.state is not None
-            self.publisher = self._publisher(version=latest, state=follower.state)
-        last = [m for m in manifests if m.version == latest][0]
+        r = self.restorer.restore(manifests)
+        if r.published is not None:
+            self.publishing.restart(version=r.latest, state=r.published)
+        last = r.last
         self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
-        self.version = self.resumed_from = latest
-        self.state_version = start if meta else None
+        self.version = self.resumed_from = r.latest
+        self.state_version = r.start if r.recorded else None
         self._state_refs = recorded_states(manifests)
         self._drop_old_states()
-        if replayed.differs is not None:
-            self._rebase(last, replayed.differs)
+        if r.differs is not None:
+            self._rebase(last, r.differs)
         if self.loop is not None:  # rank 0 alone, after the group's last collective here
-            self.loop.positions.update(self._resume_positions(latest))
+            self.loop.positions.update(resume_positions(
+                self.config, self.group, self.positions, r.latest, self.component_id))
         log.info(
             "%s: resumed at version %d from the state of version %d (%d manifests applied, "
             "%d bytes); optimizer state %s; master weights %s; recomputed versions %s in "
             "%.2fs%s; %.2fs in all; consuming from %s",
             self.component_id,
-            latest,
-            start,
-            len(res.applied),
-            res.bytes_fetched,
-            opt,
-            master,
-            f"{start + 1}..{latest}" if latest > start else "none",
-            replay_s,
-            "" if replayed.differs is None else f", published as rebase version {self.version}",
+            r.latest,
+            r.start,
+            r.applied,
+            r.bytes_fetched,
+            r.optimizer,
+            r.master,
+            f"{r.start + 1}..{r.latest}" if r.latest > r.start else "none",
+            r.replay_seconds,
+            "" if r.differs is None else f", published as rebase version {self.version}",
             time.perf_counter() - t0,
             _fmt_positions(self.positions) or "the group's committed offsets",
         )
@@ -408,20 +381,16 @@ class TrainerService:
         commits."""
         latest = last.version
         version = latest + 1
-        self.publisher = self._publisher()
+        self.publishing.restart()
         written = self._state_step(version, {}, final=True)
         meta = dict(written.meta) if written is not None else {}
         meta[REBASE_KEY] = str(latest)
         meta[REBASE_REASON_KEY] = why
-        ms = self._publish(version, list(last.consumed_offsets), meta)
+        ms = self.publishing.publish(version, list(last.consumed_offsets), meta)
         self.version = version
         if ms is not None:  # rank 0
-            self._add_model_files(ms)
-            cp = self.loop.checkpoint()
-            for m in self._signed(ms):
-                cp.add(self.weights_topic, m, key=self.policy)
-            self.loop.commit(cp, offsets=False)
-            self._history += ms
+            self._commit_alone(ms)
+            self.publishing.history += ms
         if written is not None:
             self.state_version = written.version
             self._state_refs.append((written.version, written.refs))
@@ -430,264 +399,38 @@ class TrainerService:
                     "version %d (full checkpoint; the same batches trained)",
                     self.component_id, why, version, latest)
 
-    def _trusted(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
-        """The manifests a resume may use: with a public key configured, those signed by
-        its key. Each refused one is logged (and dead-lettered at start), never loaded; the
-        resume goes on from the trusted ones. When every manifest is refused there is
-        nothing to resume from, and publishing version 0 over them would restart the run:
-        ``RuntimeError``."""
-        kept, refused = split_trusted(manifests, self.verifier)
-        for m, why in refused:
-            log.warning("%s: not resuming from %s v%d (%s): refused: %s", self.component_id,
-                        self.weights_topic, m.version, m.kind, why)
-        self._refused = refused
-        if refused and not kept:
-            raise RuntimeError(
-                f"{self.weights_topic}: every manifest of {self.policy} is refused "
-                f"({refused[-1][1]}); not resuming from any, nor publishing version 0 over "
-                "them: check weight_signing.public_key, or train into a new run")
-        return kept
+    def _commit_alone(self, manifests: list[WeightManifest]) -> None:
+        """Rank 0: ``manifests`` (with the model's files named, signed) in a transaction of
+        their own, no offsets."""
+        self.publishing.add_model_files(manifests)
+        cp = self.loop.checkpoint()
+        for m in self.publishing.signed(manifests):
+            cp.add(self.weights_topic, m, key=self.policy)
+        self.loop.commit(cp, offsets=False)
 
     def _dead_letter_refused(self) -> None:
         """Dead-letter the manifests the resume refused, with the reason, in a transaction
         of their own."""
-        if not self._refused:
+        if not self.restorer.refused:
             return
         cp = self.loop.checkpoint()
-        for m, why in self._refused:
+        for m, why in self.restorer.refused:
             cp.dead_letter(refusal_letter(m, why, self.weights_topic, self.component_id,
                                           self.codec))
         self.loop.commit(cp, offsets=False)  # counted by the loop
-        self._refused = []
-
-    def _signed(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
-        """``manifests``, signed (in place) when this trainer has a signing key."""
-        if self.signer is not None:
-            for m in manifests:
-                self.signer.sign(m)
-        return manifests
-
-    def _publisher(self, version: int | None = None, state: dict | None = None):
-        """This process's ``WeightPublisher``: of the whole state, or in a group of this
-        rank's rows of it (``state``, the published weights of ``version``, is cut to
-        them)."""
-        from astraflow.weights.publisher import WeightPublisher
-
-        rows = None
-        if self.dist is not None:
-            part, rows = self.trainer.published_part()
-            if state is not None:
-                state = {k: _rows_of(state[k], rows.get(k)) for k in part}
-        lora = self._lora()
-        # an adapter is small and a step may change most of it: each version goes whole
-        # when that is smaller than its delta, and every manifest names the adapter's shape
-        return WeightPublisher(self.store, self.policy,
-                               anchor_interval=self.options.anchor_interval, rows=rows,
-                               version=version, state=state,
-                               whole_when_smaller=lora is not None,
-                               meta={LORA_META: lora.to_json()} if lora is not None else None)
-
-    def _lora(self) -> LoraSettings | None:
-        return self.options.lora
-
-    def _check_lora(self, manifests: list[WeightManifest]) -> None:
-        """Refuse, in one line, to resume a policy whose published versions are another
-        kind of weights (full against adapter) or an adapter of another shape."""
-        newest = max(manifests, key=lambda m: m.version)
-        published, mine = lora_settings_of(newest.meta), self._lora()
-        if published == mine:
-            return
-
-        def said(x: LoraSettings | None) -> str:
-            return "the whole model" if x is None else f"a LoRA adapter {x.to_json()}"
-
-        raise RuntimeError(
-            f"{self.weights_topic} holds {said(published)} (version {newest.version}), this "
-            f"trainer trains {said(mine)}: set the policy's lora: as the run was started, or "
-            "start a new run")
-
-    def _publish(self, version: int, offsets: list[PartitionOffset] | None = None,
-                 meta: dict[str, str] | None = None) -> list[WeightManifest] | None:
-        """Write this process's blob(s) of ``version``; its manifests (rank 0 of a group:
-        every rank's parts merged; the other ranks: None)."""
-        return self._finish_publish(self._start_publish(version, offsets, meta))
-
-    def _start_publish(self, version: int, offsets: list[PartitionOffset] | None = None,
-                       meta: dict[str, str] | None = None) -> Future:
-        """Find what changed in this process's published weights (on their device) and
-        start encoding and writing it on the publishing thread."""
-        state = (self.trainer.published_state() if self.dist is None
-                 else self.trainer.published_part()[0])
-        # trainer_step: the batches these weights have trained (the schedule's count)
-        prepared = self.publisher.prepare(state, version=version,
-                                          trainer_step=self.trainer.steps,
-                                          consumed_offsets=offsets or [], meta=meta)
-        return self._writer_pool.submit(prepared.write)
-
-    def _finish_publish(self, written: Future) -> list[WeightManifest] | None:
-        """The manifests of a started publish once written (rank 0 of a group: every
-        rank's parts merged; the other ranks: None)."""
-        from astraflow.weights.merge import merge_parts
-
-        mine = written.result()
-        if self.dist is None:
-            return mine
-        every = self.dist.gather(mine)
-        if every is None:
-            return None
-        merged = merge_parts(every)
-        for m in merged:  # rank 0's offsets and meta: the other ranks know none
-            m.consumed_offsets = list(mine[0].consumed_offsets)
-            m.meta.update(mine[0].meta)
-        return merged
+        self.restorer.refused = []
 
     def _publish_initial(self) -> None:
         """Version 0: the model as it is, a full checkpoint with the model's files."""
-        self.publisher = self._publisher()
-        ms = self._publish(0)
+        self.publishing.restart()
+        ms = self.publishing.publish(0)
         self.version = 0
         if ms is None:  # a rank > 0: rank 0 publishes
             return
-        self._add_model_files(ms)
-        self._history = list(ms)
-        cp = self.loop.checkpoint()
-        for m in self._signed(ms):
-            cp.add(self.weights_topic, m, key=self.policy)
-        self.loop.commit(cp, offsets=False)
+        self._commit_alone(ms)
+        self.publishing.history = list(ms)
         log.info("%s: published initial weights as version 0 (%s, %d bytes) on %s",
                  self.component_id, ms[-1].dtype, ms[-1].encoded_bytes, self.weights_topic)
-
-    def _resume_positions(self, version: int) -> dict[tuple[str, int], int]:
-        """Where to consume from: the group's committed offsets, checked against version
-        ``version``'s manifest (they may only be past it, by skipped or dead-lettered
-        batches)."""
-        consumer = Consumer(self.config.consumer_conf(self.group))  # reads, never joins
-        try:
-            tps = [TopicPartition(t, p) for t, p in self.positions]
-            committed = consumer.committed(tps, timeout=30) if tps else []
-        finally:
-            consumer.close()
-        out = {}
-        for tp in committed:
-            mine = self.positions[(tp.topic, tp.partition)]
-            group = tp.offset if tp.offset >= 0 else None
-            where = f"{self.component_id}: {tp.topic}[{tp.partition}]: committed offset {group}"
-            if group == mine:
-                log.info("%s matches version %d's manifest", where, version)
-            elif group is not None and group > mine:
-                log.info("%s is past version %d's manifest (%d): the batches between were "
-                         "skipped or dead-lettered", where, version, mine)
-            else:
-                log.warning("%s is before version %d's manifest (%d); resuming from the "
-                            "manifest's offset", where, version, mine)
-            out[(tp.topic, tp.partition)] = max(mine, group if group is not None else -1)
-        return out
-
-    def _load_state(
-        self, follower, version: int, meta: dict[str, str], manifests: list[WeightManifest]
-    ) -> tuple[str, str]:
-        """Load the trainer state of ``version`` (recorded in ``meta``; the follower holds
-        its published weights); how the optimizer and the master weights were obtained."""
-        published = follower.state
-        assert follower.version == version and published is not None
-        dtype = [m for m in manifests if m.version == version][0].dtype
-        self._check_published_dtypes(published, version, dtype)
-        if STATE_DIR_KEY in meta:
-            return self._load_checkpoint(meta[STATE_DIR_KEY], published, version)
-        if STATE_FILES_KEY in meta:
-            into = self.state_dir / "checkpoints" / f"{self.policy}.restore-{self.rank}"
-            shutil.rmtree(into, ignore_errors=True)
-            try:
-                fetch_state_files(meta, into, follower.resolver.open)
-                return self._load_checkpoint(str(into), published, version,
-                                             source=f"the blob store ({self.store.uri})")
-            except BlobError as e:
-                raise RuntimeError(f"{self.weights_topic}: the state of version {version} "
-                                   f"is unusable ({e}); cannot resume exactly") from e
-            finally:
-                shutil.rmtree(into, ignore_errors=True)
-        if self.dist is not None and "optimizer_uri" in meta:
-            raise RuntimeError(
-                f"{self.weights_topic}: the state of version {version} was written by one "
-                "process in the blob format; a group of processes resumes only states "
-                "written through torch.distributed.checkpoint: resume with --processes 1 "
-                "and --checkpoint-dir DIR (its next states are then in that format)")
-        opt = "fresh"
-        if "optimizer_uri" in meta:
-            data, _ = self._read_state_blob(follower, meta, "optimizer", version)
-            self.trainer.load_optimizer_bytes(data)
-            opt = "loaded"
-        if not self.trainer.keeps_master:
-            self.trainer.load_weights(published)
-            master = "the published weights"
-        else:
-            if "master_uri" in meta:
-                data, _ = self._read_state_blob(follower, meta, "master", version)
-                self.trainer.load_master_bytes(data)
-                master = "loaded"
-            elif version == 0:
-                master = "the model directory"  # what version 0 was published from
-            else:
-                raise RuntimeError(
-                    f"{self.weights_topic}: version {version} was published as {dtype} but "
-                    "its state names no master weights (meta master_uri), and they cannot be "
-                    "rebuilt from the rounded ones; cannot resume exactly (restart with the "
-                    "--publish-dtype the run was started with)"
-                )
-            if self.trainer.published_difference(published) is not None:
-                raise RuntimeError(
-                    f"{self.weights_topic}: the master weights of version {version} (from "
-                    f"{master}) do not round to its published weights; cannot resume exactly"
-                )
-        return opt, master
-
-    def _load_checkpoint(self, where: str, published, version: int,
-                         source: str | None = None) -> tuple[str, str]:
-        """Load the state of ``version`` written through ``torch.distributed.checkpoint``
-        (by any number of processes) into this process's share of the trainer."""
-        from astraflow.trainer import checkpoint
-
-        try:
-            checkpoint.load(self.trainer, where)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise RuntimeError(f"{self.weights_topic}: the state of version {version} in "
-                               f"{where} is unusable ({e}); cannot resume exactly") from e
-        if self.trainer.published_difference(published) is not None:
-            raise RuntimeError(
-                f"{self.weights_topic}: the master weights of version {version} (from "
-                f"{where}) do not round to its published weights; cannot resume exactly")
-        return f"loaded from {source or where}", "loaded"
-
-    def _check_published_dtypes(self, published, version: int, dtype: str) -> None:
-        """The newest version must have been published in the dtype this trainer publishes
-        (a delta needs both sides in one dtype)."""
-        mine = self.trainer.published_dtypes()
-        bad = [k for k, v in published.items() if k in mine and mine[k] != v.dtype]
-        if bad:
-            raise RuntimeError(
-                f"{self.weights_topic}: version {version} was published as {dtype} "
-                f"({bad[0]}: {published[bad[0]].dtype}), this trainer publishes "
-                f"{mine[bad[0]]}: restart with the --dtype/--publish-dtype the run was "
-                "started with"
-            )
-
-    def _read_state_blob(
-        self, follower, meta: dict[str, str], kind: str, version: int
-    ) -> tuple[bytes, BlobRef]:
-        """The bytes of the ``kind`` (optimizer/master) blob named in ``meta``, verified."""
-        ref = BlobRef(
-            uri=meta[f"{kind}_uri"],
-            bytes=int(meta[f"{kind}_bytes"]),
-            sha256=meta[f"{kind}_sha256"],
-        )
-        try:
-            with follower.resolver.open(ref) as f:  # checks size and sha256
-                return f.read(), ref
-        except BlobError as e:
-            raise RuntimeError(
-                f"{self.weights_topic}: the {kind} state of version {version} is unusable "
-                f"({e}); cannot resume exactly"
-            ) from e
 
     def wait_fraction(self) -> float:
         wall = time.monotonic() - self._loop_start
@@ -811,7 +554,8 @@ class TrainerService:
     def close(self) -> None:
         log.info("%s: leaving at version %s", self.component_id, self.version)
         self._finish_state_write()
-        self._writer_pool.shutdown(wait=True)
+        if getattr(self, "publishing", None) is not None:
+            self.publishing.close()
         if getattr(self, "store", None) is not None:
             self.store.close()
 
@@ -875,7 +619,7 @@ class TrainerService:
             meta["lr"] = repr(metrics["trainer/lr"])  # the schedule's rate, exactly
             offsets = [PartitionOffset(t, p, o) for (t, p), o in sorted(self.positions.items())]
         t0 = time.perf_counter()
-        future = self._start_publish(version, offsets, meta)
+        future = self.publishing.start(version, offsets, meta)
         metrics["trainer/publish_start_seconds"] = time.perf_counter() - t0
         self._pending = _Pending(version, batch, (topic, part, off), metrics, written, future)
         self.version = version
@@ -890,12 +634,12 @@ class TrainerService:
         if p is None:
             return
         t0 = time.perf_counter()
-        manifests = self._finish_publish(p.future)
+        manifests = self.publishing.finish(p.future)
         if cp is None:
             return
         assert manifests is not None
         version, metrics, written = p.version, p.metrics, p.written
-        self._add_model_files(manifests)
+        self.publishing.add_model_files(manifests)
         # on the training thread: the device comparison and the wait for the write
         metrics["trainer/publish_seconds"] = (metrics.pop("trainer/publish_start_seconds")
                                               + time.perf_counter() - t0)
@@ -909,15 +653,14 @@ class TrainerService:
         newest = written.version if written is not None else self.state_version
         metrics["trainer/state_version"] = float(newest if newest is not None else -1)
         self.last_metrics = metrics
-        for m in self._signed(manifests):
+        for m in self.publishing.signed(manifests):
             cp.add(self.weights_topic, m, key=self.policy)
         self._committing = version
 
         def committed() -> None:
             self._committing = None
-            self._history += manifests
-            if any(m.kind == "full" for m in manifests):
-                self._prune()
+            self.publishing.committed(
+                manifests, [ref for _, refs in self._state_refs for ref in refs])
             if written is not None:  # recorded by a committed manifest: older ones can go
                 self.state_version = written.version
                 self._state_refs.append((written.version, written.refs))
@@ -1028,42 +771,6 @@ class TrainerService:
             self.state_version if self.state_version is not None else 0,
         )
 
-    def _add_model_files(self, manifests: list[WeightManifest]) -> None:
-        """Name the model's other files (config, tokenizer) in a full checkpoint's meta, so
-        that a reader needs nothing but Kafka (``astraflow.models.share``)."""
-        from astraflow.models.share import model_files_meta
-
-        for m in manifests:
-            if m.kind == "full":
-                m.meta.update(model_files_meta(self.store, self.policy, m.version,
-                                               self.options.model_path))
-
-    def _prune(self) -> None:
-        """Remove the weight blobs no reader needs: those of versions before the newest full
-        checkpoint at or below ``newest - keep_versions`` (recorded trainer states stay)."""
-        from astraflow.models.share import files_ref
-        from astraflow.weights.retention import retained_manifests
-
-        if not self.options.keep_versions:
-            return
-        kept = retained_manifests(self._history, keep_last=self.options.keep_versions)
-        if len(kept) == len(self._history):
-            return
-        start = min(m.version for m in kept)
-        dropped = [m for m in self._history if m.version < start]
-        truncate = getattr(self.store, "truncate_to", None)
-        if truncate is not None:
-            states = [ref for _, refs in self._state_refs for ref in refs]
-            moved = truncate([ref for m in kept for ref in m.blobs] + states)
-            how = f"records deleted up to offsets {moved}" if moved else "nothing to delete yet"
-        else:
-            refs = [ref for m in dropped for ref in [*m.blobs, files_ref(m)] if ref is not None]
-            gone = sum(self._delete_blob(ref) for ref in refs)
-            how = f"{gone} blobs deleted"
-        self._history = kept
-        log.info("%s: pruned the weight blobs of versions before %d (%s); versions %d.. stay "
-                 "reachable", self.component_id, start, how, start)
-
     def _drop_old_states(self) -> None:
         """Delete the optimizer and master weight blobs of all but the newest
         ``keep_optimizer`` recorded states."""
@@ -1082,11 +789,7 @@ class TrainerService:
         self.writer.remove(written.version)
 
     def _delete_blob(self, ref: BlobRef) -> bool:
-        try:
-            return bool(self.store.delete(ref))
-        except Exception as e:  # a store that cannot delete keeps it: harmless
-            log.debug("could not delete %s: %s", ref.uri, e)
-            return False
+        return delete_blob(self.store, ref)
 
 
 @dataclass
@@ -1099,11 +802,6 @@ class _Pending:
     metrics: dict[str, float]
     written: WrittenState | None  # the trainer state its manifest records
     future: Future
-
-
-def _rows_of(t, rows) -> Any:
-    """Rows ``rows.start..rows.stop`` of dim 0 of ``t`` (all of it when ``rows`` is None)."""
-    return t if rows is None else t[rows.start:rows.stop]
 
 
 def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:

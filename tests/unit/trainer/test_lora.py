@@ -253,10 +253,7 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
 
 
 def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
-    from types import SimpleNamespace
-
-    from astraflow.models.lora import LoraSettings
-    from astraflow.trainer.service import TrainerService
+    from astraflow.trainer.restore import check_lora
     from astraflow.wire.records import WeightManifest
 
     def manifest(version: int, meta: dict) -> WeightManifest:
@@ -265,19 +262,12 @@ def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
                               num_changed=0, sparsity=1.0, encoded_bytes=0, trainer_step=0,
                               meta=meta)
 
-    def service(lora):
-        settings = LoraSettings.from_mapping(lora) if lora is not None else None
-        return SimpleNamespace(options=SimpleNamespace(lora=settings),
-                               weights_topic="r.weights.actor",
-                               _lora=lambda: TrainerService._lora(svc))
-
     adapter = lora.LoraSettings.from_mapping(SETTINGS)
     for mine, published, says in (
-            (SETTINGS, {}, "holds the whole model (version 1), this trainer trains a LoRA"),
+            (adapter, {}, "holds the whole model (version 1), this trainer trains a LoRA"),
             (None, {"lora": adapter.to_json()}, "holds a LoRA adapter"),
-            ({**SETTINGS, "rank": 8}, {"lora": adapter.to_json()}, '"rank": 8')):
-        svc = service(mine)
+            (dataclasses.replace(adapter, rank=8), {"lora": adapter.to_json()}, '"rank": 8')):
         with pytest.raises(RuntimeError, match=re.escape(says)):
-            TrainerService._check_lora(svc, [manifest(0, published), manifest(1, published)])
-    svc = service(SETTINGS)
-    TrainerService._check_lora(svc, [manifest(3, {"lora": adapter.to_json()})])  # the same
+            check_lora([manifest(0, published), manifest(1, published)], mine,
+                       "r.weights.actor")
+    check_lora([manifest(3, {"lora": adapter.to_json()})], adapter, "r.weights.actor")

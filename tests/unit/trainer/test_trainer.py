@@ -1302,7 +1302,7 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     assert _optimizer_states_equal(
         second.trainer.optimizer.state_dict(), first.trainer.optimizer.state_dict()
     )
-    assert state_bytes_equal(second.publisher._prev, first.publisher._prev)
+    assert state_bytes_equal(second.publishing.publisher._prev, first.publishing.publisher._prev)
     assert second.positions == first.positions
 
     assert recorded[2].dtype == "bfloat16"
