@@ -117,15 +117,15 @@ def build_slots(topo: Topology, path: str, pool: str, slots: int) -> list[Any]:
 
 def build_trainers(topo: Topology, path: str) -> dict[str, Any]:
     """Policy -> the ``Trainer`` that ``astraflow trainer run`` would build for it."""
-    from astraflow.config.components import trainer_spec
+    from astraflow.trainer.trainer import Trainer
 
     out = {}
     for policy in topo.policies:
         opts = launched(topo, path, f"trainer-{policy}")  # ServiceOptions
         if policy == next(iter(topo.policies)):
             # what `trainer run` seeds torch with: its policy's trainer seed
-            torch.manual_seed(trainer_spec(topo, policy).trainer.seed)
-        out[policy] = opts.make_trainer()
+            torch.manual_seed(opts.spec.trainer.seed)
+        out[policy] = Trainer.for_policy(opts.spec, policy)
     return out
 
 

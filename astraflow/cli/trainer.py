@@ -71,9 +71,8 @@ def handler(args: argparse.Namespace) -> int:
         )
     try:
         topo = component_topology(args)
-        spec = _spec(args, topo)
-        opts = _options(args, topo, spec)
-        provide_policy_model(topo, args.policy, opts.model_path)
+        opts = _options(args, topo)
+        provide_policy_model(topo, args.policy, opts.spec.model)
         check_trainer(opts)  # before any Kafka client starts
     except (ValueError, ModelError, MegatronUnavailable, MissingModel) as e:
         # TopologyError: ValueError
@@ -82,7 +81,7 @@ def handler(args: argparse.Namespace) -> int:
     args.loaded_topology = topo
     config = kafka_config(args, topo.component_kafka(f"trainer.{opts.policy}"))
     try:
-        run = start_trainer(topo, opts, spec.trainer, config, argv=sys.argv[1:])
+        run = start_trainer(topo, opts, config, argv=sys.argv[1:])
     except TrainerStartError as e:
         print(f"astraflow: {e}", file=sys.stderr)
         return 2
@@ -101,14 +100,11 @@ def _spec(args: argparse.Namespace, topo: Any) -> Any:
     return trainer_spec(topo, args.policy, given(args, TRAINER_FLAGS))
 
 
-def _options(args: argparse.Namespace, topo: Any = None, spec: Any = None) -> Any:
+def _options(args: argparse.Namespace, topo: Any = None) -> Any:
     """The ``ServiceOptions`` of ``trainer run``: the policy's typed section of the
     topology (``topo``, else the file of ``--topology``) with the flags given applied,
-    validated (``ValueError`` names the flag or the key)."""
+    validated where it is declared (``ValueError`` names the flag or the key)."""
     from astraflow.trainer.service import ServiceOptions
 
     topo = component_topology(args, topo)
-    spec = spec or _spec(args, topo)
-    opts = ServiceOptions.from_spec(args.policy, spec, instance=args.instance)
-    opts.validate()
-    return opts
+    return ServiceOptions(args.policy, _spec(args, topo), instance=args.instance)

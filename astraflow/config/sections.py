@@ -275,7 +275,7 @@ class TrainerSpec(_Section):
         "weights) every N versions, in the background; a restart recomputes the versions "
         "after the newest one", json_schema_extra=_in("trainer state (exact resume)"))
     state_max_lag: int | None = Field(
-        default=None, ge=0, description="record a state write at the latest K versions "
+        default=None, ge=1, description="record a state write at the latest K versions "
         "after it, waiting for it then (default: the state interval)",
         json_schema_extra=_in("trainer state (exact resume)"))
     keep_optimizer: int = Field(
@@ -621,7 +621,7 @@ class PoolSpec(_Section):
 
     def engine_settings(self) -> Any:
         """The engine options, typed for this pool's engine."""
-        return ENGINE_OPTIONS[self.engine](**self.engine_options)
+        return engine_options(self.engine, self.engine_options)
 
 
 def _samplings(options: Any, where: str) -> list[tuple[str, SamplingOptions]]:
@@ -646,6 +646,21 @@ def _typed(model: type[BaseModel], options: Any, where: str) -> BaseModel:
         return model(**options)
     except ValidationError as e:
         raise ValueError(_format_errors(e, prefix=where)) from None
+
+
+def engine_options(engine: str, options: Any) -> Any:
+    """``engine``'s typed options (``ENGINE_OPTIONS``: each option declared there once,
+    with its default) from the mapping ``options``; ``ValueError``, one line, naming an
+    unknown engine or the key of a refused option (nothing is loaded or imported)."""
+    model = ENGINE_OPTIONS.get(engine)
+    if model is None:
+        raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINE_OPTIONS)})")
+    if isinstance(options, model):
+        return options
+    try:
+        return model(**dict(options))
+    except ValidationError as e:
+        raise ValueError(f"{engine} engine option {_format_errors(e)}") from None
 
 
 class FeederSpec(_Section):

@@ -54,14 +54,12 @@ def component_configuration(topo: Topology, name: str,
 def trainer_options(topo: Topology, policy: str,
                     given: Mapping[str, Any] | None = None,
                     instance: str | None = None) -> Any:
-    """The validated ``ServiceOptions`` of ``policy``'s trainer (``trainer run``'s flags
-    of ``given`` applied; ``ValueError`` names the flag or the key)."""
+    """The ``ServiceOptions`` of ``policy``'s trainer: its typed section with ``trainer
+    run``'s flags of ``given`` applied, validated (``ValueError`` names the flag or the
+    key)."""
     from astraflow.trainer.service import ServiceOptions
 
-    opts = ServiceOptions.from_spec(policy, trainer_spec(topo, policy, given),
-                                    instance=instance)
-    opts.validate()
-    return opts
+    return ServiceOptions(policy, trainer_spec(topo, policy, given), instance=instance)
 
 
 def node_configuration(topo: Topology, pool: str, given: Mapping[str, Any] | None = None,

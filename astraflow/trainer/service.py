@@ -58,7 +58,7 @@ import signal
 import socket
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from confluent_kafka import Message
@@ -71,7 +71,6 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
-from astraflow.models.lora import LoraSettings
 from astraflow.trainer.checkpoint_writer import CheckpointWriter
 from astraflow.trainer.commands import Flush, RankCommand, Stop, TrainStep
 from astraflow.trainer.parallel import Group
@@ -116,95 +115,26 @@ def default_blob_store(topology: Topology, state_dir: Path) -> str:
     return (state_dir / "blobs").absolute().as_uri()
 
 
-_SPEC = TrainerSpec()  # the one declaration of the trainer's defaults
-_POLICY = PolicySpec(model="")  # and of the policy's sampling
-
-
 @dataclass
 class ServiceOptions:
-    """What the trainer process runs with; ``from_spec`` builds it from the policy's typed
-    section of the topology, whose defaults these are."""
+    """What the trainer process of one policy runs with: the policy's typed section
+    (``spec``: its model, its ``trainer:``, its sampling, staleness bound and LoRA, each
+    setting as declared and validated there, flags applied:
+    ``astraflow.config.components.trainer_spec``) and what is the process's own, which no
+    topology declares: its instance id and its consumer's timing."""
 
     policy: str
-    model_path: str
-    blob_store: str | None = _SPEC.blob_store  # default: file://<state_dir>/blobs
-    state_dir: str | None = _SPEC.state_dir
-    instance: str | None = None
-    anchor_interval: int = _SPEC.anchor_interval
-    # "on": a version's blobs are encoded and written while the next batch trains
-    publish_overlap: str = _SPEC.publish_overlap
-    # trainer state (optimizer, master weights) written every N versions, in the background
-    state_interval: int = _SPEC.state_interval
-    # a state write is recorded at the latest in the manifest of version k + lag (the step
-    # waits for it there); None: the interval (the next state waits for it)
-    state_max_lag: int | None = _SPEC.state_max_lag
-    keep_optimizer: int = _SPEC.keep_optimizer  # the newest K written trainer states are kept
-    # weight blobs of versions older than the newest full checkpoint at or below the
-    # newest version - keep_versions are removed (Kafka: DeleteRecords); 0 keeps all
-    keep_versions: int = _SPEC.keep_versions
-    max_steps: int | None = _SPEC.max_steps  # stop (cleanly) after this many steps
-    # trainer states through torch.distributed.checkpoint in this directory (None: the
-    # blob format in the blob store; a group of processes then uses <state dir>/checkpoints)
-    checkpoint_dir: str | None = _SPEC.checkpoint_dir
+    spec: PolicySpec
+    instance: str | None = None  # default: $ASTRAFLOW_INSTANCE, else 0
     poll_timeout_s: float = 0.5
     session_timeout_ms: int = 10_000
     max_poll_interval_ms: int = 3_600_000  # a step may take long on a big model
-    commit_retries: int = 3
-    # the policy's trainer: section, validated where it was built
-    trainer: TrainerSpec = field(default_factory=TrainerSpec)
-    # the policy's own settings the step reads (Trainer's keywords): its sampling, whose
-    # log-probs the trainer takes, its staleness bound (None: none) and its LoRA adapters
-    temperature: float = _POLICY.temperature
-    top_p: float = _POLICY.top_p
-    max_staleness: int | None = None
-    lora: LoraSettings | None = None
 
-    @classmethod
-    def from_spec(cls, policy: str, spec: PolicySpec,
-                  instance: str | None = None) -> ServiceOptions:
-        """The trainer of ``policy`` as its typed section ``spec`` (flags applied:
-        ``astraflow.config.components.trainer_spec``) declares it."""
-        t = spec.trainer
-        return cls(policy=policy, model_path=spec.model, blob_store=t.blob_store,
-                   state_dir=t.state_dir, instance=instance,
-                   anchor_interval=t.anchor_interval, publish_overlap=t.publish_overlap,
-                   state_interval=t.state_interval,
-                   state_max_lag=t.state_max_lag, keep_optimizer=t.keep_optimizer,
-                   keep_versions=t.keep_versions, max_steps=t.max_steps,
-                   checkpoint_dir=t.checkpoint_dir, trainer=t, temperature=spec.temperature,
-                   top_p=spec.top_p, max_staleness=spec.max_staleness,
-                   lora=(LoraSettings.from_mapping(spec.lora.model_dump())
-                         if spec.lora is not None else None))
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the option (and its CLI flag) of a bad setting."""
-        checks = [
-            ("state_interval", "--state-interval", self.state_interval >= 1),
-            ("state_max_lag", "--state-max-lag",
-             self.state_max_lag is None or self.state_max_lag >= 1),
-            ("keep_optimizer", "--keep-optimizer", self.keep_optimizer >= 1),
-            ("anchor_interval", "--anchor-interval", self.anchor_interval >= 0),
-            ("keep_versions", "--keep-versions", self.keep_versions >= 0),
-        ]
-        for name, flag, ok in checks:
-            if not ok:
-                minimum = 0 if name in ("anchor_interval", "keep_versions") else 1
-                raise ValueError(
-                    f"{name} ({flag}) must be at least {minimum}, got {getattr(self, name)!r}"
-                )
-
-    def make_trainer(self, group: Group | None = None) -> Trainer:
-        """The step these options declare: the policy's ``trainer:`` section with its
-        sampling, staleness bound and LoRA adapters (``group``: sharded over it)."""
-        return Trainer(self.model_path, self.trainer, self.policy, group=group,
-                       temperature=self.temperature, top_p=self.top_p,
-                       max_staleness=self.max_staleness, lora=self.lora)
-
-    @property
-    def state_lag(self) -> int:
-        """Versions after which a state write must be recorded (waited for)."""
-        lag = self.state_max_lag or self.state_interval
-        return min(lag, self.state_interval)
+def state_lag(spec: TrainerSpec) -> int:
+    """Versions after which a state write must be recorded (waited for): ``state_max_lag``,
+    at most (and by default) the state interval."""
+    return min(spec.state_max_lag or spec.state_interval, spec.state_interval)
 
 
 @dataclass
@@ -229,6 +159,7 @@ class TrainerService:
         self.dist = group  # the trainer's processes (None: this one alone)
         self.rank = group.rank if group is not None else 0
         self.options = options
+        self.spec = options.spec.trainer  # the policy's trainer: section, as declared
         self.policy = options.policy
         self.config = (config or topology.kafka).effective().for_component(
             f"trainer.{self.policy}", topology.run)
@@ -239,11 +170,11 @@ class TrainerService:
         self.batches_topic = topology.full_name(f"batches.{self.policy}")
         self.weights_topic = topology.full_name(f"weights.{self.policy}")
         self.state_dir = (
-            Path(options.state_dir).expanduser()
-            if options.state_dir
+            Path(self.spec.state_dir).expanduser()
+            if self.spec.state_dir
             else (default_state_dir(topology.run, self.policy))
         )
-        self.blob_uri = options.blob_store or default_blob_store(topology, self.state_dir)
+        self.blob_uri = self.spec.blob_store or default_blob_store(topology, self.state_dir)
         self.codec = make_codec_for(self.config)
         # signed weights: every manifest published is signed when a key is configured
         self.signer = signer_from(topology.weight_signing)
@@ -264,7 +195,6 @@ class TrainerService:
         self.state_version: int | None = None  # the newest recorded state
         self._loop_start = time.monotonic()
         self._steps = 0  # in this process
-        options.validate()
         crash = os.environ.get(CRASH_ENV)
         self._crash_at = int(crash) if crash else None
         self._committing: int | None = None  # the version in the open transaction
@@ -272,9 +202,9 @@ class TrainerService:
         # publish_overlap: the version whose blobs are being written while the next batch
         # trains; its batch's offset is held back from commits until it is committed
         self._pending: _Pending | None = None
-        dev = options.trainer.device
-        self.overlap = (options.publish_overlap == "on"
-                        or (options.publish_overlap == "auto" and dev.startswith("cuda")))
+        t = self.spec
+        self.overlap = (t.publish_overlap == "on"
+                        or (t.publish_overlap == "auto" and t.device.startswith("cuda")))
         self.checkpoint_dir = self._checkpoint_dir()
         self.loop = None if self.rank else TransactionalLoop(
             loop_spec(topology, self.component_id, self.group, self.transactional_id,
@@ -294,8 +224,8 @@ class TrainerService:
         format in the blob store). A group without ``checkpoint_dir`` writes them there
         first, then puts them into the blob store: only when its processes share a host
         (the directory)."""
-        if self.options.checkpoint_dir:
-            return Path(self.options.checkpoint_dir).expanduser()
+        if self.spec.checkpoint_dir:
+            return Path(self.spec.checkpoint_dir).expanduser()
         if self.dist is None:
             return None
         if os.environ.get("LOCAL_WORLD_SIZE", str(self.dist.world)) != str(self.dist.world):
@@ -310,24 +240,26 @@ class TrainerService:
 
         self.store = open_store(self.blob_uri, self.config)
         if self.trainer is None:
-            self.trainer = self.options.make_trainer(self.dist)
+            self.trainer = Trainer.for_policy(self.options.spec, self.policy,
+                                              group=self.dist)
         self.writer: TrainerStateWriter
         if self.checkpoint_dir is None:
             self.writer = StateWriter(self.store, self.policy, self.trainer)
         else:  # DCP; in the blob store after all when no checkpoint_dir was given
-            into_store = self.store if (self.rank == 0 and not self.options.checkpoint_dir
+            into_store = self.store if (self.rank == 0 and not self.spec.checkpoint_dir
                                         ) else None
             self.writer = CheckpointWriter(self.trainer, self.checkpoint_dir, self.policy,
                                            store=into_store, owner=self.rank == 0)
-        o = self.options
+        lora = self.trainer.lora
         self.publishing = Publishing(
-            self.trainer, self.store, self.policy, anchor_interval=o.anchor_interval,
-            keep_versions=o.keep_versions, model_path=o.model_path, lora=o.lora,
+            self.trainer, self.store, self.policy, anchor_interval=self.spec.anchor_interval,
+            keep_versions=self.spec.keep_versions, model_path=self.options.spec.model,
+            lora=lora,
             group=self.dist, signer=self.signer, name=self.component_id)
         self.restorer = Restorer(
             self.trainer, self.store, self.config, self.codec, policy=self.policy,
             weights_topic=self.weights_topic, batches_topic=self.batches_topic,
-            state_dir=self.state_dir, lora=o.lora, verifier=self.verifier, group=self.dist,
+            state_dir=self.state_dir, lora=lora, verifier=self.verifier, group=self.dist,
             name=self.component_id)
 
     def _restore(self) -> None:
@@ -522,14 +454,14 @@ class TrainerService:
                 # own state (written synchronously): a clean stop resumes without
                 # recomputing, on any number of processes
                 final = self.checkpoint_dir is not None and (
-                    self.loop.stopping or (self.options.max_steps is not None
-                                           and self._steps + 1 >= self.options.max_steps))
+                    self.loop.stopping or (self.spec.max_steps is not None
+                                           and self._steps + 1 >= self.spec.max_steps))
                 step = replace(step, final=final)
                 if self.dist is not None:
                     self.dist.command(step)
                 self._step(step, cp=cp)
                 self._steps += 1
-        if self.options.max_steps is not None and self._steps >= self.options.max_steps:
+        if self.spec.max_steps is not None and self._steps >= self.spec.max_steps:
             self.loop.stop()
         if self._pending is not None and (not msgs or self.loop.stopping):
             self._flush_all(cp)  # idle, or stopping: commit the version written meanwhile
@@ -718,7 +650,6 @@ class TrainerService:
         waiting for it when the lag bound or the next state is due, and start the write
         of ``version``'s state when it is due. ``final``: write ``version``'s state now and
         record it (an older write still in flight is superseded, deleted)."""
-        o = self.options
         t0 = time.perf_counter()
         if final:
             older = self.writer.wait()
@@ -731,9 +662,10 @@ class TrainerService:
                 self.dist.wait_for_all()  # as below
             return written
         written = self.writer.poll()
-        due = version % o.state_interval == 0
+        due = version % self.spec.state_interval == 0
         pending = self.writer.in_flight
-        if written is None and pending is not None and (due or version - pending >= o.state_lag):
+        if written is None and pending is not None and (due or version - pending
+                                                          >= state_lag(self.spec)):
             written = self.writer.wait()
         metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
         if due:  # the snapshot (or DCP's copy) now, written in the background
@@ -774,7 +706,7 @@ class TrainerService:
     def _drop_old_states(self) -> None:
         """Delete the optimizer and master weight blobs of all but the newest
         ``keep_optimizer`` recorded states."""
-        keep = max(1, self.options.keep_optimizer)
+        keep = self.spec.keep_optimizer
         while len(self._state_refs) > keep:
             version, refs = self._state_refs.pop(0)
             for ref in refs:
@@ -808,4 +740,5 @@ def _fmt_positions(positions: dict[tuple[str, int], int]) -> str:
     return ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(positions.items()))
 
 
-__all__ = ["CRASH_ENV", "ServiceCounters", "ServiceOptions", "TrainerService", "default_state_dir"]
+__all__ = ["CRASH_ENV", "ServiceCounters", "ServiceOptions", "TrainerService", "default_state_dir",
+           "state_lag"]

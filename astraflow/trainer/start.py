@@ -52,8 +52,9 @@ def check_trainer(opts: ServiceOptions) -> None:
     from astraflow.models.loading import check_model_dir
     from astraflow.trainer.backend import preflight
 
-    check_model_dir(opts.model_path, tokenizer=False)
-    preflight(opts.trainer.backend, opts.model_path, opts.trainer.device)
+    spec = opts.spec
+    check_model_dir(spec.model, tokenizer=False)
+    preflight(spec.trainer.backend, spec.model, spec.trainer.device)
 
 
 def run_group(argv: Sequence[str], parallel: ParallelSpec) -> int | None:
@@ -97,19 +98,21 @@ def join_group(device: str) -> Any:
     return group
 
 
-def start_trainer(topo: Topology, opts: ServiceOptions, spec: TrainerSpec,
-                  config: KafkaConfig, *, argv: Sequence[str]) -> TrainerRun:
-    """Run the trainer of ``opts.policy`` (``spec``: its section of ``topo``; ``config``:
-    its Kafka configuration) until it stops: a local group's supervisor when ``spec``
-    asks for one (``argv``: the command line its ranks run), else one rank (see the
-    module docstring). ``TrainerStartError`` when the service refuses its settings."""
+def start_trainer(topo: Topology, opts: ServiceOptions, config: KafkaConfig, *,
+                  argv: Sequence[str]) -> TrainerRun:
+    """Run the trainer of ``opts.policy`` (``opts.spec``: its section of ``topo``;
+    ``config``: its Kafka configuration) until it stops: a local group's supervisor when
+    its ``trainer.parallel`` asks for one (``argv``: the command line its ranks run), else
+    one rank (see the module docstring). ``TrainerStartError`` when the service refuses
+    its settings."""
     from astraflow.trainer.service import TrainerService
 
+    spec = opts.spec.trainer
     status = run_group(argv, spec.parallel)
     if status is not None:
         return TrainerRun(status=status)
     prepare_process(spec)
-    group = join_group(opts.trainer.device)
+    group = join_group(spec.device)
     try:
         service = TrainerService(topo, opts, config=config, group=group)
     except ValueError as e:

@@ -28,7 +28,7 @@ def _trainer_options(topo):
 
 def _trainer_config(topo):
     """The ``TrainerSpec`` that trainer's step takes."""
-    return _trainer_options(topo).trainer
+    return _trainer_options(topo).spec.trainer
 
 
 @pytest.mark.parametrize("base", sorted(BASES))
@@ -49,7 +49,7 @@ def test_every_cell_is_a_valid_topology_with_its_bound_and_objective(base, objec
     assert topo.processors["staleness"].options["max_staleness"] == staleness
     assert topo.processors["batcher"].options["max_staleness"] == staleness
     trainer = _trainer_config(topo)
-    assert (trainer.loss, _trainer_options(topo).max_staleness) == (objective, staleness)
+    assert (trainer.loss, _trainer_options(topo).spec.max_staleness) == (objective, staleness)
     assert trainer.m2_threshold == (0.02 if objective == "m2po" else 0.04)
     if topo.feeder.dataset is not None:
         assert Path(topo.feeder.dataset.path).is_absolute()

@@ -12,23 +12,17 @@ import torch
 from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.wire.records import Batch
 from tests.unit.trainer import test_trainer
-from tests.unit.trainer.test_trainer import make_batch
+from tests.unit.trainer.test_trainer import NO_STALENESS_BOUND, make_batch, service_options
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 tiny_model = test_trainer.tiny_model  # the fixture: a tiny random Qwen2
 
 
-def _options(tiny_model, tmp_path, max_staleness=None, **trainer):
-    from astraflow.config.sections import TrainerSpec
-    from astraflow.trainer.service import ServiceOptions
-
-    def options(**kw) -> ServiceOptions:
-        return ServiceOptions(policy="actor", model_path=tiny_model,
-                              state_dir=str(tmp_path / "state"), poll_timeout_s=0.2,
-                              state_interval=2, anchor_interval=4,
-                              trainer=TrainerSpec(lr=1e-3, micro_batch_size=3, **trainer),
-                              max_staleness=max_staleness, **kw)
+def _options(tiny_model, tmp_path, max_staleness=NO_STALENESS_BOUND, **trainer):
+    def options(**kw):
+        return service_options(tiny_model, tmp_path / "state", max_staleness=max_staleness,
+                               lr=1e-3, state_interval=2, anchor_interval=4, **trainer, **kw)
     return options
 
 
@@ -92,7 +86,7 @@ def test_the_schedule_counts_published_versions_across_a_skip_and_a_resume(
     assert [float(m.meta["lr"]) for m in deltas] == [schedule.at(v - 1) for v in range(1, 7)]
     assert [m.trainer_step for m in deltas] == [1, 2, 3, 4, 5, 6]
 
-    ref = Trainer(tiny_model, options().trainer, policy="actor")
+    ref = Trainer(tiny_model, options().spec.trainer, policy="actor")
     for r in sent:
         if r.record.batch_id != "stale":
             ref.train_step(r.record)

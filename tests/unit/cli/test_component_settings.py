@@ -51,16 +51,18 @@ def test_a_hand_started_trainer_trains_with_the_files_lr(tmp_path):
     data["policies"]["actor"].update(temperature=0.8, max_staleness=2)
     path = _write(tmp_path, data)
     opts = configuration(["trainer", "run", "-t", path, "--policy", "actor"])
-    assert opts.trainer.lr == 0.00042
-    assert (opts.state_interval, opts.temperature, opts.max_staleness) == (7, 0.8, 2)
-    assert opts.model_path == "runs/default/model"  # the policy's model
+    assert opts.spec.trainer.lr == 0.00042
+    assert (opts.spec.trainer.state_interval, opts.spec.temperature,
+            opts.spec.max_staleness) == (7, 0.8, 2)
+    assert opts.spec.model == "runs/default/model"  # the policy's model
     flagged = configuration(["trainer", "run", "-t", path, "--policy", "actor", "--lr", "0.1",
                              "--no-std-normalize", "--model", "elsewhere"])
-    assert (flagged.trainer.lr, flagged.trainer.std_normalize, flagged.model_path) == (
-        0.1, False, "elsewhere")
-    assert dataclasses.replace(flagged, model_path=opts.model_path, trainer=opts.trainer) == opts
-    assert flagged.trainer.model_dump(exclude={"lr", "std_normalize"}) == opts.trainer.model_dump(
-        exclude={"lr", "std_normalize"})
+    trained = flagged.spec.trainer
+    assert (trained.lr, trained.std_normalize, flagged.spec.model) == (0.1, False, "elsewhere")
+    assert dataclasses.replace(flagged, spec=opts.spec) == opts
+    assert flagged.spec.model_dump(exclude={"model": True, "trainer": {"lr", "std_normalize"}}
+                                   ) == opts.spec.model_dump(
+        exclude={"model": True, "trainer": {"lr", "std_normalize"}})
 
 
 def test_a_changed_trainer_setting_reaches_every_way_of_starting_the_trainer(tmp_path):
@@ -75,8 +77,9 @@ def test_a_changed_trainer_setting_reaches_every_way_of_starting_the_trainer(tmp
                  ["trainer", "run", "-t", path, "--policy", "actor"])
     assert ways["hand"] == ways["up"] == ways["compose"]
     changed = ways["hand"]
-    assert (changed.trainer.lr, changed.trainer.micro_batch_tokens, changed.keep_versions,
-            changed.max_staleness) == (0.00042, 256, 5, 3)
+    trained = changed.spec.trainer
+    assert (trained.lr, trained.micro_batch_tokens, trained.keep_versions,
+            changed.spec.max_staleness) == (0.00042, 256, 5, 3)
     assert before["hand"] == before["up"] == before["compose"] != changed
 
 
@@ -145,7 +148,7 @@ def test_a_policy_the_file_lacks_needs_its_model():
         configuration(["trainer", "run", "-t", str(DEFAULT), "--policy", "other"])
     opts = configuration(["trainer", "run", "-t", str(DEFAULT), "--policy", "other",
                           "--model", "m"])
-    assert (opts.model_path, opts.trainer.lr, opts.max_staleness) == ("m", 1e-5, 4)
+    assert (opts.spec.model, opts.spec.trainer.lr, opts.spec.max_staleness) == ("m", 1e-5, 4)
 
 
 def test_the_flags_are_the_typed_settings():

@@ -50,15 +50,20 @@ def test_the_warm_start_flags_are_model_inits():
 
 
 def test_the_defaults_of_the_processes_are_the_typed_sections():
-    """ServiceOptions and NodeOptions keep defaults for code that builds them by hand;
-    they are the typed sections' own (the trainer takes its TrainerSpec itself)."""
+    """ServiceOptions holds the policy's typed section itself, and repeats none of its
+    settings; NodeOptions keeps defaults for code that builds it by hand, the typed
+    sections' own."""
+    import dataclasses
+
     from astraflow.raas.node import NodeOptions
     from astraflow.trainer.service import ServiceOptions
 
     spec = PolicySpec(model="m")
-    built = ServiceOptions.from_spec("p", spec)
-    assert built == ServiceOptions(policy="p", model_path="m", trainer=TrainerSpec(),
-                                   max_staleness=spec.max_staleness)
+    built = ServiceOptions("p", spec)
+    assert built.spec is spec and built.spec.trainer == TrainerSpec()
+    own = {f.name for f in dataclasses.fields(ServiceOptions)} - {"spec"}
+    declared = set(PolicySpec.model_fields) | set(TrainerSpec.model_fields)
+    assert own & declared == set(), own & declared
     node = NodeOptions.from_settings(node_settings(_topo(policies={"a": {"model": "m"}}), "p"))
     assert node == NodeOptions(pool="p")
     assert NodeOptions().n_samples == PoolSpec().n_samples == 8

@@ -280,8 +280,8 @@ def test_the_default_plan_runs_the_configuration_it_ran_before_the_typed_topolog
     path = "topology/default.yaml"
     topo = load_topology(REPO / path)
     plan = launcher.plan_processes(topo, path)
-    trainer = _run(plan["trainer-actor"], topo)
-    assert (trainer.model_path, trainer.trainer.lr, trainer.anchor_interval,
+    trainer = _run(plan["trainer-actor"], topo).spec
+    assert (trainer.model, trainer.trainer.lr, trainer.trainer.anchor_interval,
             trainer.temperature, trainer.top_p,
             trainer.max_staleness) == ("runs/default/model", 1e-4, 10, 1.0, 1.0, 4)
     node = _run(plan["raas-local-0"], topo)
@@ -302,7 +302,7 @@ def test_max_staleness_is_set_once_per_policy():
     topo = load_topology(REPO / "topology" / "solver-verifier.yaml")
     plan = launcher.plan_processes(topo, "t.yaml")
     for policy in ("solver", "verifier"):
-        assert _run(plan[f"trainer-{policy}"], topo).max_staleness == 16
+        assert _run(plan[f"trainer-{policy}"], topo).spec.max_staleness == 16
         assert topo.processors[f"batcher-{policy}"].options["max_staleness"] == 16
     assert topo.processors["staleness"].options["max_staleness"] == 16
     data = _solver_verifier_data()
@@ -310,7 +310,7 @@ def test_max_staleness_is_set_once_per_policy():
     data["policies"]["verifier"]["max_staleness"] = 3
     topo = parse_topology(data)
     assert _run(launcher.plan_processes(topo, "t")["trainer-solver"],
-                topo).max_staleness == 3
+                topo).spec.max_staleness == 3
     assert topo.processors["batcher-verifier"].options["max_staleness"] == 3
     del data["policies"]["solver"]["max_staleness"]  # the one default
     with pytest.raises(Exception, match=r"processors.staleness: .*solver 4, verifier 3"):
@@ -321,39 +321,13 @@ def _solver_verifier_data() -> dict:
     return yaml.safe_load((REPO / "topology" / "solver-verifier.yaml").read_text())
 
 
-# TrainerSpec field -> where the trainer process holds it: (ServiceOptions attribute) or
-# ("trainer", the TrainerSpec the step takes) or ("spec", the handler reads it: torch
-# settings)
-TRAINER_FIELDS = {
-    **{f: ("trainer", f) for f in (
-        "lr", "lr_warmup_steps", "lr_decay", "lr_final", "lr_decay_steps", "weight_decay",
-        "adam_eps", "max_grad_norm", "adam_impl", "loss", "clip_low",
-        "clip_high", "tis_cap", "tis_mask", "m2_threshold", "minibatches", "micro_batch_size",
-        "micro_batch_tokens", "dtype", "publish_dtype", "autocast", "gradient_checkpointing",
-        "share_prompt", "forward_on", "forward_dtype", "device", "backend", "group_unit",
-        "adam_beta1", "adam_beta2", "std_normalize")},
-    **{f: ("options", f) for f in ("anchor_interval", "state_interval", "state_max_lag",
-                                   "keep_optimizer", "keep_versions", "max_steps",
-                                   "blob_store", "state_dir", "publish_overlap",
-                                   "checkpoint_dir")},
-    **{f: ("spec", f) for f in ("seed", "threads", "deterministic", "parallel")},
-}
-
-
-def _held(opts, spec, field: str):
-    """Where the trainer process holds TrainerSpec ``field`` (``TRAINER_FIELDS``)."""
-    where, name = TRAINER_FIELDS[field]
-    return getattr({"trainer": opts.trainer, "options": opts, "spec": spec}[where], name)
-
-
 def test_every_typed_trainer_field_reaches_the_trainer():
-    """Each TrainerSpec field set in the file is what the trainer `up` starts runs with;
-    the fields the file leaves unset keep their one default."""
-    from astraflow.config.components import trainer_spec
+    """Each TrainerSpec field set in the file is what the trainer `up` starts runs with
+    (its ``ServiceOptions`` hold the policy's section itself); the fields the file leaves
+    unset keep their one default."""
     from astraflow.config.sections import ParallelSpec
     from astraflow.config.topology import TrainerSpec
 
-    assert set(TRAINER_FIELDS) == set(TrainerSpec.model_fields)
     values = dict(lr=0.5, lr_warmup_steps=4, lr_decay="linear", lr_final=0.1,
                   lr_decay_steps=20, anchor_interval=7, state_interval=3, state_max_lag=2,
                   keep_optimizer=5, keep_versions=0, seed=9, weight_decay=0.1,
@@ -373,18 +347,18 @@ def test_every_typed_trainer_field_reaches_the_trainer():
     data["policies"]["solver"]["trainer"] = dict(values)
     topo = parse_topology(data)
     plan = launcher.plan_processes(topo, "t")
-    opts, spec = _run(plan["trainer-solver"], topo), trainer_spec(topo, "solver").trainer
-    assert {k: _held(opts, spec, k) for k in values} == values
+    held = _run(plan["trainer-solver"], topo).spec.trainer
+    assert {k: getattr(held, k) for k in values} == values
     # the verifier sets only lr and anchor_interval: the rest is the one default
-    verifier = _run(plan["trainer-verifier"], topo)
+    verifier = _run(plan["trainer-verifier"], topo).spec.trainer
     default = TrainerSpec()
     assert {k for k in TrainerSpec.model_fields
-            if _held(verifier, default, k) != getattr(default, k)} == {"lr"}
+            if getattr(verifier, k) != getattr(default, k)} == {"lr"}
     # m2po reads m2_threshold (the other losses refuse it: see test_topology)
     data["policies"]["solver"]["trainer"] = {"loss": "m2po", "m2_threshold": 0.01}
     topo = parse_topology(data)
     opts = _run(launcher.plan_processes(topo, "t")["trainer-solver"], topo)
-    assert (opts.trainer.loss, opts.trainer.m2_threshold) == ("m2po", 0.01)
+    assert (opts.spec.trainer.loss, opts.spec.trainer.m2_threshold) == ("m2po", 0.01)
 
 
 def test_warm_start_feeder_pool_and_eval_fields_reach_their_components():

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from astraflow.config.sections import TrainerSpec
+from astraflow.config.sections import PolicySpec, TrainerSpec
 from astraflow.trainer import processes, service, start
 from astraflow.trainer.start import (
     TrainerRun,
@@ -22,7 +22,7 @@ from astraflow.trainer.start import (
     start_trainer,
 )
 
-OPTS = types.SimpleNamespace(trainer=types.SimpleNamespace(device="cpu"), policy="actor")
+OPTS = service.ServiceOptions("actor", PolicySpec(model="m"))
 
 
 @pytest.fixture
@@ -61,8 +61,9 @@ def test_a_supervisor_returns_its_groups_status_and_starts_no_service(monkeypatc
     monkeypatch.setattr(processes, "run_local_group", lambda argv, n, port: 7)
     monkeypatch.setattr(service, "TrainerService", None)  # never reached
     _no_group(monkeypatch)
-    spec = TrainerSpec(parallel={"processes": 2})
-    assert start_trainer(None, OPTS, spec, None, argv=["x"]) == TrainerRun(status=7)
+    opts = service.ServiceOptions("actor", PolicySpec(model="m", trainer={
+        "parallel": {"processes": 2}}))
+    assert start_trainer(None, opts, None, argv=["x"]) == TrainerRun(status=7)
 
 
 def test_the_process_takes_its_threads_and_seed_from_the_section(restored):
@@ -111,7 +112,7 @@ class _Service:
 def test_rank_0_stops_on_sigterm_and_reports_its_counters(monkeypatch, restored):
     monkeypatch.setattr(service, "TrainerService", _Service)
     _no_group(monkeypatch)
-    run = start_trainer(None, OPTS, TrainerSpec(), None, argv=[])
+    run = start_trainer(None, OPTS, None, argv=[])
     assert (run.status, run.rank, run.component_id, run.version) == (0, 0, "trainer.actor/0", 4)
     assert run.counters.steps == 1  # the signal reached stop() before run() returned
 
@@ -123,5 +124,5 @@ def test_a_refused_service_is_one_start_error(monkeypatch, restored):
     monkeypatch.setattr(service, "TrainerService", refuse)
     _no_group(monkeypatch)
     with pytest.raises(TrainerStartError, match=r"^trainer.lr: must be above 0$"):
-        start_trainer(None, OPTS, TrainerSpec(), None, argv=[])
+        start_trainer(None, OPTS, None, argv=[])
     assert issubclass(TrainerStartError, start.AstraflowError)

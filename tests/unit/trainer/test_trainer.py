@@ -88,6 +88,24 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
+# no staleness bound in practice: the trainer tests' batches are all of version 0
+NO_STALENESS_BOUND = 10**9
+
+
+def service_options(model: str, state_dir: Path | str, *, max_staleness: int =
+                    NO_STALENESS_BOUND, temperature: float = 1.0, **trainer):
+    """The ``ServiceOptions`` of a test's trainer of policy ``actor``: its typed section
+    (``trainer``: its ``trainer:`` keys over lr 1e-4 and 3 sequences per micro-batch) and
+    a short poll."""
+    from astraflow.config.sections import PolicySpec
+    from astraflow.trainer.service import ServiceOptions
+
+    section = {"lr": 1e-4, "micro_batch_size": 3, "state_dir": str(state_dir), **trainer}
+    return ServiceOptions("actor", PolicySpec(
+        model=model, trainer=section, max_staleness=max_staleness, temperature=temperature),
+        poll_timeout_s=0.2)
+
+
 def make_batch(i: int, groups: int = 2, samples: int = 4, seed: int = 0) -> Batch:
     rng = random.Random(seed * 1000 + i)
     out = []
@@ -772,8 +790,9 @@ def test_config_errors_name_the_key(tiny_model):
     its flag."""
     from pydantic import ValidationError
 
+    from astraflow.config.components import trainer_spec
     from astraflow.config.sections import PolicySpec, TrainerSpec
-    from astraflow.trainer.service import ServiceOptions
+    from astraflow.config.topology import parse_topology
 
     bad_trainer = [
         ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
@@ -795,12 +814,14 @@ def test_config_errors_name_the_key(tiny_model):
                     ({"top_p": 1.5}, "top_p"), ({"max_staleness": -1}, "max_staleness")):
         with pytest.raises(ValidationError, match=rf"\n{key}\n"):
             PolicySpec(model="m", **kw)
-    for obj, flag in (
-            (ServiceOptions(policy="a", model_path="m", state_interval=0), "--state-interval"),
-            (ServiceOptions(policy="a", model_path="m", keep_optimizer=0), "--keep-optimizer"),
-            (ServiceOptions(policy="a", model_path="m", state_max_lag=0), "--state-max-lag")):
-        with pytest.raises(ValueError, match=flag):
-            obj.validate()
+    topo = parse_topology({"run": "r", "policies": {"a": {"model": "m"}}})
+    for key in ("state_interval", "keep_optimizer", "state_max_lag"):
+        with pytest.raises(ValidationError, match=rf"\n{key}\n"):
+            TrainerSpec(**{key: 0})
+        flag = "--" + key.replace("_", "-")
+        with pytest.raises(ValueError, match=rf"^{flag}: Input should be greater than or "
+                           "equal to 1"):
+            trainer_spec(topo, "a", {key: 0})
     TrainerSpec(micro_batch_tokens=1)
     TrainerSpec(loss="decoupled_ppo", tis_cap=1.2)  # no clip-higher bound there
     cli = subprocess.run(
@@ -1248,8 +1269,7 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     latest by the next state's version; a restart recomputes the versions after the newest
     state and then equals the trainer that wrote them; a master blob whose bytes changed
     (sha256) is refused; other settings are published as a rebase version."""
-    from astraflow.config.sections import TrainerSpec
-    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.service import TrainerService
     from astraflow.weights.bits import state_bytes_equal
     from astraflow.weights.stores.kafka import read_manifests
 
@@ -1262,16 +1282,9 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     producer.flush()
     torch.set_num_threads(1)
 
-    def options(temperature: float = 1.0, **kw) -> ServiceOptions:
-        return ServiceOptions(
-            policy="actor",
-            model_path=tiny_model,
-            state_dir=str(tmp_path / "state"),
-            poll_timeout_s=0.2,
-            state_interval=2,
-            trainer=TrainerSpec(lr=1e-4, micro_batch_size=3), temperature=temperature,
-            **kw,
-        )
+    def options(temperature: float = 1.0, **kw):
+        return service_options(tiny_model, tmp_path / "state", temperature=temperature,
+                               state_interval=2, **kw)
 
     def restored(**kw) -> TrainerService:
         svc = TrainerService(topo, options(**kw), config=kafka_config)
@@ -1411,8 +1424,7 @@ def test_trainer_dead_letters_a_batch_that_decodes_but_makes_no_sense(
     """A group whose sequence fields differ in length, a NaN reward, or a token of a version
     not yet published goes to dlq with the reason; the trainer trains the good batches
     around them instead of crash-looping."""
-    from astraflow.config.sections import TrainerSpec
-    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.service import TrainerService
     from astraflow.wire.records import DeadLetter
 
     topo, _ = make_topology(topics={"batches.actor": {"partitions": 1},
@@ -1433,10 +1445,8 @@ def test_trainer_dead_letters_a_batch_that_decodes_but_makes_no_sense(
         producer.produce(topo.full_name("batches.actor"), b, key="actor")
     producer.flush()
     torch.set_num_threads(1)
-    svc = TrainerService(topo, ServiceOptions(
-        policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
-        poll_timeout_s=0.2, max_steps=2,
-        trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+    svc = TrainerService(topo, service_options(tiny_model, tmp_path / "state", max_steps=2),
+                         config=kafka_config)
     svc.run()
     assert svc.version == 2 and svc.counters.dead_lettered == 3
     dead = [r.record for r in read_all(kafka_config, topo.full_name("dlq"), expect=DeadLetter)]
@@ -1455,8 +1465,7 @@ def test_trainer_prunes_blobs_older_than_the_kept_versions(kafka_config, make_to
     versions go (Kafka: DeleteRecords on weights.blobs; file: deleted), and a new reader
     still reaches the newest version; with keep_versions 0 everything stays."""
 
-    from astraflow.config.sections import TrainerSpec
-    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.service import TrainerService
     from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
@@ -1471,11 +1480,9 @@ def test_trainer_prunes_blobs_older_than_the_kept_versions(kafka_config, make_to
     torch.set_num_threads(1)
 
     def train(keep: int, steps: int) -> TrainerService:
-        svc = TrainerService(topo, ServiceOptions(
-            policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
-            poll_timeout_s=0.2, max_steps=steps, anchor_interval=2, keep_versions=keep,
-            state_interval=100, trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)),
-            config=kafka_config)
+        svc = TrainerService(topo, service_options(
+            tiny_model, tmp_path / "state", max_steps=steps, anchor_interval=2,
+            keep_versions=keep, state_interval=100), config=kafka_config)
         svc.run()
         return svc
 
@@ -1528,9 +1535,8 @@ def test_a_reader_without_the_model_builds_it_from_the_weight_stream(kafka_confi
     weights of the newest version, bit for bit what the trainer published."""
     from safetensors.torch import load_file
 
-    from astraflow.config.sections import TrainerSpec
     from astraflow.models.share import ensure_model, fetch_model, pack_model_files
-    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.service import TrainerService
 
     topo, _ = make_topology(topics={"batches.actor": {"partitions": 1},
                                     "weights.actor": {"partitions": 1},
@@ -1541,10 +1547,8 @@ def test_a_reader_without_the_model_builds_it_from_the_weight_stream(kafka_confi
         producer.produce(topo.full_name("batches.actor"), make_batch(i), key="actor")
     producer.flush()
     torch.set_num_threads(1)
-    svc = TrainerService(topo, ServiceOptions(
-        policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
-        poll_timeout_s=0.2, max_steps=3, anchor_interval=2,
-        trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+    svc = TrainerService(topo, service_options(tiny_model, tmp_path / "state", max_steps=3,
+                                               anchor_interval=2), config=kafka_config)
     svc.run()
     assert svc.version == 3
 

@@ -301,11 +301,10 @@ def test_the_trainers_resume_refuses_a_badly_signed_newest_manifest(
     refused it does not start (nor publish version 0 over them)."""
     import torch
 
-    from astraflow.config.sections import TrainerSpec
     from astraflow.kafka.clients import RecordProducer
-    from astraflow.trainer.service import ServiceOptions, TrainerService
+    from astraflow.trainer.service import TrainerService
     from astraflow.weights.stores.kafka import read_manifests
-    from tests.unit.trainer.test_trainer import make_batch
+    from tests.unit.trainer.test_trainer import make_batch, service_options
 
     signer, verifier, private, public = keys
     other, _ = keygen(tmp_path / "other")
@@ -320,10 +319,8 @@ def test_the_trainers_resume_refuses_a_badly_signed_newest_manifest(
     torch.set_num_threads(1)
 
     def service(topology, steps: int) -> TrainerService:
-        return TrainerService(topology, ServiceOptions(
-            policy="actor", model_path=tiny_model, state_dir=str(tmp_path / "state"),
-            poll_timeout_s=0.2, max_steps=steps,
-            trainer=TrainerSpec(lr=1e-4, micro_batch_size=3)), config=kafka_config)
+        return TrainerService(topology, service_options(
+            tiny_model, tmp_path / "state", max_steps=steps), config=kafka_config)
 
     service(topo, 2).run()
     published = read_manifests(kafka_config, weights)
