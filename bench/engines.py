@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", help="both engines' dtype")
-    p.add_argument("--cpus", default="all", help="vLLM's cores (VLLMOptions.cpus)")
+    p.add_argument("--cpus", default="all", help="vLLM's cores (VLLMEngineOptions.cpus)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--changed", type=float, default=0.05,

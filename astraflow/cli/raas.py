@@ -66,10 +66,11 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         print(f"astraflow raas run: {e}", file=sys.stderr)
         return 2
     from astraflow.cli.context import kafka_config, stop_on_signals
+    from astraflow.config.sections import engine_options
     from astraflow.models.chat import ChatFormat
     from astraflow.models.errors import ModelError
     from astraflow.models.share import ensure_model
-    from astraflow.raas.engines import check_engine_options, load_engine
+    from astraflow.raas.engines import load_engine
     from astraflow.raas.node import RaaSNode
     from astraflow.raas.vllm_engine import VLLMNotInstalled
 
@@ -81,7 +82,7 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
         print(f"astraflow raas run: {e}", file=sys.stderr)
         return 2
     try:
-        check_engine_options(node.engine, node.engine_options)
+        engine_options(node.engine, node.engine_options)  # before anything loads
     except ValueError as e:
         print(f"astraflow raas run: --engine-options: {e}", file=sys.stderr)
         return 2

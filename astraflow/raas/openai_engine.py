@@ -30,55 +30,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from astraflow.config.options import OpenAIEngineOptions
+from astraflow.config.sections import engine_options
 from astraflow.raas.engine import Generation, SamplingParams
 from astraflow.raas.hf_text import HFText, load_tokenizer
 
 log = logging.getLogger("astraflow.raas.openai")
 
 
-@dataclass
-class OpenAIOptions:
-    """What can be set on an ``OpenAIEngine``.
-
-    ``base_url``: the API root, e.g. ``http://127.0.0.1:8000/v1`` (required). ``model``:
-    the served model name (None: the first one ``GET /models`` lists). ``api_key``: sent
-    as a bearer token. ``timeout_s``: per request. ``version``: the version of the served
-    weights. ``reload``: the reload hook (see the module docstring).
-    """
-
-    base_url: str = ""
-    model: str | None = None
-    api_key: str | None = None
-    timeout_s: float = 600.0
-    version: int = 0
-    reload: str | Callable[[Mapping[str, torch.Tensor], int], Any] | None = None
-
-    @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> OpenAIOptions:
-        """``OpenAIOptions`` from a mapping; ``ValueError`` naming an unknown or missing key."""
-        known = [f.name for f in fields(cls)]
-        for key in options:
-            if key not in known:
-                raise ValueError(
-                    f"unknown openai engine option {key!r} (known: {', '.join(known)})")
-        opts = cls(**options)
-        if not opts.base_url:
-            raise ValueError("openai engine option 'base_url' is required "
-                             "(e.g. http://127.0.0.1:8000/v1)")
-        return opts
-
-
 class OpenAIEngine(HFText):
     """An ``Engine`` on an OpenAI-compatible completions server (see the module
-    docstring). ``tokenizer``: the served model's Hugging Face tokenizer."""
+    docstring), as its typed ``options`` say. ``tokenizer``: the served model's Hugging
+    Face tokenizer; ``hook``: a callable reload hook, given from Python (instead of
+    ``options.reload``)."""
 
-    def __init__(self, options: OpenAIOptions, tokenizer: Any, policy: str = "actor"):
+    def __init__(self, options: OpenAIEngineOptions, tokenizer: Any, policy: str = "actor",
+                 hook: Callable[[Mapping[str, torch.Tensor], int], Any] | None = None):
         import httpx
 
         self.options = options
@@ -89,7 +61,7 @@ class OpenAIEngine(HFText):
         self.http = httpx.Client(base_url=options.base_url.rstrip("/"), headers=headers,
                                  timeout=options.timeout_s)
         self.model = options.model or self._first_model()
-        self._hook = _resolve_hook(options.reload)
+        self._hook = hook if hook is not None else _resolve_hook(options.reload)
         self._lock = threading.Lock()
         self._warned_frozen = False
         self.tokens_generated = 0
@@ -222,13 +194,20 @@ def _resolve_hook(hook: Any) -> str | Callable | None:
                      "a module:function path or a callable")
 
 
-def load_openai_engine(path: str | Path, policy: str, **options: Any) -> OpenAIEngine:
+def load_openai_engine(path: str | Path, policy: str,
+                       options: OpenAIEngineOptions | None = None,
+                       **given: Any) -> OpenAIEngine:
     """An ``OpenAIEngine`` for the model whose tokenizer is in ``path`` (a local model
-    directory); ``options``: the fields of ``OpenAIOptions`` (an unknown one raises
-    ``ValueError`` naming it)."""
-    opts = OpenAIOptions.from_dict(options)
-    _resolve_hook(opts.reload)  # a bad hook fails before anything else
-    return OpenAIEngine(opts, load_tokenizer(path), policy=policy)
+    directory); ``options``: its typed options, else the fields of
+    ``OpenAIEngineOptions`` as keywords ``given`` (a refused or missing one raises
+    ``ValueError`` naming it; from Python, ``reload`` may be a callable)."""
+    if options is not None and given:
+        raise TypeError("load_openai_engine: options or their fields as keywords, not both")
+    hook = given.pop("reload") if callable(given.get("reload")) else None
+    opts = options if options is not None else engine_options("openai", given)
+    if hook is None:
+        _resolve_hook(opts.reload)  # a bad hook fails before anything else
+    return OpenAIEngine(opts, load_tokenizer(path), policy=policy, hook=hook)
 
 
-__all__ = ["OpenAIEngine", "OpenAIOptions", "load_openai_engine"]
+__all__ = ["OpenAIEngine", "load_openai_engine"]

