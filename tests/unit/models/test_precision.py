@@ -55,7 +55,7 @@ def test_trainer_autocast_best_follows_the_cpu(native):
 
 def test_a_policy_loaded_with_dtype_best_follows_the_cpu(native, tmp_path):
     from astraflow.models.loading import load_policy
-    from tests.kafka.test_raas import tiny_model, tiny_tokenizer
+    from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 
     tiny_model().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

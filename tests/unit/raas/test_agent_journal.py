@@ -12,7 +12,7 @@ from tests.unit.raas.test_agent import _script
 
 class Recorder:
     """The journal's writing side, kept in a list (the topic's part is tested on a broker:
-    tests/kafka/test_agent_durable.py)."""
+    tests/integration/raas/test_agent_durable.py)."""
 
     raas_id = "raas.test/a"
 

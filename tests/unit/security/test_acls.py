@@ -80,7 +80,7 @@ def test_the_real_model_topologies_need_exactly_the_defaults_acls(source):
     """The SmolLM2 topologies wire the default's components and topics, so the secured
     run of the default (``up --secure``, every component as its own principal with exactly
     these ACLs and nothing denied:
-    tests/kafka/test_secure.py) covers theirs; when they diverge, this fails
+    tests/integration/security/test_secure.py) covers theirs; when they diverge, this fails
     and they need a secured run of their own."""
     assert _acls_of_run(REPO / "topology" / source) == _acls_of_run(
         REPO / "topology" / "default.yaml")

@@ -12,7 +12,7 @@ from astraflow.config.sections import TrainerSpec
 from astraflow.raas.engine import SamplingParams, TorchEngine
 from astraflow.trainer.trainer import Trainer, _Row
 from astraflow.wire.records import Batch, Sequence, TrajectoryGroup
-from tests.kafka.test_raas import tiny_model, tiny_tokenizer
+from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 from tests.unit.raas.test_inflight import Offers, perturbed
 
 EXPECTED = [0] * 4 + [1] * 8 + [2] * 4  # versions of a 16-token generation, chunks of 4

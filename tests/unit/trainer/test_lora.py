@@ -225,7 +225,7 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
     from transformers import AutoModelForCausalLM
 
     from astraflow.cli.main import main
-    from tests.kafka.test_model_export import exported_tokens
+    from tests.integration.models.test_model_export import exported_tokens
 
     common = ["model", "export", "-t", str(path), "--bootstrap", kafka_bootstrap]
     assert main([*common, str(tmp_path / "adapter")]) == 0

@@ -1,6 +1,6 @@
 """Starting a trainer process (``astraflow.trainer.start``), without a broker: who
 supervises a local group, the process's torch settings, the signals of each rank, and a
-refused service as one start error. The trainer itself on a broker: ``tests/kafka``."""
+refused service as one start error. The trainer itself on a broker: ``tests/integration/``."""
 
 from __future__ import annotations
 

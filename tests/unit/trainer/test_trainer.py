@@ -1329,7 +1329,7 @@ def test_trainer_state_is_written_in_the_background_and_restores_exactly(
     blob.write_bytes(bytes(data))
 
     # other settings recompute other weights: published as a rebase (version 5), not
-    # refused (tests/kafka/test_trainer_resume.py follows one through)
+    # refused (tests/integration/trainer/test_trainer_resume.py follows one through)
     rebased = TrainerService(topo, options(temperature=0.9), config=kafka_config)
     rebased.stop()  # start (restore, rebase), then stop at once
     rebased.run()

@@ -12,7 +12,7 @@ from astraflow.dataflow.runtime import ProcessorRuntime
 from astraflow.kafka.clients import RecordProducer
 from astraflow.metrics import METRICS_PORT_ENV
 from tests.conftest import running, wait_for
-from tests.kafka.test_data_algorithms import group, manifest
+from tests.integration.dataflow.test_data_algorithms import group, manifest
 
 
 def scrape(port: int) -> str:

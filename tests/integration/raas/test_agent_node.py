@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import running, wait_for
-from tests.kafka.test_raas import node_topology
+from tests.integration.raas.test_raas import node_topology
 from tests.unit.raas.test_agent import _script
 from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 from tests.unit.raas.test_workflows import task_of

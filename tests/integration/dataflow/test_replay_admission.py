@@ -34,7 +34,7 @@ from astraflow.kafka.lag import LagReader, total_lag
 from astraflow.kafka.table import TopicReader
 from astraflow.wire.records import Batch, ComponentStatus, PartitionOffset, Task, WeightManifest
 from tests.conftest import random_name, wait_for
-from tests.kafka.test_processors import group, manifest, run_in_thread, seq
+from tests.integration.dataflow.test_processors import group, manifest, run_in_thread, seq
 
 
 def task(i: int) -> Task:
@@ -396,7 +396,7 @@ def test_admission_in_front_of_a_real_raas_node(kafka_config, kafka_bootstrap, m
     """The group naming end to end: a real node of pool ``local`` commits its tasks in the
     run's RaaS group, and admission keeps no more in flight than its target (2, 1 node x 1
     task x 2, until the node's throughput is measured)."""
-    from tests.kafka.test_raas import start_node
+    from tests.integration.raas.test_raas import start_node
     from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 
     model_dir = tmp_path / "model"

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from tests.conftest import wait_for
-from tests.kafka.test_raas import model_dir, node_topology, start_node  # noqa: F401
+from tests.integration.raas.test_raas import model_dir, node_topology, start_node  # noqa: F401
 from tests.unit.raas.test_agent import _script
 from tests.unit.raas.test_workflows import task_of  # noqa: F401
 

@@ -10,7 +10,7 @@ from astraflow.cli.main import main
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.table import TopicReader
 from astraflow.wire.records import Batch, ComponentStatus, TrajectoryGroup
-from tests.kafka.test_data_algorithms import group, manifest
+from tests.integration.dataflow.test_data_algorithms import group, manifest
 
 # (timestamp ms, version) of the source run's manifests, and of its recorded groups the
 # time and the version of their oldest token; max_staleness 1, judged at each group's own

@@ -12,7 +12,7 @@ import torch
 
 from astraflow.cli.main import main
 from astraflow.weights.stores.kafka import read_manifests
-from tests.kafka.test_replay import _train_source
+from tests.integration.replay.test_replay import _train_source
 from tests.unit.trainer.test_trainer import tiny_model  # noqa: F401 - a fixture
 
 PROMPTS = [[3, 9, 4, 11], [7, 7, 2]]

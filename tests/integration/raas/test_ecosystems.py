@@ -14,7 +14,9 @@ import pytest
 
 from tests.conftest import running, wait_for
 from tests.fakes import ScriptedEngine
-from tests.kafka.test_raas import node_topology, task_of, tiny_model, tiny_tokenizer
+from tests.integration.raas.test_raas import node_topology
+from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
+from tests.unit.raas.test_workflows import task_of
 
 pytest.importorskip("verifiers", reason="the verifiers extra: pip install '.[test]'")
 pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra: pip install '.[test]'")

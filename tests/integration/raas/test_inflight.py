@@ -10,7 +10,7 @@ import torch
 from astraflow.raas.engine import TorchEngine
 from astraflow.wire.records import TrajectoryGroup
 from tests.conftest import running, wait_for
-from tests.kafka.test_raas import node_topology
+from tests.integration.raas.test_raas import node_topology
 from tests.unit.raas.test_engine import tiny_model, tiny_tokenizer
 from tests.unit.raas.test_workflows import task_of
 
