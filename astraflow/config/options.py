@@ -20,6 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from astraflow.tasks.mutants import MAX_MUTANTS
 
 
+def without_nulls(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the keys written as null whose field takes no null: such a key
+    takes its one default, as a key left out does (files wrote null for "the default")."""
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items() if v is not None or k not in model.model_fields
+            or type(None) in typing.get_args(model.model_fields[k].annotation)}
+
+
 class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -27,10 +36,7 @@ class _Options(BaseModel):
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         """A key written as null takes its option's default (where null is no value)."""
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
-                or type(None) in typing.get_args(cls.model_fields[k].annotation)}
+        return without_nulls(cls, data)
 
     def given(self) -> dict[str, Any]:
         """The options the file sets, as the component's keyword arguments."""

@@ -13,7 +13,6 @@ component is started by hand, by ``astraflow up`` or by a compose service.
 
 from __future__ import annotations
 
-import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,6 +30,7 @@ from astraflow.config.options import (
     WORKFLOW_OPTIONS,
     SamplingOptions,
     check_reward,
+    without_nulls,
 )
 from astraflow.kafka.config import KafkaConfig, rack_problem
 
@@ -63,10 +63,7 @@ class _Section(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
-                or type(None) in typing.get_args(cls.model_fields[k].annotation)}
+        return without_nulls(cls, data)
 
 
 def _in(group: str) -> dict[str, Any]:
