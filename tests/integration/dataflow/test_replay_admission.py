@@ -34,7 +34,8 @@ from astraflow.kafka.lag import LagReader, total_lag
 from astraflow.kafka.table import TopicReader
 from astraflow.wire.records import Batch, ComponentStatus, PartitionOffset, Task, WeightManifest
 from tests.conftest import random_name, wait_for
-from tests.integration.dataflow.test_processors import group, manifest, run_in_thread, seq
+from tests.integration.dataflow.test_processors import manifest, run_in_thread
+from tests.unit.dataflow.test_processors import group, seq
 
 
 def task(i: int) -> Task:

@@ -124,7 +124,7 @@ def test_replay_refuses_manifests_another_key_signed_and_uses_the_good_ones(
         ManifestVerifier,
         keygen,
     )
-    from tests.unit.weights.test_signing import dead_letters
+    from tests.integration.weights.test_signing import dead_letters
 
     monkeypatch.delenv(ENV_SIGNING_KEY, raising=False)
     monkeypatch.delenv(ENV_PUBLIC_KEY, raising=False)

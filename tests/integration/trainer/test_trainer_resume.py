@@ -11,8 +11,9 @@ import torch
 
 from astraflow.kafka.clients import RecordProducer, read_all
 from astraflow.wire.records import Batch
+from tests.integration.trainer.test_trainer import NO_STALENESS_BOUND, service_options
 from tests.unit.trainer import test_trainer
-from tests.unit.trainer.test_trainer import NO_STALENESS_BOUND, make_batch, service_options
+from tests.unit.trainer.test_trainer import make_batch
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

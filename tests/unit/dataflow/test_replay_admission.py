@@ -23,7 +23,7 @@ from astraflow.dataflow.admission import (
 from astraflow.dataflow.batcher import Batcher, BatcherOptions, ReplayBuffer
 from astraflow.dataflow.versions import StaticVersions
 from astraflow.wire.records import Batch, Task
-from tests.integration.dataflow.test_processors import group, seq
+from tests.unit.dataflow.test_processors import group, seq
 
 REPO = Path(__file__).resolve().parents[3]
 
