@@ -213,10 +213,10 @@ def test_smollm2_topology_maps_to_component_settings():
     wf = raas.options.workflow_options
     assert list(wf) == ["single_turn"] and wf["single_turn"]["reward"]["name"] == "sum"
     assert raas.settings.dtype == "best"  # bf16 where the hardware computes it natively
-    assert procs["trainer-actor"].trainer.autocast == "best"
+    assert procs["trainer-actor"].spec.trainer.autocast == "best"
     assert raas.options.tasks_per_transaction == 4
     assert wf["single_turn"]["temperature"] == 1.0  # the policy's
-    assert procs["trainer-actor"].temperature == 1.0
+    assert procs["trainer-actor"].spec.temperature == 1.0
     ev = procs["eval-actor"]
     assert ev.dataset.path == "data/addition.eval.jsonl" and ev.reward == "exact_match"
     assert procs["feeder"].dataset.path == "data/addition.train.jsonl"
