@@ -5,10 +5,7 @@ SIGTERM or SIGINT."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
-from collections.abc import Callable
 
 from astraflow.config.topology import (
     Topology,
@@ -28,17 +25,6 @@ def kafka_config(args: argparse.Namespace, base: KafkaConfig | None = None) -> K
     if getattr(args, "bootstrap", None):
         base = base.model_copy(update={"bootstrap_servers": args.bootstrap})
     return base.effective()
-
-
-def stop_on_signals(stop: Callable[[], None], log: logging.Logger, doing: str) -> None:
-    """On SIGTERM or SIGINT, log what the component still does (``doing``) and ``stop()``."""
-
-    def on_signal(signum, _frame):
-        log.info("signal %d: %s", signum, doing)
-        stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
 
 def run_name(args: argparse.Namespace) -> str | None:

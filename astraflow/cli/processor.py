@@ -11,10 +11,11 @@ from astraflow.cli.args import (
     add_group,
     add_run_options,
 )
-from astraflow.cli.context import kafka_config, stop_on_signals
+from astraflow.cli.context import kafka_config
 from astraflow.config.topology import (  # with_overrides: also for cli.replay
     Topology,
 )
+from astraflow.kafka.shutdown import stop_on_signals
 
 
 # --- processors --------------------------------------------------------------------------

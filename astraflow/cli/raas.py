@@ -65,8 +65,9 @@ def cmd_raas_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"astraflow raas run: {e}", file=sys.stderr)
         return 2
-    from astraflow.cli.context import kafka_config, stop_on_signals
+    from astraflow.cli.context import kafka_config
     from astraflow.config.sections import engine_options
+    from astraflow.kafka.shutdown import stop_on_signals
     from astraflow.models.chat import ChatFormat
     from astraflow.models.errors import ModelError
     from astraflow.models.share import ensure_model

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError
+from astraflow.kafka.shutdown import stop_on_signals
 
 if TYPE_CHECKING:
     from astraflow.config.sections import ParallelSpec, TrainerSpec
@@ -118,7 +119,7 @@ def start_trainer(topo: Topology, opts: ServiceOptions, config: KafkaConfig, *,
     except ValueError as e:
         raise TrainerStartError(str(e)) from None
     if service.rank == 0:
-        _stop_on_signals(service.stop)
+        stop_on_signals(service.stop, log, "finishing the current step and its transaction")
     try:
         counters = service.run()
     finally:
@@ -127,17 +128,6 @@ def start_trainer(topo: Topology, opts: ServiceOptions, config: KafkaConfig, *,
     return TrainerRun(rank=service.rank, component_id=service.component_id,
                       version=service.version,
                       counters=counters if service.rank == 0 else None)
-
-
-def _stop_on_signals(stop: Any) -> None:
-    """On SIGTERM or SIGINT, rank 0 finishes its step and its transaction, then stops."""
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("signal %d: %s", signum, "finishing the current step and its transaction")
-        stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
 
 
 __all__ = ["TrainerRun", "TrainerStartError", "check_trainer", "join_group",
