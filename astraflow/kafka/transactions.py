@@ -175,17 +175,23 @@ class Transactions:
             self.refused_writes.append((msg.topic(), err))
 
     # --- one transaction -----------------------------------------------------------------
-    def attempt(self, cp: Checkpoint, tps: Callable[[], list[TopicPartition]],
-                status: Callable[[], None] | None,
-                metadata: Callable[[list[TopicPartition]], object | None]) -> bool:
-        """One try of a transaction carrying ``cp``, a status record (``status()``
-        produces it) and the offsets ``tps()``, waited for; False when it was aborted."""
+    def _begin(self, tps: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
+        """A transaction's start: a fresh producer where Kafka went away since the last
+        one, and the offsets it will commit."""
         if self.tainted:
             # a producer that lost the broker can hang in send_offsets_to_transaction on a
             # stale coordinator (librdkafka #5456, #5511): start from a fresh one
             self.replace_producer("Kafka went away since the last transaction")
         offsets = tps()
         self.stage = "producing"
+        return offsets
+
+    def attempt(self, cp: Checkpoint, tps: Callable[[], list[TopicPartition]],
+                status: Callable[[], None] | None,
+                metadata: Callable[[list[TopicPartition]], object | None]) -> bool:
+        """One try of a transaction carrying ``cp``, a status record (``status()``
+        produces it) and the offsets ``tps()``, waited for; False when it was aborted."""
+        offsets = self._begin(tps)
         try:
             self.send(cp)
             if status is not None:
@@ -271,10 +277,7 @@ class Transactions:
         takes the outcome. Meanwhile the next records are made but not sent: a producer
         has one transaction at a time. False when sending failed and it was aborted. The
         commit before it must be settled."""
-        if self.tainted:
-            self.replace_producer("Kafka went away since the last transaction")
-        offsets = tps()
-        self.stage = "producing"
+        offsets = self._begin(tps)
         try:
             self.send(cp)
         except KafkaException as e:
