@@ -1,6 +1,9 @@
-"""Test doubles shared by the workflow tests."""
+"""Test doubles shared by the unit tests: a scripted engine for the workflows, a consumed
+record for the transactional loop."""
 
 from __future__ import annotations
+
+from confluent_kafka import KafkaError
 
 from astraflow.raas.engine import Generation
 
@@ -59,3 +62,23 @@ class ScriptedEngine:
                 )
             out.append(samples)
         return out
+
+
+class Msg:
+    """A consumed record as the loop reads it: where it sits, and its error if any."""
+
+    def __init__(self, topic: str, partition: int, offset: int,
+                 error: KafkaError | None = None) -> None:
+        self._where, self._error = (topic, partition, offset), error
+
+    def error(self) -> KafkaError | None:
+        return self._error
+
+    def topic(self) -> str:
+        return self._where[0]
+
+    def partition(self) -> int:
+        return self._where[1]
+
+    def offset(self) -> int:
+        return self._where[2]

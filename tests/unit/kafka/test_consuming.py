@@ -9,24 +9,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from astraflow.kafka.consuming import CHUNK, Intake
 from astraflow.kafka.spec import LoopSpec
-
-
-class Msg:
-    def __init__(self, topic: str, partition: int, offset: int,
-                 error: KafkaError | None = None) -> None:
-        self._where, self._error = (topic, partition, offset), error
-
-    def error(self) -> KafkaError | None:
-        return self._error
-
-    def topic(self) -> str:
-        return self._where[0]
-
-    def partition(self) -> int:
-        return self._where[1]
-
-    def offset(self) -> int:
-        return self._where[2]
+from tests.fakes import Msg
 
 
 class Polls:

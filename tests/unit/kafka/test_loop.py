@@ -12,6 +12,7 @@ from astraflow.kafka import loop as loop_mod
 from astraflow.kafka.loop import BrokerUnreachable, Checkpoint, Outage, RecordTooLarge, transient
 from astraflow.wire.codec import make_codec
 from astraflow.wire.records import DeadLetter, Task
+from tests.fakes import Msg
 
 
 class Clock:
@@ -234,23 +235,6 @@ def test_a_transactional_call_that_never_returns_is_given_up_and_its_producer_ab
     assert loop.txn.bounded(lambda: 7) == 7
 
 
-class ScriptedMessage:
-    def __init__(self, topic: str, partition: int, offset: int) -> None:
-        self._where = (topic, partition, offset)
-
-    def error(self):
-        return None
-
-    def topic(self) -> str:
-        return self._where[0]
-
-    def partition(self) -> int:
-        return self._where[1]
-
-    def offset(self) -> int:
-        return self._where[2]
-
-
 class ScriptedConsumer:
     """Hands out scripted polls (a list of messages, or a callable making one), then stops
     the loop; records seeks."""
@@ -351,12 +335,12 @@ def test_a_rebalance_drops_the_open_transaction_and_rewinds(monkeypatch):
 
     def revoke_then_more():
         loop._on_revoke(loop.consumer, [loop.consumer.parts[0]])
-        return [ScriptedMessage("in", 1, 7)]
+        return [Msg("in", 1, 7)]
 
     # the first poll finds nothing: its round commits the first status; then 0@5 is
     # handled and sent, and the next poll revokes partition 0
-    loop.consumer = ScriptedConsumer(loop, [[], [ScriptedMessage("in", 0, 5)], [],
-                                            revoke_then_more, [ScriptedMessage("in", 1, 3)],
+    loop.consumer = ScriptedConsumer(loop, [[], [Msg("in", 0, 5)], [],
+                                            revoke_then_more, [Msg("in", 1, 3)],
                                             []])
     loop._rounds()
     p = loop.producer
