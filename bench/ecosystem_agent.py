@@ -1,44 +1,59 @@
 """A multi-turn tool agent that learns: held-out success of SmolLM2-135M-Instruct trained on
 reasoning-gym arithmetic as a verifiers tool environment, against the same model trained
-without the tool, at equal wall-clock time, seed by seed.
+without the tool and against TRL's ``GRPOTrainer`` with the same tool, at equal wall-clock
+time, seed by seed.
 
 The systems (``--systems``) share the topology (default ``topology/smollm2-rg-tool.yaml``),
-the problems (reasoning-gym ``basic_arithmetic`` of the environment's arguments), the
-rubric (the task's own ``score_answer``) and the model:
+the problems (reasoning-gym ``basic_arithmetic`` of the environment's arguments: two terms
+of up to two digits, ``+ - * /``), the rubric (the task's own ``score_answer``, plus the
+tool environment's ``call_bonus`` for a calculator call that ran) and the model:
 
-* ``tool``: the topology's ``verifiers`` environment, ``load_tool`` (a ``vf.ToolEnv`` with
-  a ``calculate`` tool): the model may call the calculator, sees its result, answers;
-* ``notool``: the control, the same topology with ``load_single_turn`` (a
-  ``vf.SingleTurnEnv``: the same problems, system prompt without the tool, same rubric);
-  nothing in either prompt carries the answer.
+* ``tool``: AstraFlow on the topology's ``verifiers`` environment, ``load_tool`` (a
+  ``vf.ToolEnv`` with a ``calculate`` tool): the model may call the calculator, sees its
+  result, answers;
+* ``notool``: the control, AstraFlow on the same topology with ``load_single_turn`` (a
+  ``vf.SingleTurnEnv``: the same problems, system prompt without the tool, the same
+  ``correct``; no tool, so no call bonus); nothing in either prompt carries the answer;
+* ``trl-tool``: TRL's ``GRPOTrainer`` with the calculator as its tool (``tools=``, TRL's own
+  tool loop, up to ``max_turns`` - 1 rounds) on the tool environment's rows and reward,
+  the topology's group size, groups a step and learning-rate grid, in one process.
+  SmolLM2's own chat template has no place for tools and TRL refuses it, so TRL trains
+  with the Qwen2.5 template it ships (ChatML with Hermes calls, which SmolLM2's tokens
+  render) and is scored in it; AstraFlow's systems write the tools into SmolLM2's system
+  message in the same Hermes form (``astraflow.raas.agent.chat``). Needs TRL
+  (``python3 -m pip install trl``).
 
 Each system runs ``--seeds`` times (seeds ``--seed0`` on; the run's workflow, trainer and
-feeder take the seed), ``astraflow up`` for ``--duration`` seconds with no online
-evaluator, every version's weights kept. At every checkpoint time (``--checkpoints``) the
-newest version published by then is scored on the environment's held-out rows (its
-``eval`` dataset, reasoning-gym's eval split: a seed of its own, never trained on; the
-first ``--eval-size``) by the system's **own full rollout**, greedy: the tool system's
-episodes call the calculator as in training. The report gives each system's mean and 95 %
-interval (Student's t over seeds) at every checkpoint, side by side.
+feeder take the seed; TRL's ``set_seed``) for ``--duration`` seconds (AstraFlow: ``astraflow
+up`` with no online evaluator, every version's weights kept; TRL: the weights of the last
+step before each checkpoint). At every checkpoint time (``--checkpoints``) those weights
+are scored on the environment's held-out rows (its ``eval`` dataset, reasoning-gym's eval
+split: a seed of its own, never trained on; the first ``--eval-size``) by the tool
+environment's (the control: its own) **full rollout**, greedy: the tool systems' episodes
+call the calculator as in training. Success is ``correct`` at full marks alone (the call
+bonus never counts). The report gives each system's mean and 95 % interval (Student's t
+over seeds) at every checkpoint, side by side.
 
-**Validation** (``--lrs``, several learning rates): each system first runs each rate for
-``--sweep-duration`` seconds (seed ``--seed0``), scored at its end on ``--val-size``
-validation rows (reasoning-gym problems of the same config drawn from ``VALIDATION_SEED``,
-with the eval split's questions removed), and the seeded runs use the best one (ties: the
-smaller rate). One rate: no sweep.
+**Validation** (``--lrs``, several learning rates; ``--trl-lrs`` for TRL, default the
+same): each system first runs each rate for ``--sweep-duration`` seconds (seed
+``--seed0``), scored at its end on ``--val-size`` validation rows (reasoning-gym problems
+of the same config drawn from ``VALIDATION_SEED``, with the eval split's questions
+removed), and the seeded runs use the best one (ties: the smaller rate). One rate: no
+sweep.
 
 Runs resume (``--progress FILE --resume``): a finished run is kept in the progress file,
 so the work can be spread over several sessions; ``bench/progress/ecosystem-agent.json``
-keeps it where git carries it. TRL's ``GRPOTrainer`` with tools, the third system the
-study calls for, is not built here yet.
+keeps it where git carries it.
 
-    python bench/ecosystem_agent.py [--seeds 3] [--duration 1800]
-        [--checkpoints 0,600,1200,1800] [--eval-size 100] [--lrs 1e-5,3e-5]
+    python bench/ecosystem_agent.py [--systems tool,notool,trl-tool] [--seeds 3]
+        [--duration 1800] [--checkpoints 0,600,1200,1800] [--eval-size 100]
+        [--lrs 1e-5,3e-5] [--sweep-duration 600]
         [--progress bench/progress/ecosystem-agent.json --resume]
         [--out bench/results/ecosystem_agent.json]
 
-On 2 cores the defaults take about 3 hours a seed pair plus the scoring; a smoke:
-``--seeds 1 --duration 120 --checkpoints 0,120 --eval-size 4 --out /tmp/eco.json``.
+On 2 cores a seed of the three systems takes about 2 hours with the scoring, the sweep
+about 75 minutes; a smoke: ``--seeds 1 --duration 120 --checkpoints 0,120 --eval-size 4
+--out /tmp/eco.json``.
 """
 
 from __future__ import annotations
@@ -64,9 +79,13 @@ from report import run_meta  # noqa: E402
 
 SYSTEMS = {"tool": "astraflow.envs.verifiers_examples:load_tool",
            "notool": "astraflow.envs.verifiers_examples:load_single_turn"}
+# TRL's GRPOTrainer with tools, on the environment of the system named: its rows, rubric
+# and calculator, in TRL's own tool loop
+TRL_SYSTEMS = {"trl-tool": "tool"}
 VALIDATION_SEED = 10**9  # the validation problems' seed, far from the train seed + index
 RUN = "bench-ecosystem-agent"  # the run id (its topics are started over for each run)
 SCORE_CONCURRENCY = 16  # held-out episodes scored at once (their requests share batches)
+CORRECT = "vf_metric:correct"  # a sequence's meta: the rubric's answer score, bonus apart
 
 
 def system_topology(doc: dict[str, Any], system: str, lr: float, seed: int,
@@ -129,7 +148,9 @@ def validation(doc: dict[str, Any], n: int) -> list[dict[str, Any]]:
     built on them (``load_*`` with ``seed`` = ``VALIDATION_SEED``: its train split)."""
     from astraflow.tasks.verifiers_data import verifiers_payloads
 
-    args = {**env_args(doc), "seed": VALIDATION_SEED, "size": n}
+    # twice as many drawn: the train split drops the eval split's questions, and two
+    # short terms repeat often
+    args = {**env_args(doc), "seed": VALIDATION_SEED, "size": 2 * n}
     return verifiers_payloads(f"verifiers:{SYSTEMS['tool']}:train?{_query(args)}", limit=n)
 
 
@@ -148,7 +169,8 @@ class Scorer:
         policy = next(iter(doc["policies"].values()))
         self.engine = load_torch_engine(str(REPO / policy["model"]), "actor",
                                         dtype=policy.get("dtype"))
-        self.engine.chat = ChatFormat.from_options(policy.get("chat"))
+        self.chat = ChatFormat.from_options(policy.get("chat"))
+        self.engine.chat = self.chat
         self.base = {k: v.clone() for k, v in self.engine.model.state_dict().items()}
         (pool,) = doc["pools"].values()
         self.options = pool["workflows"]["verifiers"]
@@ -168,12 +190,15 @@ class Scorer:
         return self.workflows[key]
 
     def __call__(self, system: str, state: dict[str, Any] | None, version: int,
-                 rows: list[dict[str, Any]]) -> float:
+                 rows: list[dict[str, Any]], chat: Any = None) -> float:
+        """``chat``: the prompt format the weights were trained with (default the
+        policy's)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from astraflow.wire.records import Task
 
         self.engine.load_state_dict(self.base if state is None else state, version)
+        self.engine.chat = chat or self.chat
 
         def one(i: int) -> float:
             row = rows[i]
@@ -183,9 +208,10 @@ class Scorer:
             task = Task(task_id=f"score-{i}", prompt_id=row["prompt_id"], workflow="verifiers",
                         payload=json.dumps(own), source="bench", policies=["actor"])
             (seq, *_) = wf.run(task, {"actor": self.engine}, 1)
-            # solved: the task's score_answer gives partial credit (0.01 for some wrong
-            # answers in the asked format), success counts full marks only
-            return 1.0 if seq.reward >= 1.0 else 0.0
+            # solved: the rubric's ``correct`` alone (a tool environment's reward may add
+            # a call bonus); the task's score_answer gives partial credit (0.01 for some
+            # wrong answers in the asked format), success counts full marks only
+            return 1.0 if float(seq.meta[CORRECT]) >= 1.0 else 0.0
 
         for args in {json.dumps(r["verifiers"]["args"], sort_keys=True) for r in rows}:
             self.workflow(system, json.loads(args))  # loaded once, before the threads
@@ -240,6 +266,127 @@ def run_one(doc: dict[str, Any], system: str, lr: float, seed: int, duration: fl
             "rollout_reward": learning.late_mean(rewards)}
 
 
+# --- TRL -----------------------------------------------------------------------------------
+def trl_template() -> str:
+    """The chat template the TRL system trains and is scored with: the Qwen2.5 template
+    TRL ships (ChatML with Hermes tool calls), which SmolLM2's own ChatML tokens render.
+    TRL refuses SmolLM2's template, which has no place for tools, and parses calls only out
+    of the templates it knows (``trl.chat_template_utils.add_response_schema``)."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    return qwen2_5_chat_template
+
+
+def trl_chat() -> Any:
+    """The policy's chat format with ``trl_template``: how the TRL system's weights are
+    scored, in the format they were trained on."""
+    from astraflow.models.chat import ChatFormat
+
+    return ChatFormat.from_options({"template": "on", "options": {"chat_template": trl_template()}})
+
+
+def trl_setting(doc: dict[str, Any], lr: float) -> dict[str, Any]:
+    """The TRL run's ``GRPOConfig`` options (``learning.trl_config_kwargs``' setting): the
+    topology's group size, groups a step and turn length, up to ``max_turns`` - 1 tool
+    rounds, ``beta`` 0 and bf16 autocast as in ``bench/learning.py``. A step's groups are
+    generated together and trained one group a micro-batch (gradient accumulation): all at
+    once, the logits of 32 turns of a few hundred tokens ran 2 cores' 24 GB out of
+    memory."""
+    (pool,) = doc["pools"].values()
+    options = pool["workflows"]["verifiers"]
+    turns = int(env_args(doc).get("max_turns", 3))
+    n = int(pool.get("n_samples", 8))
+    return {"lr": lr, "num_generations": n, "per_device_train_batch_size": n,
+            "gradient_accumulation_steps": learning.batch_groups(doc),
+            "max_completion_length": int(options.get("max_new_tokens", 96)) * turns,
+            "max_tool_calling_iterations": turns - 1, "beta": 0.0, "bf16": learning.cpu_bf16()}
+
+
+def trl_rows(env: Any) -> list[dict[str, Any]]:
+    """The environment's training rows for TRL: its prompt messages (system prompt, the
+    worked exchange, the problem) with tool-call arguments as objects, as Hugging Face
+    templates read them, and the row's ``info`` for the rubric."""
+    def message(m: dict[str, Any]) -> dict[str, Any]:
+        out = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            out["tool_calls"] = [{"type": "function", "function": {
+                "name": c["function"]["name"],
+                "arguments": json.loads(c["function"]["arguments"])}} for c in m["tool_calls"]]
+        return out
+
+    return [{"prompt": [message(m) for m in row["prompt"]], "info": row["info"]}
+            for row in env.dataset]
+
+
+def trl_worker(out_dir: Path) -> int:
+    """The TRL run (child process): ``GRPOTrainer`` with the environment's calculator as its
+    tool and the environment's rubric (each function at its weight) as the reward, for the
+    job's duration, a checkpoint per checkpoint time (``learning._TrlClock``)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from astraflow.envs.verifiers_examples import calculate, tool_reward
+    from astraflow.tasks.verifiers_data import load_environment
+
+    t0 = float(os.environ.get("BENCH_T0", time.time()))
+    job = json.loads((out_dir / "job.json").read_text())
+    doc = job["doc"]
+    torch.set_num_threads(os.cpu_count() or 1)
+    set_seed(job["seed"])
+    args = env_args(doc)
+    env = load_environment(SYSTEMS[TRL_SYSTEMS["trl-tool"]], args)
+    funcs, weights = tool_reward(float(args.get("call_bonus", 0.0)))
+
+    def reward(completions: list[Any], info: list[Any], **_: Any) -> list[float]:
+        return [sum(w * float(f(completion=c, info=i)) for f, w in zip(funcs, weights))
+                for c, i in zip(completions, info)]
+
+    path = str(REPO / next(iter(doc["policies"].values()))["model"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = trl_template()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    temperature = float(next(iter(doc["policies"].values())).get("temperature", 1.0))
+    config = GRPOConfig(**learning.trl_config_kwargs(
+        {"temperature": temperature}, job["setting"], job["seed"], out_dir))
+    clock = learning._TrlClock(t0, job["duration"], job["checkpoints"], out_dir)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, tools=[calculate],
+                          train_dataset=Dataset.from_list(trl_rows(env)),
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    clock.finish(trainer.model)
+    (out_dir / "result.json").write_text(json.dumps(
+        {"at": clock.at, "steps": clock.steps, "first_step_s": clock.first_step_s,
+         "logged": clock.logged}))
+    return 0
+
+
+def run_one_trl(doc: dict[str, Any], system: str, lr: float, seed: int, duration: float,
+                checkpoints: list[float], rows: list[dict[str, Any]], scorer: Scorer,
+                runs_dir: Path) -> dict[str, Any]:
+    """One TRL run, then each checkpoint's weights scored on ``rows`` by the environment's
+    own rollout in the template TRL trained with."""
+    from safetensors.torch import load_file
+
+    t0 = time.time()
+    result = learning.run_trl(doc, trl_setting(doc, lr), seed, duration, checkpoints,
+                              runs_dir, script=Path(__file__).resolve())
+    chat = trl_chat()
+    scores = {learning.key(float(t)): scorer(TRL_SYSTEMS[system], load_file(c["path"]),
+                                             int(c["step"]), rows, chat=chat)
+              for t, c in result["at"].items()}
+    rewards = [x["reward"] for x in result.get("logged", []) if "reward" in x]
+    return {"system": system, "seed": seed, "setting": {"lr": lr}, "scores": scores,
+            "versions": result.get("steps"), "wall_s": round(time.time() - t0, 1),
+            "rollout_reward": learning.late_mean(rewards)}
+
+
+def runner(system: str) -> Any:
+    """The function that runs ``system``: ``run_one_trl`` for TRL's, else ``run_one``."""
+    return run_one_trl if system in TRL_SYSTEMS else run_one
+
+
 def report(runs: list[dict[str, Any]], systems: list[str], checkpoints: list[float]) -> str:
     """The held-out success per system and checkpoint: mean and 95 % interval over seeds."""
     head = "| t (s) | " + " | ".join(systems) + " |"
@@ -256,6 +403,8 @@ def report(runs: list[dict[str, Any]], systems: list[str], checkpoints: list[flo
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--trl-worker"]:  # learning.run_trl's child process
+        return trl_worker(Path(argv[1]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--topology", default="topology/smollm2-rg-tool.yaml")
     p.add_argument("--systems", default="tool,notool")
@@ -267,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-size", type=int, default=50)
     p.add_argument("--lrs", default=None, help="learning rates to choose from on the "
                    "validation rows (default: the topology's)")
+    p.add_argument("--trl-lrs", default=None, help="the TRL system's (default: --lrs)")
     p.add_argument("--sweep-duration", type=float, default=300)
     p.add_argument("--runs-dir", default="runs/bench-ecosystem-agent")
     p.add_argument("--progress", default=None)
@@ -274,9 +424,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/ecosystem_agent.json")
     a = p.parse_args(argv)
     systems = [s for s in a.systems.split(",") if s]
-    if unknown := [s for s in systems if s not in SYSTEMS]:
+    known = [*SYSTEMS, *TRL_SYSTEMS]
+    if unknown := [s for s in systems if s not in known]:
         raise SystemExit(f"ecosystem_agent: unknown systems {unknown} (known: "
-                         f"{', '.join(SYSTEMS)})")
+                         f"{', '.join(known)})")
+    if any(s in TRL_SYSTEMS for s in systems):
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            raise SystemExit("ecosystem_agent: the trl-tool system needs TRL: python3 -m pip "
+                             "install trl (or --systems tool,notool)") from None
     checkpoints = [float(x) for x in a.checkpoints.split(",")]
     doc = yaml.safe_load((REPO / a.topology).read_text())
     if len(doc.get("pools", {})) != 1 or "verifiers" not in next(
@@ -286,26 +443,28 @@ def main(argv: list[str] | None = None) -> int:
     learning.ensure_model(doc)
     usual = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
     lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else [usual]
+    grids = {s: ([float(x) for x in a.trl_lrs.split(",")] if s in TRL_SYSTEMS and a.trl_lrs
+                 else lrs) for s in systems}
     runs_dir = (REPO / a.runs_dir).resolve()
     progress = learning.Progress(
         Path(a.progress or runs_dir / "progress.json"),
         {"topology": a.topology, "duration": a.duration, "checkpoints": checkpoints,
          "eval_size": a.eval_size, "val_size": a.val_size,
          "sweep_duration": a.sweep_duration},
-        {s: {"grid": lrs} for s in systems}, a.resume)
+        {s: {"grid": grids[s]} for s in systems}, a.resume)
     rows, val_rows = held_out(doc, a.eval_size), validation(doc, a.val_size)
     scorer = Scorer(doc)
     chosen: dict[str, float] = {}
     for system in systems:
-        if len(lrs) == 1:
-            chosen[system] = lrs[0]
+        if len(grids[system]) == 1:
+            chosen[system] = grids[system][0]
             continue
         results = []
-        for lr in lrs:
+        for lr in grids[system]:
             row = progress.find("sweep", system, {"lr": lr}, a.seed0)
             if row is None:
-                row = run_one(doc, system, lr, a.seed0, a.sweep_duration,
-                              [a.sweep_duration], val_rows, scorer, runs_dir)
+                row = runner(system)(doc, system, lr, a.seed0, a.sweep_duration,
+                                     [a.sweep_duration], val_rows, scorer, runs_dir)
                 progress.add("sweep", row)
             results.append((row["scores"][learning.key(a.sweep_duration)], -lr, lr))
         chosen[system] = max(results)[2]
@@ -315,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:  # the systems take turns: drift hits both
             run = progress.find("run", system, {"lr": chosen[system]}, seed)
             if run is None:
-                run = run_one(doc, system, chosen[system], seed, a.duration, checkpoints,
-                              rows, scorer, runs_dir)
+                run = runner(system)(doc, system, chosen[system], seed, a.duration,
+                                     checkpoints, rows, scorer, runs_dir)
                 progress.add("run", run)
             runs.append(run)
             print(f"[bench] {system} seed {seed}: {run['scores']}", flush=True)

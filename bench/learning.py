@@ -968,17 +968,19 @@ def check_trl(options: dict[str, list[Any]]) -> str | None:
 
 
 def run_trl(doc: dict[str, Any], setting: dict[str, Any], seed: int, duration: float,
-            checkpoints: list[float], runs_dir: Path, usual: bool = False) -> dict[str, Any]:
+            checkpoints: list[float], runs_dir: Path, usual: bool = False,
+            script: Path | None = None) -> dict[str, Any]:
     """TRL's GRPOTrainer in a child process (``--trl-worker``) for ``duration`` s; its
     checkpoint files and step count. Its whole output goes to ``trl/log.txt``. ``usual``:
-    TRL's usual prompt and reward (``trl_setup``) instead of the topology's."""
+    TRL's usual prompt and reward (``trl_setup``) instead of the topology's. ``script``:
+    the bench whose ``--trl-worker`` runs it (default this one)."""
     out_dir = runs_dir / RUN / "trl"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").unlink(missing_ok=True)
     (out_dir / "job.json").write_text(json.dumps(
         {"doc": doc, "setting": setting, "seed": seed, "duration": duration,
          "checkpoints": checkpoints, "usual": usual}))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(out_dir)]
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--trl-worker", str(out_dir)]
     env = {**os.environ, "BENCH_T0": str(time.time())}
     with open(out_dir / "log.txt", "w") as log, subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

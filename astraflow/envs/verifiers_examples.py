@@ -82,6 +82,28 @@ def correct(completion: Any, info: dict[str, Any], **kwargs: Any) -> float:
     return rg.score(final_text(completion), info)
 
 
+def _field(message: Any, name: str) -> Any:
+    return message.get(name) if isinstance(message, dict) else getattr(message, name, None)
+
+
+def used_tool(completion: Any, **kwargs: Any) -> float:
+    """1.0 when the episode called the calculator and it gave a number (a call of an unknown
+    tool or of a malformed expression gets an error text instead), else 0.0. Says nothing
+    of the problem's answer: a call of any valid expression counts."""
+    if isinstance(completion, str):
+        return 0.0
+    return float(any(_field(m, "role") == "tool" and _is_number(_field(m, "content"))
+                     for m in completion))
+
+
+def _is_number(text: Any) -> bool:
+    try:
+        float(str(text).strip())
+    except ValueError:
+        return False
+    return True
+
+
 def calculate(expression: str) -> str:
     """Evaluate an arithmetic expression (numbers, + - * / and parentheses).
 
@@ -106,8 +128,11 @@ def _demo(wanted: bool, tool: bool) -> list[dict[str, Any]] | None:
 
 
 def load_single_turn(size: int = 64, eval_size: int = 32, seed: int = 0, max_terms: int = 2,
-                     max_digits: int = 2, demo: bool = False) -> vf.Environment:
-    """A ``vf.SingleTurnEnv``: one answer per problem, scored by ``correct``."""
+                     max_digits: int = 2, demo: bool = False,
+                     call_bonus: float = 0.0) -> vf.Environment:
+    """A ``vf.SingleTurnEnv``: one answer per problem, scored by ``correct``.
+    ``call_bonus`` is ``load_tool``'s, taken so that a tool environment and this control
+    share their arguments: with no tool there is no call to reward."""
     return vf.SingleTurnEnv(system_prompt=SYSTEM, rubric=vf.Rubric(funcs=[correct]),
                             few_shot=_demo(demo, tool=False),
                             **_datasets(size, eval_size, seed, max_terms, max_digits))
@@ -142,14 +167,27 @@ def _tool_error(e: Exception) -> str:
     return f"error: {type(e).__name__}: {e}"
 
 
+def tool_reward(call_bonus: float = 0.0) -> tuple[list[Any], list[float]]:
+    """The tool environment's reward functions and their weights: ``correct``, and
+    ``used_tool`` at ``call_bonus`` when it is not 0 (another trainer given this
+    environment's rows, TRL's, sums them the same way)."""
+    if call_bonus:
+        return [correct, used_tool], [1.0, float(call_bonus)]
+    return [correct], [1.0]
+
+
 def load_tool(size: int = 64, eval_size: int = 32, seed: int = 0, max_terms: int = 2,
-              max_digits: int = 2, max_turns: int = 3, demo: bool = False) -> vf.Environment:
-    """A ``vf.ToolEnv`` with the ``calculate`` tool, scored by ``correct``."""
+              max_digits: int = 2, max_turns: int = 3, demo: bool = False,
+              call_bonus: float = 0.0) -> vf.Environment:
+    """A ``vf.ToolEnv`` with the ``calculate`` tool, scored by ``correct``; ``call_bonus``
+    > 0 adds ``used_tool`` with that weight to the reward (a denser signal for a model that
+    seldom writes a valid call; success is still ``correct`` alone)."""
+    funcs, weights = tool_reward(call_bonus)
     return vf.ToolEnv(tools=[calculate], max_turns=max_turns, system_prompt=TOOL_SYSTEM,
                       few_shot=_demo(demo, tool=True), error_formatter=_tool_error,
-                      rubric=vf.Rubric(funcs=[correct]),
+                      rubric=vf.Rubric(funcs=funcs, weights=weights),
                       **_datasets(size, eval_size, seed, max_terms, max_digits))
 
 
 __all__ = ["RetryEnv", "calculate", "demo", "correct", "final_text", "load_multi_turn",
-           "load_single_turn", "load_tool"]
+           "load_single_turn", "load_tool", "tool_reward", "used_tool"]

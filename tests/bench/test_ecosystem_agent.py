@@ -74,3 +74,60 @@ def test_the_table_gives_each_systems_mean_and_interval_per_checkpoint():
     assert table[0] == "| t (s) | tool | notool |"
     assert table[2] == "| 0 | 0.0 % ±0.0 | 0.0 % (n=1) |"
     assert table[3].startswith("| 60 | 60.0 % ±") and table[3].endswith("| 10.0 % (n=1) |")
+
+
+def test_the_trl_system_trains_the_tool_environments_rows_with_its_rubric():
+    from astraflow.envs.verifiers_examples import used_tool
+    from astraflow.tasks.verifiers_data import load_environment
+
+    doc = small(yaml.safe_load(yaml.safe_dump(DOC)))
+    env = load_environment(bench.SYSTEMS[bench.TRL_SYSTEMS["trl-tool"]], bench.env_args(doc))
+    rows = bench.trl_rows(env)
+    assert len(rows) == len(env.dataset)
+    for row, source in zip(rows, env.dataset):
+        assert row["info"] == source["info"]
+        roles = [m["role"] for m in row["prompt"]]
+        assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+        (call,) = row["prompt"][2]["tool_calls"]  # the worked exchange's call, as an object
+        assert call["function"] == {"name": "calculate",
+                                    "arguments": {"expression": "214 - 37 + 5"}}
+        assert row["prompt"][-1]["content"] == source["question"]
+        assert source["answer"] not in {m["content"] for m in row["prompt"]}
+    # the reward TRL is given: the environment's own functions at their weights
+    (pool,) = doc["pools"].values()
+    assert pool["workflows"]["verifiers"]["args"]["call_bonus"] == 0.2
+    assert [(f.__name__, w) for r in env.rubric.rubrics for f, w in zip(r.funcs, r.weights)
+            if w] == [("correct", 1.0), (used_tool.__name__, 0.2)]
+
+
+def test_the_trl_setting_is_the_topologys_group_batch_and_turns():
+    setting = bench.trl_setting(DOC, 5e-6)
+    (pool,) = DOC["pools"].values()
+    assert setting["lr"] == 5e-6 and setting["num_generations"] == pool["n_samples"]
+    # a step: the batcher's groups, one a micro-batch
+    assert setting["gradient_accumulation_steps"] == \
+        DOC["processors"]["batcher"]["options"]["batch_size"]
+    assert setting["per_device_train_batch_size"] == pool["n_samples"]
+    turns = pool["workflows"]["verifiers"]["args"].get("max_turns", 3)
+    assert setting["max_tool_calling_iterations"] == turns - 1
+    assert setting["max_completion_length"] == \
+        pool["workflows"]["verifiers"]["max_new_tokens"] * turns
+    assert bench.runner("trl-tool") is bench.run_one_trl
+    assert bench.runner("tool") is bench.runner("notool") is bench.run_one
+
+
+def test_the_trl_system_is_scored_in_the_template_it_trained_with():
+    pytest.importorskip("trl", reason="TRL (the trl-tool system)")
+    from transformers import AutoTokenizer
+
+    chat = bench.trl_chat()
+    assert chat.template == "on" and dict(chat.options)["chat_template"] == bench.trl_template()
+    from trl.chat_template_utils import add_response_schema, supports_tool_calling
+
+    model = REPO / DOC["policies"]["actor"]["model"]
+    if not (model / "tokenizer.json").exists():
+        pytest.skip(f"the SmolLM2 model at {model} (made by the bench's first run)")
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = bench.trl_template()
+    assert supports_tool_calling(tokenizer)  # what TRL refuses SmolLM2's own template for
+    add_response_schema(tokenizer)  # raises for a template TRL cannot parse calls out of

@@ -484,6 +484,9 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type, limit: int):
         self._slots = threading.BoundedSemaphore(limit)
         self.limit = limit
+        # socketserver's listen backlog is 5: a burst of episodes connecting while the
+        # engine holds the cores overflowed it, and their connections were reset
+        self.request_queue_size = limit
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:

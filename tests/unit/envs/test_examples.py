@@ -89,3 +89,42 @@ def test_the_calculator_tool_answers_or_says_what_went_wrong():
     assert _tool_error(KeyError("apply")) == (
         "error: no tool 'apply'; the tool is calculate(expression)")
     assert _tool_error(ValueError("bad")) == "error: ValueError: bad"
+
+
+def test_a_call_counts_only_when_the_calculator_gave_a_number():
+    from astraflow.envs.verifiers_examples import used_tool
+
+    class Message:
+        def __init__(self, role, content):
+            self.role, self.content = role, content
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}
+    assert used_tool([call, {"role": "tool", "content": "-3.5"},
+                      {"role": "assistant", "content": "<answer>-3.5</answer>"}]) == 1.0
+    assert used_tool([call, Message("tool", "182")]) == 1.0
+    # an unknown tool or a malformed expression (verifiers' and TRL's error texts)
+    assert used_tool([call, {"role": "tool", "content": "error: no tool 'add'"}]) == 0.0
+    assert used_tool([call, {"role": "tool", "content": "{'error': 'Tool x not found.'}"}]) == 0.0
+    # no call, or a number the model wrote itself
+    assert used_tool([{"role": "assistant", "content": "182"}]) == 0.0
+    assert used_tool("182") == 0.0
+
+
+def test_the_call_bonus_is_a_weighted_rubric_function_and_the_control_takes_it():
+    from astraflow.envs.verifiers_examples import (correct, load_single_turn, load_tool,
+                                                   tool_reward, used_tool)
+
+    assert tool_reward() == ([correct], [1.0])
+    assert tool_reward(0.2) == ([correct, used_tool], [1.0, 0.2])
+
+    def scored(env):  # the environment's own rubric (verifiers adds weight-0 monitors)
+        return [(f, w) for r in getattr(env.rubric, "rubrics", [env.rubric])
+                for f, w in zip(r.funcs, r.weights) if w]
+
+    assert scored(load_tool(size=8, eval_size=4)) == [(correct, 1.0)]
+    bonus = load_tool(size=8, eval_size=4, call_bonus=0.2)
+    assert scored(bonus) == [(correct, 1.0), (used_tool, 0.2)]
+    # the control shares the tool environment's arguments; it has no call to reward
+    control = load_single_turn(size=8, eval_size=4, call_bonus=0.2)
+    assert scored(control) == [(correct, 1.0)]
+    assert [r["answer"] for r in control.dataset] == [r["answer"] for r in bonus.dataset]

@@ -226,6 +226,25 @@ def test_an_episode_with_too_many_calls_at_once_is_refused(server):
         assert {c.result()[0] for c in calls} <= {200, 410}
 
 
+def test_a_burst_of_connections_waits_for_the_endpoint_to_accept_it():
+    """Episodes connecting at once while the engine holds the cores queue in the listening
+    socket up to the connection limit; with socketserver's backlog of 5 the sixth
+    connection was dropped (and under load, reset)."""
+    from astraflow.raas.agent.server import _BoundedHTTPServer, _Handler
+
+    httpd = _BoundedHTTPServer(("127.0.0.1", 0), _Handler, 64)  # accepts none: not served
+    socks = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(httpd.server_address[:2], timeout=5)
+            socks.append(s)
+        assert len(socks) == 40
+    finally:
+        for s in socks:
+            s.close()
+        httpd.server_close()
+
+
 def wait_until(cond, timeout_s: float = 30.0) -> None:
     ready = threading.Event()
     for _ in range(int(timeout_s * 100)):
