@@ -111,8 +111,13 @@ def test_a_call_counts_only_when_the_calculator_gave_a_number():
 
 
 def test_the_call_bonus_is_a_weighted_rubric_function_and_the_control_takes_it():
-    from astraflow.envs.verifiers_examples import (correct, load_single_turn, load_tool,
-                                                   tool_reward, used_tool)
+    from astraflow.envs.verifiers_examples import (
+        correct,
+        load_single_turn,
+        load_tool,
+        tool_reward,
+        used_tool,
+    )
 
     assert tool_reward() == ([correct], [1.0])
     assert tool_reward(0.2) == ([correct, used_tool], [1.0, 0.2])
