@@ -382,6 +382,19 @@ def run_one_trl(doc: dict[str, Any], system: str, lr: float, seed: int, duration
             "rollout_reward": learning.late_mean(rewards)}
 
 
+def swept(system: str, grid: list[float], progress: Any, seed: int,
+          duration: float) -> float | None:
+    """The learning rate ``system``'s validation chose: the best score of its finished
+    sweep runs at the end of the sweep (ties: the smaller rate); the rate itself for a
+    grid of one; None while a sweep run is missing."""
+    if len(grid) == 1:
+        return grid[0]
+    rows = [progress.find("sweep", system, {"lr": lr}, seed) for lr in grid]
+    if any(r is None for r in rows):
+        return None
+    return max((r["scores"][learning.key(duration)], -lr, lr) for r, lr in zip(rows, grid))[2]
+
+
 def runner(system: str) -> Any:
     """The function that runs ``system``: ``run_one_trl`` for TRL's, else ``run_one``."""
     return run_one_trl if system in TRL_SYSTEMS else run_one
@@ -422,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", default=None)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--out", default="bench/results/ecosystem_agent.json")
+    p.add_argument("--report-only", action="store_true", help="report the runs the "
+                   "progress file holds and run none: where a study spread over sessions "
+                   "stands (with --progress and --resume)")
     a = p.parse_args(argv)
     systems = [s for s in a.systems.split(",") if s]
     known = [*SYSTEMS, *TRL_SYSTEMS]
@@ -452,40 +468,42 @@ def main(argv: list[str] | None = None) -> int:
          "eval_size": a.eval_size, "val_size": a.val_size,
          "sweep_duration": a.sweep_duration},
         {s: {"grid": grids[s]} for s in systems}, a.resume)
-    rows, val_rows = held_out(doc, a.eval_size), validation(doc, a.val_size)
-    scorer = Scorer(doc)
-    chosen: dict[str, float] = {}
-    for system in systems:
-        if len(grids[system]) == 1:
-            chosen[system] = grids[system][0]
-            continue
-        results = []
-        for lr in grids[system]:
-            row = progress.find("sweep", system, {"lr": lr}, a.seed0)
-            if row is None:
-                row = runner(system)(doc, system, lr, a.seed0, a.sweep_duration,
-                                     [a.sweep_duration], val_rows, scorer, runs_dir)
-                progress.add("sweep", row)
-            results.append((row["scores"][learning.key(a.sweep_duration)], -lr, lr))
-        chosen[system] = max(results)[2]
-        print(f"[bench] {system}: lr {chosen[system]:g} on validation", flush=True)
-    runs = []
-    for seed in range(a.seed0, a.seed0 + a.seeds):
-        for system in systems:  # the systems take turns: drift hits both
-            run = progress.find("run", system, {"lr": chosen[system]}, seed)
-            if run is None:
-                run = runner(system)(doc, system, chosen[system], seed, a.duration,
-                                     checkpoints, rows, scorer, runs_dir)
-                progress.add("run", run)
-            runs.append(run)
-            print(f"[bench] {system} seed {seed}: {run['scores']}", flush=True)
+    if a.report_only:
+        chosen = {s: swept(s, grids[s], progress, a.seed0, a.sweep_duration) for s in systems}
+        runs = [r for r in progress.runs if r["system"] in systems
+                and chosen[r["system"]] in (None, r["setting"]["lr"])]
+    else:
+        rows, val_rows = held_out(doc, a.eval_size), validation(doc, a.val_size)
+        scorer = Scorer(doc)
+        chosen = {}
+        for system in systems:
+            for lr in grids[system] if len(grids[system]) > 1 else []:
+                if progress.find("sweep", system, {"lr": lr}, a.seed0) is None:
+                    progress.add("sweep", runner(system)(
+                        doc, system, lr, a.seed0, a.sweep_duration, [a.sweep_duration],
+                        val_rows, scorer, runs_dir))
+            chosen[system] = swept(system, grids[system], progress, a.seed0,
+                                   a.sweep_duration)
+            print(f"[bench] {system}: lr {chosen[system]:g} on validation", flush=True)
+        runs = []
+        for seed in range(a.seed0, a.seed0 + a.seeds):
+            for system in systems:  # the systems take turns: drift hits both
+                run = progress.find("run", system, {"lr": chosen[system]}, seed)
+                if run is None:
+                    run = runner(system)(doc, system, chosen[system], seed, a.duration,
+                                         checkpoints, rows, scorer, runs_dir)
+                    progress.add("run", run)
+                runs.append(run)
+                print(f"[bench] {system} seed {seed}: {run['scores']}", flush=True)
     table = report(runs, systems, checkpoints)
-    print(f"held-out success ({len(rows)} problems, the system's own rollout, greedy):")
+    print(f"held-out success ({a.eval_size} problems, the system's own rollout, greedy):")
     print(table)
     out = {"meta": run_meta("ecosystem_agent", [sys.executable, "bench/ecosystem_agent.py",
                                                 *argv]),
            "systems": systems, "chosen": chosen, "checkpoints": checkpoints,
-           "eval_size": len(rows), "runs": runs, "sweep_rows": progress.sweep_rows,
+           "eval_size": a.eval_size, "runs": runs, "sweep_rows": progress.sweep_rows,
+           "seeds": {s: sorted(r["seed"] for r in runs if r["system"] == s)
+                     for s in systems},
            "table": table}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1, default=str))

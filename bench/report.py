@@ -162,6 +162,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "SmolLM2-135M on addition, the whole model against LoRA adapters of two ranks for the "
         "same wall time: versions per minute, bytes per version, weight sync, trainer memory, "
         "held-out accuracy"),
+    "ecosystem_agent": (
+        "A multi-turn tool agent learning",
+        "SmolLM2-135M-Instruct on reasoning-gym arithmetic as a verifiers tool environment: "
+        "held-out success over wall time, with the calculator, without it (the control) and "
+        "under TRL's GRPOTrainer with the same tool, mean and 95 % interval over seeds"),
 }
 
 

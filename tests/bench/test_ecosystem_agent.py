@@ -131,3 +131,18 @@ def test_the_trl_system_is_scored_in_the_template_it_trained_with():
     tokenizer.chat_template = bench.trl_template()
     assert supports_tool_calling(tokenizer)  # what TRL refuses SmolLM2's own template for
     add_response_schema(tokenizer)  # raises for a template TRL cannot parse calls out of
+
+
+def test_validation_chooses_the_best_rate_once_every_sweep_run_is_in(tmp_path):
+    import learning
+
+    progress = learning.Progress(tmp_path / "p.json", {}, {"tool": {"grid": [1e-5, 3e-5]}},
+                                 resume=False)
+    assert bench.swept("tool", [2e-5], progress, 0, 600) == 2e-5  # a grid of one
+    assert bench.swept("tool", [1e-5, 3e-5], progress, 0, 600) is None
+    for lr, score in ((1e-5, 0.3), (3e-5, 0.3)):
+        progress.add("sweep", {"system": "tool", "seed": 0, "setting": {"lr": lr},
+                               "scores": {"600": score}})
+    assert bench.swept("tool", [1e-5, 3e-5], progress, 0, 600) == 1e-5  # a tie: the smaller
+    progress.sweep_rows[1]["scores"]["600"] = 0.5
+    assert bench.swept("tool", [1e-5, 3e-5], progress, 0, 600) == 3e-5
