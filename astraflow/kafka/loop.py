@@ -13,7 +13,9 @@ objects of one concern each, which it drives round by round:
   and the inputs they were made of, and when it is due to commit;
 - ``Transactions`` (``transactions.py``): the transactional producer, the open transaction,
   its commit (waited for or in flight) with the consumer offsets
-  (``send_offsets_to_transaction``), and what a failed one leaves to do.
+  (``send_offsets_to_transaction``), and what a failed one leaves to do;
+- ``GroupMember`` (``membership.py``): the consumer and its group: joining, rebalances,
+  rewinding to the committed offsets, a new member when those cannot be read.
 
 Records become one transaction per poll, or (``LoopSpec.commit_interval_s``, processors) a
 transaction stays open over several polls and commits when it is full, old enough, or a poll
@@ -48,11 +50,12 @@ from astraflow.kafka.checkpoint import Checkpoint, CommitPolicy, RecordTooLarge
 from astraflow.kafka.clients import RecordProducer, make_admin
 from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.consuming import Intake
+from astraflow.kafka.membership import GroupMember, NoAnswer
 from astraflow.kafka.outage import BrokerUnreachable, Outage, kafka_error, transient
 from astraflow.kafka.pausing import Pauses
 from astraflow.kafka.spec import LoopSpec, RuntimeCounters
 from astraflow.kafka.topics import MissingTopicsError, missing_topics
-from astraflow.kafka.transactions import Transactions, Worker
+from astraflow.kafka.transactions import Transactions
 from astraflow.metrics import PrometheusExporter, exporter_from_env
 from astraflow.wire.codec import Codec
 from astraflow.wire.records import ComponentStatus
@@ -60,20 +63,8 @@ from astraflow.wire.records import ComponentStatus
 log = logging.getLogger("astraflow.loop")
 
 
-# reads of the group's committed offsets a rewind tries before it asks whether the broker
-# answers at all, and if it does gives the consumer up for a new one (each read waits up to
-# the call timeout): a CI run saw a processor's consumer time out on every read for 300 s
-# after the broker came back, while its new producer and every other component worked on,
-# and the process restarted past the outage limit read them at once
-_REWIND_TRIES = 3
-
-
 class _Stopping(Exception):
     """A stop was requested while a call waited for the broker."""
-
-
-class _NoAnswer(Exception):
-    """A call retried ``tries`` times without an answer (``_retrying``)."""
 
 
 class Work(Protocol):
@@ -116,10 +107,11 @@ class TransactionalLoop:
         self.pauses = Pauses()
         self.policy = CommitPolicy(spec.max_batch, spec.commit_interval_s)
         self.txn = Transactions(spec, config, codec, self.counters, self.outage,
-                                self._retrying, self._on_client_error, self._committed_anyway,
-                                before_commit)
-        self.consumer: Consumer | None = None
-        self._revoked = False  # partitions were revoked during this round's poll
+                                self._retrying, self._on_client_error,
+                                lambda tps: self.member.committed_anyway(tps), before_commit)
+        self.member = GroupMember(spec, config, work, self.intake, self.pauses, self._retrying,
+                                  lambda: self._call_timeout_s, self._on_client_error,
+                                  self.txn.wait)
         # a work that starts over after an abort may have its next records made while the
         # broker completes a commit (a work that keeps its position waits for each one)
         self._pipelined = spec.commit_interval_s is not None and not spec.keeps_position
@@ -129,6 +121,11 @@ class TransactionalLoop:
     def positions(self) -> dict[tuple[str, int], int]:
         """Per input partition, the next offset to commit (``Intake.positions``)."""
         return self.intake.positions
+
+    @property
+    def consumer(self) -> Consumer | None:
+        """The group member's consumer (``GroupMember.consumer``)."""
+        return self.member.consumer
 
     @property
     def producer(self) -> RecordProducer | None:
@@ -178,7 +175,7 @@ class TransactionalLoop:
         self.exporter = exporter_from_env(s.component_id, None, self.counters)
         try:
             self.work.start(self)
-            self.consumer = self._new_consumer()
+            self.member.join()
             log.info("%s: consuming %s as group %s, transactional id %s", s.component_id,
                      ", ".join(s.inputs), s.group, s.transactional_id)
             self.running.set()
@@ -189,8 +186,7 @@ class TransactionalLoop:
         finally:
             self.running.clear()
             log.info("%s: leaving group %s", s.component_id, s.group)
-            if self.consumer is not None:
-                self.consumer.close()
+            self.member.close()
             self.txn.close()
             if self.exporter is not None:
                 self.exporter.close()
@@ -202,12 +198,12 @@ class TransactionalLoop:
         while not self._stop.is_set():
             self.pauses.apply(self.consumer)
             t0 = time.monotonic()
-            self._revoked = False
+            self.member.revoked = False  # set by a revocation during this round's poll
             if self.txn.finished() and not self._settle():  # aborted: the inputs come again
                 cp = self.checkpoint()
             msgs = self._consume(self.spec.max_batch - cp.inputs, wait=cp.first_at is None)
             t1 = time.monotonic()
-            if self._revoked and self._pipelined and (cp.first_at is not None or msgs):
+            if self.member.revoked and self._pipelined and (cp.first_at is not None or msgs):
                 # the open checkpoint, or records polled before the revocation in this
                 # round, may be of partitions that went to another member: none of it may
                 # commit, and every partition goes back to its committed offset
@@ -297,13 +293,13 @@ class TransactionalLoop:
 
         while True:
             if self.txn.attempt(cp, tps, self._produce_status if status else None,
-                                self._group_metadata):
+                                self.member.group_metadata):
                 return
             self.counters.aborted += 1
             if not self.spec.keeps_position:
                 self._rewind()
                 return
-            self._serve_group()  # e.g. "unknown member": rejoin before sending it again
+            self.member.serve()  # e.g. "unknown member": rejoin before sending it again
 
     def _produce_status(self) -> None:
         """The work's status record, into the open transaction (and to the exporter)."""
@@ -311,17 +307,12 @@ class TransactionalLoop:
         self.txn.producer.produce(self.spec.status_topic, st, st.component_id)
         self._export(st)
 
-    def _group_metadata(self, tps: list[TopicPartition]) -> object | None:
-        """On the loop's thread only: elsewhere it would wait for a rebalance callback that
-        may itself wait for the commit in flight."""
-        return self.consumer.consumer_group_metadata() if tps else None
-
     def _commit_in_flight(self, cp: Checkpoint) -> None:
         """Commit ``cp`` while the loop goes on (``Transactions.start_commit``), once the
         commit before it is settled; rewind if it was aborted."""
         if not self._settle():
             return  # the previous one was aborted: cp's inputs come again
-        if not self.txn.start_commit(cp, self._offsets, self._group_metadata):
+        if not self.txn.start_commit(cp, self._offsets, self.member.group_metadata):
             self.counters.aborted += 1
             self._rewind()
 
@@ -343,37 +334,6 @@ class TransactionalLoop:
         self.txn.abort_open()
         self._rewind()
 
-    def _serve_group(self) -> None:
-        """Let the consumer rejoin its group (rebalance callbacks run inside ``consume``)
-        without taking records: every partition is paused meanwhile, and a record that
-        slips through is sought back to."""
-        if self.consumer is None:
-            return
-        assigned = self.consumer.assignment()
-        if assigned:
-            self.consumer.pause(assigned)
-        first: dict[tuple[str, int], int] = {}
-        for m in self.consumer.consume(100, 1.0):
-            if m.error() is None:
-                first.setdefault((m.topic(), m.partition()), m.offset())
-        for (topic, part), off in first.items():
-            self.consumer.seek(TopicPartition(topic, part, off))
-        self.pauses.assignment_changed()  # the next round resumes what is not paused
-
-    def _committed_anyway(self, tps: list[TopicPartition]) -> bool:
-        """Whether a commit whose answer was lost went through: the group's committed
-        offsets are the ones it carried (no one else commits for these partitions)."""
-        if not tps:
-            return False
-        committed = self._retrying("reading committed offsets", lambda: self.consumer.committed(
-            [TopicPartition(t.topic, t.partition) for t in tps], timeout=self._call_timeout_s))
-        mine = {(t.topic, t.partition): t.offset for t in tps}
-        done = all(mine.get((t.topic, t.partition)) == t.offset for t in committed)
-        if done:
-            log.warning("%s: the commit whose answer was lost went through",
-                        self.spec.component_id)
-        return done
-
     def _export(self, status: ComponentStatus) -> None:
         """Hand ``status`` and the lag to the Prometheus exporter; never fails the caller."""
         if self.exporter is None:
@@ -384,59 +344,26 @@ class TransactionalLoop:
             log.warning("%s: metrics not updated: %s", self.spec.component_id, e)
 
     def lag(self) -> dict[tuple[str, int], int]:
-        """Records behind the end of each assigned input partition, from the consumer's
-        own view (the high watermarks of its last fetches): no call to the broker."""
-        if self.consumer is None:
-            return {}
-        out = {}
-        try:
-            for tp in self.consumer.position(self.consumer.assignment()):
-                low, high = self.consumer.get_watermark_offsets(tp, cached=True)
-                if high < 0:  # not fetched yet: the consumer does not know
-                    continue
-                # nothing consumed from it yet: behind by all it holds
-                pos = tp.offset if tp.offset >= 0 else max(low, 0)
-                out[(tp.topic, tp.partition)] = max(0, high - pos)
-        except (KafkaException, RuntimeError):  # not known right now (or closed meanwhile):
-            return {}  # no figure rather than a failed commit
-        return out
+        """Records behind the end of each assigned input partition (``GroupMember.lag``)."""
+        return self.member.lag()
 
     def read_positions(self) -> dict[tuple[str, int], int]:
-        """Per assigned input partition, the offset the consumer reads next: past the last
-        record handed to the work and past the transaction markers after it (-1: nothing
-        read yet). Callable from any thread; empty before the first assignment."""
-        if self.consumer is None:
-            return {}
-        try:
-            return {(tp.topic, tp.partition): max(tp.offset, -1)
-                    for tp in self.consumer.position(self.consumer.assignment())}
-        except (KafkaException, RuntimeError):  # closed meanwhile: nothing known
-            return {}
+        """Per assigned input partition, the offset the consumer reads next
+        (``GroupMember.read_positions``); callable from any thread."""
+        return self.member.read_positions()
 
     def _offsets(self) -> list[TopicPartition]:
         return self.intake.offsets(self.work.held_offsets())
 
     def _rewind(self) -> None:
-        """After an abort: drop held state and go back to the committed offsets."""
-        self._settle()  # those offsets must be final: no commit in flight
-        assigned = self.consumer.assignment()
-        self.work.on_revoke([(tp.topic, tp.partition) for tp in assigned])
-        self.intake.positions.clear()
-        committed = self._committed_offsets(assigned)
-        if committed is None:
-            return  # a new consumer: its assignment starts at the committed offsets
-        for tp in committed:
-            if tp.offset < 0:
-                tp = TopicPartition(tp.topic, tp.partition, -2)  # earliest
-            try:
-                self.consumer.seek(tp)
-            except KafkaException as e:  # revoked meanwhile: the next owner starts there
-                log.debug("%s: no seek on %s[%d]: %s", self.spec.component_id, tp.topic,
-                          tp.partition, e)
+        """After an abort: the commit in flight settled (the offsets must be final), then
+        held state dropped and back to the committed offsets (``GroupMember.rewind``)."""
+        self._settle()
+        self.member.rewind()
 
     def _retrying(self, what: str, call: Callable[[], object], tries: int | None = None):
         """``call()``, again while Kafka is away (up to the outage limit); with ``tries``,
-        ``_NoAnswer`` after that many transient failures."""
+        ``NoAnswer`` after that many transient failures."""
         for attempt in itertools.count(1):
             try:
                 return call()
@@ -448,58 +375,7 @@ class TransactionalLoop:
                 if self._stop.is_set():
                     raise _Stopping() from e
                 if tries is not None and attempt >= tries:
-                    raise _NoAnswer(f"{what}: {err.str()}") from e
-
-    def _committed_offsets(self, tps: list[TopicPartition]) -> list[TopicPartition] | None:
-        """The group's committed offsets of ``tps``, read again while Kafka is away; None
-        when the broker answers a metadata request, then one read more times out too: the
-        consumer was replaced (``_renew_consumer``)."""
-        tries, answers = _REWIND_TRIES, False
-        while True:
-            try:
-                return self._retrying("reading committed offsets", lambda: (
-                    self.consumer.committed(tps, timeout=self._call_timeout_s)), tries=tries)
-            except _NoAnswer as e:
-                if answers:  # only the group's offsets do not come
-                    self._renew_consumer(str(e))
-                    return None
-                answers = self._broker_answers()
-                tries = 1 if answers else _REWIND_TRIES
-
-    def _broker_answers(self) -> bool:
-        """Whether a broker answers the consumer's metadata request for its inputs."""
-        try:
-            self.consumer.list_topics(self.spec.inputs[0], timeout=self._call_timeout_s)
-        except KafkaException:
-            return False
-        return True
-
-    def _new_consumer(self) -> Consumer:
-        """The group member: the spec's inputs subscribed, rebalances served by the loop."""
-        s = self.spec
-        consumer = Consumer(self.config.consumer_conf(
-            s.group, error_cb=self._on_client_error, **s.consumer_options))
-        consumer.subscribe(s.inputs, on_assign=self._on_assign, on_revoke=self._on_revoke,
-                           on_lost=self._on_revoke)
-        return consumer
-
-    def _renew_consumer(self, why: str) -> None:
-        """Replace a consumer that cannot read the group's committed offsets, after a
-        rewind dropped what it held: the new member starts each partition it is assigned
-        at the committed offset, which librdkafka fetches itself for as long as that takes
-        (an outage is seen by the clients' error callbacks meanwhile). The old one leaves
-        the group on a helper thread, given up after a few call timeouts."""
-        log.warning("%s: starting a new consumer (%s)", self.spec.component_id, why)
-        old, self.consumer = self.consumer, None
-        closer = Worker("kafka-close")
-        done, _ = closer.submit(old.close)
-        if not done.wait(self._call_timeout_s * 3):
-            log.warning("%s: the old consumer did not close; left behind",
-                        self.spec.component_id)
-        closer.close()
-        self.intake.positions.clear()  # whatever its revocation left: nothing is consumed yet
-        self.consumer = self._new_consumer()
-        self.pauses.assignment_changed()
+                    raise NoAnswer(f"{what}: {err.str()}") from e
 
     def _check_topics(self) -> None:
         s = self.spec
@@ -524,30 +400,6 @@ class TransactionalLoop:
                              "DESCRIBE", f"topic {topic}")
             if denied is not None:
                 raise denied
-
-    # --- rebalances (run on the loop's thread, inside consume) ------------------------
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self.pauses.assignment_changed()
-        if self.spec.keeps_position:
-            for tp in partitions:
-                pos = self.intake.positions.get((tp.topic, tp.partition))
-                if pos is not None:
-                    tp.offset = pos
-            consumer.assign(partitions)
-        log.info("%s: assigned %s", self.spec.component_id,
-                 ", ".join(f"{p.topic}[{p.partition}]" + (f"@{p.offset}" if p.offset >= 0 else "")
-                           for p in partitions))
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self.pauses.assignment_changed()
-        self._revoked = True
-        self.txn.wait()  # the commit in flight: its offsets commit before the partitions move on
-        log.info("%s: revoked %s", self.spec.component_id,
-                 ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
-        if self.spec.keeps_position:
-            return
-        self.work.on_revoke([(p.topic, p.partition) for p in partitions])
-        self.intake.forget((p.topic, p.partition) for p in partitions)
 
 
 __all__ = [

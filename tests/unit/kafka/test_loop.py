@@ -10,6 +10,7 @@ from confluent_kafka import KafkaError
 
 from astraflow.kafka import loop as loop_mod
 from astraflow.kafka.loop import BrokerUnreachable, Checkpoint, Outage, RecordTooLarge, transient
+from astraflow.kafka.membership import REWIND_TRIES
 from astraflow.wire.codec import make_codec
 from astraflow.wire.records import DeadLetter, Task
 from tests.fakes import Msg
@@ -165,7 +166,7 @@ def _loop(monkeypatch, committed=None):
     loop.txn.producer = StubProducer()
     made: list[StubProducer] = []
     monkeypatch.setattr(loop.txn, "_new_producer", lambda: made.append(StubProducer()) or made[-1])
-    loop.consumer = StubConsumer(committed or {})
+    loop.member.consumer = StubConsumer(committed or {})
     return loop, made
 
 
@@ -334,12 +335,12 @@ def test_a_rebalance_drops_the_open_transaction_and_rewinds(monkeypatch):
     loop.txn.producer = TxnProducer()
 
     def revoke_then_more():
-        loop._on_revoke(loop.consumer, [loop.consumer.parts[0]])
+        loop.member.on_revoke(loop.consumer, [loop.consumer.parts[0]])
         return [Msg("in", 1, 7)]
 
     # the first poll finds nothing: its round commits the first status; then 0@5 is
     # handled and sent, and the next poll revokes partition 0
-    loop.consumer = ScriptedConsumer(loop, [[], [Msg("in", 0, 5)], [],
+    loop.member.consumer = ScriptedConsumer(loop, [[], [Msg("in", 0, 5)], [],
                                             revoke_then_more, [Msg("in", 1, 3)],
                                             []])
     loop._rounds()
@@ -401,9 +402,9 @@ def test_a_rewind_whose_committed_offsets_never_come_starts_a_new_consumer(monke
         loop.work.held_offsets = lambda: {}
         loop._call_timeout_s = 0.05
         fresh = SilentGroupConsumer()
-        loop.consumer = consumer
+        loop.member.consumer = consumer
         loop.positions.update({("in", 0): 12})
-        monkeypatch.setattr(loop, "_new_consumer", lambda: fresh)
+        monkeypatch.setattr(loop.member, "_subscribed", lambda: fresh)
         loop._rewind()
         return loop, fresh
 
@@ -411,13 +412,13 @@ def test_a_rewind_whose_committed_offsets_never_come_starts_a_new_consumer(monke
     old = SilentGroupConsumer(down=2)
     loop, fresh = rewind(old)
     assert old.closed and loop.consumer is fresh and fresh.reads == 0 and not old.seeks
-    assert old.reads == 3 * loop_mod._REWIND_TRIES + 1 and loop.positions == {}
+    assert old.reads == 3 * REWIND_TRIES + 1 and loop.positions == {}
     assert any("starting a new consumer (reading committed offsets: Local: Timed out)"
                in r.message for r in caplog.records), caplog.text
 
     # the broker answers and so does the next read (the outage just ended): the same
     # consumer goes back to the committed offset
-    old = SilentGroupConsumer(down=1, silent=2 * loop_mod._REWIND_TRIES)
+    old = SilentGroupConsumer(down=1, silent=2 * REWIND_TRIES)
     loop, fresh = rewind(old)
     assert loop.consumer is old and not old.closed and old.seeks == [("in", 0, 7)]
 
