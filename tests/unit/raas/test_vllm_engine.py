@@ -111,11 +111,16 @@ def test_missing_vllm_names_the_setup_command(tmp_path):
 
 
 def raas_run(*extra: str) -> list[str]:
-    return ["raas", "run", "-t", str(REPO / "topology/default.yaml"), *extra]
+    # a port no broker listens on: what the checks at start say must not depend on a
+    # broker the machine happens to run (one serving the default run's topics got further)
+    return ["raas", "run", "-t", str(REPO / "topology/default.yaml"), "--bootstrap",
+            "127.0.0.1:1", *extra]
 
 
-def test_cli_checks_engine_options_at_start(tmp_path, capsys):
+def test_cli_checks_engine_options_at_start(tmp_path, capsys, monkeypatch):
     from astraflow.cli.main import main
+
+    monkeypatch.delenv("ASTRAFLOW_BOOTSTRAP", raising=False)  # it overrides --bootstrap
 
     model = str(tmp_path / "nope")
     for engine, options, named in (
