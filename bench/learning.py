@@ -527,6 +527,11 @@ RUN_SETTINGS = ("topology", "reward", "data", "cpu_bf16", "eval_size", "duration
                 "checkpoints")
 
 
+def _beyond_grid(own: dict[str, Any]) -> dict[str, Any]:
+    """A system's own settings but its sweep grid."""
+    return {k: v for k, v in own.items() if k != "grid"}
+
+
 class Progress:
     """The runs a bench has finished, kept in a file (``--progress``) after each one, so
     that ``--resume`` goes on from where an interrupted bench stopped (a finished run is
@@ -535,7 +540,8 @@ class Progress:
     durations, the metrics), and each system's own (``per_system``: its grid, for TRL what
     a step trains). A resume with other common settings is refused, naming them, so no
     results of different runs mix; a system whose own settings changed starts over alone,
-    and the other keeps its runs."""
+    and the other keeps its runs; a system whose grid alone changed (a wider sweep) keeps
+    the runs of the settings still in it."""
 
     def __init__(self, path: Path, common: dict[str, Any],
                  per_system: dict[str, dict[str, Any]], resume: bool):
@@ -556,13 +562,25 @@ class Progress:
         was_own = old.get("per_system", {})
         changed = sorted(s for s, c in self.per_system.items() if s in was_own
                          and was_own[s] != c)
+        # a system whose grid alone changed (a rate added or dropped) keeps the runs of the
+        # settings still in it; one whose other settings changed starts over
+        regridded = {s: self.per_system[s]["grid"] for s in changed
+                     if _beyond_grid(was_own[s]) == _beyond_grid(self.per_system[s])}
         for system in changed:
             print(f"[bench] --resume: {system}'s own settings changed: its runs in {path} "
-                  "are not kept", flush=True)
+                  + ("of settings no longer in its grid " if system in regridded else "")
+                  + "are not kept", flush=True)
+
+        def kept(r: dict[str, Any]) -> bool:
+            if r["system"] not in changed:
+                return True
+            grid = regridded.get(r["system"], [])
+            return any(r["setting"] == (g if isinstance(g, dict) else {"lr": g}) for g in grid)
+
         # every other system keeps its rows, one this bench does not run too (for a later
         # bench of both)
-        self.sweep_rows = [r for r in old.get("sweep_rows", []) if r["system"] not in changed]
-        self.runs = [r for r in old.get("runs", []) if r["system"] not in changed]
+        self.sweep_rows = [r for r in old.get("sweep_rows", []) if kept(r)]
+        self.runs = [r for r in old.get("runs", []) if kept(r)]
         self.per_system = {**was_own, **self.per_system}
 
     def reuse(self, path: Path, topology: str | None = None) -> None:

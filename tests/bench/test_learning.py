@@ -290,6 +290,13 @@ def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path):
     assert kept.find("run", "trl", {"lr": 5e-6}, 0) is None
     assert kept.find("sweep", "trl", {"lr": 5e-6}, 0) is None
     assert kept.find("run", "astraflow", {"lr": 3e-5}, 0)["scores"] == {"x": 2}
+    # the grid widened (its top rate won): the runs of the rates still in it are kept
+    wider = {**own, "astraflow": {"grid": [{"lr": 3e-5}, {"lr": 1e-4}]}}
+    widened = bench.Progress(path, common, wider, resume=True)
+    assert widened.find("run", "astraflow", {"lr": 3e-5}, 0)["scores"] == {"x": 2}
+    narrower = {**own, "astraflow": {"grid": [{"lr": 1e-4}]}}
+    assert bench.Progress(path, common, narrower, resume=True).find(
+        "run", "astraflow", {"lr": 3e-5}, 0) is None
     # a bench of one system keeps the other's runs in the file for a later bench of both
     alone = bench.Progress(path, common, {"trl": own["trl"]}, resume=True)
     alone.add("run", {"system": "trl", "seed": 1, "setting": {"lr": 5e-6}, "scores": {}})
