@@ -47,12 +47,12 @@ keeps it where git carries it.
 
     python bench/ecosystem_agent.py [--systems tool,notool,trl-tool] [--seeds 3]
         [--duration 1800] [--checkpoints 0,600,1200,1800] [--eval-size 100]
-        [--lrs 1e-5,3e-5] [--sweep-duration 600]
+        [--lrs 1e-5,3e-5,1e-4] [--sweep-duration 600]
         [--progress bench/progress/ecosystem-agent.json --resume]
         [--out bench/results/ecosystem_agent.json]
 
-On 2 cores a seed of the three systems takes about 2 hours with the scoring, the sweep
-about 75 minutes; a smoke: ``--seeds 1 --duration 120 --checkpoints 0,120 --eval-size 4
+On 2 cores a seed of the three systems takes about 2 hours with the scoring, a sweep of
+three rates about 110 minutes; a smoke: ``--seeds 1 --duration 120 --checkpoints 0,120 --eval-size 4
 --out /tmp/eco.json``.
 """
 
