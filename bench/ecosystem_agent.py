@@ -195,6 +195,7 @@ class Scorer:
         policy's)."""
         from concurrent.futures import ThreadPoolExecutor
 
+        from astraflow.raas.workflows.base import TaskError
         from astraflow.wire.records import Task
 
         self.engine.load_state_dict(self.base if state is None else state, version)
@@ -207,17 +208,26 @@ class Scorer:
             own = {**row, "verifiers": {**ref, "env": SYSTEMS[system]}}
             task = Task(task_id=f"score-{i}", prompt_id=row["prompt_id"], workflow="verifiers",
                         payload=json.dumps(own), source="bench", policies=["actor"])
-            (seq, *_) = wf.run(task, {"actor": self.engine}, 1)
+            try:
+                (seq, *_) = wf.run(task, {"actor": self.engine}, 1)
+            except TaskError as e:  # an episode the environment ended with an error (an
+                failed.append(str(e))  # empty answer, a malformed call): not solved
+                return 0.0
             # solved: the rubric's ``correct`` alone (a tool environment's reward may add
             # a call bonus); the task's score_answer gives partial credit (0.01 for some
             # wrong answers in the asked format), success counts full marks only
             return 1.0 if float(seq.meta[CORRECT]) >= 1.0 else 0.0
 
+        failed: list[str] = []
         for args in {json.dumps(r["verifiers"]["args"], sort_keys=True) for r in rows}:
             self.workflow(system, json.loads(args))  # loaded once, before the threads
         # the rows' episodes at once: the endpoint batches their requests to the engine
         with ThreadPoolExecutor(SCORE_CONCURRENCY) as pool:
-            return statistics.fmean(pool.map(one, range(len(rows))))
+            score = statistics.fmean(pool.map(one, range(len(rows))))
+        if failed:
+            print(f"[bench] {system} v{version}: {len(failed)} of {len(rows)} episodes ended "
+                  f"with an error, scored unsolved (first: {failed[0][:200]})", flush=True)
+        return score
 
 
 def versions_state(result: dict[str, Any]):
