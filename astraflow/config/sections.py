@@ -13,7 +13,6 @@ component is started by hand, by ``astraflow up`` or by a compose service.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -425,17 +424,6 @@ class LoraSpec(_Strict):
         default_factory=lambda: list(LORA_TARGETS), min_length=1,
         description="the adapted linear modules, by the end of their names (peft's "
         "matching); default: the attention and MLP projections of Llama-family models")
-
-    @property
-    def scale(self) -> float:
-        """What the adapter's update ``B @ A`` is multiplied by: ``alpha / rank``."""
-        return self.alpha / self.rank
-
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys): a LoRA manifest's ``meta["lora"]``
-        (``astraflow.models.lora``), from which a reader without the topology rebuilds the
-        same adapter."""
-        return json.dumps(self.model_dump(), sort_keys=True)
 
 
 class PolicySpec(_Strict):
