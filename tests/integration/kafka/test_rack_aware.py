@@ -145,7 +145,7 @@ def test_a_racked_pools_node_reads_tasks_and_weights_from_its_racks_replica(
     consumers: the partition's broker, the connection that holds it, bytes per node)."""
     import torch
 
-    from astraflow.kafka import loop, table
+    from astraflow.kafka import membership, table
     from astraflow.kafka.clients import RecordProducer, read_all
     from astraflow.raas.engine import TorchEngine
     from astraflow.raas.node import NodeOptions, RaaSNode
@@ -183,7 +183,7 @@ def test_a_racked_pools_node_reads_tasks_and_weights_from_its_racks_replica(
     producer.flush()
 
     spy = _ConsumerSpy()
-    for module in (loop, table, kafka_store):
+    for module in (membership, table, kafka_store):  # where each makes its consumers
         monkeypatch.setattr(module, "Consumer", spy.cls)
     node = RaaSNode(topo, {"actor": eng}, NodeOptions(
         pool="remote", instance="r3-0", n_samples=2, poll_timeout_s=0.2,
