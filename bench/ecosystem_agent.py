@@ -353,11 +353,12 @@ def trl_worker(out_dir: Path) -> int:
         return [sum(w * float(f(completion=c, info=i)) for f, w in zip(funcs, weights))
                 for c, i in zip(completions, info)]
 
-    path = str(REPO / next(iter(doc["policies"].values()))["model"])
+    policy = next(iter(doc["policies"].values()))
+    path = str(REPO / policy["model"])
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = trl_template()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    temperature = float(next(iter(doc["policies"].values())).get("temperature", 1.0))
+    temperature = float(policy.get("temperature", 1.0))
     config = GRPOConfig(**learning.trl_config_kwargs(
         {"temperature": temperature}, job["setting"], job["seed"], out_dir))
     clock = learning._TrlClock(t0, job["duration"], job["checkpoints"], out_dir)
@@ -487,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         scorer = Scorer(doc)
         chosen = {}
         for system in systems:
-            for lr in grids[system] if len(grids[system]) > 1 else []:
+            swept_rates = grids[system] if len(grids[system]) > 1 else []  # one: no sweep
+            for lr in swept_rates:
                 if progress.find("sweep", system, {"lr": lr}, a.seed0) is None:
                     progress.add("sweep", runner(system)(
                         doc, system, lr, a.seed0, a.sweep_duration, [a.sweep_duration],
