@@ -1,7 +1,8 @@
 """A trainer SIGKILLed mid-step and resumed from its DCP checkpoint, on a GPU or a CPU.
 
-The check ``bench/gpu_check.sh`` runs (no Kafka: the trainer alone, as one process of a
-group, the state through ``astraflow.trainer.checkpoint``):
+The check ``bench/gpu_check.sh`` runs (no Kafka: the trainer alone, as the one process of
+a group of one, which holds the model whole, the state through
+``astraflow.trainer.checkpoint``):
 
 1. a child process trains 2 steps, saves the state asynchronously (the stager copies it to
    CPU memory while step 3 trains), trains step 3 and writes version 3's published weights
@@ -51,7 +52,7 @@ def batches(vocab: int) -> list[Batch]:
 
 
 def child(phase: str, model: str, device: str, work: Path) -> None:
-    """One phase in this process (a group of 1: the DCP path)."""
+    """One phase in this process (a group of 1; its state saved through DCP)."""
     from astraflow.config.sections import TrainerSpec
     from astraflow.trainer import checkpoint
     from astraflow.trainer.parallel import join

@@ -7,8 +7,8 @@ buffers), the AdamW state of each (``step``, ``exp_avg``, ``exp_avg_sq``) keyed 
 Face name of its parameter (not by the optimizer's index), and a little metadata (``meta``:
 format, version, steps, world size, dtypes). Under a process group each rank writes only
 its own shards; DCP records which rows every file holds, so a state saved by N processes
-loads into M (and into a ``Trainer`` without a group, which saves the same format from one
-process without any process group).
+loads into M (and into a group of one, which saves the same format from one process
+without torch.distributed).
 
 ``save(..., async_=True)`` returns at once: the state is copied to CPU memory by a stager
 thread (pinned memory and a stream of its own on a GPU), and the trainer's next optimizer
@@ -94,13 +94,13 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
 def _meta(trainer: Trainer, version: int) -> dict[str, Any]:
     c = trainer.spec
     return {"format": FORMAT, "version": int(version), "steps": int(trainer.steps),
-            "world": trainer.group.world if trainer.group is not None else 1,
+            "world": trainer.group.world,
             "dtype": str(trainer.dtype).removeprefix("torch."),
             "publish_dtype": c.publish_dtype, "forward_on": c.forward_on}
 
 
 def _dcp_args(trainer: Trainer) -> dict[str, Any]:
-    if trainer.group is None:
+    if trainer.group.world == 1:  # nothing to coordinate: DCP without torch.distributed
         _quiet_no_dist()
         return {"no_dist": True}
     return {"process_group": trainer.group.checkpoint_group()}

@@ -7,6 +7,10 @@ into a ``Group``: the default process group (gloo on CPUs, NCCL on GPUs, where e
 drives GPU ``LOCAL_RANK``) and the device the process trains on. ``Trainer(..., group=...)``
 (``astraflow.trainer.trainer``) shards its model over the group with FSDP2.
 
+A trainer of one process is a group of one (``solo``): no ``torch.distributed`` at all, and
+every collective is the identity, so the trainer and its service run the same code at any
+world size. A group of one (``solo``, or torchrun's with ``WORLD_SIZE=1``) shards nothing.
+
 The collectives here are what the service needs around the step: ``broadcast`` a Python
 object from one rank, ``gather`` every rank's object on rank 0, ``barrier``, and
 ``sum_floats`` / ``max_floats`` of a dict of numbers. Every rank must call each of them, in
@@ -75,7 +79,8 @@ class Group:
     """This process's place in the trainer's process group (see the module docstring).
 
     ``device``: where this process trains (``cuda:LOCAL_RANK`` under NCCL, the CPU under
-    gloo)."""
+    gloo). ``backend`` ``"none"``: a group of one without ``torch.distributed`` (``solo``).
+    With one rank every collective returns what it was given."""
 
     rank: int
     world: int
@@ -111,6 +116,8 @@ class Group:
     def broadcast(self, obj: Any = None, src: int = 0) -> Any:
         """``obj`` of rank ``src`` (pickled) on every rank; other ranks' ``obj`` is
         ignored."""
+        if self.world == 1:
+            return obj
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, device=self._object_device())
         return box[0]
@@ -119,6 +126,8 @@ class Group:
         """Rank 0's ``obj`` (pickled) on every rank, over the control channel: the other
         ranks wait for it as long as rank 0 lives (see the module docstring); they fail
         promptly with ``RuntimeError`` when it dies."""
+        if self.world == 1:
+            return obj
         box = [obj if self.rank == 0 else None]
         self._on_control(lambda: dist.broadcast_object_list(
             box, src=0, group=self._control,
@@ -128,6 +137,8 @@ class Group:
     def wait_for_all(self) -> None:
         """Return once every rank got here, over the control channel (no deadline while
         the ranks live): before training's collectives, after work one rank did alone."""
+        if self.world == 1:
+            return
         if self._control is None:
             self.barrier()
             return
@@ -143,6 +154,8 @@ class Group:
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (pickled), in rank order, on rank 0; None elsewhere."""
+        if self.world == 1:
+            return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         if self.backend == "nccl":  # NCCL has no gather: every rank receives, 0 keeps
             everyone: list[Any] = [None] * self.world
@@ -153,6 +166,8 @@ class Group:
 
     def barrier(self) -> None:
         """Return once every rank got here."""
+        if self.world == 1:
+            return
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index])
         else:
@@ -167,6 +182,8 @@ class Group:
         return self._reduce(values, dist.ReduceOp.MAX)
 
     def _reduce(self, values: dict[str, float], op: Any) -> dict[str, float]:
+        if self.world == 1:
+            return dict(values)
         keys = sorted(values)
         t = self._tensor([values[k] for k in keys])
         dist.all_reduce(t, op=op)
@@ -175,6 +192,8 @@ class Group:
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's 1-D ``t`` (lengths may differ) concatenated in rank order, on every
         rank."""
+        if self.world == 1:
+            return t.reshape(-1)
         n = torch.tensor([t.numel()], dtype=torch.long, device=self.device)
         sizes = [torch.zeros_like(n) for _ in range(self.world)]
         dist.all_gather(sizes, n)
@@ -190,14 +209,20 @@ class Group:
 
     def close(self) -> None:
         """Destroy the process group (and the checkpoint group): the end of this process's
-        part in the trainer."""
-        if dist.is_initialized():
+        part in the trainer (nothing for ``solo``'s group)."""
+        if self.backend != "none" and dist.is_initialized():
             for sub in (self._checkpoint_group, self._control):
                 if sub is not None:
                     dist.destroy_process_group(sub)
             self._checkpoint_group = self._control = None
             dist.destroy_process_group()
         self._mesh = None
+
+
+def solo(device: str = "cpu") -> Group:
+    """The group of one process alone: rank 0 of 1 on ``device``, without
+    ``torch.distributed`` (every collective is the identity; see the module docstring)."""
+    return Group(0, 1, 0, "none", torch.device(device))
 
 
 def _env_int(name: str) -> int:
@@ -348,4 +373,4 @@ def spawn_local(n: int, target: Callable[..., Any], args: tuple = (), *,
 
 
 __all__ = ["CONTROL_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Group", "join", "rows",
-           "shard_rows", "spawn_local"]
+           "shard_rows", "solo", "spawn_local"]

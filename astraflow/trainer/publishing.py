@@ -38,7 +38,7 @@ class Publishing:
 
     def __init__(self, trainer: Trainer, store: Any, policy: str, *, anchor_interval: int,
                  keep_versions: int, model_path: str, lora: LoraSettings | None = None,
-                 group: Group | None = None, signer: Any = None, name: str = "trainer"):
+                 signer: Any = None, name: str = "trainer"):
         self.trainer = trainer
         self.store = store
         self.policy = policy
@@ -46,7 +46,7 @@ class Publishing:
         self.keep_versions = keep_versions
         self.model_path = model_path
         self.lora = lora
-        self.group = group
+        self.group: Group = trainer.group  # the trainer's processes: each publishes its part
         self.signer = signer
         self.name = name  # for the log
         self.publisher: Any = None  # the WeightPublisher of the current chain of versions
@@ -60,7 +60,7 @@ class Publishing:
         from astraflow.weights.publisher import WeightPublisher
 
         rows = None
-        if self.group is not None:
+        if self.trainer.sharded:
             part, rows = self.trainer.published_part()
             if state is not None:
                 state = {k: _rows_of(state[k], rows.get(k)) for k in part}
@@ -80,8 +80,8 @@ class Publishing:
               meta: dict[str, str] | None = None) -> Future:
         """Find what changed in this process's published weights (on their device) and
         start encoding and writing it on the publishing thread."""
-        state = (self.trainer.published_state() if self.group is None
-                 else self.trainer.published_part()[0])
+        state = (self.trainer.published_part()[0] if self.trainer.sharded
+                 else self.trainer.published_state())
         # trainer_step: the batches these weights have trained (the schedule's count)
         prepared = self.publisher.prepare(state, version=version,
                                           trainer_step=self.trainer.steps,
@@ -94,7 +94,7 @@ class Publishing:
         from astraflow.weights.merge import merge_parts
 
         mine = written.result()
-        if self.group is None:
+        if self.group.world == 1:
             return mine
         every = self.group.gather(mine)
         if every is None:

@@ -68,7 +68,7 @@ class Restorer:
     def __init__(self, trainer: Trainer, store: Any, kafka_config: KafkaConfig, codec: Any,
                  *, policy: str, weights_topic: str, batches_topic: str, state_dir: Path,
                  lora: LoraSettings | None = None, verifier: Any = None,
-                 group: Group | None = None, name: str = "trainer"):
+                 name: str = "trainer"):
         self.trainer = trainer
         self.store = store
         self.config = kafka_config
@@ -79,11 +79,18 @@ class Restorer:
         self.state_dir = state_dir
         self.lora = lora
         self.verifier = verifier
-        self.group = group
-        self.rank = group.rank if group is not None else 0
         self.name = name  # for the log
         # the manifests refused (not signed by the key), with why: dead-lettered at start
         self.refused: list[tuple[WeightManifest, str]] = []
+
+    @property
+    def group(self) -> Group:
+        """The trainer's processes: they restore together."""
+        return self.trainer.group
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
 
     def read_manifests(self) -> list[WeightManifest]:
         """Rank 0: the trusted manifests of the policy on ``weights.<policy>``, handed to
@@ -95,9 +102,7 @@ class Restorer:
             manifests = self.trusted([
                 m for m in read_manifests(self.config, self.weights_topic)
                 if m.policy == self.policy])
-        if self.group is not None:
-            manifests = self.group.command(manifests)
-        return manifests
+        return self.group.command(manifests)
 
     def trusted(self, manifests: list[WeightManifest]) -> list[WeightManifest]:
         """The manifests a resume may use: with a public key configured, those signed by
@@ -172,7 +177,7 @@ class Restorer:
                                    f"is unusable ({e}); cannot resume exactly") from e
             finally:
                 shutil.rmtree(into, ignore_errors=True)
-        if self.group is not None and "optimizer_uri" in meta:
+        if self.trainer.sharded and "optimizer_uri" in meta:
             raise RuntimeError(
                 f"{self.weights_topic}: the state of version {version} was written by one "
                 "process in the blob format; a group of processes resumes only states "

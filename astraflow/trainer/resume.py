@@ -180,10 +180,7 @@ def _perturb(trainer: Any) -> None:
 def _agree(trainer: Any, differs: bool) -> bool:
     """Whether any rank of the trainer's group found a difference (every rank must take
     the same way on: rebase or not)."""
-    group = getattr(trainer, "group", None)
-    if group is None:
-        return differs
-    return group.max_floats({"differs": float(differs)})["differs"] > 0
+    return trainer.group.max_floats({"differs": float(differs)})["differs"] > 0
 
 
 def recompute(

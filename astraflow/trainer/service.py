@@ -73,7 +73,7 @@ from astraflow.kafka.config import KafkaConfig
 from astraflow.kafka.loop import Checkpoint, RuntimeCounters, TransactionalLoop
 from astraflow.trainer.checkpoint_writer import CheckpointWriter
 from astraflow.trainer.commands import Flush, RankCommand, Stop, TrainStep
-from astraflow.trainer.parallel import Group
+from astraflow.trainer.parallel import Group, solo
 from astraflow.trainer.publishing import Publishing, delete_blob
 from astraflow.trainer.restore import Restorer, resume_positions
 from astraflow.trainer.resume import (
@@ -154,12 +154,16 @@ class TrainerService:
         group: Group | None = None,
     ):
         """``group``: this process is one rank of a trainer group (``trainer.parallel``);
-        rank 0 runs the transactional loop and hands every batch to the others."""
+        rank 0 runs the transactional loop and hands every batch to the others. None: this
+        process alone, a group of one (``trainer``'s, else ``solo`` on the spec's
+        device)."""
         self.topology = topology
-        self.dist = group  # the trainer's processes (None: this one alone)
-        self.rank = group.rank if group is not None else 0
-        self.options = options
         self.spec = options.spec.trainer  # the policy's trainer: section, as declared
+        # the trainer's processes
+        self.dist = (group if group is not None else trainer.group if trainer is not None
+                     else solo(self.spec.device))
+        self.rank = self.dist.rank
+        self.options = options
         self.policy = options.policy
         self.config = (config or topology.kafka).effective().for_component(
             f"trainer.{self.policy}", topology.run)
@@ -226,7 +230,7 @@ class TrainerService:
         (the directory)."""
         if self.spec.checkpoint_dir:
             return Path(self.spec.checkpoint_dir).expanduser()
-        if self.dist is None:
+        if self.dist.world == 1:
             return None
         if os.environ.get("LOCAL_WORLD_SIZE", str(self.dist.world)) != str(self.dist.world):
             raise ValueError("trainer processes on several hosts write their states to a "
@@ -255,11 +259,11 @@ class TrainerService:
             self.trainer, self.store, self.policy, anchor_interval=self.spec.anchor_interval,
             keep_versions=self.spec.keep_versions, model_path=self.options.spec.model,
             lora=lora,
-            group=self.dist, signer=self.signer, name=self.component_id)
+            signer=self.signer, name=self.component_id)
         self.restorer = Restorer(
             self.trainer, self.store, self.config, self.codec, policy=self.policy,
             weights_topic=self.weights_topic, batches_topic=self.batches_topic,
-            state_dir=self.state_dir, lora=lora, verifier=self.verifier, group=self.dist,
+            state_dir=self.state_dir, lora=lora, verifier=self.verifier,
             name=self.component_id)
 
     def _restore(self) -> None:
@@ -403,8 +407,7 @@ class TrainerService:
             self.loop.run()
             # a clean stop (not an error: then this process fails and the group's
             # supervisor takes the others down) ends the other ranks too
-            if self.dist is not None:
-                self.dist.command(Stop())
+            self.dist.command(Stop())
         return self.counters
 
     def _follow(self) -> None:
@@ -433,8 +436,7 @@ class TrainerService:
 
     def start(self, loop: TransactionalLoop) -> None:
         """Restore (or publish version 0) once the producer has fenced a predecessor."""
-        if self.dist is not None:
-            self.dist.wait_for_all()  # the other ranks waited for that on the channel
+        self.dist.wait_for_all()  # the other ranks waited for that on the channel
         self._open()
         self._restore()
         self._dead_letter_refused()
@@ -457,8 +459,7 @@ class TrainerService:
                     self.loop.stopping or (self.spec.max_steps is not None
                                            and self._steps + 1 >= self.spec.max_steps))
                 step = replace(step, final=final)
-                if self.dist is not None:
-                    self.dist.command(step)
+                self.dist.command(step)
                 self._step(step, cp=cp)
                 self._steps += 1
         if self.spec.max_steps is not None and self._steps >= self.spec.max_steps:
@@ -468,8 +469,7 @@ class TrainerService:
 
     def _flush_all(self, cp: Checkpoint) -> None:
         """Rank 0: ``flush`` on every rank of the group (their parts are gathered)."""
-        if self.dist is not None:
-            self.dist.command(Flush())
+        self.dist.command(Flush())
         self.flush(cp)
 
     def held_offsets(self) -> dict[tuple[str, int], int]:
@@ -658,8 +658,7 @@ class TrainerService:
             self.writer.start(version)
             written = self.writer.wait()
             metrics["trainer/state_wait_seconds"] = time.perf_counter() - t0
-            if self.dist is not None:
-                self.dist.wait_for_all()  # as below
+            self.dist.wait_for_all()  # as below
             return written
         written = self.writer.poll()
         due = version % self.spec.state_interval == 0
@@ -674,11 +673,10 @@ class TrainerService:
             metrics["trainer/state_write_seconds"] = written.write_seconds
             metrics["trainer/state_bytes"] = float(written.bytes)
             metrics["trainer/state_version"] = float(written.version)
-        if self.dist is not None:
-            # rank 0 alone may have waited for its upload of a state into the blob store
-            # (minutes for a large model): the others wait for it on the control channel,
-            # not in the publish's gather, whose timeout is training's
-            self.dist.wait_for_all()
+        # rank 0 alone may have waited for its upload of a state into the blob store
+        # (minutes for a large model): the others wait for it on the control channel,
+        # not in the publish's gather, whose timeout is training's
+        self.dist.wait_for_all()
         return written
 
     def _finish_state_write(self) -> None:

@@ -85,13 +85,14 @@ def prepare_process(spec: TrainerSpec) -> None:
 
 
 def join_group(device: str) -> Any:
-    """This process's place in its trainer group (torchrun's environment), None outside
-    one; a rank above 0 ignores SIGINT and SIGTERM (rank 0 alone stops the group)."""
-    from astraflow.trainer.parallel import join
+    """This process's place in its trainer group (torchrun's environment), or a group of
+    one on ``device`` outside one (``parallel.solo``); a rank above 0 ignores SIGINT and
+    SIGTERM (rank 0 alone stops the group)."""
+    from astraflow.trainer.parallel import join, solo
     from astraflow.trainer.processes import in_group
 
     if not in_group():
-        return None
+        return solo(device)
     group = join(device)
     if group.rank > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -123,8 +124,7 @@ def start_trainer(topo: Topology, opts: ServiceOptions, config: KafkaConfig, *,
     try:
         counters = service.run()
     finally:
-        if group is not None:
-            group.close()
+        group.close()
     return TrainerRun(rank=service.rank, component_id=service.component_id,
                       version=service.version,
                       counters=counters if service.rank == 0 else None)

@@ -45,7 +45,9 @@ weights in memory). The trainer's log-probs are then those of the very policy th
 sample from; on the master weights (``"master"``) they drift from it, since the rounding
 drops most single AdamW steps, and PPO clipping zeroes the gradient of many tokens.
 
-Several processes (``group``, ``astraflow.trainer.parallel``): the model is sharded with
+Every trainer is one rank of a group (``group``, ``astraflow.trainer.parallel``); without
+one it is a group of one (``parallel.solo``), whose collectives are identities, so one
+process runs the same step as several. Several processes: the model is sharded with
 FSDP2 (``fully_shard`` on each decoder layer and on the root): parameters, gradients,
 fp32 masters and the AdamW moments are ``DTensor`` shards along dim 0. Every rank gets the
 whole batch and trains its share of every (mini)batch: whole groups, dealt to the ranks
@@ -94,15 +96,14 @@ from astraflow.trainer.loss import (
     get_loss,
     unit_advantages,
 )
+from astraflow.trainer.parallel import Group, shard_rows, solo
 from astraflow.trainer.parallel import rows as make_rows
-from astraflow.trainer.parallel import shard_rows
 from astraflow.trainer.schedule import LrSchedule
 from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
 if TYPE_CHECKING:  # the step imports no configuration: it reads the spec it is given
     from astraflow.config.sections import PolicySpec, TrainerSpec
-    from astraflow.trainer.parallel import Group
     from astraflow.weights.blob import Rows
 
 log = logging.getLogger("astraflow.trainer")
@@ -204,8 +205,9 @@ class Trainer:
         whole model trained rather than LoRA adapters. ``model``: a ``PolicyModel`` or a
         transformers model to train instead of the one in ``model_path`` (loaded by
         ``spec.backend``). ``group``: the processes (``astraflow.trainer.parallel.join``)
-        the model is sharded over with FSDP2; it then trains on ``group.device`` (see the
-        module docstring). Every rank of a group must make the same calls
+        the model is sharded over with FSDP2 when there are several; it then trains on
+        ``group.device`` (see the module docstring). None: this process alone (``solo``
+        on ``spec.device``). Every rank of a group must make the same calls
         (``train_step``, ``published_state``, ...) in the same order."""
         self.spec = c = spec
         self.policy = policy
@@ -213,12 +215,13 @@ class Trainer:
         self.top_p = top_p
         self.max_staleness = max_staleness
         self.lora = LoraSettings.from_mapping(lora) if isinstance(lora, Mapping) else lora
-        self.group = group
-        if group is not None:
-            _check_group(self, group)
+        self.group = group = group if group is not None else solo(c.device)
+        # several ranks shard the model (FSDP2); a group of one holds it whole
+        self.sharded = group.world > 1
+        _check_group(self, group)
         self.dtype = DTYPES[c.dtype]
         self.publish_dtype = None if c.publish_dtype == "same" else DTYPES[c.publish_dtype]
-        grouped, lora_on = group is not None, self.lora is not None
+        grouped, lora_on = self.sharded, self.lora is not None
         if c.forward_dtype == "bf16":  # what the spec could not see: adapters, a group
             blocker = bf16_forward_blocker(c, lora=lora_on, grouped=grouped)
             if blocker is not None:
@@ -233,9 +236,9 @@ class Trainer:
             self.autocast, why = "none", "the forward's weights are bf16 themselves"
         if c.autocast == "best":
             log.info("%s: autocast %s (%s)", policy or "trainer", self.autocast, why)
-        self.device = torch.device(c.device) if group is None else group.device
-        # under a group, a model directory is read in rows: each rank its own (sharded_load)
-        files = None if group is None or model is not None else _weight_files(model_path)
+        self.device = group.device
+        # sharded, a model directory is read in rows: each rank its own (sharded_load)
+        files = None if not self.sharded or model is not None else _weight_files(model_path)
         self.load_seconds = 0.0  # reading the weights in rows (sharded_load); 0: not so
         # eval mode: no dropout, deterministic, and log-probs match the rollout's
         self.backend: PolicyModel = (
@@ -246,7 +249,7 @@ class Trainer:
         self.model = self.backend.module
         if c.gradient_checkpointing:
             self.backend.enable_checkpointing()
-        if group is not None:
+        if self.sharded:
             _fully_shard(self.model, group, self._mixed_precision())
         if files is not None:
             self._sharded_load(files)
@@ -298,8 +301,6 @@ class Trainer:
         every rank (a collective, expensive: ``published_part`` is the sharded way)."""
         trained = {k: self._master_of.get(id(v), v)
                    for k, v in self.backend.named_state(keep_vars=True).items()}
-        if self.group is None:
-            return self.backend.to_hf({k: v.detach() for k, v in trained.items()})
         full: dict[int, torch.Tensor] = {}  # tied weights are gathered once
         for v in trained.values():
             if id(v) not in full:
@@ -348,7 +349,7 @@ class Trainer:
         if self.forward_dtype == "bf16":  # the parameters cannot hold the fp32 masters
             self._load_masters(state)
         else:
-            if self.group is not None:
+            if self.sharded:
                 self._load_rows(state)
             else:
                 self.backend.load_hf(state)
@@ -444,7 +445,6 @@ class Trainer:
 
     def _rows_of(self, v: torch.Tensor) -> tuple[int, int]:
         """The rows of dim 0 of the sharded ``v`` this rank holds."""
-        assert self.group is not None
         start, stop = shard_rows(v.shape[0], self.group.rank, self.group.world)
         if v.to_local().shape[0] != stop - start:  # FSDP2 split other than torch.chunk's
             raise RuntimeError(f"a shard of {tuple(v.shape)} has {v.to_local().shape[0]} "
@@ -471,7 +471,7 @@ class Trainer:
         in rank 0's part only. Across the ranks the parts cover each tensor of
         ``published_state()`` exactly once. Without a group: ``published_state()``, no
         rows."""
-        if self.group is None:
+        if not self.sharded:
             return {k: v.contiguous() for k, v in self.published_state().items()}, {}
         dt = self.publish_dtype
         tensors: dict[str, torch.Tensor] = {}
@@ -507,7 +507,7 @@ class Trainer:
         compares its own part (``published_part``) with the same rows of ``state`` and the
         ranks agree on the answer (a collective: every rank calls it); nothing is
         gathered, so a rank holds no more than its part beside ``state``."""
-        if self.group is None:
+        if not self.sharded:
             mine = self.published_state()
             names = list(mine)
         else:
@@ -520,7 +520,7 @@ class Trainer:
             if k not in mine:  # a rank holding none of its rows
                 continue
             want = state[k]
-            if self.group is not None and k in rows:
+            if self.sharded and k in rows:
                 if tuple(want.shape) != tuple(rows[k].shape):
                     first = i
                     break
@@ -528,8 +528,8 @@ class Trainer:
             if not _same_bytes(mine[k], want):
                 first = i
                 break
-        if self.group is not None:  # the lowest index any rank found
-            first = -int(self.group.max_floats({"first": -float(first)})["first"])
+        # the lowest index any rank found
+        first = -int(self.group.max_floats({"first": -float(first)})["first"])
         return None if first == len(names) else names[first]
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -545,7 +545,7 @@ class Trainer:
         return StateSnapshot.of(version, self.optimizer.state_dict(), master)
 
     def _no_group(self, what: str) -> None:
-        if self.group is not None:
+        if self.sharded:
             raise ValueError(f"{what} holds one process's whole state: with a process group "
                              "the trainer state goes through astraflow.trainer.checkpoint")
 
@@ -643,7 +643,7 @@ class Trainer:
         Under a group: the passes of this rank's share of ``rows`` (``share``), never a
         shared prompt."""
         c = self.spec
-        if self.group is not None:
+        if self.sharded:
             return [(False, part) for part in self.micro_batches(self.share(rows))]
         if not c.share_prompt or c.gradient_checkpointing or not self.backend.shares_prompt:
             return [(False, part) for part in self.micro_batches(rows)]
@@ -660,7 +660,7 @@ class Trainer:
         """The rows this rank trains (all of them without a group): whole groups, each
         given, the groups with most tokens first, to the rank with the fewest tokens so far
         (the lowest rank on a tie); in their order in ``rows``."""
-        if self.group is None or self.group.world == 1:
+        if not self.sharded:
             return rows
         owner = deal_groups(rows, self.group.world)
         return [r for r in rows if owner[r.group] == self.group.rank]
@@ -770,12 +770,10 @@ class Trainer:
         (FSDP2's collectives pair up across ranks): where this rank has none left, or a
         pass without a loss token, it runs ``_dummy_pass`` (with its backward pass when
         ``backward``: the caller runs the backward pass of what it is given)."""
-        n = len(passes)
-        if self.group is not None:
-            n = int(self.group.max_floats({"passes": float(n)})["passes"])
+        n = int(self.group.max_floats({"passes": float(len(passes))})["passes"])
         try:
             for i in range(n):
-                if self.group is not None and backward:
+                if self.sharded and backward:
                     # gradients stay unsharded and summed on each rank until the step's
                     # last backward pass, which reduce-scatters them once (the same pass on
                     # every rank: all make n); the cost, an unsharded gradient per layer
@@ -783,10 +781,10 @@ class Trainer:
                 got = self._pass_logprobs(*passes[i]) if i < len(passes) else None
                 if got is not None:
                     yield i, got
-                elif self.group is not None:
+                elif self.sharded:
                     self._dummy_pass(backward)
         finally:
-            if self.group is not None and backward:
+            if self.sharded and backward:
                 self.model.set_requires_gradient_sync(True)
 
     def _dummy_pass(self, backward: bool) -> None:
@@ -814,8 +812,8 @@ class Trainer:
             for _, (new, behaviour, mask, _) in self._each_pass(self.passes(live)):
                 ratios.append((new - behaviour)[mask > 0])
         log_ratio = torch.cat(ratios) if ratios else torch.zeros(0, device=self.device)
-        if self.group is not None:  # the statistics of the whole batch: every rank's tokens
-            log_ratio = self.group.all_gather_rows(log_ratio)
+        # the statistics of the whole batch: every rank's tokens
+        log_ratio = self.group.all_gather_rows(log_ratio)
         return {**options, **stats(log_ratio, **options)}
 
     def _accumulate(self, live: list[_Row], total_tokens: int,
@@ -840,16 +838,16 @@ class Trainer:
             acc["ratio_max"] = max(acc["ratio_max"], out.sums.get("ratio_max", 0.0))
             outside = (new.detach() <= LOGPROB_FLOOR) & (mask > 0)
             acc["sums"]["outside_nucleus_frac"] += float(outside.sum())
-        if self.group is not None:  # every rank reports the figures of the whole batch
-            total = self.group.sum_floats({
-                "loss": acc["loss"], "micro_batches": acc["micro_batches"],
-                "padded_tokens": acc["padded_tokens"],
-                **{f"sums/{k}": v for k, v in acc["sums"].items()}})
-            acc["loss"] = total["loss"]
-            acc["micro_batches"] = int(total["micro_batches"])
-            acc["padded_tokens"] = int(total["padded_tokens"])
-            acc["sums"] = {k: total[f"sums/{k}"] for k in acc["sums"]}
-            acc["ratio_max"] = self.group.max_floats({"r": acc["ratio_max"]})["r"]
+        # every rank reports the figures of the whole batch
+        total = self.group.sum_floats({
+            "loss": acc["loss"], "micro_batches": acc["micro_batches"],
+            "padded_tokens": acc["padded_tokens"],
+            **{f"sums/{k}": v for k, v in acc["sums"].items()}})
+        acc["loss"] = total["loss"]
+        acc["micro_batches"] = int(total["micro_batches"])
+        acc["padded_tokens"] = int(total["padded_tokens"])
+        acc["sums"] = {k: total[f"sums/{k}"] for k in acc["sums"]}
+        acc["ratio_max"] = self.group.max_floats({"r": acc["ratio_max"]})["r"]
         return acc
 
     def minibatches(self, rows: list[_Row]) -> list[list[_Row]]:
@@ -1066,14 +1064,17 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _check_group(trainer: Trainer, group: Group) -> None:
-    """``ValueError`` (one line) for a configuration that cannot be sharded over ``group``."""
-    from astraflow.trainer.parallel import Group
-
+    """``ValueError`` (one line) for a configuration that cannot train in ``group``: one
+    that cannot be sharded over several ranks, or a device other than the group's."""
     c = trainer.spec
-
     if not isinstance(group, Group):
         raise TypeError(f"group must be an astraflow.trainer.parallel.Group (join()), got "
                         f"{type(group).__name__}")
+    if torch.device(c.device).type != group.device.type:
+        raise ValueError(f"device (--device) {c.device!r} does not match the process group's "
+                         f"device {group.device} (join(device=...))")
+    if not trainer.sharded:  # a group of one trains as one process does
+        return
     if c.backend != "torch":
         raise ValueError(f"backend (--backend) must be 'torch' with a process group (FSDP2 "
                          f"shards transformers models), got {c.backend!r}")
@@ -1082,9 +1083,6 @@ def _check_group(trainer: Trainer, group: Group) -> None:
     if c.forward_dtype == "bf16":
         raise ValueError("forward_dtype (--forward-dtype) bf16 holds the weights in one "
                          "process, not over a process group: fp32 or best (fp32 there)")
-    if torch.device(c.device).type != group.device.type:
-        raise ValueError(f"device (--device) {c.device!r} does not match the process group's "
-                         f"device {group.device} (join(device=...))")
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from astraflow.config.sections import TrainerSpec
 from astraflow.trainer import checkpoint
-from astraflow.trainer.parallel import Group, join, shard_rows, spawn_local
+from astraflow.trainer.parallel import Group, join, shard_rows, solo, spawn_local
 from astraflow.trainer.trainer import Trainer, _Row, deal_groups
 from astraflow.weights.blob import Rows
 from astraflow.wire.records import Batch
@@ -171,11 +171,40 @@ def test_join_names_what_the_environment_lacks(monkeypatch):
 
 
 def test_a_group_refuses_what_fsdp_cannot_shard(qwen):
-    group = Group(rank=0, world=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
+    # rank 0 of 2: refused before any collective, so no other rank is needed
+    group = Group(rank=0, world=2, local_rank=0, backend="gloo", device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"backend \(--backend\) must be 'torch' with a "):
         Trainer(qwen, TrainerSpec(backend="megatron"), group=group)
     with pytest.raises(ValueError, match=r"device \(--device\) 'cuda' does not match"):
         Trainer(qwen, TrainerSpec(device="cuda"), group=group)
+
+
+def test_a_group_of_one_is_one_process_with_every_one_process_feature(qwen):
+    initialized = torch.distributed.is_initialized()  # by an earlier test, or not
+    alone = solo("cpu")
+    assert (alone.rank, alone.world, alone.backend) == (0, 1, "none")
+    assert alone.command("step") == "step" and alone.broadcast(3) == 3
+    assert alone.gather({"a": 1}) == [{"a": 1}]
+    assert alone.sum_floats({"x": 2.5, "n": 3}) == {"x": 2.5, "n": 3}
+    assert alone.max_floats({"x": -1.0}) == {"x": -1.0}
+    t = torch.arange(3.0)
+    assert torch.equal(alone.all_gather_rows(t), t)
+    alone.wait_for_all()
+    alone.barrier()
+    alone.close()  # it joined nothing, so it leaves any process group as it was
+    assert torch.distributed.is_initialized() == initialized
+
+    assert Trainer(qwen, TrainerSpec()).group.world == 1  # no group given: a group of one
+    # torchrun's group of one (rank 0 of 1) shards nothing and refuses nothing a single
+    # process may do: megatron, bf16-held forward weights, LoRA
+    gloo_one = Group(rank=0, world=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
+    held = Trainer(qwen, TrainerSpec(forward_dtype="bf16", publish_dtype="bf16"),
+                   group=gloo_one)
+    assert not held.sharded and held.forward_dtype == "bf16"
+    assert not any(type(p).__name__ == "DTensor" for p in held.model.parameters())
+    lora = Trainer(qwen, TrainerSpec(), group=gloo_one,
+                   lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    assert lora.lora is not None and not lora.sharded
 
 
 def test_groups_are_dealt_whole_and_balanced_by_tokens():
@@ -419,6 +448,14 @@ def test_a_group_of_one_loads_a_checkpoint_of_two_processes(qwen, saved):
     assert_equal_full_states(one["loaded"], saved["two"]["saved"])
     assert_like_single(one["resumed_metrics"], saved["two"]["metrics"][2:])
     assert_close_states(one["resumed"]["weights"], saved["two"]["end"]["weights"])
+
+
+def test_a_joined_group_of_one_trains_bit_for_bit_as_one_process(qwen, one):
+    got = spawn_local(1, workers.train, (qwen, [(CONFIG, BATCHES)]), timeout_s=TIMEOUT_S)[0][0]
+    assert timeless(got["metrics"]) == timeless(one["metrics"])
+    assert_equal_full_states(got["state"], one["state"])
+    assert_equal_states(got["published"], one["published"])
+    assert got["rows"] == {}  # its published part is the whole published state
 
 
 def test_spawn_local_reports_a_failing_worker():

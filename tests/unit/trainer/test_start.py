@@ -74,10 +74,16 @@ def test_the_process_takes_its_threads_and_seed_from_the_section(restored):
     assert torch.equal(drawn, torch.rand(3))
 
 
-def test_outside_a_group_no_group_is_joined_and_the_signals_stay(monkeypatch, restored):
+def test_outside_a_group_the_process_is_a_group_of_one_and_the_signals_stay(monkeypatch,
+                                                                           restored):
+    import torch.distributed as dist
+
     _no_group(monkeypatch)
     before = signal.getsignal(signal.SIGTERM)
-    assert join_group("cpu") is None
+    initialized = dist.is_initialized()
+    group = join_group("cpu")
+    assert (group.rank, group.world, group.backend) == (0, 1, "none")
+    assert dist.is_initialized() == initialized  # a group of one joins no torch.distributed
     assert signal.getsignal(signal.SIGTERM) is before
 
 
