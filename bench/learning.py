@@ -1193,10 +1193,9 @@ def make_scorer(doc: dict[str, Any], dataset: str | None = None,
     policy = next(iter(doc["policies"].values()))
     model, tokenizer = load_policy(policy["model"], dtype=policy.get("dtype"))
     if policy.get("lora"):  # a LoRA policy's versions are adapters on the model
-        from astraflow.models.lora import LoraSettings, wrap
+        from astraflow.models.lora import wrap
 
-        model = wrap(model, LoraSettings.from_mapping(
-            PolicySpec.model_validate(policy).lora.model_dump()))
+        model = wrap(model, PolicySpec.model_validate(policy).lora)
     base = {k: v.clone() for k, v in adapter_or_model_state(model).items()}
     spec = {"path": dataset} if dataset else ev["dataset"]
     limit = int(size if size is not None else ev.get("size", 200))

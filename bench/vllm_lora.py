@@ -43,10 +43,11 @@ def adapters(model_dir: Path, settings: dict[str, Any], n: int) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from astraflow.models.lora import LoraSettings, adapter_state, wrap
+    from astraflow.config.lora import LoraSpec
+    from astraflow.models.lora import adapter_state, wrap
 
     model = wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
-                 LoraSettings.from_mapping(settings))
+                 LoraSpec.model_validate(settings))
     out = []
     g = torch.Generator().manual_seed(0)
     for _ in range(n):

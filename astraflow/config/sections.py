@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from astraflow.config.lora import LoraSpec
 from astraflow.config.options import (
     ENGINE_OPTIONS,
     WORKFLOW_OPTIONS,
@@ -404,26 +405,6 @@ class PolicyEvalSpec(_Strict):
 
 SOLVER_ONLY = ("until", "retry_share", "retry_slip")
 ROLE_ONLY = ("label_noise",)
-
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class LoraSpec(_Strict):
-    """A LoRA policy (``astraflow.models.lora``): the trainer trains only these adapters,
-    with peft, on the frozen base model; ``weights.<policy>`` carries the adapter, whole or
-    as a sparse delta, whichever is smaller; engines apply each version in place."""
-
-    rank: int = Field(default=16, ge=1, description="the adapters' rank r")
-    alpha: float = Field(default=32.0, gt=0, description="the update is scaled by alpha / "
-                         "rank")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' "
-                           "input in the trainer's passes (seeded by the step: a replay "
-                           "repeats it); 0: none, the log-probs are the engines' own")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(LORA_TARGETS), min_length=1,
-        description="the adapted linear modules, by the end of their names (peft's "
-        "matching); default: the attention and MLP projections of Llama-family models")
 
 
 class PolicySpec(_Strict):

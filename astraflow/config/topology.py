@@ -25,12 +25,12 @@ from pydantic import (
     model_validator,
 )
 
+from astraflow.config.lora import LORA_TARGETS, LoraSpec
 from astraflow.config.migrate import old_format_errors
 from astraflow.config.processors import PROCESSOR_OPTIONS
 from astraflow.config.sections import (
     DEFAULT_LOSS,
     DEFAULT_MAX_STALENESS,
-    LORA_TARGETS,
     LOSS_HYPERPARAMETERS,
     ROLE_ONLY,
     SOLVER_ONLY,
@@ -39,7 +39,6 @@ from astraflow.config.sections import (
     EvalSpec,
     FeederSpec,
     Levels,
-    LoraSpec,
     PolicyEvalSpec,
     PolicySpec,
     PoolSpec,

@@ -23,7 +23,7 @@ from confluent_kafka import KafkaException
 from astraflow.config.components import EvalSettings
 from astraflow.kafka.loop import kafka_error, transient
 from astraflow.metrics import StatusSink
-from astraflow.models.lora import LoraSettings, load_published, wrap
+from astraflow.models.lora import load_published, wrap
 from astraflow.weights.signing import split_trusted, verifier_for
 
 log = logging.getLogger("astraflow.eval.evaluator")
@@ -124,7 +124,7 @@ def run_evaluator(s: EvalSettings, topo: Any, config: Any, *, once: bool = False
     path = ensure_model(s.model, config, topo, s.policy, verifier=verifier)
     model, tokenizer = load_policy(path, dtype=s.dtype)
     if s.lora is not None:  # versions are adapters on the model
-        model = wrap(model, LoraSettings.from_mapping(s.lora.model_dump()))
+        model = wrap(model, s.lora)
 
     def score() -> float:
         return scorer(model, tokenizer)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astraflow.config.lora import LoraSpec
 from astraflow.errors import AstraflowError
 from astraflow.kafka.config import KafkaConfig
 from astraflow.models import lora as lora_mod
@@ -122,7 +123,7 @@ def export_version(config: KafkaConfig, topic: str, policy: str, model_dir: str 
     return Exported(Path(dest), v, kind, _weight_bytes(Path(dest)))
 
 
-def write_version(dest: Path, base: Path, state: dict, settings: lora_mod.LoraSettings | None,
+def write_version(dest: Path, base: Path, state: dict, settings: LoraSpec | None,
                   merge: bool = False) -> str:
     """Write a version's weights ``state`` into the directory ``dest`` beside the model
     files of ``base``: the model (``settings`` None), the adapter in peft's format, or
@@ -146,7 +147,7 @@ def _copy_model_files(base: Path, dest: Path) -> None:
 
 
 def _write_model(dest: Path, base: Path, state: dict,
-                 settings: lora_mod.LoraSettings | None) -> None:
+                 settings: LoraSpec | None) -> None:
     """The full weights: ``state`` itself, or the base's with the adapter merged in."""
     from safetensors.torch import save_file
 

@@ -1,19 +1,19 @@
 """LoRA adapters on a frozen base model, with peft: one definition for the trainer, the
 engines, the evaluator and ``model export``.
 
-A policy with ``lora:`` (``astraflow.config.sections.LoraSpec``) trains only the adapter
+A policy with ``lora:`` (``astraflow.config.lora.LoraSpec``) trains only the adapter
 matrices of its ``target_modules``; its published weights (``weights.<policy>``) are the
 adapter alone, by the names of peft's ``adapter_model.safetensors``
 (``base_model.model.<module path>.lora_A.weight`` and ``.lora_B.weight``), and every
-manifest carries the adapter's settings in ``meta["lora"]`` (``LoraSettings.to_json``), so a
+manifest carries the adapter's settings in ``meta["lora"]`` (``LoraSpec.to_json``), so a
 reader without the topology (``model export``, replay) rebuilds the same adapter. The
 base model is the policy's model directory, which every trainer, node and evaluator has.
 
 Applying a version: ``load_published`` copies an adapter state into a peft model in place
 (no new module, no restart); ``merged`` adds ``alpha / rank * B @ A`` to each adapted base
 weight, for engines that take full weights (vLLM without LoRA, ``export --merge``).
-Importing this module imports neither torch nor peft (the CLI and the configuration read
-``LoraSettings``).
+Importing this module imports neither torch nor peft. An adapter's settings are the
+topology's own ``LoraSpec``, here and in every manifest.
 
 Serving precision: the trainer computes the adapter's update on its fp32 base, in fp32.
 Early in training that update moves an adapted layer's output (or its merged weight) by
@@ -26,12 +26,12 @@ on an fp32 model, vLLM's ``merge`` mode keeps the merged weights in fp32 and ser
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from astraflow.config.lora import LoraSpec
 
 if TYPE_CHECKING:
     import torch
@@ -45,45 +45,13 @@ _ADAPTER_NAME = re.compile(r"\.(lora_[AB])\.default\.")
 _SAVED = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """An adapter's shape: ``rank``, ``alpha`` (the update is scaled by alpha / rank),
-    ``dropout`` on the adapter's input while training, and the ``target_modules`` (module
-    names, peft's matching: a name matches every module whose path ends with it)."""
-
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...]
-
-    @classmethod
-    def from_mapping(cls, spec: Mapping[str, Any]) -> LoraSettings:
-        """From a topology's ``lora:`` section (or anything with the same keys)."""
-        return cls(rank=int(spec["rank"]), alpha=float(spec["alpha"]),
-                   dropout=float(spec.get("dropout", 0.0)),
-                   target_modules=tuple(spec["target_modules"]))
-
-    @classmethod
-    def from_json(cls, text: str) -> LoraSettings:
-        return cls.from_mapping(json.loads(text))
-
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys): the manifest's ``meta["lora"]``."""
-        return json.dumps({**asdict(self), "target_modules": list(self.target_modules)},
-                          sort_keys=True)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def settings_of(meta: Mapping[str, str]) -> LoraSettings | None:
+def settings_of(meta: Mapping[str, str]) -> LoraSpec | None:
     """The adapter settings a manifest's ``meta`` records; None for full weights."""
     text = meta.get(META_KEY)
-    return LoraSettings.from_json(text) if text else None
+    return LoraSpec.from_json(text) if text else None
 
 
-def peft_config(s: LoraSettings) -> Any:
+def peft_config(s: LoraSpec) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout,
@@ -91,7 +59,7 @@ def peft_config(s: LoraSettings) -> Any:
                       task_type="CAUSAL_LM")
 
 
-def wrap(model: Any, s: LoraSettings, seed: int = 0) -> Any:
+def wrap(model: Any, s: LoraSpec, seed: int = 0) -> Any:
     """``model`` (a transformers causal LM) with a fresh adapter: ``lora_B`` zero (the
     model computes exactly what the base does), ``lora_A`` drawn from ``seed`` so every
     process that wraps the same base gets the same version-0 adapter. The base's
@@ -184,7 +152,7 @@ def serving_dtype(requested: str | None) -> tuple[str, str | None]:
 
 
 def merged(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
-           s: LoraSettings, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+           s: LoraSpec, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The adapted base weights with the adapter added, ``W + alpha/rank * B @ A`` computed
     in fp32 and cast to ``dtype`` (None: W's dtype, where a bf16 W rounds away an update
     below half its step), by Hugging Face name (only the adapted weights)."""
@@ -198,7 +166,7 @@ def merged(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor]
     return out
 
 
-def write_adapter(state: Mapping[str, torch.Tensor], s: LoraSettings, base: str | Path,
+def write_adapter(state: Mapping[str, torch.Tensor], s: LoraSpec, base: str | Path,
                   path: str | Path) -> Path:
     """``state`` (an adapter by saved names) as a peft adapter directory over the model at
     ``base`` (``adapter_config.json``, ``adapter_model.safetensors``): what
@@ -215,7 +183,7 @@ def write_adapter(state: Mapping[str, torch.Tensor], s: LoraSettings, base: str 
     return path
 
 
-__all__ = ["ADAPTER_WEIGHTS", "META_KEY", "LoraSettings", "adapted_weights", "adapter_state",
+__all__ = ["ADAPTER_WEIGHTS", "META_KEY", "adapted_weights", "adapter_state",
            "is_wrapped", "load_adapter", "load_published", "merged", "peft_config",
            "SERVING_DTYPE", "saved_name", "serving_dtype", "settings_of", "wrap",
            "write_adapter"]

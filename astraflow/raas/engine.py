@@ -38,10 +38,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from astraflow.config.lora import LoraSpec
 from astraflow.models.chat import ChatFormat
 from astraflow.models.loading import takes_logits_to_keep
 from astraflow.models.lora import (
-    LoraSettings,
     is_wrapped,
     load_published,
     serving_dtype,
@@ -475,7 +475,7 @@ def load_torch_engine(
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if lora is not None:
-        model = wrap(model.eval(), LoraSettings.from_mapping(lora))
+        model = wrap(model.eval(), LoraSpec.model_validate(lora))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return TorchEngine(model, tokenizer, policy=policy, version=0, device=device or "cpu",
                        prefix_cache_bytes=prefix_cache_bytes)

@@ -63,10 +63,10 @@ from typing import Any
 
 import torch
 
+from astraflow.config.lora import LoraSpec
 from astraflow.config.options import VLLMEngineOptions
 from astraflow.config.sections import engine_options
 from astraflow.models.lora import (
-    LoraSettings,
     adapted_weights,
     merged,
     serving_dtype,
@@ -156,7 +156,7 @@ class VLLMEngine(HFText):
 
     def __init__(self, llm: Any, tokenizer: Any, policy: str = "actor", version: int = 0,
                  shapes: Mapping[str, tuple[int, ...]] | None = None, tied: bool = False,
-                 lora: LoraSettings | None = None, lora_mode: str = "native",
+                 lora: LoraSpec | None = None, lora_mode: str = "native",
                  model_dir: str | Path | None = None):
         self.llm = llm
         # a LoRA policy: each version is an adapter (astraflow.models.lora), applied as
@@ -469,7 +469,7 @@ def load_vllm_engine(path: str | Path, policy: str, lora: Mapping[str, Any] | No
     if options is not None and given:
         raise TypeError("load_vllm_engine: options or their fields as keywords, not both")
     opts = options if options is not None else engine_options("vllm", given)
-    settings = LoraSettings.from_mapping(lora) if lora is not None else None
+    settings = LoraSpec.model_validate(lora) if lora is not None else None
     mode = opts.lora_mode
     if mode == "auto":
         mode = "native" if torch.cuda.is_available() else "merge"

@@ -17,8 +17,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from astraflow.config.lora import LoraSpec
 from astraflow.models.lora import META_KEY as LORA_META
-from astraflow.models.lora import LoraSettings
 from astraflow.wire.records import BlobRef, PartitionOffset, WeightManifest
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class Publishing:
     than its delta, and every manifest names the adapter's shape)."""
 
     def __init__(self, trainer: Trainer, store: Any, policy: str, *, anchor_interval: int,
-                 keep_versions: int, model_path: str, lora: LoraSettings | None = None,
+                 keep_versions: int, model_path: str, lora: LoraSpec | None = None,
                  signer: Any = None, name: str = "trainer"):
         self.trainer = trainer
         self.store = store

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka import Consumer, TopicPartition
 
 from astraflow.kafka.config import KafkaConfig
-from astraflow.models.lora import LoraSettings
 from astraflow.models.lora import settings_of as lora_settings_of
 from astraflow.trainer.checkpoint_writer import fetch_state_files
 from astraflow.trainer.resume import BatchReader, newest_state, recompute, trained_batches
@@ -31,6 +30,7 @@ from astraflow.weights.signing import split_trusted
 from astraflow.wire.records import BlobRef, WeightManifest
 
 if TYPE_CHECKING:
+    from astraflow.config.lora import LoraSpec
     from astraflow.trainer.parallel import Group
     from astraflow.trainer.trainer import Trainer
 
@@ -67,7 +67,7 @@ class Restorer:
 
     def __init__(self, trainer: Trainer, store: Any, kafka_config: KafkaConfig, codec: Any,
                  *, policy: str, weights_topic: str, batches_topic: str, state_dir: Path,
-                 lora: LoraSettings | None = None, verifier: Any = None,
+                 lora: LoraSpec | None = None, verifier: Any = None,
                  name: str = "trainer"):
         self.trainer = trainer
         self.store = store
@@ -261,7 +261,7 @@ class Restorer:
             ) from e
 
 
-def check_lora(manifests: list[WeightManifest], mine: LoraSettings | None,
+def check_lora(manifests: list[WeightManifest], mine: LoraSpec | None,
                weights_topic: str) -> None:
     """Refuse, in one line, to resume a policy whose published versions are another
     kind of weights (full against adapter) or an adapter of another shape than ``mine``
@@ -271,7 +271,7 @@ def check_lora(manifests: list[WeightManifest], mine: LoraSettings | None,
     if published == mine:
         return
 
-    def said(x: LoraSettings | None) -> str:
+    def said(x: LoraSpec | None) -> str:
         return "the whole model" if x is None else f"a LoRA adapter {x.to_json()}"
 
     raise RuntimeError(

@@ -73,14 +73,13 @@ import inspect
 import io
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from astraflow.models.lora import LoraSettings
 from astraflow.models.precision import best_precision
 from astraflow.models.sampling import LOGPROB_FLOOR, picked_logprobs
 from astraflow.trainer.backend import (
@@ -103,6 +102,7 @@ from astraflow.trainer.state import StateSnapshot
 from astraflow.wire.records import Batch, Sequence
 
 if TYPE_CHECKING:  # the step imports no configuration: it reads the spec it is given
+    from astraflow.config.lora import LoraSpec
     from astraflow.config.sections import PolicySpec, TrainerSpec
     from astraflow.weights.blob import Rows
 
@@ -195,7 +195,7 @@ class Trainer:
         temperature: float = 1.0,
         top_p: float = 1.0,
         max_staleness: int | None = None,
-        lora: LoraSettings | Mapping[str, Any] | None = None,
+        lora: LoraSpec | None = None,
     ):
         """``spec``: the policy's typed ``trainer:`` section (``astraflow.config.sections.
         TrainerSpec``), validated where it was built; the keywords are the policy's own
@@ -214,7 +214,7 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.top_p = top_p
         self.max_staleness = max_staleness
-        self.lora = LoraSettings.from_mapping(lora) if isinstance(lora, Mapping) else lora
+        self.lora = lora
         self.group = group = group if group is not None else solo(c.device)
         # several ranks shard the model (FSDP2); a group of one holds it whole
         self.sharded = group.world > 1
@@ -288,11 +288,9 @@ class Trainer:
                    group: Group | None = None) -> Trainer:
         """The trainer of a policy as its typed section ``spec`` declares it: its
         ``trainer:``, and the policy's model, sampling, ``max_staleness`` and ``lora``."""
-        lora = (LoraSettings.from_mapping(spec.lora.model_dump())
-                if spec.lora is not None else None)
         return cls(spec.model, spec.trainer, policy, model, group,
                    temperature=spec.temperature, top_p=spec.top_p,
-                   max_staleness=spec.max_staleness, lora=lora)
+                   max_staleness=spec.max_staleness, lora=spec.lora)
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from astraflow.config.lora import LoraSpec
 from astraflow.kafka.clients import read_all
-from astraflow.models.lora import LoraSettings, settings_of
+from astraflow.models.lora import settings_of
 from astraflow.wire.records import TrajectoryGroup, WeightManifest
 from tests.conftest import random_name
 from tests.e2e.test_default import _up_until_evaluated
@@ -46,7 +47,7 @@ def test_up_trains_a_lora_policy_whose_adapters_the_node_applies(kafka_bootstrap
                                             expect=WeightManifest)]
     versions = sorted({m.version for m in manifests})
     assert versions == list(range(len(versions))) and len(versions) >= 4, versions
-    want = LoraSettings.from_mapping({"dropout": 0.0, **LORA})
+    want = LoraSpec(**LORA)  # dropout: its one default
     assert all(settings_of(m.meta) == want for m in manifests)
     # the adapter alone travels: q, v and up projections, A and B, in each layer
     layers = json.loads((tmp_path / "model" / "config.json").read_text())["num_hidden_layers"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astraflow.config.lora import LoraSpec
 from astraflow.models import lora
 from tests.conftest import wait_for
 from tests.unit.trainer.test_lora import SETTINGS
@@ -23,7 +24,7 @@ def _engine(path: str):
     from astraflow.raas.engine import TorchEngine
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
-    return TorchEngine(lora.wrap(model, lora.LoraSettings.from_mapping(SETTINGS)), None)
+    return TorchEngine(lora.wrap(model, LoraSpec(**SETTINGS)), None)
 
 
 @pytest.mark.kafka
@@ -58,10 +59,10 @@ def test_a_lora_trainer_resumes_exactly_after_sigkill_and_an_engine_follows_it(
     assert "resumed at version 2" in text, text[-3000:]
     versions = sorted({m.version for m in manifests})
     assert versions == list(range(n + 1))
-    s = lora.LoraSettings.from_mapping(SETTINGS)
+    s = LoraSpec(**SETTINGS)
     assert all(lora.settings_of(m.meta) == s for m in manifests)
     assert all("lora_" in t.name for m in manifests for t in m.tensors)
-    ref = _reference(tiny_model, sent, TrainerSpec(lr=1e-2), lora=SETTINGS)
+    ref = _reference(tiny_model, sent, TrainerSpec(lr=1e-2), lora=LoraSpec(**SETTINGS))
     follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
     follower.observe(manifests)
     for v in range(n + 1):

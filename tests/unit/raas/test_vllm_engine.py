@@ -427,10 +427,11 @@ def adapter_version(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     """An adapter as a LoRA trainer publishes it (peft's saved names; B not zero)."""
     from transformers import AutoModelForCausalLM
 
-    from astraflow.models.lora import LoraSettings, adapter_state, wrap
+    from astraflow.config.lora import LoraSpec
+    from astraflow.models.lora import adapter_state, wrap
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = wrap(base, LoraSettings.from_mapping(LORA), seed=seed)
+    model = wrap(base, LoraSpec.model_validate(LORA), seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -442,10 +443,11 @@ def adapter_version(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 def peft_greedy(model_dir: Path, adapter: dict, prompt: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
-    from astraflow.models.lora import LoraSettings, load_published, wrap
+    from astraflow.config.lora import LoraSpec
+    from astraflow.models.lora import load_published, wrap
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = wrap(base, LoraSettings.from_mapping(LORA))
+    model = wrap(base, LoraSpec.model_validate(LORA))
     load_published(model, adapter)
     return hf_greedy(model, prompt, n)
 
@@ -512,12 +514,12 @@ def test_vllm_loads_an_export_and_generates_what_the_engine_did(model_dir, tmp_p
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
+    from astraflow.config.lora import LoraSpec
     from astraflow.models.export import write_version
-    from astraflow.models.lora import LoraSettings
     from astraflow.raas.vllm_engine import load_vllm_engine
 
     adapter = adapter_version(model_dir, seed=4)
-    s = LoraSettings.from_mapping(LORA)
+    s = LoraSpec.model_validate(LORA)
     assert write_version(tmp_path / "merged", model_dir, adapter, s, merge=True) == "merged"
     assert write_version(tmp_path / "adapter", model_dir, adapter, s) == "adapter"
     opts = dict(dtype="float32", enforce_eager=True, max_model_len=256, cpus=1, kv_cache_gib=1)

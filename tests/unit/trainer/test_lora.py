@@ -4,12 +4,12 @@ the step, and the publisher stores a version whole when that is smaller than its
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
 import torch
 
+from astraflow.config.lora import LoraSpec
 from astraflow.models import lora
 from tests.unit.trainer.test_trainer import make_batch, tiny_model  # noqa: F401 (fixture)
 
@@ -21,7 +21,7 @@ def _trainer(path: str, **lora_over):
     from astraflow.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    return Trainer(path, TrainerSpec(lr=1e-2), "actor", lora={**SETTINGS, **lora_over})
+    return Trainer(path, TrainerSpec(lr=1e-2), "actor", lora=LoraSpec(**{**SETTINGS, **lora_over}))
 
 
 def test_the_trainer_trains_the_adapter_alone_and_publishes_it(tiny_model):  # noqa: F811
@@ -79,7 +79,7 @@ def test_merged_weights_compute_what_the_peft_model_computes(tiny_model):  # noq
     tr = _trainer(tiny_model)
     tr.train_step(make_batch(0))
     adapter = tr.published_state()
-    s = lora.LoraSettings.from_mapping(SETTINGS)
+    s = LoraSpec(**SETTINGS)
     peft_model = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model).eval(), s)
     lora.load_published(peft_model, adapter)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
@@ -94,7 +94,7 @@ def test_merged_weights_compute_what_the_peft_model_computes(tiny_model):  # noq
 
 
 def test_settings_round_trip_through_a_manifests_meta_and_names_map():
-    s = lora.LoraSettings.from_mapping(SETTINGS)
+    s = LoraSpec(**SETTINGS)
     assert lora.settings_of({lora.META_KEY: s.to_json()}) == s
     assert lora.settings_of({}) is None
     assert s.scale == 2.0
@@ -145,7 +145,6 @@ def test_lora_is_refused_where_it_cannot_train():
         PolicySpec(model="m", lora={}, trainer={"parallel": {"processes": 2}})
     with pytest.raises(ValueError, match="rank"):
         PolicySpec(model="m", lora={"rank": 0})
-    assert dataclasses.is_dataclass(lora.LoraSettings)
 
 
 def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
@@ -158,11 +157,11 @@ def test_a_trainer_refuses_to_resume_weights_of_another_kind_naming_both():
                               num_changed=0, sparsity=1.0, encoded_bytes=0, trainer_step=0,
                               meta=meta)
 
-    adapter = lora.LoraSettings.from_mapping(SETTINGS)
+    adapter = LoraSpec(**SETTINGS)
     for mine, published, says in (
             (adapter, {}, "holds the whole model (version 1), this trainer trains a LoRA"),
             (None, {"lora": adapter.to_json()}, "holds a LoRA adapter"),
-            (dataclasses.replace(adapter, rank=8), {"lora": adapter.to_json()}, '"rank": 8')):
+            (adapter.model_copy(update={"rank": 8}), {"lora": adapter.to_json()}, '"rank": 8')):
         with pytest.raises(RuntimeError, match=re.escape(says)):
             check_lora([manifest(0, published), manifest(1, published)], mine,
                        "r.weights.actor")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astraflow.config.lora import LoraSpec
 from astraflow.config.sections import TrainerSpec
 from astraflow.models import lora
 from astraflow.trainer.trainer import Trainer
@@ -29,7 +30,7 @@ def trained(tmp_path_factory):
 
     path = str(init_model(tmp_path_factory.mktemp("tiny-llama")))
     torch.set_num_threads(1)
-    tr = Trainer(path, TrainerSpec(lr=1e-5), "actor", lora=SETTINGS)
+    tr = Trainer(path, TrainerSpec(lr=1e-5), "actor", lora=LoraSpec(**SETTINGS))
     tr.train_step(make_batch(0))
     return path, tr, tr.published_state()
 
@@ -57,7 +58,7 @@ def test_the_adapter_moves_the_policy_beyond_the_tolerance_but_below_a_bf16_step
     base = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
     ids = _ids()
     assert float((_trainer_logprobs(tr, ids) - _model_logprobs(base, ids)).abs().max()) > TOL
-    s = lora.LoraSettings.from_mapping(SETTINGS)
+    s = LoraSpec(**SETTINGS)
     sd = base.state_dict()
     for name, w in lora.merged(sd, adapter, s).items():
         step = sd[name].abs() * 2.0 ** -8  # about one bf16 step of each weight
@@ -91,7 +92,7 @@ def test_merged_weights_kept_in_fp32_serve_the_trained_adapter(trained):
     from transformers import AutoModelForCausalLM
 
     path, tr, adapter = trained
-    s = lora.LoraSettings.from_mapping(SETTINGS)
+    s = LoraSpec(**SETTINGS)
     ids = _ids()
     want = _trainer_logprobs(tr, ids)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()

@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+from astraflow.config.lora import LoraSpec
 from astraflow.config.sections import TrainerSpec
 from astraflow.trainer import checkpoint
 from astraflow.trainer.parallel import Group, join, shard_rows, solo, spawn_local
@@ -203,7 +204,7 @@ def test_a_group_of_one_is_one_process_with_every_one_process_feature(qwen):
     assert not held.sharded and held.forward_dtype == "bf16"
     assert not any(type(p).__name__ == "DTensor" for p in held.model.parameters())
     lora = Trainer(qwen, TrainerSpec(), group=gloo_one,
-                   lora={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+                   lora=LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
     assert lora.lora is not None and not lora.sharded
 
 
