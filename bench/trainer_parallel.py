@@ -30,7 +30,7 @@ start (the RSS high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs`
 start (building the trainer: loading the model, sharding it, the fp32 masters), the steps
 (the forward/backward passes, the optimizer, publishing), and a resume (the state just
 saved loaded back, and the published weights checked against the newest version, held
-whole as a resuming trainer's follower holds them); the step
+as a resuming trainer's follower holds them: a group's rank its own part alone); the step
 (``train_step``, median over the timed steps after one warm-up), tokens/s (every token of
 the whole batch, prompt and completion, over that step time), the trainer's
 ``trainer/forward_backward_seconds`` and ``trainer/optimizer_seconds``; publishing: the
@@ -590,11 +590,16 @@ def run_rank(spec: dict[str, Any], group: Any, rec: Recorder) -> None:
 def resume(trainer: Any, spec: dict[str, Any], group: Any, where: Path, rec: Recorder) -> None:
     """What a resume does with the trainer's memory: the state just saved loaded back
     (a group: ``checkpoint.load`` of its DCP directory; one process: the optimizer and
-    master bytes) and the published weights checked against the newest version, held
-    whole as a follower holds them (``published_difference``: each rank its rows; with
-    ``--before`` the gathered ``published_state()`` compared). Its own peak memory."""
+    master bytes) and the published weights checked against the newest version, held as
+    a resuming follower holds them: a sharded group's rank its own part alone
+    (``WeightFollower(part=...)``), otherwise whole (``published_difference``; with
+    ``--before`` whole on every rank and the gathered ``published_state()`` compared). Its
+    own peak memory."""
     device = trainer.device
-    published = {k: v.detach().clone() for k, v in trainer.published_state().items()}
+    part = trainer.sharded and not spec.get("before")
+    held = trainer.published_part()[0] if part else trainer.published_state()
+    published = {k: v.detach().clone() for k, v in held.items()}
+    del held
     data = None
     if group is None:
         data = (trainer.master_bytes() if trainer.keeps_master else None,
@@ -615,7 +620,7 @@ def resume(trainer: Any, spec: dict[str, Any], group: Any, where: Path, rec: Rec
 
         bad = first_difference(trainer.published_state(), published)
     else:
-        bad = trainer.published_difference(published)
+        bad = trainer.published_difference(published, part=part)
     t1 = _now(device)
     if bad is not None:
         rec.write("note", text=f"resume: {bad} differs from the published weights")

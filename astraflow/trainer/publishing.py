@@ -53,17 +53,18 @@ class Publishing:
         self.history: list[WeightManifest] = []  # the manifests whose blobs may be kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
 
-    def restart(self, version: int | None = None, state: dict | None = None) -> None:
+    def restart(self, version: int | None = None, state: dict | None = None,
+                part: bool = False) -> None:
         """Start a chain of versions: from ``version``, whose published weights are
-        ``state`` (cut to this rank's rows in a group), or with no base (the next version
-        is a full checkpoint)."""
+        ``state`` (cut to this rank's rows in a group; ``part``: they are this rank's part
+        already), or with no base (the next version is a full checkpoint)."""
         from astraflow.weights.publisher import WeightPublisher
 
         rows = None
         if self.trainer.sharded:
-            part, rows = self.trainer.published_part()
-            if state is not None:
-                state = {k: _rows_of(state[k], rows.get(k)) for k in part}
+            mine, rows = self.trainer.published_part()
+            if state is not None and not part:
+                state = {k: _rows_of(state[k], rows.get(k)) for k in mine}
         lora = self.lora
         self.publisher = WeightPublisher(
             self.store, self.policy, anchor_interval=self.anchor_interval, rows=rows,

@@ -46,7 +46,8 @@ class Restored:
     latest: int  # the newest published version (L)
     start: int  # the version of the newest recorded state (k; 0: the model directory)
     recorded: bool  # whether a state was recorded (else version 0 from the model)
-    # version L's published weights (None when the recompute differs from them)
+    # version L's published weights (None when the recompute differs from them): this
+    # rank's part alone when ``part`` (a rank of a group that followed its own rows)
     published: dict[str, Any] | None
     differs: str | None  # why the recompute differs from version L (then: a rebase)
     optimizer: str  # how the optimizer state was obtained, for the log
@@ -54,6 +55,7 @@ class Restored:
     applied: int  # manifests the follower applied to reach version k
     bytes_fetched: int
     replay_seconds: float
+    part: bool = False
 
     @property
     def last(self) -> WeightManifest:
@@ -125,16 +127,12 @@ class Restorer:
     def restore(self, manifests: list[WeightManifest]) -> Restored:
         """Load the newest recorded state of ``manifests`` (not empty) and recompute the
         versions after it; every rank of a group calls it."""
-        from astraflow.weights.follower import WeightFollower
 
         check_lora(manifests, self.lora, self.weights_topic)
         latest = max(m.version for m in manifests)
         start, meta = newest_state(manifests)
-        follower = WeightFollower(
-            policy=self.policy, stores=[self.store], kafka_config=self.config, inplace=False
-        )
-        follower.observe(manifests)
-        res = follower.update(start)
+        follower, res = self._follow(manifests, start, latest)
+        part = follower.part is not None
         opt, master = self.load_state(follower, start, meta, manifests)
         # the schedule's count: the batches version start has trained (not its number: a
         # rebase version trained none of its own)
@@ -152,25 +150,68 @@ class Restorer:
         return Restored(manifests=manifests, latest=latest, start=start, recorded=bool(meta),
                         published=published, differs=replayed.differs, optimizer=opt,
                         master=master, applied=len(res.applied),
-                        bytes_fetched=res.bytes_fetched, replay_seconds=replayed.seconds)
+                        bytes_fetched=res.bytes_fetched, replay_seconds=replayed.seconds,
+                        part=part)
+
+    def _follow(self, manifests: list[WeightManifest], start: int, latest: int
+                ) -> tuple[Any, Any]:
+        """A follower of the published weights at version ``start`` (and the result of
+        getting there). A rank of a sharded group follows its own part alone when every
+        version from ``start`` on was published by as many processes (the usual resume):
+        it fetches and holds its rows only, never the whole model. Otherwise (another
+        count of processes, one process's versions) every rank follows whole versions.
+        Every rank sees the same manifests, so all take the same way; when one cannot
+        reach ``start`` by its part (a blob missing), they agree to fall back together (a
+        collective)."""
+        from astraflow.weights.errors import NoPlanError
+        from astraflow.weights.follower import WeightFollower
+
+        def follower(part: tuple[int, int] | None) -> WeightFollower:
+            f = WeightFollower(policy=self.policy, stores=[self.store],
+                               kafka_config=self.config, inplace=False, part=part)
+            f.observe(manifests)
+            return f
+
+        g = self.group
+        own = (g.rank, g.world)
+        later = [m for m in manifests if m.version >= start]
+        if self.trainer.fully_sharded and all(m.meta.get("parts") == str(g.world)
+                                        and len(m.blobs) == g.world for m in later):
+            f = follower(own)
+            try:
+                res = f.update(start)
+                failed = False
+            except NoPlanError as e:
+                log.info("%s: rank %d cannot follow its own part of version %d (%s)",
+                         self.name, g.rank, start, e)
+                failed = True
+            if not g.max_floats({"failed": float(failed)})["failed"]:
+                log.info("%s: rank %d follows its own rows of each version (%d of %d parts)",
+                         self.name, g.rank, g.rank + 1, g.world)
+                return f, res
+            f.close()  # every rank falls back together
+        f = follower(None)
+        return f, f.update(start)
 
     def load_state(
         self, follower, version: int, meta: dict[str, str], manifests: list[WeightManifest]
     ) -> tuple[str, str]:
         """Load the trainer state of ``version`` (recorded in ``meta``; the follower holds
-        its published weights); how the optimizer and the master weights were obtained."""
+        its published weights, or this rank's part of them); how the optimizer and the
+        master weights were obtained."""
         published = follower.state
+        part = follower.part is not None
         assert follower.version == version and published is not None
         dtype = [m for m in manifests if m.version == version][0].dtype
         self._check_published_dtypes(published, version, dtype)
         if STATE_DIR_KEY in meta:
-            return self._load_checkpoint(meta[STATE_DIR_KEY], published, version)
+            return self._load_checkpoint(meta[STATE_DIR_KEY], published, version, part)
         if STATE_FILES_KEY in meta:
             into = self.state_dir / "checkpoints" / f"{self.policy}.restore-{self.rank}"
             shutil.rmtree(into, ignore_errors=True)
             try:
                 fetch_state_files(meta, into, follower.resolver.open)
-                return self._load_checkpoint(str(into), published, version,
+                return self._load_checkpoint(str(into), published, version, part,
                                              source=f"the blob store ({self.store.uri})")
             except BlobError as e:
                 raise RuntimeError(f"{self.weights_topic}: the state of version {version} "
@@ -189,7 +230,7 @@ class Restorer:
             self.trainer.load_optimizer_bytes(data)
             opt = "loaded"
         if not self.trainer.keeps_master:
-            self.trainer.load_weights(published)
+            self.trainer.load_weights(published, part=part)
             master = "the published weights"
         else:
             if "master_uri" in meta:
@@ -205,14 +246,14 @@ class Restorer:
                     "rebuilt from the rounded ones; cannot resume exactly (restart with the "
                     "--publish-dtype the run was started with)"
                 )
-            if self.trainer.published_difference(published) is not None:
+            if self.trainer.published_difference(published, part=part) is not None:
                 raise RuntimeError(
                     f"{self.weights_topic}: the master weights of version {version} (from "
                     f"{master}) do not round to its published weights; cannot resume exactly"
                 )
         return opt, master
 
-    def _load_checkpoint(self, where: str, published, version: int,
+    def _load_checkpoint(self, where: str, published, version: int, part: bool,
                          source: str | None = None) -> tuple[str, str]:
         """Load the state of ``version`` written through ``torch.distributed.checkpoint``
         (by any number of processes) into this process's share of the trainer."""
@@ -223,7 +264,7 @@ class Restorer:
         except (OSError, RuntimeError, ValueError) as e:
             raise RuntimeError(f"{self.weights_topic}: the state of version {version} in "
                                f"{where} is unusable ({e}); cannot resume exactly") from e
-        if self.trainer.published_difference(published) is not None:
+        if self.trainer.published_difference(published, part=part) is not None:
             raise RuntimeError(
                 f"{self.weights_topic}: the master weights of version {version} (from "
                 f"{where}) do not round to its published weights; cannot resume exactly")

@@ -278,7 +278,7 @@ class TrainerService:
         t0 = time.perf_counter()
         r = self.restorer.restore(manifests)
         if r.published is not None:
-            self.publishing.restart(version=r.latest, state=r.published)
+            self.publishing.restart(version=r.latest, state=r.published, part=r.part)
         last = r.last
         self.positions = {(p.topic, p.partition): p.offset for p in last.consumed_offsets}
         self.version = self.resumed_from = r.latest

@@ -342,12 +342,14 @@ class Trainer:
             for p, m in self._masters:
                 p.copy_(m.to(self.publish_dtype))
 
-    def _load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_model_state(self, state: dict[str, torch.Tensor], part: bool = False) -> None:
         self._before_update()
         if self.forward_dtype == "bf16":  # the parameters cannot hold the fp32 masters
             self._load_masters(state)
         else:
-            if self.sharded:
+            if part:
+                self._load_part(state)
+            elif self.sharded:
                 self._load_rows(state)
             else:
                 self.backend.load_hf(state)
@@ -373,6 +375,33 @@ class Trainer:
                     v.to_local().copy_(state[k][start:stop])
                 else:
                     v.copy_(state[k])
+
+    def _load_part(self, part: dict[str, torch.Tensor]) -> None:
+        """Under a group: this rank's part of the weights (``published_part``'s names and
+        shapes: its rows of each sharded tensor) into the parameters. Needs every tensor
+        sharded (``fully_sharded``): a rank above 0 holds no whole tensor's part."""
+        if not self.fully_sharded:
+            raise ValueError("loading a rank's part needs every tensor sharded")
+        with torch.no_grad():
+            for k, v in self.backend.named_state(keep_vars=True).items():
+                start, stop = self._rows_of(v)
+                if stop == start:
+                    continue
+                local = v.to_local()
+                got = part.get(k)
+                if got is None or tuple(got.shape) != tuple(local.shape):
+                    raise ValueError(
+                        f"loading weights: {k} is {None if got is None else tuple(got.shape)} "
+                        f"in this rank's part, its rows {start}..{stop} are "
+                        f"{tuple(local.shape)}")
+                local.copy_(got)
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether every weight is sharded over the group (FSDP2 leaves none whole), so
+        each rank's published part holds all it needs of every tensor."""
+        return self.sharded and all(_is_dtensor(v) for v in
+                                    self.backend.named_state(keep_vars=True).values())
 
     def _named_to_load(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The module's tensors by name (the parameters themselves), once ``state`` is
@@ -498,27 +527,32 @@ class Trainer:
         return {k: dt if dt is not None and v.is_floating_point() else v.dtype
                 for k, v in self.backend.to_hf(self.backend.named_state()).items()}
 
-    def published_difference(self, state: dict[str, torch.Tensor]) -> str | None:
+    def published_difference(self, state: dict[str, torch.Tensor],
+                             part: bool = False) -> str | None:
         """The name of the first tensor of ``published_state()`` whose bytes (dtype,
         shape, values) differ from ``state``'s (full tensors by Hugging Face name, any
         device), or that one side lacks; None when they are equal. Under a group each rank
         compares its own part (``published_part``) with the same rows of ``state`` and the
         ranks agree on the answer (a collective: every rank calls it); nothing is
-        gathered, so a rank holds no more than its part beside ``state``."""
+        gathered, so a rank holds no more than its part beside ``state``. ``part``:
+        ``state`` is this rank's part alone, as ``published_part`` gives it (what a
+        follower of this rank's part holds: ``WeightFollower(part=...)``)."""
         if not self.sharded:
-            mine = self.published_state()
+            mine, rows = self.published_state(), {}
             names = list(mine)
         else:
             mine, rows = self.published_part()
             names = list(self.backend.named_state())
-        if set(names) != set(state):
-            return sorted(set(names) ^ set(state))[0]
-        first = len(names)
-        for i, k in enumerate(names):
+        expected = set(mine) if part else set(names)
+        unknown = sorted(set(state) - set(names))  # a name no tensor has: told first
+        # else the first name one side lacks, in names' order
+        first = 0 if unknown else min((names.index(k) for k in expected ^ set(state)),
+                                      default=len(names))
+        for i, k in enumerate(names[:first]):
             if k not in mine:  # a rank holding none of its rows
                 continue
             want = state[k]
-            if self.sharded and k in rows:
+            if k in rows and not part:
                 if tuple(want.shape) != tuple(rows[k].shape):
                     first = i
                     break
@@ -528,12 +562,15 @@ class Trainer:
                 break
         # the lowest index any rank found
         first = -int(self.group.max_floats({"first": -float(first)})["first"])
-        return None if first == len(names) else names[first]
+        if first == len(names):
+            return None
+        return unknown[0] if unknown else names[first]
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor], part: bool = False) -> None:
         """Every weight from ``state`` (full tensors by Hugging Face name, any device):
-        parameters and masters; under a group each rank takes its own rows."""
-        self._load_model_state(state)
+        parameters and masters; under a group each rank takes its own rows. ``part``:
+        ``state`` is this rank's part alone (``published_part``'s names and shapes)."""
+        self._load_model_state(state, part)
 
     def snapshot(self, version: int) -> StateSnapshot:
         """CPU copies of the optimizer state and (when ``keeps_master``) the master weights,

@@ -8,6 +8,7 @@ so a bad blob or a wrong base leaves the state as it was.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from astraflow.weights.blob import (
     KIND_FULL,
     BlobSource,
     Mode,
+    TensorSpec,
     _Header,
     _is_part,
     _iter_records,
@@ -302,6 +304,7 @@ def apply_blob(
     *,
     inplace: bool = False,
     threads: int | None = None,
+    part_alone: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Apply any blob: a delta to ``state``, or a full checkpoint (``state`` may be None).
 
@@ -310,9 +313,16 @@ def apply_blob(
     writes only its rows of the full tensors of ``state`` (in place, or into copies of
     ``state`` when not ``inplace``); a full part needs a ``state``
     (``BaseMismatchError`` without one).
+
+    ``part_alone``: the state holds this part alone, each of its tensors in the part's
+    own shape (rows ``start..stop`` as rows ``0..stop-start``), as a process that follows
+    only its own rows of a sharded model does; the blob's parts are then taken as whole
+    tensors of those shapes.
     """
     r = _Reader(blob)
     h = _read_header(r)
+    if part_alone:
+        h = _part_as_whole(h)
     threads = threads or default_threads()
     if h.kind == KIND_FULL:
         if _is_part(h):
@@ -326,6 +336,13 @@ def apply_blob(
     if state is None:
         raise BaseMismatchError("a delta needs a base state")
     return _apply_deltas([(r, h)], state, inplace, threads)
+
+
+def _part_as_whole(h: _Header) -> _Header:
+    """``h`` with each tensor's rows taken as a whole tensor of the part's shape: its
+    segments index the part's own elements, so they apply to it unchanged."""
+    return dataclasses.replace(h, tensors=[TensorSpec(s.name, s.dtype, list(s.shape))
+                                           for s in h.tensors])
 
 
 def apply_parts(

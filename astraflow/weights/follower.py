@@ -64,6 +64,14 @@ class WeightFollower:
     not signed by a trusted key is refused by ``observe``: it is never planned with, so the
     held version stays in use; ``take_refused`` hands each refusal over once (to be
     dead-lettered).
+
+    ``part=(index, count)``: follow only process ``index``'s part of versions published by
+    ``count`` processes (``merge_parts``: ``meta["parts"]``, one blob per process, in
+    process order), as a rank of a group of ``count`` holds its rows of a sharded model.
+    The state then holds that part alone, each tensor in the part's shape (a tensor the
+    process holds no row of is absent); only that blob of each version is fetched, and
+    manifests made otherwise are never planned with (``NoPlanError`` when no chain of
+    such manifests reaches the target).
     """
 
     def __init__(
@@ -77,9 +85,13 @@ class WeightFollower:
         threads: int | None = None,
         inplace: bool = True,
         verifier: ManifestVerifier | None = None,
+        part: tuple[int, int] | None = None,
     ):
         if (state is None) != (version is None):
             raise ValueError("pass both state and version, or neither")
+        if part is not None and not 0 <= part[0] < part[1]:
+            raise ValueError(f"part (index, count) needs 0 <= index < count, got {part}")
+        self.part = part
         self.verifier = verifier
         # every refusal: (manifest key, its signature) -> reason
         self.refused: dict[tuple[ManifestKey, bytes], str] = {}
@@ -100,8 +112,15 @@ class WeightFollower:
         for m in manifests:
             if self.policy is None:
                 self.policy = m.policy
-            if m.policy == self.policy and self._trusted(m):
+            if m.policy == self.policy and self._in_parts(m) and self._trusted(m):
                 self._manifests[manifest_key(m)] = m
+
+    def _in_parts(self, m: WeightManifest) -> bool:
+        """Whether ``m`` is made as ``part`` needs (always, without one)."""
+        if self.part is None:
+            return True
+        count = self.part[1]
+        return m.meta.get("parts") == str(count) and len(m.blobs) == count
 
     def _trusted(self, m: WeightManifest) -> bool:
         """Whether ``m`` passes the verifier (always, without one); a refusal is logged
@@ -170,7 +189,7 @@ class WeightFollower:
             for m in plan:
                 files: list[BinaryIO] = []
                 opened.append((m, files))
-                for ref in m.blobs:
+                for ref in (m.blobs if self.part is None else [m.blobs[self.part[0]]]):
                     try:
                         files.append(self.resolver.open(ref))
                     except BlobError as e:
@@ -262,7 +281,11 @@ class WeightFollower:
         """The held state with manifest ``m``'s verified blobs applied. Several blobs (a
         merged manifest, ``merge_parts``) are one version's parts, applied together: a
         full checkpoint's parts go into the held tensors (``inplace``, when they match) or
-        a new state, and must cover every element once."""
+        a new state, and must cover every element once. Following a ``part``: its one
+        blob, applied to the part alone."""
+        if self.part is not None:
+            return apply_blob(self.state, files[0], inplace=self.inplace, threads=self.threads,
+                              part_alone=True)
         if len(files) == 1 and "parts" not in m.meta:
             return apply_blob(self.state, files[0], inplace=self.inplace, threads=self.threads)
         state = self.state

@@ -107,3 +107,33 @@ def checkpoints(model_path: str, config: dict, batches: list[tuple], save_after:
     finally:
         group.close()
     return out
+
+
+def parts(model_path: str, config: dict, batches: list[tuple]) -> dict[str, Any]:
+    """A rank's published part after ``batches``, checked and loaded as a part: what a
+    resuming rank that follows its own rows does. Whether ``published_difference`` finds
+    the part equal and a changed copy different (the ranks agree), and the part a fresh
+    trainer publishes after loading it."""
+    from astraflow.trainer.parallel import join
+
+    torch.set_num_threads(1)
+    group = join("cpu")
+    try:
+        tr = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
+        steps(tr, batches)
+        part = {k: v.clone() for k, v in tr.published_part()[0].items()}
+        out: dict[str, Any] = {"fully_sharded": tr.fully_sharded,
+                               "same": tr.published_difference(part, part=True)}
+        changed = dict(part)
+        if group.rank == 1:  # only rank 1's copy differs: rank 0 must agree all the same
+            name = sorted(changed)[-1]
+            changed[name] = changed[name].clone()
+            changed[name].view(-1)[0] += 1
+        out["changed"] = tr.published_difference(changed, part=True)
+        fresh = Trainer(model_path, TrainerSpec(**config), policy="actor", group=group)
+        fresh.load_weights(part, part=True)
+        out["reloaded_same"] = fresh.published_difference(part, part=True)
+        out["part"], out["reloaded"] = cpu(part), cpu(fresh.published_part()[0])
+    finally:
+        group.close()
+    return out

@@ -459,6 +459,18 @@ def test_a_joined_group_of_one_trains_bit_for_bit_as_one_process(qwen, one):
     assert got["rows"] == {}  # its published part is the whole published state
 
 
+def test_a_rank_checks_and_loads_its_own_part_alone(qwen):
+    """What a resuming rank that follows only its own rows of each version does: its part
+    compared and loaded as a part, the ranks agreeing on a difference one of them sees."""
+    got = spawn_local(2, workers.parts, (qwen, CONFIG, BATCHES[:1]), timeout_s=TIMEOUT_S)
+    for rank in got:
+        assert rank["fully_sharded"] and rank["same"] is None
+        assert rank["changed"] is not None  # rank 1's difference, on both ranks
+        assert rank["reloaded_same"] is None
+        assert_equal_states(rank["reloaded"], rank["part"])
+    assert got[0]["changed"] == got[1]["changed"]
+
+
 def test_spawn_local_reports_a_failing_worker():
     with pytest.raises(RuntimeError, match="(?s)rank 0 failed:.*ZeroDivisionError"):
         spawn_local(1, divmod, (1, 0), timeout_s=TIMEOUT_S)

@@ -294,6 +294,39 @@ def test_merged_parts_follow_like_one_publisher(tmp_path, world, inplace, device
     assert state_bytes_equal(late.state, vs[-1])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_process_follows_its_own_part_alone(tmp_path, world, inplace):
+    vs = versions(8, seed=world + 20)
+    store = FileBlobStore(tmp_path)
+    merged, _ = publish_parts(store, vs, world, 3)
+    one = WeightPublisher(store, "pol", anchor_interval=3, threads=1)
+    single = [one.publish(s, trainer_step=v) for v, s in enumerate(vs)]
+    for rank in range(world):
+        opened: list[str] = []
+        f = WeightFollower(stores=[store], inplace=inplace, threads=2, part=(rank, world))
+        real = f.resolver.open
+        f.resolver.open = lambda ref, opened=opened, real=real: (
+            opened.append(ref.uri), real(ref))[1]
+        # versions of one publisher (and of another count of processes) are never planned
+        f.observe([m for ms in merged + single for m in ms])
+        assert all(m.meta["parts"] == str(world) for m in f.manifests)
+        for v in range(len(vs)):
+            res = f.update(v)
+            assert not res.failures and f.version == v
+            want = shard(vs[v], world)[rank][0]  # this process's rows, in their own shape
+            assert state_bytes_equal(f.state, want), f"rank {rank} v{v} differs"
+        # only this process's blob of each version applied was fetched
+        mine = {m.blobs[rank].uri for ms in merged for m in ms}
+        assert opened and set(opened) <= mine
+    with pytest.raises(NoPlanError):  # versions made of another count of parts
+        g = WeightFollower(stores=[store], part=(0, world + 1))
+        g.observe([m for ms in merged for m in ms])
+        g.update()
+    with pytest.raises(ValueError, match="0 <= index < count"):
+        WeightFollower(stores=[store], part=(world, world))
+
+
 def test_a_full_checkpoint_of_parts_goes_into_the_held_tensors(tmp_path):
     vs = versions(4, seed=9)
     store = FileBlobStore(tmp_path)
