@@ -127,11 +127,10 @@ class Restorer:
     def restore(self, manifests: list[WeightManifest]) -> Restored:
         """Load the newest recorded state of ``manifests`` (not empty) and recompute the
         versions after it; every rank of a group calls it."""
-
         check_lora(manifests, self.lora, self.weights_topic)
         latest = max(m.version for m in manifests)
         start, meta = newest_state(manifests)
-        follower, res = self._follow(manifests, start, latest)
+        follower, res = self._follow(manifests, start)
         part = follower.part is not None
         opt, master = self.load_state(follower, start, meta, manifests)
         # the schedule's count: the batches version start has trained (not its number: a
@@ -153,8 +152,7 @@ class Restorer:
                         bytes_fetched=res.bytes_fetched, replay_seconds=replayed.seconds,
                         part=part)
 
-    def _follow(self, manifests: list[WeightManifest], start: int, latest: int
-                ) -> tuple[Any, Any]:
+    def _follow(self, manifests: list[WeightManifest], start: int) -> tuple[Any, Any]:
         """A follower of the published weights at version ``start`` (and the result of
         getting there). A rank of a sharded group follows its own part alone when every
         version from ``start`` on was published by as many processes (the usual resume):
@@ -164,7 +162,7 @@ class Restorer:
         reach ``start`` by its part (a blob missing), they agree to fall back together (a
         collective)."""
         from astraflow.weights.errors import NoPlanError
-        from astraflow.weights.follower import WeightFollower
+        from astraflow.weights.follower import WeightFollower, made_of_parts
 
         def follower(part: tuple[int, int] | None) -> WeightFollower:
             f = WeightFollower(policy=self.policy, stores=[self.store],
@@ -174,9 +172,8 @@ class Restorer:
 
         g = self.group
         own = (g.rank, g.world)
-        later = [m for m in manifests if m.version >= start]
-        if self.trainer.fully_sharded and all(m.meta.get("parts") == str(g.world)
-                                        and len(m.blobs) == g.world for m in later):
+        if self.trainer.fully_sharded and all(made_of_parts(m, g.world) for m in manifests
+                                              if m.version >= start):
             f = follower(own)
             try:
                 res = f.update(start)

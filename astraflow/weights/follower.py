@@ -117,10 +117,7 @@ class WeightFollower:
 
     def _in_parts(self, m: WeightManifest) -> bool:
         """Whether ``m`` is made as ``part`` needs (always, without one)."""
-        if self.part is None:
-            return True
-        count = self.part[1]
-        return m.meta.get("parts") == str(count) and len(m.blobs) == count
+        return self.part is None or made_of_parts(m, self.part[1])
 
     def _trusted(self, m: WeightManifest) -> bool:
         """Whether ``m`` passes the verifier (always, without one); a refusal is logged
@@ -302,6 +299,12 @@ class WeightFollower:
 
     def close(self) -> None:
         self.resolver.close()
+
+
+def made_of_parts(m: WeightManifest, count: int) -> bool:
+    """Whether ``m`` is one version's parts from ``count`` processes, one blob each, in
+    process order (``merge_parts``): what ``WeightFollower(part=(i, count))`` follows."""
+    return m.meta.get("parts") == str(count) and len(m.blobs) == count
 
 
 def _matches(state: StateDict, tensors: Sequence[TensorInfo]) -> bool:
