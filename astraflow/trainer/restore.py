@@ -23,10 +23,13 @@ from confluent_kafka import Consumer, TopicPartition
 from astraflow.kafka.config import KafkaConfig
 from astraflow.models.lora import settings_of as lora_settings_of
 from astraflow.trainer.checkpoint_writer import fetch_state_files
+from astraflow.trainer.regroup import RegroupedFollower
 from astraflow.trainer.resume import BatchReader, newest_state, recompute, trained_batches
 from astraflow.trainer.state import STATE_DIR_KEY, STATE_FILES_KEY
-from astraflow.weights.errors import BlobError
+from astraflow.weights.errors import BlobError, NoPlanError
+from astraflow.weights.follower import WeightFollower, parts_count
 from astraflow.weights.signing import split_trusted
+from astraflow.weights.stores import StoreResolver
 from astraflow.wire.records import BlobRef, WeightManifest
 
 if TYPE_CHECKING:
@@ -154,16 +157,14 @@ class Restorer:
 
     def _follow(self, manifests: list[WeightManifest], start: int) -> tuple[Any, Any]:
         """A follower of the published weights at version ``start`` (and the result of
-        getting there). A rank of a sharded group follows its own part alone when every
-        version from ``start`` on was published by as many processes (the usual resume):
-        it fetches and holds its rows only, never the whole model. Otherwise (another
-        count of processes, one process's versions) every rank follows whole versions.
-        Every rank sees the same manifests, so all take the same way; when one cannot
-        reach ``start`` by its part (a blob missing), they agree to fall back together (a
-        collective)."""
-        from astraflow.weights.errors import NoPlanError
-        from astraflow.weights.follower import WeightFollower, made_of_parts
-
+        getting there). A rank of a sharded group never holds the whole model when every
+        version from ``start`` on is made of one count of processes' parts: of as many
+        processes as resume it (the usual restart), it follows its own part alone; of
+        another count, the ranks share the publishers' parts and hand each other their
+        rows (``RegroupedFollower``). Otherwise (one process's versions, a count changing
+        within them) every rank follows whole versions. Every rank sees the same
+        manifests, so all take the same way; when one cannot reach ``start`` by parts (a
+        blob missing), they agree to fall back together (a collective)."""
         def follower(part: tuple[int, int] | None) -> WeightFollower:
             f = WeightFollower(policy=self.policy, stores=[self.store],
                                kafka_config=self.config, inplace=False, part=part)
@@ -171,20 +172,26 @@ class Restorer:
             return f
 
         g = self.group
-        own = (g.rank, g.world)
-        if self.trainer.fully_sharded and all(made_of_parts(m, g.world) for m in manifests
-                                              if m.version >= start):
-            f = follower(own)
+        counts = {parts_count(m) for m in manifests if m.version >= start}
+        count = counts.pop() if len(counts) == 1 else None
+        if self.trainer.fully_sharded and count is not None:
+            if count == g.world:
+                f: Any = follower((g.rank, g.world))
+                how = f"its own rows of each version ({g.rank + 1} of {g.world} parts)"
+            else:
+                f = RegroupedFollower(g, count, manifests, follower,
+                                      StoreResolver([self.store], self.config))
+                how = (f"its rows of versions of {count} parts, through parts "
+                       f"{[p + 1 for p in f.parts] or 'none'} (regrouped to {g.world})")
             try:
                 res = f.update(start)
                 failed = False
             except NoPlanError as e:
-                log.info("%s: rank %d cannot follow its own part of version %d (%s)",
+                log.info("%s: rank %d cannot follow its rows of version %d by parts (%s)",
                          self.name, g.rank, start, e)
                 failed = True
             if not g.max_floats({"failed": float(failed)})["failed"]:
-                log.info("%s: rank %d follows its own rows of each version (%d of %d parts)",
-                         self.name, g.rank, g.rank + 1, g.world)
+                log.info("%s: rank %d follows %s", self.name, g.rank, how)
                 return f, res
             f.close()  # every rank falls back together
         f = follower(None)

@@ -304,7 +304,16 @@ class WeightFollower:
 def made_of_parts(m: WeightManifest, count: int) -> bool:
     """Whether ``m`` is one version's parts from ``count`` processes, one blob each, in
     process order (``merge_parts``): what ``WeightFollower(part=(i, count))`` follows."""
-    return m.meta.get("parts") == str(count) and len(m.blobs) == count
+    return parts_count(m) == count
+
+
+def parts_count(m: WeightManifest) -> int | None:
+    """The count of processes whose parts make ``m`` (``merge_parts``: one blob each, in
+    process order), None when it is one process's whole tensors."""
+    n = m.meta.get("parts")
+    if n is None or not n.isdigit() or int(n) != len(m.blobs):
+        return None
+    return int(n)
 
 
 def _matches(state: StateDict, tensors: Sequence[TensorInfo]) -> bool:

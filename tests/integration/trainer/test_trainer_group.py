@@ -53,14 +53,15 @@ def _train(path: Path, model: str, tmp_path: Path, bootstrap: str, processes: in
 def test_processes_publish_parts_and_resume_on_other_counts(
     kafka_config, kafka_bootstrap, make_topology, tied_llama, tmp_path
 ):
-    """2 processes train versions 1-3, 1 process 4-6, 2 processes 7-9 and 10-12, each
-    stopping cleanly (its last version records its own state). Every version's manifest
+    """2 processes train versions 1-3, 1 process 4-6, 2 processes 7-9 and 10-12, 3
+    processes 13-15, each stopping cleanly (its last version records its own state). Every version's manifest
     names a part per process; a follower applying them holds what a one-process trainer
     publishes from the same batches (within the rounding of a different reduction order);
     the last recorded state, loaded into a one-process trainer, publishes exactly the
     followed weights; versions are contiguous and each batch was trained once, in order.
-    The last group resumes from versions of 2 parts: each rank follows its own part alone;
-    the one before, from a one-process version, follows whole versions."""
+    The fourth group resumes from versions of 2 parts: each rank follows its own part
+    alone; the third, from a one-process version, follows whole versions; the group of 3
+    shares the 2 parts and hands each rank its rows (regrouped)."""
     from astraflow.config.sections import TrainerSpec
     from astraflow.trainer import checkpoint
     from astraflow.trainer.state import STATE_DIR_KEY
@@ -73,7 +74,7 @@ def test_processes_publish_parts_and_resume_on_other_counts(
         topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
     batches = topo.full_name("batches.actor")
     producer = RecordProducer(kafka_config)
-    for i in range(12):
+    for i in range(15):
         producer.produce(batches, make_batch(i), key="actor")
     producer.flush()
     sent = read_all(kafka_config, batches, idle_s=1.0, expect=Batch)
@@ -91,15 +92,20 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     for rank in (0, 1):
         assert f"rank {rank} follows its own rows of each version ({rank + 1} of 2 parts)" \
             in fourth, fourth[-3000:]
+    fifth = _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=3, steps=3)
+    assert "resumed at version 12 from the state of version 12" in fifth, fifth[-3000:]
+    for rank, parts in ((0, "[1]"), (1, "[2]"), (2, "none")):
+        assert (f"rank {rank} follows its rows of versions of 2 parts, through parts {parts} "
+                "(regrouped to 3)") in fifth, fifth[-3000:]
 
     manifests = read_manifests(kafka_config, topo.full_name("weights.actor"))
     by_version: dict[int, list] = {}
     for m in manifests:
         by_version.setdefault(m.version, []).append(m)
-    assert sorted(by_version) == list(range(13))
+    assert sorted(by_version) == list(range(16))
     for v, ms in by_version.items():
         assert len({m.kind for m in ms}) == len(ms), v  # no kind twice for a version
-        parts = 1 if 4 <= v <= 6 else 2
+        parts = 1 if 4 <= v <= 6 else 3 if v >= 13 else 2
         assert all(len(m.blobs) == parts for m in ms), (v, [len(m.blobs) for m in ms])
         if v:  # trained on batch v-1, each once, in order
             (po,) = ms[0].consumed_offsets
@@ -110,7 +116,7 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     ref = Trainer(tied_llama, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     follower = WeightFollower(policy="actor", kafka_config=kafka_config, inplace=False)
     follower.observe(manifests)
-    for v in range(13):
+    for v in range(16):
         if v:
             ref.train_step(sent[v - 1].record)
         follower.update(v)
@@ -122,8 +128,8 @@ def test_processes_publish_parts_and_resume_on_other_counts(
             assert float(diff.max()) <= 2e-2, (v, name, float(diff.max()))
             assert float((diff > 0).float().mean()) < 0.05, (v, name)
 
-    last = by_version[12][0]
-    assert last.meta["state_version"] == "12" and STATE_DIR_KEY in last.meta
+    last = by_version[15][0]
+    assert last.meta["state_version"] == "15" and STATE_DIR_KEY in last.meta
     resumed = Trainer(tied_llama, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     checkpoint.load(resumed, last.meta[STATE_DIR_KEY])
     assert state_bytes_equal(resumed.published_state(), follower.state)

@@ -137,3 +137,42 @@ def parts(model_path: str, config: dict, batches: list[tuple]) -> dict[str, Any]
     finally:
         group.close()
     return out
+
+
+def regrouped(store_dir: str, manifests: list, count: int, upto: int) -> dict[str, Any]:
+    """A rank's ``RegroupedFollower`` over versions of ``count`` parts in the file store
+    at ``store_dir``: its rows at each version ``0..upto`` (or why it could not reach
+    one), and the blobs it fetched."""
+    from astraflow.trainer.parallel import join
+    from astraflow.trainer.regroup import RegroupedFollower
+    from astraflow.weights.errors import NoPlanError
+    from astraflow.weights.follower import WeightFollower
+    from astraflow.weights.stores import StoreResolver
+    from astraflow.weights.stores.filesystem import FileBlobStore
+
+    torch.set_num_threads(1)
+    group = join("cpu")
+    store = FileBlobStore(store_dir)
+    opened: list[str] = []
+
+    def follower(part: tuple[int, int]) -> WeightFollower:
+        f = WeightFollower(stores=[store], inplace=False, threads=1, part=part)
+        real = f.resolver.open
+        f.resolver.open = lambda ref: (opened.append(ref.uri), real(ref))[1]
+        f.observe(manifests)
+        return f
+
+    out: dict[str, Any] = {"states": [], "error": None}
+    f = RegroupedFollower(group, count, manifests, follower, StoreResolver([store]))
+    try:
+        out["parts"] = f.parts
+        for v in range(upto + 1):
+            f.update(v)
+            out["states"].append(cpu(f.state))
+    except NoPlanError as e:
+        out["error"] = str(e)
+    finally:
+        f.close()
+        group.close()
+    out["opened"] = opened
+    return out
