@@ -19,7 +19,10 @@ is: it runs in the node's process.
 
 A group whose rollout raises, times out (``timeout_s``), ends with an error in its state
 or makes a malformed call is run again, up to ``attempts`` times in all; then the task goes
-to the dead-letter topic with the reasons.
+to the dead-letter topic with the reasons. An error the model's own output caused (an empty
+or invalid response, a tool call that does not parse or fails where the environment stops
+on it) is no failure: the episode is scored as the model left it
+(``verifiers/model_errors``: the share of such episodes).
 
 Options (``astraflow.config.options.VerifiersOptions``, where each has its default):
 ``environment``, ``args``, ``timeout_s``, ``attempts``, ``endpoint`` (``EndpointLimits``),
@@ -47,6 +50,8 @@ from astraflow.tasks.verifiers_data import PREFIX, VerifiersError, load_environm
 from astraflow.wire.records import Sequence, Task
 
 METRIC_META = "vf_metric:"  # a sequence meta key holding one rubric function's score
+# a sequence meta key naming the error the model's output ended its episode with
+MODEL_ERROR_META = "vf_model_error"
 
 
 @register_workflow("verifiers")
@@ -122,10 +127,7 @@ class VerifiersWorkflow:
                                      OpenAIChatCompletionsClient(c), policy, dict(sampling))
                     for c in clients)), self.timeout_s)
                 for (ep, _), state in zip(opened, states):
-                    why = ep.failure or (f"the rollout ended with an error: {state['error']!r}"
-                                         if state.get("error") is not None else None)
-                    if why is None and not ep.trajectory.sequences:
-                        why = "no_request: the environment made no call to the endpoint"
+                    why = _episode_failure(ep, state)
                     if why is not None:
                         raise GroupFailed(why)
                 await self.env.rubric.score_group(states)
@@ -141,6 +143,8 @@ class VerifiersWorkflow:
         out: list[Sequence] = []
         for (ep, _), state in zip(opened, states):
             meta = {"episode_requests": str(ep.trajectory.stats.requests)}
+            if state.get("error") is not None:  # the model's own (_episode_failure)
+                meta[MODEL_ERROR_META] = type(state["error"]).__name__
             for name, value in dict(state.get("metrics") or {}).items():
                 meta[METRIC_META + str(name)] = repr(float(value))
             out.extend(ep.trajectory.build(float(state["reward"]), meta))
@@ -156,9 +160,31 @@ class VerifiersWorkflow:
                 if k.startswith(METRIC_META):
                     scores.setdefault(k[len(METRIC_META):], []).append(float(v))
         requests = [float(m.get("episode_requests", "0")) for m in episodes.values()]
+        errors = [float(MODEL_ERROR_META in m) for m in episodes.values()]
         return {**{f"verifiers/{k}": statistics.fmean(v) for k, v in scores.items()},
                 "verifiers/requests_per_episode": statistics.fmean(requests) if requests
-                else 0.0}
+                else 0.0,
+                "verifiers/model_errors": statistics.fmean(errors) if errors else 0.0}
+
+
+def _episode_failure(ep: Any, state: dict[str, Any]) -> str | None:
+    """Why an episode cannot be used, so that its group is run again; None when it can.
+    An error the model's own output caused (an empty or invalid response; a tool call that
+    does not parse or whose tool fails, where the environment stops on it) is not a
+    failure: the episode ends as the model left it and the rubric scores it like any
+    answer (0 for each of verifiers' own rubrics on an unanswered state), so the model
+    learns from it. Any other error (the endpoint, the environment's infrastructure) is."""
+    import verifiers as vf
+
+    if ep.failure is not None:
+        return ep.failure
+    error = state.get("error")
+    if error is not None and not isinstance(error, (vf.InvalidModelResponseError,
+                                                    vf.ToolError)):
+        return f"the rollout ended with an error: {error!r}"
+    if not ep.trajectory.sequences:
+        return "no_request: the environment made no call to the endpoint"
+    return None
 
 
 

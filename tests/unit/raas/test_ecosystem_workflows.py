@@ -60,3 +60,45 @@ def test_an_unreachable_openenv_server_fails_the_task_with_the_reason():
         make_workflow("openenv")
     with pytest.raises(TaskError, match="mapping"):
         wf.run(_task({"reset": [1]}, "openenv"), {"actor": engine}, 1)
+
+
+def test_an_empty_answer_is_scored_not_retried():
+    """The model answers nothing (verifiers' EmptyModelResponseError ends its rollout):
+    the episode is scored 0 by the rubric beside the right answer of the other, with
+    nothing of it trained, and the group is not run again."""
+    from astraflow.raas.workflows.registry import make_workflow
+    from astraflow.tasks.verifiers_data import verifiers_payloads
+
+    env = "astraflow.envs.verifiers_examples:load_single_turn"
+    (p, *_) = verifiers_payloads(f"verifiers:{env}:train?size=2&eval_size=2")
+    engine = ScriptedEngine(replies=["", f"<answer>{p['answer']}</answer>"])
+    wf = make_workflow("verifiers", environment=env, args={"size": 2, "eval_size": 2},
+                       max_new_tokens=32, attempts=1)
+    empty, right = wf.run(_task(p, "verifiers"), {"actor": engine}, 2)
+    assert (empty.reward, sum(empty.loss_mask)) == (0.0, 0)
+    assert empty.meta["vf_model_error"] == "EmptyModelResponseError"
+    assert right.reward == 1.0 and "vf_model_error" not in right.meta
+    assert len(engine.calls) == 1 and not engine.replies  # one attempt
+    assert wf.group_metrics([empty, right])["verifiers/model_errors"] == 0.5
+
+
+def test_only_errors_of_the_models_own_output_keep_an_episode():
+    """The rule: an invalid or empty response or a tool error is the model's to learn
+    from; the endpoint's failure, the transport's (verifiers' plain ModelError), the
+    infrastructure's, or no call at all makes the group run again."""
+    from types import SimpleNamespace
+
+    import verifiers as vf
+
+    from astraflow.raas.workflows.verifiers_env import _episode_failure
+
+    def ep(failure=None, sequences=("s",)):
+        return SimpleNamespace(failure=failure, trajectory=SimpleNamespace(sequences=sequences))
+
+    for own in (vf.InvalidModelResponseError("x"), vf.EmptyModelResponseError("x"),
+                vf.ToolParseError("x"), vf.ToolCallError("x"), None):
+        assert _episode_failure(ep(), {"error": own}) is None, own
+    for other in (vf.ModelError("connection"), vf.InfraError("x"), vf.Error("x")):
+        assert "ended with an error" in _episode_failure(ep(), {"error": other})
+    assert _episode_failure(ep("bad_call: x"), {"error": None}) == "bad_call: x"
+    assert _episode_failure(ep(sequences=()), {"error": None}).startswith("no_request")
