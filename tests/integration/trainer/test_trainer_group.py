@@ -29,10 +29,11 @@ tied_llama = test_parallel.tied_llama
 
 
 def _train(path: Path, model: str, tmp_path: Path, bootstrap: str, processes: int,
-           steps: int, checkpoint_dir: bool = True) -> str:
+           steps: int, checkpoint_dir: bool = True, crash_at: int | None = None) -> str:
     """``astraflow trainer run`` on ``processes`` processes for ``steps`` batches (a clean
     stop); its log. Trainer states in a directory, or (``checkpoint_dir`` False) as the
-    trainer's default: blobs in the blob store."""
+    trainer's default: blobs in the blob store. ``crash_at``: rank 0 SIGKILLs itself before
+    committing that version (``CRASH_ENV``), and the group must exit failed."""
     log = tmp_path / f"trainer-{processes}.log"
     ckpt = ["--checkpoint-dir", str(tmp_path / "checkpoints")] if checkpoint_dir else []
     cmd = [sys.executable, "-m", "astraflow.cli.main", "trainer", "run", "--topology",
@@ -42,11 +43,13 @@ def _train(path: Path, model: str, tmp_path: Path, bootstrap: str, processes: in
            "--lr", "1e-4", "--micro-batch-size", "3", "--processes", str(processes),
            "--max-steps", str(steps)]
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"}
+    if crash_at is not None:
+        env["ASTRAFLOW_TRAINER_CRASH_AT"] = str(crash_at)
     with open(log, "wb") as out:
         code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                               timeout=600).returncode
     text = log.read_text()
-    assert code == 0, text[-4000:]
+    assert (code != 0) if crash_at is not None else (code == 0), text[-4000:]
     return text
 
 
@@ -54,9 +57,10 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     kafka_config, kafka_bootstrap, make_topology, tied_llama, tmp_path
 ):
     """2 processes train versions 1-3, 1 process 4-6, 2 processes 7-9 and 10-12, 3
-    processes 13-15, each stopping cleanly (its last version records its own state). Every version's manifest
-    names a part per process; a follower applying them holds what a one-process trainer
-    publishes from the same batches (within the rounding of a different reduction order);
+    processes 13-15, each stopping cleanly (its last version records its own state).
+    Every version's manifest names a part per process; a follower applying them holds
+    what a one-process trainer publishes from the same batches (within the rounding of a
+    different reduction order);
     the last recorded state, loaded into a one-process trainer, publishes exactly the
     followed weights; versions are contiguous and each batch was trained once, in order.
     The fourth group resumes from versions of 2 parts: each rank follows its own part
@@ -133,6 +137,48 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     resumed = Trainer(tied_llama, TrainerSpec(lr=1e-4, micro_batch_size=3), policy="actor")
     checkpoint.load(resumed, last.meta[STATE_DIR_KEY])
     assert state_bytes_equal(resumed.published_state(), follower.state)
+
+
+def test_a_group_killed_mid_run_resumes_on_another_count_and_recomputes_by_rows(
+    kafka_config, kafka_bootstrap, make_topology, tied_llama, tmp_path
+):
+    """2 processes train until rank 0 is SIGKILLed before committing version 4 (states
+    every 2 versions: the newest recorded is version 2's); 3 processes resume: each rank
+    follows its rows of the 2-part versions (regrouped), recomputes version 3 from the
+    state of version 2 and compares its rows, and training goes on (a rebase version when
+    the other count's reduction order changed the rounding). Every batch is trained
+    once, in order, and every version is there."""
+    from astraflow.trainer.resume import REBASE_KEY
+    from astraflow.weights.stores.kafka import read_manifests
+
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
+    batches = topo.full_name("batches.actor")
+    producer = RecordProducer(kafka_config)
+    for i in range(6):
+        producer.produce(batches, make_batch(i), key="actor")
+    producer.flush()
+    sent = read_all(kafka_config, batches, idle_s=1.0, expect=Batch)
+
+    _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=2, steps=6, crash_at=4)
+    weights = topo.full_name("weights.actor")
+    assert sorted({m.version for m in read_manifests(kafka_config, weights)}) == [0, 1, 2, 3]
+    text = _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=3, steps=3)
+    assert "resumed at version 3 from the state of version 2" in text, text[-3000:]
+    for rank, parts in ((0, "[1]"), (1, "[2]"), (2, "none")):
+        assert (f"rank {rank} follows its rows of versions of 2 parts, through parts {parts} "
+                "(regrouped to 3)") in text, text[-3000:]
+
+    manifests = read_manifests(kafka_config, weights)
+    rebases = [m for m in manifests if REBASE_KEY in m.meta]
+    assert [m.meta[REBASE_KEY] for m in rebases] in ([], ["3"]), rebases
+    trained = sorted((m for m in manifests if m.kind == "delta" and "batch_id" in m.meta),
+                     key=lambda m: m.version)
+    assert [m.meta["batch_id"] for m in trained] == [f"batch-{i}" for i in range(6)]
+    assert sorted({m.version for m in manifests}) == list(range(7 + len(rebases)))
+    assert all(len(m.blobs) == (2 if m.version <= 3 else 3) for m in manifests)
+    (po,) = trained[-1].consumed_offsets
+    assert po.offset == sent[-1].offset + 1
 
 
 def test_a_group_without_a_checkpoint_dir_keeps_its_states_in_the_blob_store(
