@@ -35,11 +35,11 @@ bonus never counts). The report gives each system's mean and 95 % interval (Stud
 over seeds) at every checkpoint, side by side.
 
 **Validation** (``--lrs``, several learning rates; ``--trl-lrs`` for TRL, default the
-same): each system first runs each rate for ``--sweep-duration`` seconds (seed
-``--seed0``), scored at its end on ``--val-size`` validation rows (reasoning-gym problems
-of the same config drawn from ``VALIDATION_SEED``, with the eval split's questions
-removed), and the seeded runs use the best one (ties: the smaller rate). One rate: no
-sweep.
+same; ``--trl-groups``, TRL's groups a step, each with every rate): each system first runs
+each setting for ``--sweep-duration`` seconds (seed ``--seed0``), scored at its end on
+``--val-size`` validation rows (reasoning-gym problems of the same config drawn from
+``VALIDATION_SEED``, with the eval split's questions removed), and the seeded runs use the
+best one (ties: the smaller rate, then the topology's groups). One setting: no sweep.
 
 Runs resume (``--progress FILE --resume``): a finished run is kept in the progress file,
 so the work can be spread over several sessions; ``bench/progress/ecosystem-agent.json``
@@ -47,7 +47,7 @@ keeps it where git carries it.
 
     python bench/ecosystem_agent.py [--systems tool,notool,trl-tool] [--seeds 3]
         [--duration 1800] [--checkpoints 0,600,1200,1800] [--eval-size 100]
-        [--lrs 1e-5,3e-5,1e-4] [--sweep-duration 600]
+        [--lrs 1e-5,3e-5,1e-4] [--trl-groups 4,1] [--sweep-duration 600]
         [--progress bench/progress/ecosystem-agent.json --resume]
         [--out bench/results/ecosystem_agent.json]
 
@@ -249,11 +249,12 @@ def versions_state(result: dict[str, Any]):
     return state_of, follower
 
 
-def run_one(doc: dict[str, Any], system: str, lr: float, seed: int, duration: float,
-            checkpoints: list[float], rows: list[dict[str, Any]], scorer: Scorer,
-            runs_dir: Path) -> dict[str, Any]:
-    """One run: ``astraflow up``, then each checkpoint's version scored on ``rows``."""
-    path = system_topology(doc, system, lr, seed, runs_dir)
+def run_one(doc: dict[str, Any], system: str, setting: dict[str, Any], seed: int,
+            duration: float, checkpoints: list[float], rows: list[dict[str, Any]],
+            scorer: Scorer, runs_dir: Path) -> dict[str, Any]:
+    """One run of ``setting`` (its ``lr``): ``astraflow up``, then each checkpoint's
+    version scored on ``rows``."""
+    path = system_topology(doc, system, setting["lr"], seed, runs_dir)
     t0 = time.time()
     result = learning.run_astraflow(path, duration, checkpoints, runs_dir)
     state_of, follower = versions_state(result)
@@ -270,7 +271,7 @@ def run_one(doc: dict[str, Any], system: str, lr: float, seed: int, duration: fl
     series = (json.loads(summary_file.read_text()).get("series", [])
               if summary_file.exists() else [])
     rewards = [x["reward/actor"] for x in series if "reward/actor" in x]
-    return {"system": system, "seed": seed, "setting": {"lr": lr}, "scores": scores,
+    return {"system": system, "seed": seed, "setting": dict(setting), "scores": scores,
             "versions": result.get("versions"), "wall_s": round(time.time() - t0, 1),
             # the training reward over the run's second half (the rollouts' own)
             "rollout_reward": learning.late_mean(rewards)}
@@ -295,19 +296,19 @@ def trl_chat() -> Any:
     return ChatFormat.from_options({"template": "on", "options": {"chat_template": trl_template()}})
 
 
-def trl_setting(doc: dict[str, Any], lr: float) -> dict[str, Any]:
+def trl_setting(doc: dict[str, Any], lr: float, groups: int | None = None) -> dict[str, Any]:
     """The TRL run's ``GRPOConfig`` options (``learning.trl_config_kwargs``' setting): the
-    topology's group size, groups a step and turn length, up to ``max_turns`` - 1 tool
-    rounds, ``beta`` 0 and bf16 autocast as in ``bench/learning.py``. A step's groups are
-    generated together and trained one group a micro-batch (gradient accumulation): all at
-    once, the logits of 32 turns of a few hundred tokens ran 2 cores' 24 GB out of
-    memory."""
+    topology's group size and turn length, ``groups`` groups (prompts) a step (default:
+    the topology's batch), up to ``max_turns`` - 1 tool rounds, ``beta`` 0 and bf16
+    autocast as in ``bench/learning.py``. A step's groups are generated together and
+    trained one group a micro-batch (gradient accumulation): all at once, the logits of 32
+    turns of a few hundred tokens ran 2 cores' 24 GB out of memory."""
     (pool,) = doc["pools"].values()
     options = pool["workflows"]["verifiers"]
     turns = int(env_args(doc).get("max_turns", 3))
     n = int(pool.get("n_samples", 8))
     return {"lr": lr, "num_generations": n, "per_device_train_batch_size": n,
-            "gradient_accumulation_steps": learning.batch_groups(doc),
+            "gradient_accumulation_steps": groups or learning.batch_groups(doc),
             "max_completion_length": int(options.get("max_new_tokens", 96)) * turns,
             "max_tool_calling_iterations": turns - 1, "beta": 0.0, "bf16": learning.cpu_bf16()}
 
@@ -373,37 +374,59 @@ def trl_worker(out_dir: Path) -> int:
     return 0
 
 
-def run_one_trl(doc: dict[str, Any], system: str, lr: float, seed: int, duration: float,
-                checkpoints: list[float], rows: list[dict[str, Any]], scorer: Scorer,
-                runs_dir: Path) -> dict[str, Any]:
-    """One TRL run, then each checkpoint's weights scored on ``rows`` by the environment's
-    own rollout in the template TRL trained with."""
+def run_one_trl(doc: dict[str, Any], system: str, setting: dict[str, Any], seed: int,
+                duration: float, checkpoints: list[float], rows: list[dict[str, Any]],
+                scorer: Scorer, runs_dir: Path) -> dict[str, Any]:
+    """One TRL run of ``setting`` (its ``lr`` and ``groups`` a step), then each
+    checkpoint's weights scored on ``rows`` by the environment's own rollout in the
+    template TRL trained with."""
     from safetensors.torch import load_file
 
     t0 = time.time()
-    result = learning.run_trl(doc, trl_setting(doc, lr), seed, duration, checkpoints,
-                              runs_dir, script=Path(__file__).resolve())
+    result = learning.run_trl(doc, trl_setting(doc, setting["lr"], setting.get("groups")),
+                              seed, duration, checkpoints, runs_dir,
+                              script=Path(__file__).resolve())
     chat = trl_chat()
     scores = {learning.key(float(t)): scorer(TRL_SYSTEMS[system], load_file(c["path"]),
                                              int(c["step"]), rows, chat=chat)
               for t, c in result["at"].items()}
     rewards = [x["reward"] for x in result.get("logged", []) if "reward" in x]
-    return {"system": system, "seed": seed, "setting": {"lr": lr}, "scores": scores,
+    return {"system": system, "seed": seed, "setting": dict(setting), "scores": scores,
             "versions": result.get("steps"), "wall_s": round(time.time() - t0, 1),
             "rollout_reward": learning.late_mean(rewards)}
 
 
-def swept(system: str, grid: list[float], progress: Any, seed: int,
-          duration: float) -> float | None:
-    """The learning rate ``system``'s validation chose: the best score of its finished
-    sweep runs at the end of the sweep (ties: the smaller rate); the rate itself for a
-    grid of one; None while a sweep run is missing."""
+def swept(system: str, grid: list[dict[str, Any]], progress: Any, seed: int,
+          duration: float) -> dict[str, Any] | None:
+    """The setting ``system``'s validation chose: the best score of its finished sweep
+    runs at the end of the sweep (ties: the smaller rate, then the topology's own groups a
+    step, the setting that names none);
+    the setting itself for a grid of one; None while a sweep run is missing."""
     if len(grid) == 1:
         return grid[0]
-    rows = [progress.find("sweep", system, {"lr": lr}, seed) for lr in grid]
+    rows = [progress.find("sweep", system, g, seed) for g in grid]
     if any(r is None for r in rows):
         return None
-    return max((r["scores"][learning.key(duration)], -lr, lr) for r, lr in zip(rows, grid))[2]
+    best = max(range(len(grid)), key=lambda i: (
+        rows[i]["scores"][learning.key(duration)], -grid[i]["lr"],
+        "groups" not in grid[i], -grid[i].get("groups", 0)))
+    return grid[best]
+
+
+def grid_of(system: str, lrs: list[float], groups: list[int], usual_groups: int
+            ) -> list[dict[str, Any]]:
+    """The settings ``system``'s validation chooses from: each learning rate, and for TRL
+    each number of groups a step too (the topology's own, ``usual_groups``, left unnamed,
+    as every setting was before the groups were swept)."""
+    if system not in TRL_SYSTEMS:
+        return [{"lr": lr} for lr in lrs]
+    return [{"lr": lr} if g == usual_groups else {"lr": lr, "groups": g}
+            for g in groups for lr in lrs]
+
+
+def setting_text(setting: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                     for k, v in setting.items())
 
 
 def runner(system: str) -> Any:
@@ -441,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", default=None, help="learning rates to choose from on the "
                    "validation rows (default: the topology's)")
     p.add_argument("--trl-lrs", default=None, help="the TRL system's (default: --lrs)")
+    p.add_argument("--trl-groups", default=None, help="groups (prompts) a TRL step to choose "
+                   "from with its rates, e.g. 4,1 (default: the topology's batch alone)")
     p.add_argument("--sweep-duration", type=float, default=300)
     p.add_argument("--runs-dir", default="runs/bench-ecosystem-agent")
     p.add_argument("--progress", default=None)
@@ -470,37 +495,44 @@ def main(argv: list[str] | None = None) -> int:
     learning.ensure_model(doc)
     usual = float(next(iter(doc["policies"].values())).get("trainer", {}).get("lr", 1e-5))
     lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else [usual]
-    grids = {s: ([float(x) for x in a.trl_lrs.split(",")] if s in TRL_SYSTEMS and a.trl_lrs
-                 else lrs) for s in systems}
+    usual_groups = learning.batch_groups(doc)
+    trl_groups = ([int(x) for x in a.trl_groups.split(",")] if a.trl_groups
+                  else [usual_groups])
+    grids = {s: grid_of(s, [float(x) for x in a.trl_lrs.split(",")]
+                        if s in TRL_SYSTEMS and a.trl_lrs else lrs, trl_groups, usual_groups)
+             for s in systems}
     runs_dir = (REPO / a.runs_dir).resolve()
     progress = learning.Progress(
         Path(a.progress or runs_dir / "progress.json"),
         {"topology": a.topology, "duration": a.duration, "checkpoints": checkpoints,
          "eval_size": a.eval_size, "val_size": a.val_size,
          "sweep_duration": a.sweep_duration},
-        {s: {"grid": grids[s]} for s in systems}, a.resume)
+        # a rate alone is written as the number, as every grid was before TRL's groups
+        {s: {"grid": [g["lr"] if list(g) == ["lr"] else g for g in grids[s]]}
+         for s in systems}, a.resume)
     if a.report_only:
         chosen = {s: swept(s, grids[s], progress, a.seed0, a.sweep_duration) for s in systems}
         runs = [r for r in progress.runs if r["system"] in systems
-                and chosen[r["system"]] in (None, r["setting"]["lr"])]
+                and chosen[r["system"]] in (None, r["setting"])]
     else:
         rows, val_rows = held_out(doc, a.eval_size), validation(doc, a.val_size)
         scorer = Scorer(doc)
         chosen = {}
         for system in systems:
-            swept_rates = grids[system] if len(grids[system]) > 1 else []  # one: no sweep
-            for lr in swept_rates:
-                if progress.find("sweep", system, {"lr": lr}, a.seed0) is None:
+            to_sweep = grids[system] if len(grids[system]) > 1 else []  # one: no sweep
+            for setting in to_sweep:
+                if progress.find("sweep", system, setting, a.seed0) is None:
                     progress.add("sweep", runner(system)(
-                        doc, system, lr, a.seed0, a.sweep_duration, [a.sweep_duration],
+                        doc, system, setting, a.seed0, a.sweep_duration, [a.sweep_duration],
                         val_rows, scorer, runs_dir))
             chosen[system] = swept(system, grids[system], progress, a.seed0,
                                    a.sweep_duration)
-            print(f"[bench] {system}: lr {chosen[system]:g} on validation", flush=True)
+            print(f"[bench] {system}: {setting_text(chosen[system])} on validation",
+                  flush=True)
         runs = []
         for seed in range(a.seed0, a.seed0 + a.seeds):
             for system in systems:  # the systems take turns: drift hits both
-                run = progress.find("run", system, {"lr": chosen[system]}, seed)
+                run = progress.find("run", system, chosen[system], seed)
                 if run is None:
                     run = runner(system)(doc, system, chosen[system], seed, a.duration,
                                          checkpoints, rows, scorer, runs_dir)

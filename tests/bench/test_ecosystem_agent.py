@@ -133,16 +133,40 @@ def test_the_trl_system_is_scored_in_the_template_it_trained_with():
     add_response_schema(tokenizer)  # raises for a template TRL cannot parse calls out of
 
 
-def test_validation_chooses_the_best_rate_once_every_sweep_run_is_in(tmp_path):
+def test_validation_chooses_the_best_setting_once_every_sweep_run_is_in(tmp_path):
     import learning
 
     progress = learning.Progress(tmp_path / "p.json", {}, {"tool": {"grid": [1e-5, 3e-5]}},
                                  resume=False)
-    assert bench.swept("tool", [2e-5], progress, 0, 600) == 2e-5  # a grid of one
-    assert bench.swept("tool", [1e-5, 3e-5], progress, 0, 600) is None
+    one = [{"lr": 2e-5}]
+    assert bench.swept("tool", one, progress, 0, 600) == {"lr": 2e-5}  # a grid of one
+    grid = bench.grid_of("tool", [1e-5, 3e-5], [4, 1], 4)
+    assert grid == [{"lr": 1e-5}, {"lr": 3e-5}]  # AstraFlow's systems sweep the rate alone
+    assert bench.swept("tool", grid, progress, 0, 600) is None
     for lr, score in ((1e-5, 0.3), (3e-5, 0.3)):
         progress.add("sweep", {"system": "tool", "seed": 0, "setting": {"lr": lr},
                                "scores": {"600": score}})
-    assert bench.swept("tool", [1e-5, 3e-5], progress, 0, 600) == 1e-5  # a tie: the smaller
+    assert bench.swept("tool", grid, progress, 0, 600) == {"lr": 1e-5}  # a tie: the smaller
     progress.sweep_rows[1]["scores"]["600"] = 0.5
-    assert bench.swept("tool", [1e-5, 3e-5], progress, 0, 600) == 3e-5
+    assert bench.swept("tool", grid, progress, 0, 600) == {"lr": 3e-5}
+
+
+def test_trl_sweeps_its_groups_a_step_with_its_rates(tmp_path):
+    """TRL's grid crosses the rates with the groups a step; the topology's own count stays
+    unnamed (the settings of runs made before), and a tie goes to the smaller rate, then
+    to the topology's count; a run's groups reach GRPOConfig's accumulation."""
+    import learning
+
+    grid = bench.grid_of("trl-tool", [1e-5, 3e-5], [4, 1], 4)
+    assert grid == [{"lr": 1e-5}, {"lr": 3e-5}, {"lr": 1e-5, "groups": 1},
+                    {"lr": 3e-5, "groups": 1}]
+    progress = learning.Progress(tmp_path / "p.json", {}, {"trl-tool": {"grid": grid}},
+                                 resume=False)
+    for setting, score in zip(grid, (0.1, 0.0, 0.3, 0.3)):
+        progress.add("sweep", {"system": "trl-tool", "seed": 0, "setting": setting,
+                               "scores": {"600": score}})
+    assert bench.swept("trl-tool", grid, progress, 0, 600) == {"lr": 1e-5, "groups": 1}
+    progress.sweep_rows[0]["scores"]["600"] = 0.3  # ties with groups 1 at 1e-5
+    assert bench.swept("trl-tool", grid, progress, 0, 600) == {"lr": 1e-5}
+    assert bench.trl_setting(DOC, 1e-5, 1)["gradient_accumulation_steps"] == 1
+    assert bench.setting_text({"lr": 1e-5, "groups": 1}) == "lr 1e-05, groups 1"
