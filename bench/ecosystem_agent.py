@@ -18,9 +18,10 @@ tool environment's ``call_bonus`` for a calculator call that ran) and the model:
   tool loop, up to ``max_turns`` - 1 rounds) on the tool environment's rows and reward,
   the topology's group size, groups a step and learning-rate grid, in one process.
   SmolLM2's own chat template has no place for tools and TRL refuses it, so TRL trains
-  with the Qwen2.5 template it ships (ChatML with Hermes calls, which SmolLM2's tokens
-  render) and is scored in it; AstraFlow's systems write the tools into SmolLM2's system
-  message in the same Hermes form (``astraflow.raas.agent.chat``). Needs TRL
+  and is scored with ``trl_template``: SmolLM2's ChatML with the tools and calls rendered
+  exactly as AstraFlow's endpoint renders them (``astraflow.raas.agent.chat``: the tools
+  in the system message in the Hermes form, a call as a ``<tool_call>`` block, a result as
+  a ``tool`` turn), so both systems' prompts are the same tokens. Needs TRL
   (``python3 -m pip install trl``).
 
 Each system runs ``--seeds`` times (seeds ``--seed0`` on; the run's workflow, trainer and
@@ -82,6 +83,9 @@ SYSTEMS = {"tool": "astraflow.envs.verifiers_examples:load_tool",
 # TRL's GRPOTrainer with tools, on the environment of the system named: its rows, rubric
 # and calculator, in TRL's own tool loop
 TRL_SYSTEMS = {"trl-tool": "tool"}
+# the TRL system's prompt format (``trl_template``), recorded with its runs: runs made in
+# another (Qwen2.5's, before) are not resumed from
+TRL_TEMPLATE = "smollm2-chatml-hermes, as astraflow.raas.agent.chat renders it"
 VALIDATION_SEED = 10**9  # the validation problems' seed, far from the train seed + index
 RUN = "bench-ecosystem-agent"  # the run id (its topics are started over for each run)
 SCORE_CONCURRENCY = 16  # held-out episodes scored at once (their requests share batches)
@@ -278,22 +282,87 @@ def run_one(doc: dict[str, Any], system: str, setting: dict[str, Any], seed: int
 
 
 # --- TRL -----------------------------------------------------------------------------------
-def trl_template() -> str:
-    """The chat template the TRL system trains and is scored with: the Qwen2.5 template
-    TRL ships (ChatML with Hermes tool calls), which SmolLM2's own ChatML tokens render.
-    TRL refuses SmolLM2's template, which has no place for tools, and parses calls only out
-    of the templates it knows (``trl.chat_template_utils.add_response_schema``)."""
-    from trl.chat_template_utils import qwen2_5_chat_template
+# SmolLM2-135M-Instruct's chat template with a place for tools: its ChatML turns, the tool
+# definitions after the system message (or as one) and an assistant's calls as <tool_call>
+# blocks, exactly as AstraFlow's endpoint renders them for SmolLM2
+# (astraflow.raas.agent.chat: tools_prompt, _with_tools_in_system, _calls_in_content);
+# TOOLS stands for the tool definitions' text
+_TRL_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{%- if tools -%}{{ '<|im_start|>system\n' }}{% raw %}TOOLS{% endraw %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n' }}{%- endif -%}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}"
+    "{%- if message['role'] == 'system' and tools -%}{{ '\n\n' }}{% raw %}TOOLS{% endraw %}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "{%- if message['content'] -%}{{ '\n' }}{%- endif -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{ '<tool_call>' + {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson + '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
 
-    return qwen2_5_chat_template
+
+def tools_text(env: Any) -> str:
+    """The tool environment's tool definitions as AstraFlow's endpoint writes them into the
+    system message: each as verifiers sends it (``to_native_tool``: name, description,
+    parameters, strict), in the Hermes form (``tools_prompt``)."""
+    from astraflow.raas.agent.chat import tools_prompt
+
+    defs = []
+    for t in env.tool_defs:
+        d = {"name": t.name, "description": t.description, "parameters": t.parameters}
+        if t.strict is not None:
+            d["strict"] = t.strict
+        defs.append({"type": "function", "function": d})
+    return tools_prompt(defs)
 
 
-def trl_chat() -> Any:
+def trl_template(tools: str) -> str:
+    """The chat template the TRL system trains and is scored with: SmolLM2's own, with the
+    tool definitions ``tools`` (``tools_text``) and the calls rendered as AstraFlow's
+    endpoint renders them, so that both systems' prompts are the same tokens. SmolLM2's
+    template has no place for tools, and TRL refuses a template that does not render
+    them. (With the Qwen2.5 template TRL ships, a tool's result is a user turn wrapped in
+    ``<tool_response>``: SmolLM2 then wrote ``<tool_response>`` blocks itself and never
+    once called the tool in 12 samples.)"""
+    if "{%" in tools or "{{" in tools or "{#" in tools:
+        raise ValueError("the tool definitions hold template syntax")
+    return _TRL_TEMPLATE.replace("TOOLS", tools)
+
+
+def trl_tokenizer(path: str, tools: str) -> Any:
+    """SmolLM2's tokenizer with ``trl_template`` and the parser of Hermes ``<tool_call>``
+    blocks after ChatML's assistant header (TRL's own for the Qwen templates), which TRL
+    reads calls out of completions with."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_schema, qwen3_template
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = trl_template(tools)
+    if hasattr(tokenizer, "response_template"):
+        tokenizer.response_template = qwen3_template
+    else:
+        tokenizer.response_schema = qwen3_schema
+    return tokenizer
+
+
+def trl_chat(tools: str) -> Any:
     """The policy's chat format with ``trl_template``: how the TRL system's weights are
     scored, in the format they were trained on."""
     from astraflow.models.chat import ChatFormat
 
-    return ChatFormat.from_options({"template": "on", "options": {"chat_template": trl_template()}})
+    return ChatFormat.from_options({"template": "on",
+                                    "options": {"chat_template": trl_template(tools)}})
 
 
 def trl_setting(doc: dict[str, Any], lr: float, groups: int | None = None) -> dict[str, Any]:
@@ -335,7 +404,7 @@ def trl_worker(out_dir: Path) -> int:
     job's duration, a checkpoint per checkpoint time (``learning._TrlClock``)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoModelForCausalLM, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
     from astraflow.envs.verifiers_examples import calculate, tool_reward
@@ -356,8 +425,7 @@ def trl_worker(out_dir: Path) -> int:
 
     policy = next(iter(doc["policies"].values()))
     path = str(REPO / policy["model"])
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = trl_template()
+    tokenizer = trl_tokenizer(path, tools_text(env))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     temperature = float(policy.get("temperature", 1.0))
     config = GRPOConfig(**learning.trl_config_kwargs(
@@ -382,11 +450,14 @@ def run_one_trl(doc: dict[str, Any], system: str, setting: dict[str, Any], seed:
     template TRL trained with."""
     from safetensors.torch import load_file
 
+    from astraflow.tasks.verifiers_data import load_environment
+
     t0 = time.time()
     result = learning.run_trl(doc, trl_setting(doc, setting["lr"], setting.get("groups")),
                               seed, duration, checkpoints, runs_dir,
                               script=Path(__file__).resolve())
-    chat = trl_chat()
+    chat = trl_chat(tools_text(load_environment(SYSTEMS[TRL_SYSTEMS[system]],
+                                                env_args(doc))))
     scores = {learning.key(float(t)): scorer(TRL_SYSTEMS[system], load_file(c["path"]),
                                              int(c["step"]), rows, chat=chat)
               for t, c in result["at"].items()}
@@ -508,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
          "eval_size": a.eval_size, "val_size": a.val_size,
          "sweep_duration": a.sweep_duration},
         # a rate alone is written as the number, as every grid was before TRL's groups
-        {s: {"grid": [g["lr"] if list(g) == ["lr"] else g for g in grids[s]]}
+        {s: {"grid": [g["lr"] if list(g) == ["lr"] else g for g in grids[s]],
+             **({"template": TRL_TEMPLATE} if s in TRL_SYSTEMS else {})}
          for s in systems}, a.resume)
     if a.report_only:
         chosen = {s: swept(s, grids[s], progress, a.seed0, a.sweep_duration) for s in systems}

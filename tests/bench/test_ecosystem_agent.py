@@ -116,21 +116,80 @@ def test_the_trl_setting_is_the_topologys_group_batch_and_turns():
     assert bench.runner("tool") is bench.runner("notool") is bench.run_one
 
 
-def test_the_trl_system_is_scored_in_the_template_it_trained_with():
-    pytest.importorskip("trl", reason="TRL (the trl-tool system)")
+def test_the_trl_system_sees_the_tokens_astraflows_endpoint_renders():
+    """The TRL system's template renders the tool environment's prompt (system message,
+    the worked exchange with its call and the tool's result, the problem), and a further
+    call and result, to the same tokens as AstraFlow's endpoint renders them for SmolLM2
+    from what verifiers sends it; it scores with the same; and TRL takes it: it renders
+    tools, keeps prefixes and parses the call SmolLM2 writes."""
+    import json
+
     from transformers import AutoTokenizer
 
-    chat = bench.trl_chat()
-    assert chat.template == "on" and dict(chat.options)["chat_template"] == bench.trl_template()
-    from trl.chat_template_utils import add_response_schema, supports_tool_calling
+    from astraflow.models.chat import ChatFormat
+    from astraflow.raas.agent.chat import check_messages, render
+    from astraflow.tasks.verifiers_data import load_environment
 
     model = REPO / DOC["policies"]["actor"]["model"]
     if not (model / "tokenizer.json").exists():
         pytest.skip(f"the SmolLM2 model at {model} (made by the bench's first run)")
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tokenizer.chat_template = bench.trl_template()
-    assert supports_tool_calling(tokenizer)  # what TRL refuses SmolLM2's own template for
-    add_response_schema(tokenizer)  # raises for a template TRL cannot parse calls out of
+    doc = small(DOC)
+    env = load_environment(bench.SYSTEMS["tool"], bench.env_args(doc))
+    text = bench.tools_text(env)
+    own = AutoTokenizer.from_pretrained(str(model))
+    chat = ChatFormat.from_options(DOC["policies"]["actor"].get("chat"))
+    trl = AutoTokenizer.from_pretrained(str(model))
+    trl.chat_template = bench.trl_template(text)
+    tools = [{"type": "function", "function": {
+        "name": t.name, "description": t.description, "parameters": t.parameters,
+        "strict": t.strict}} for t in env.tool_defs]  # as verifiers sends them
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "calculate", "arguments": json.dumps({"expression": "3 * 4"})}}]}
+    sent = [*env.dataset[0]["prompt"], call, {"role": "tool", "content": "12",
+                                              "tool_call_id": "c1"}]
+    rows = bench.trl_rows(env)
+    for messages, trl_messages in ((env.dataset[0]["prompt"], rows[0]["prompt"]),
+                                   (sent, [*rows[0]["prompt"], {**call, "tool_calls": [{
+                                       "type": "function", "function": {
+                                           "name": "calculate",
+                                           "arguments": {"expression": "3 * 4"}}}]},
+                                       {"role": "tool", "name": "calculate",
+                                        "content": "12"}])):
+        ours = render(own, chat, check_messages(messages), tools)
+        theirs = trl.apply_chat_template(trl_messages, tools=[_calculate()],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+        assert theirs == ours, (own.decode(ours), trl.decode(theirs))
+        assert render(own, bench.trl_chat(text), check_messages(messages), tools) == ours
+    assert "<tool_call>" in own.decode(ours) and "<|im_start|>tool\n12<|im_end|>" in \
+        own.decode(ours)
+
+    pytest.importorskip("trl", reason="TRL (the trl-tool system)")
+    from trl.chat_template_utils import (
+        is_chat_template_prefix_preserving,
+        parse_response,
+        supports_tool_calling,
+    )
+
+    tokenizer = bench.trl_tokenizer(str(model), text)
+    assert supports_tool_calling(tokenizer) and is_chat_template_prefix_preserving(tokenizer)
+    written = '<tool_call>{"name": "calculate", "arguments": {"expression": "5 + 6"}}' \
+        "</tool_call><|im_end|>"
+    prefix = tokenizer.apply_chat_template(rows[0]["prompt"], tools=[_calculate()],
+                                           add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    parsed = parse_response(tokenizer, tokenizer.encode(written), prefix=prefix,
+                            tools=[_calculate()])
+    assert parsed["tool_calls"][0]["function"] == {"name": "calculate",
+                                                   "arguments": {"expression": "5 + 6"}}
+
+
+def _calculate():
+    from astraflow.envs.verifiers_examples import calculate
+
+    return calculate
 
 
 def test_validation_chooses_the_best_setting_once_every_sweep_run_is_in(tmp_path):
