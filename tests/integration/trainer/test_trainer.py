@@ -45,6 +45,21 @@ def service_options(model: str, state_dir: Path | str, *, max_staleness: int =
 
 
 # --------------------------------------------------------------------------- on Kafka
+def batches_on_kafka(make_topology, kafka_config, batches: list[Batch]):
+    """A topology of one policy (``batches.actor`` and ``weights.actor`` of a partition
+    each) with ``batches`` on its batches topic: the topology, its file and the records as
+    read back (their offsets)."""
+    topo, path = make_topology(
+        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
+    producer = RecordProducer(kafka_config)
+    for b in batches:
+        producer.produce(topo.full_name("batches.actor"), b, key="actor")
+    producer.flush()
+    sent = read_all(kafka_config, topo.full_name("batches.actor"), idle_s=1.0, expect=Batch)
+    assert len(sent) == len(batches)
+    return topo, path, sent
+
+
 def _crash_then_resume(kafka_config, kafka_bootstrap, topo, path, tiny_model, tmp_path, *,  # noqa: F811
                        n: int, crash_at: int, args: list[str]):
     """``astraflow trainer run`` over ``n`` batches: SIGKILLed with version ``crash_at``'s

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from astraflow.kafka.clients import RecordProducer, read_all
-from astraflow.wire.records import Batch
+from astraflow.kafka.clients import RecordProducer
 from tests.conftest import REPO, wait_for
+from tests.integration.trainer.test_trainer import batches_on_kafka
 from tests.unit.trainer import test_parallel
 from tests.unit.trainer.test_trainer import make_batch
 
@@ -74,14 +74,8 @@ def test_processes_publish_parts_and_resume_on_other_counts(
     from astraflow.weights.follower import WeightFollower
     from astraflow.weights.stores.kafka import read_manifests
 
-    topo, path = make_topology(
-        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
-    batches = topo.full_name("batches.actor")
-    producer = RecordProducer(kafka_config)
-    for i in range(15):
-        producer.produce(batches, make_batch(i), key="actor")
-    producer.flush()
-    sent = read_all(kafka_config, batches, idle_s=1.0, expect=Batch)
+    topo, path, sent = batches_on_kafka(make_topology, kafka_config,
+                                        [make_batch(i) for i in range(15)])
 
     first = _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=2, steps=3)
     assert "trainer group of 2 processes" in first, first[-3000:]
@@ -151,14 +145,8 @@ def test_a_group_killed_mid_run_resumes_on_another_count_and_recomputes_by_rows(
     from astraflow.trainer.resume import REBASE_KEY
     from astraflow.weights.stores.kafka import read_manifests
 
-    topo, path = make_topology(
-        topics={"batches.actor": {"partitions": 1}, "weights.actor": {"partitions": 1}})
-    batches = topo.full_name("batches.actor")
-    producer = RecordProducer(kafka_config)
-    for i in range(6):
-        producer.produce(batches, make_batch(i), key="actor")
-    producer.flush()
-    sent = read_all(kafka_config, batches, idle_s=1.0, expect=Batch)
+    topo, path, sent = batches_on_kafka(make_topology, kafka_config,
+                                        [make_batch(i) for i in range(6)])
 
     _train(path, tied_llama, tmp_path, kafka_bootstrap, processes=2, steps=6, crash_at=4)
     weights = topo.full_name("weights.actor")
