@@ -174,7 +174,7 @@ class Restorer:
         g = self.group
         counts = {parts_count(m) for m in manifests if m.version >= start}
         count = counts.pop() if len(counts) == 1 else None
-        if self.trainer.fully_sharded and count is not None:
+        if self.trainer.fully_sharded and count is not None and count > 1:
             if count == g.world:
                 f: Any = follower((g.rank, g.world))
                 how = f"its own rows of each version ({g.rank + 1} of {g.world} parts)"
