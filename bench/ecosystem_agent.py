@@ -37,10 +37,12 @@ over seeds) at every checkpoint, side by side.
 
 **Validation** (``--lrs``, several learning rates; ``--trl-lrs`` for TRL, default the
 same; ``--trl-groups``, TRL's groups a step, each with every rate): each system first runs
-each setting for ``--sweep-duration`` seconds (seed ``--seed0``), scored at its end on
-``--val-size`` validation rows (reasoning-gym problems of the same config drawn from
-``VALIDATION_SEED``, with the eval split's questions removed), and the seeded runs use the
-best one (ties: the smaller rate, then the topology's groups). One setting: no sweep.
+each setting for ``--sweep-duration`` seconds (seed ``--sweep-seed``, by default one no
+seeded run uses: on a seeded run's own seed the sweep picks what suits that seed's
+trajectory), scored at its end on ``--val-size`` validation rows (reasoning-gym problems
+of the same config drawn from ``VALIDATION_SEED``, with the eval split's questions
+removed), and the seeded runs use the best one (ties: the smaller rate, then the
+topology's groups). One setting: no sweep.
 
 Runs resume (``--progress FILE --resume``): a finished run is kept in the progress file,
 so the work can be spread over several sessions; ``bench/progress/ecosystem-agent.json``
@@ -48,7 +50,7 @@ keeps it where git carries it.
 
     python bench/ecosystem_agent.py [--systems tool,notool,trl-tool] [--seeds 3]
         [--duration 1800] [--checkpoints 0,600,1200,1800] [--eval-size 100]
-        [--lrs 1e-5,3e-5,1e-4] [--trl-groups 4,1] [--sweep-duration 600]
+        [--lrs 1e-5,3e-5,1e-4] [--trl-groups 4,1] [--sweep-duration 600] [--sweep-seed N]
         [--progress bench/progress/ecosystem-agent.json --resume]
         [--out bench/results/ecosystem_agent.json]
 
@@ -538,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-groups", default=None, help="groups (prompts) a TRL step to choose "
                    "from with its rates, e.g. 4,1 (default: the topology's batch alone)")
     p.add_argument("--sweep-duration", type=float, default=300)
+    p.add_argument("--sweep-seed", type=int, default=None, help="the seed the validation "
+                   "sweep trains with (default: --seed0 + 1000, one no seeded run uses)")
     p.add_argument("--runs-dir", default="runs/bench-ecosystem-agent")
     p.add_argument("--progress", default=None)
     p.add_argument("--resume", action="store_true")
@@ -558,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("ecosystem_agent: the trl-tool system needs TRL: python3 -m pip "
                              "install trl (or --systems tool,notool)") from None
     checkpoints = [float(x) for x in a.checkpoints.split(",")]
+    # a sweep on a seeded run's own seed picks the setting that suits that seed's trajectory
+    sweep_seed = a.seed0 + 1000 if a.sweep_seed is None else a.sweep_seed
     doc = yaml.safe_load((REPO / a.topology).read_text())
     if len(doc.get("pools", {})) != 1 or "verifiers" not in next(
             iter(doc["pools"].values())).get("workflows", {}):
@@ -583,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
              **({"template": TRL_TEMPLATE} if s in TRL_SYSTEMS else {})}
          for s in systems}, a.resume)
     if a.report_only:
-        chosen = {s: swept(s, grids[s], progress, a.seed0, a.sweep_duration) for s in systems}
+        chosen = {s: swept(s, grids[s], progress, sweep_seed, a.sweep_duration)
+                  for s in systems}
         runs = [r for r in progress.runs if r["system"] in systems
                 and chosen[r["system"]] in (None, r["setting"])]
     else:
@@ -593,11 +600,11 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             to_sweep = grids[system] if len(grids[system]) > 1 else []  # one: no sweep
             for setting in to_sweep:
-                if progress.find("sweep", system, setting, a.seed0) is None:
+                if progress.find("sweep", system, setting, sweep_seed) is None:
                     progress.add("sweep", runner(system)(
-                        doc, system, setting, a.seed0, a.sweep_duration, [a.sweep_duration],
+                        doc, system, setting, sweep_seed, a.sweep_duration, [a.sweep_duration],
                         val_rows, scorer, runs_dir))
-            chosen[system] = swept(system, grids[system], progress, a.seed0,
+            chosen[system] = swept(system, grids[system], progress, sweep_seed,
                                    a.sweep_duration)
             print(f"[bench] {system}: {setting_text(chosen[system])} on validation",
                   flush=True)
