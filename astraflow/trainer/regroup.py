@@ -7,9 +7,10 @@ so no rank can check only its own rows of one. ``RegroupedFollower`` shares the 
 parts among the ``M`` ranks instead: rank ``r`` follows parts ``r, r + M, ...`` (each a
 ``WeightFollower(part=(p, N))`` fetching and checking that blob alone), and after every
 update the ranks hand each other the rows of one tensor at a time, so each keeps exactly
-its own rows under FSDP2's ``Shard(0)``. A rank holds about ``1/M`` of the model (its
-publishers' parts, then its rows) and, for a moment, one whole tensor: what FSDP2's own
-all-gather of a layer holds in a forward pass, never the whole model.
+its own rows under FSDP2's ``Shard(0)``. A rank holds ``ceil(N/M)/N`` of the model (its
+publishers' parts) and ``1/M`` (its rows) and, for a moment, one whole tensor (a few
+copies of it during its all-gather, as FSDP2's own all-gather of a layer holds in a
+forward pass), never the whole model.
 """
 
 from __future__ import annotations
