@@ -314,19 +314,31 @@ _TRL_TEMPLATE = (
 )
 
 
+def verifiers_tools(env: Any) -> list[dict[str, Any]]:
+    """The environment's tools as verifiers sends them to an OpenAI endpoint (its client's
+    own ``to_native_tool``), so as AstraFlow's endpoint receives them."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+    from verifiers.clients import OpenAIChatCompletionsClient
+
+    async def convert() -> list[dict[str, Any]]:
+        client = AsyncOpenAI(base_url="http://127.0.0.1:9", api_key="unused")  # never called
+        try:
+            native = OpenAIChatCompletionsClient(client)
+            return [dict(await native.to_native_tool(t)) for t in env.tool_defs]
+        finally:
+            await client.close()
+
+    return asyncio.run(convert())
+
+
 def tools_text(env: Any) -> str:
     """The tool environment's tool definitions as AstraFlow's endpoint writes them into the
-    system message: each as verifiers sends it (``to_native_tool``: name, description,
-    parameters, strict), in the Hermes form (``tools_prompt``)."""
+    system message (``tools_prompt`` of ``verifiers_tools``)."""
     from astraflow.raas.agent.chat import tools_prompt
 
-    defs = []
-    for t in env.tool_defs:
-        d = {"name": t.name, "description": t.description, "parameters": t.parameters}
-        if t.strict is not None:
-            d["strict"] = t.strict
-        defs.append({"type": "function", "function": d})
-    return tools_prompt(defs)
+    return tools_prompt(verifiers_tools(env))
 
 
 def trl_template(tools: str) -> str:
@@ -473,8 +485,8 @@ def swept(system: str, grid: list[dict[str, Any]], progress: Any, seed: int,
           duration: float) -> dict[str, Any] | None:
     """The setting ``system``'s validation chose: the best score of its finished sweep
     runs at the end of the sweep (ties: the smaller rate, then the topology's own groups a
-    step, the setting that names none);
-    the setting itself for a grid of one; None while a sweep run is missing."""
+    step, the setting that names none); the setting itself for a grid of one; None while a
+    sweep run is missing."""
     if len(grid) == 1:
         return grid[0]
     rows = [progress.find("sweep", system, g, seed) for g in grid]

@@ -8,25 +8,24 @@ parts among the ``M`` ranks instead: rank ``r`` follows parts ``r, r + M, ...`` 
 ``WeightFollower(part=(p, N))`` fetching and checking that blob alone), and after every
 update the ranks hand each other the rows of one tensor at a time, so each keeps exactly
 its own rows under FSDP2's ``Shard(0)``. A rank holds ``ceil(N/M)/N`` of the model (its
-publishers' parts) and ``1/M`` (its rows) and, for a moment, one whole tensor (a few
-copies of it during its all-gather, as FSDP2's own all-gather of a layer holds in a
-forward pass), never the whole model.
+publishers' parts) and ``1/M`` (its rows) and, for a moment, one whole tensor (twice,
+padded, during its all-gather, as FSDP2's own all-gather of a layer holds in a forward
+pass), never the whole model.
 """
 
 from __future__ import annotations
 
-import logging
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from astraflow.trainer.parallel import Group, shard_rows
+from astraflow.weights.bits import torch_dtype
 from astraflow.weights.errors import NoPlanError
 from astraflow.weights.follower import UpdateResult, WeightFollower
 from astraflow.weights.stores import StoreResolver
 from astraflow.wire.records import TensorInfo, WeightManifest
-
-log = logging.getLogger(__name__)
 
 
 def shared_parts(rank: int, world: int, count: int) -> list[int]:
@@ -92,45 +91,39 @@ class RegroupedFollower:
 
     def _rows_of(self, info: TensorInfo) -> torch.Tensor | None:
         """This rank's rows of tensor ``info`` (None when it holds none): every rank
-        sends the rows of its followed parts, in part order, and each places them at
-        their rows of the whole tensor (as bytes: any dtype goes through any backend)."""
+        sends the rows of its followed parts, in part order (as bytes: any dtype goes
+        through any backend), and each copies out of them the rows it holds."""
         shape = tuple(info.shape)
         if not shape:
             raise NoPlanError(f"tensor {info.name} is 0-d: not made of rows")
-        dtype = _dtype(info.dtype)
-        row_bytes = torch.empty(shape[1:], dtype=dtype).numel() * dtype.itemsize
+        dtype = torch_dtype(info.dtype)
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
         sent = [self._followers[p].state[info.name].reshape(-1).view(torch.uint8)
                 for p in self.parts if info.name in self._followers[p].state]
         mine = torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8)
         got = self.group.all_gather_rows(mine).cpu()
-        whole = torch.empty(shape[0] * row_bytes, dtype=torch.uint8)
-        at = 0
-        for q in range(self.group.world):  # rank order, each rank's parts in part order
+        lo, hi = shard_rows(shape[0], self.group.rank, self.group.world)
+        out = torch.empty((hi - lo) * row_bytes, dtype=torch.uint8)
+        at = 0  # where each part's rows are in ``got``: rank order, then part order
+        for q in range(self.group.world):
             for p in shared_parts(q, self.group.world, self.count):
                 start, stop = shard_rows(shape[0], p, self.count)
-                n = (stop - start) * row_bytes
-                whole[start * row_bytes:start * row_bytes + n] = got[at:at + n]
-                at += n
+                a, b = max(start, lo), min(stop, hi)  # the rows of it this rank holds
+                if a < b:
+                    out[(a - lo) * row_bytes:(b - lo) * row_bytes] = \
+                        got[at + (a - start) * row_bytes:at + (b - start) * row_bytes]
+                at += (stop - start) * row_bytes
         if at != got.numel():
             raise NoPlanError(f"tensor {info.name}: the parts sent {got.numel()} bytes, "
                               f"its rows take {at}")
-        start, stop = shard_rows(shape[0], self.group.rank, self.group.world)
-        if stop == start:
+        if hi == lo:
             return None
-        rows = whole[start * row_bytes:stop * row_bytes].clone()
-        return rows.view(dtype).reshape((stop - start, *shape[1:]))
+        return out.view(dtype).reshape((hi - lo, *shape[1:]))
 
     def close(self) -> None:
         for f in self._followers.values():
             f.close()
         self.resolver.close()
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise NoPlanError(f"dtype {name!r} of a manifest's tensor is not torch's")
-    return dt
 
 
 __all__ = ["RegroupedFollower", "shared_parts"]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from astraflow.weights.bits import StateDict, _bits, _flat_cpu, _torch_dtype, dtype_name
+from astraflow.weights.bits import StateDict, _bits, _flat_cpu, dtype_name, torch_dtype
 from astraflow.weights.blob import (
     _F_POS_ZSTD,
     _F_VAL_ZSTD,
@@ -267,7 +267,7 @@ def _decode_full(
                 t = out[spec.name] if out is not None else None
                 if t is None or t.device.type != "cpu" or not t.is_contiguous():
                     # a part decoded on its own (rows written into t below)
-                    t = torch.empty(spec.shape, dtype=_torch_dtype(spec.dtype))
+                    t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
                     bits[rec.index] = _bits(t.reshape(-1))
                 else:
                     bits[rec.index] = _bits(t.reshape(-1))[spec.offset : spec.offset + spec.numel]

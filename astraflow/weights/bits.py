@@ -31,7 +31,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (a blob header's or a manifest's dtype);
+    ``CorruptBlobError`` for a name torch has no dtype of."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise CorruptBlobError(f"unknown dtype {name!r} in blob header")
@@ -73,4 +75,5 @@ def state_bytes_equal(a: StateDict, b: StateDict) -> bool:
 __all__ = [
     "dtype_name",
     "state_bytes_equal",
+    "torch_dtype",
 ]

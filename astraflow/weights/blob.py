@@ -88,7 +88,7 @@ from enum import IntEnum
 from struct import Struct
 from typing import Any, BinaryIO
 
-from astraflow.weights.bits import _torch_dtype
+from astraflow.weights.bits import torch_dtype
 from astraflow.weights.errors import CorruptBlobError, UnsupportedFormatError
 
 MAGIC = b"AFWB"
@@ -375,7 +375,7 @@ def _read_header(r: _Reader) -> _Header:
     if not 1 <= seg <= 1 << 31:
         raise CorruptBlobError(f"bad segment size {seg}")
     for s in specs:
-        _torch_dtype(s.dtype)
+        torch_dtype(s.dtype)
     return _Header(kind, seg, specs, user, version, bool(flags & _HF_SUM64))
 
 

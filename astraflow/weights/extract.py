@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from astraflow.weights.bits import _INT_TORCH, _UINT_NP, StateDict, _torch_dtype
+from astraflow.weights.bits import _INT_TORCH, _UINT_NP, StateDict, torch_dtype
 from astraflow.weights.blob import (
     _F_POS_ZSTD,
     _F_VAL_ZSTD,
@@ -280,7 +280,7 @@ def iter_encode_extracted(
     def jobs() -> Iterator[Any]:
         for i, (spec, found) in enumerate(zip(changes.specs, changes.chunks, strict=True)):
             numel = spec.numel
-            isz = _torch_dtype(spec.dtype).itemsize
+            isz = torch_dtype(spec.dtype).itemsize
             stats.num_params += numel
             stats.raw_bytes += numel * isz
             nseg = -(-numel // seg)

@@ -140,9 +140,8 @@ def test_the_trl_system_sees_the_tokens_astraflows_endpoint_renders():
     chat = ChatFormat.from_options(DOC["policies"]["actor"].get("chat"))
     trl = AutoTokenizer.from_pretrained(str(model))
     trl.chat_template = bench.trl_template(text)
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description, "parameters": t.parameters,
-        "strict": t.strict}} for t in env.tool_defs]  # as verifiers sends them
+    tools = bench.verifiers_tools(env)  # as verifiers sends them
+    assert [t["function"]["name"] for t in tools] == ["calculate"]
 
     call = {"role": "assistant", "content": "", "tool_calls": [{
         "id": "c1", "type": "function",
