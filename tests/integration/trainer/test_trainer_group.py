@@ -39,7 +39,11 @@ def _train(path: Path, model: str, tmp_path: Path, bootstrap: str, processes: in
     cmd = [sys.executable, "-m", "astraflow.cli.main", "trainer", "run", "--topology",
            str(path), "--policy", "actor", "--model", model, "--state-dir",
            str(tmp_path / "state"), *ckpt,
-           "--anchor-interval", "4", "--state-interval", "2", "--threads", "1",
+           # state_max_lag 1: each version after a state's waits for its write, so the
+           # newest recorded state is known however slow the machine (CI's failure: version
+           # 2's write still in flight when rank 0 was killed before version 4)
+           "--anchor-interval", "4", "--state-interval", "2", "--state-max-lag", "1",
+           "--threads", "1",
            "--lr", "1e-4", "--micro-batch-size", "3", "--processes", str(processes),
            "--max-steps", str(steps)]
     env = {**os.environ, "ASTRAFLOW_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"}
