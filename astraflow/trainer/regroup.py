@@ -22,7 +22,7 @@ import torch
 
 from astraflow.trainer.parallel import Group, shard_rows
 from astraflow.weights.bits import torch_dtype
-from astraflow.weights.errors import NoPlanError
+from astraflow.weights.errors import CorruptBlobError, NoPlanError
 from astraflow.weights.follower import UpdateResult, WeightFollower
 from astraflow.weights.stores import StoreResolver
 from astraflow.wire.records import TensorInfo, WeightManifest
@@ -96,7 +96,11 @@ class RegroupedFollower:
         shape = tuple(info.shape)
         if not shape:
             raise NoPlanError(f"tensor {info.name} is 0-d: not made of rows")
-        dtype = torch_dtype(info.dtype)
+        try:
+            dtype = torch_dtype(info.dtype)
+        except CorruptBlobError:  # a manifest's dtype, not a blob's: no plan, as before
+            raise NoPlanError(f"tensor {info.name}: dtype {info.dtype!r} is not torch's") \
+                from None
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         sent = [self._followers[p].state[info.name].reshape(-1).view(torch.uint8)
                 for p in self.parts if info.name in self._followers[p].state]

@@ -32,7 +32,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16`` (a blob header's or a manifest's dtype);
+    """``"bfloat16"`` -> ``torch.bfloat16`` (a blob header's dtype, or a manifest's);
     ``CorruptBlobError`` for a name torch has no dtype of."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
